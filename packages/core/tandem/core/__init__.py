@@ -1,0 +1,31 @@
+"""Tandem's engine core: configuration, models, KV cache, scheduler, workers and engine."""
+
+from tandem.core.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+from tandem.core.engine import LLMEngine
+from tandem.core.engine_loop import AsyncEngine, EngineLoop
+from tandem.core.errors import (
+    ConfigError,
+    EngineDeadError,
+    InvalidRequestError,
+    ModelLoadError,
+    TandemError,
+)
+from tandem.core.outputs import RequestOutput
+from tandem.core.sampling_params import SamplingParams
+
+__all__ = [
+    "AsyncEngine",
+    "CacheConfig",
+    "ConfigError",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineLoop",
+    "InvalidRequestError",
+    "LLMEngine",
+    "ModelLoadConfig",
+    "ModelLoadError",
+    "RequestOutput",
+    "SamplingParams",
+    "SchedulerConfig",
+    "TandemError",
+]

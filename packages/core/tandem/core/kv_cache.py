@@ -1,0 +1,76 @@
+"""KV cache sizing and allocation: one slab per layer for keys and one for values."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tandem.core.config import CacheConfig
+from tandem.core.errors import ConfigError
+from tandem.device import Device, MemoryInfo
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+def bytes_per_block(
+    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> int:
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+def num_blocks_for_memory(
+    config: CacheConfig,
+    device: Device,
+    memory: MemoryInfo,
+    weight_bytes: int,
+    block_bytes: int,
+) -> int:
+    """How many blocks fit in ``max_memory_utilization`` of the device (CPU: of the budget)."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    if device.kind == "cpu":
+        usable = int(config.cpu_memory_gb * GIB * config.max_memory_utilization) - weight_bytes
+        hint = "raise --cpu-memory-gb or --max-memory-utilization, or pass --num-blocks"
+    else:
+        in_use = memory.total_bytes - memory.free_bytes
+        usable = int(memory.total_bytes * config.max_memory_utilization) - in_use
+        hint = "raise --max-memory-utilization, free device memory, or pass --num-blocks"
+    num_blocks = usable // block_bytes
+    if num_blocks < 1:
+        raise ConfigError(
+            f"no memory left for the KV cache on {device} (one block needs {block_bytes} bytes, "
+            f"{max(usable, 0)} bytes are free after the weights); {hint}"
+        )
+    logger.info(
+        "KV cache on %s: %d blocks of %d bytes (%.2f GiB)",
+        device,
+        num_blocks,
+        block_bytes,
+        num_blocks * block_bytes / GIB,
+    )
+    return num_blocks
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys, values), each [(num_blocks + 1) * block_size, kv_heads, head_dim].
+
+    Block 0 is the null block padded reads point at; it is zeroed so padding can never
+    inject NaN/inf from uninitialised memory. The rest is left unwritten until used, so a
+    large cache costs no page faults up front.
+    """
+    slots = (num_blocks + 1) * block_size
+    slab = torch.empty((num_layers, 2, slots, num_kv_heads, head_dim), dtype=dtype, device=device)
+    slab[:, :, :block_size].zero_()
+    return [(slab[i, 0], slab[i, 1]) for i in range(num_layers)]

@@ -1,0 +1,87 @@
+"""Attention over the paged KV cache.
+
+The step's tokens are laid out decodes first (one query each), then prefill chunks. Both
+groups read their keys and values from the cache through per-step gather indices derived
+from the block tables, so a chunk sees every earlier token, cached prefix included. The
+indices and masks are built once per step (``AttentionMetadata``) and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionGroup:
+    """A batch of sequences whose queries are padded to one length."""
+
+    # Slot of every (sequence, context position) to read; padding reads the null block.
+    gather_slots: torch.Tensor  # [B, L]
+    # True where query j of sequence b may attend context position l.
+    mask: torch.Tensor | None  # [B, 1, Q, L] or None when nothing is masked
+    # For prefill groups: flat token index of each padded query, and where results go back.
+    query_index: torch.Tensor | None  # [B, Q]
+    valid_queries: torch.Tensor | None  # [N] indices into B*Q of the real queries
+    num_tokens: int
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
+    num_decode_tokens: int
+    decode: AttentionGroup | None
+    prefill: AttentionGroup | None
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Attach this layer's caches, each [num_slots, num_kv_heads, head_dim]."""
+        self.k_cache = k_cache
+        self.v_cache = v_cache
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] -> [T, H * D]."""
+        self.k_cache.index_copy_(0, meta.slot_mapping, k)
+        self.v_cache.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if meta.decode is not None:
+            qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
+            out[:nd] = self._attend(qd, meta.decode).squeeze(2)
+        if meta.prefill is not None:
+            group = meta.prefill
+            assert group.query_index is not None and group.valid_queries is not None
+            qp = q[nd:][group.query_index].transpose(1, 2)  # [B, H, Q, D]
+            o = self._attend(qp, group).transpose(1, 2)  # [B, Q, H, D]
+            out[nd:] = o.reshape(-1, self.num_heads, self.head_dim)[group.valid_queries]
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _attend(self, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+        b, length = group.gather_slots.shape
+        flat = group.gather_slots.reshape(-1)
+        shape = (b, length, self.num_kv_heads, self.head_dim)
+        k = self.k_cache.index_select(0, flat).view(shape).transpose(1, 2)
+        v = self.v_cache.index_select(0, flat).view(shape).transpose(1, 2)
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=group.mask,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )

@@ -1,0 +1,112 @@
+"""Column- and row-parallel linear layers; each rank holds and loads only its shard."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.collectives import ProcessGroup
+from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
+
+
+def _divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size {parts}")
+    return total // parts
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows; the output stays sharded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: ProcessGroup):
+        super().__init__()
+        self.group = group
+        self.out_per_rank = _divide(out_features, group.size, "output size")
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) if bias else None
+        )
+
+    def load_weight(self, param: nn.Parameter, loaded: LazyTensor, name: str) -> None:
+        start = self.group.rank * self.out_per_rank
+        copy_checked(param.data, read_shard(loaded, 0, start, self.out_per_rank), name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input fused into one matmul (gate/up)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, group: ProcessGroup):
+        super().__init__(in_features, sum(out_sizes), bias, group)
+        self.shard_sizes = [_divide(s, group.size, "output size") for s in out_sizes]
+
+    def load_shard(self, param: nn.Parameter, loaded: LazyTensor, shard: int, name: str) -> None:
+        size = self.shard_sizes[shard]
+        offset = sum(self.shard_sizes[:shard])
+        src = read_shard(loaded, 0, self.group.rank * size, size)
+        copy_checked(param.data.narrow(0, offset, size), src, name)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection; query heads split across ranks, KV heads split or replicated
+    (when there are fewer KV heads than ranks, each rank keeps the one its query heads use)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        group: ProcessGroup,
+    ):
+        tp = group.size
+        self.num_heads = _divide(num_heads, tp, "number of attention heads")
+        if num_kv_heads >= tp:
+            self.num_kv_heads = _divide(num_kv_heads, tp, "number of KV heads")
+            kv_start = group.rank * self.num_kv_heads
+        else:
+            _divide(tp, num_kv_heads, "tensor-parallel size over KV heads")
+            self.num_kv_heads = 1
+            kv_start = group.rank * num_kv_heads // tp
+        self.head_dim = head_dim
+        q_size = self.num_heads * head_dim
+        kv_size = self.num_kv_heads * head_dim
+        super().__init__(hidden_size, (q_size + 2 * kv_size) * tp, bias, group)
+        # (offset in this rank's fused output, size, start row in the checkpoint tensor)
+        self._layout = {
+            "q": (0, q_size, group.rank * q_size),
+            "k": (q_size, kv_size, kv_start * head_dim),
+            "v": (q_size + kv_size, kv_size, kv_start * head_dim),
+        }
+
+    def load_shard(self, param: nn.Parameter, loaded: LazyTensor, shard: str, name: str) -> None:
+        offset, size, start = self._layout[shard]
+        copy_checked(param.data.narrow(0, offset, size), read_shard(loaded, 0, start, size), name)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by input columns; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: ProcessGroup):
+        super().__init__()
+        self.group = group
+        self.in_per_rank = _divide(in_features, group.size, "input size")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def load_weight(self, param: nn.Parameter, loaded: LazyTensor, name: str) -> None:
+        if param is self.bias:
+            copy_checked(param.data, read_shard(loaded, 0, 0, param.shape[0]), name)
+            return
+        start = self.group.rank * self.in_per_rank
+        copy_checked(param.data, read_shard(loaded, 1, start, self.in_per_rank), name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.group.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

@@ -1,0 +1,34 @@
+"""Lazy checkpoint tensors and the shard arithmetic the parallel layers load with."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class LazyTensor(Protocol):
+    """A checkpoint tensor not yet read: its shape, and reading a slice of it."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: object) -> torch.Tensor: ...
+
+
+def read_shard(loaded: LazyTensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """Read only ``[start, start + length)`` along ``dim`` from the checkpoint."""
+    shape = loaded.get_shape()
+    if start == 0 and length == shape[dim]:
+        return loaded[tuple(slice(None) for _ in shape)]
+    index = [slice(None)] * len(shape)
+    index[dim] = slice(start, start + length)
+    return loaded[tuple(index)]
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(
+            f"checkpoint tensor {name} has shape {tuple(src.shape)}, the model expects "
+            f"{tuple(dst.shape)}; the config.json does not match the weights"
+        )
+    dst.copy_(src)

@@ -1,0 +1,1 @@
+"""Decoder-only model families, registered by their Hugging Face architecture name."""

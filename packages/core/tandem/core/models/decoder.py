@@ -1,0 +1,177 @@
+"""The Llama-style decoder shared by Llama, Qwen2 and Qwen3: pre-norm blocks of grouped-query
+attention and a gated MLP. Family differences are config switches (biases, q/k norm, ties)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import cast
+
+import torch
+from torch import nn
+
+from tandem.collectives import ProcessGroup
+from tandem.core.layers.activation import gated_activation
+from tandem.core.layers.attention import AttentionMetadata, PagedAttention
+from tandem.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tandem.core.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from tandem.core.layers.norm import RMSNorm
+from tandem.core.layers.rotary import RotaryEmbedding
+from tandem.core.layers.weights import LazyTensor
+from tandem.core.models.model_config import ModelConfig
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: ModelConfig, group: ProcessGroup, dtype: torch.dtype):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_heads,
+            config.num_kv_heads,
+            bias=config.qkv_bias,
+            group=group,
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias, group=group
+        )
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            dtype,
+        )
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
+        )
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out: torch.Tensor = self.o_proj(self.attn(q, k, v, meta))
+        return out
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: ModelConfig, group: ProcessGroup):
+        super().__init__()
+        self.act = config.hidden_act
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias, group=group
+        )
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias, group=group
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(gated_activation(self.act, self.gate_up_proj(x)))
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, group: ProcessGroup, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = DecoderAttention(config, group, dtype)
+        self.mlp = DecoderMLP(config, group)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, group: ProcessGroup, dtype: torch.dtype):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, group, dtype) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [cast(DecoderLayer, layer).self_attn.attn for layer in self.layers]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        out: torch.Tensor = self.norm(x)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> set[str]:
+        """Load checkpoint tensors by their Hugging Face names; returns the parameters loaded."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target = name.removeprefix("model.")
+            shard: str | int | None = None
+            for hf, fused, sid in _FUSED:
+                if f".{hf}." in target:
+                    target, shard = target.replace(f".{hf}.", f".{fused}."), sid
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(
+                    f"checkpoint tensor {name} matches no parameter of "
+                    f"{self.config.architecture}; the config.json does not match the weights"
+                )
+            owner = self.get_submodule(target.rsplit(".", 1)[0])
+            if shard is None:
+                owner.load_weight(param, tensor, name)  # type: ignore[operator]
+            else:
+                owner.load_shard(param, tensor, shard, name)  # type: ignore[operator]
+            loaded.add(target)
+        if self.config.tie_word_embeddings and "embed_tokens.weight" in loaded:
+            loaded.add("lm_head.weight")
+        return loaded
+
+    def expected_parameters(self) -> set[str]:
+        return {name for name, _ in self.named_parameters(remove_duplicate=False)}
+
+
+# Hugging Face projection name -> (our fused module, shard id)
+_FUSED: list[tuple[str, str, str | int]] = [
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+]

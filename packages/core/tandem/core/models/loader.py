@@ -1,0 +1,115 @@
+"""Build a model from a Hugging Face folder, reading each rank's shard tensor by tensor."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from tandem.collectives import ProcessGroup
+from tandem.core.errors import ModelLoadError
+from tandem.core.layers.weights import LazyTensor
+from tandem.core.models.decoder import DecoderForCausalLM
+from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str, device_kind: str) -> torch.dtype:
+    """The dtype to run in: the flag, else the checkpoint's, but float32 for half on CPU."""
+    if requested != "auto":
+        return TORCH_DTYPES[requested]
+    dtype = TORCH_DTYPES.get(checkpoint_dtype, torch.float32)
+    if device_kind == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        logger.info(
+            "checkpoint is %s; running in float32 on CPU (half-precision matmuls are about "
+            "100x slower on CPUs without AVX512-BF16); pass --dtype %s to keep it",
+            checkpoint_dtype,
+            checkpoint_dtype,
+        )
+        return torch.float32
+    return dtype
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ModelLoadError(f"{index} is malformed: {exc}") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(
+                f"{index.name} names weight files that are missing: {', '.join(missing)}"
+            )
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors weight files")
+    return files
+
+
+def iter_checkpoint(files: list[Path], desc: str) -> Iterator[tuple[str, LazyTensor]]:
+    """Yield every tensor of the checkpoint as a lazy slice, with a progress bar."""
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+        names = [(h, n) for h in handles for n in h.keys()]  # noqa: SIM118 - safe_open handles are not dicts
+        for handle, name in tqdm(names, desc=desc, unit="tensor", leave=False):
+            yield name, handle.get_slice(name)
+
+
+def load_model(
+    folder: Path,
+    config: ModelConfig,
+    group: ProcessGroup,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> DecoderForCausalLM:
+    cls = model_class(config.architecture)
+    files = weight_files(folder)
+    # Built on meta, then materialised in place: no float32 detour, no second copy.
+    with torch.device("meta"):
+        model = cls(config, group, dtype)
+    model = model.to(dtype).to_empty(device=device)
+    for module in model.modules():
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset):
+            reset()
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    # Padding rows of a vocab-parallel shard must stay zero.
+    model.embed_tokens.weight.data.zero_()
+    model.lm_head.weight.data.zero_()
+    desc = f"loading {folder.name} (rank {group.rank})"
+    try:
+        loaded = model.load_weights(iter_checkpoint(files, desc))
+    except (ValueError, OSError) as exc:
+        raise ModelLoadError(str(exc)) from None
+    missing = model.expected_parameters() - loaded
+    if missing:
+        raise ModelLoadError(
+            f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. "
+            + ", ".join(sorted(missing)[:5])
+        )
+    model.eval()
+    logger.info(
+        "loaded %s (%s, %d layers) in %s", folder, config.architecture, config.num_layers, dtype
+    )
+    return model

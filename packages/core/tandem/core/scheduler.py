@@ -1,0 +1,160 @@
+"""Continuous batching: waiting and running queues, token and sequence budgets, chunked
+prefill, preemption by recomputation. The policy decides; this class holds the state."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tandem.core.block_manager import BlockManager
+from tandem.core.config import SchedulerConfig
+from tandem.core.scheduling_policy import FcfsPolicy, SchedulingPolicy
+from tandem.core.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+    # True when this step computes the sequence's last known token, so it samples one more.
+    samples: bool
+
+
+@dataclass
+class SchedulerOutput:
+    # Ordered: single-token steps (decodes) first, then multi-token prefill chunks.
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        policy: SchedulingPolicy | None = None,
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.policy: SchedulingPolicy = policy or FcfsPolicy()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_tokens_per_batch
+        scheduled_ids: set[str] = set()
+
+        # Running sequences first, oldest first, so that preemption takes the newest.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            if len(out.scheduled) >= self.config.max_seqs_per_batch:
+                break
+            seq = self.running[index]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_append(seq, num_new):
+                candidates = [s for s in self.running if s.request_id not in scheduled_ids]
+                victim = self.policy.preemption_victim(candidates)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # seq preempted itself; the entry at ``index`` is now another one
+            self.block_manager.append_slots(seq, num_new)
+            out.scheduled.append(self._entry(seq, num_new))
+            scheduled_ids.add(seq.request_id)
+            budget -= num_new
+            index += 1
+
+        # Admit waiting sequences only when nothing had to be preempted this step.
+        while self.waiting and budget > 0 and not out.preempted:
+            if len(out.scheduled) >= self.config.max_seqs_per_batch:
+                break
+            seq = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(seq)
+            remaining = seq.num_tokens - len(cached) * self.block_manager.block_size
+            if remaining > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(remaining, budget)
+            if not self.block_manager.can_allocate(seq, num_new, cached):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, num_new, cached)
+            if seq.num_preemptions == 0:
+                seq.num_cached_prompt_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = time.monotonic()
+            self.running.append(seq)
+            out.scheduled.append(self._entry(seq, num_new))
+            budget -= num_new
+
+        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        return out
+
+    def _entry(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        return ScheduledSequence(
+            seq=seq,
+            num_new_tokens=num_new,
+            samples=seq.num_computed_tokens + num_new == seq.num_tokens,
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        logger.info("preempting request %s (recompute later): out of KV blocks", seq.request_id)
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(self.policy.resume_position(self.waiting, seq), seq)
+
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """Advance every scheduled sequence past the tokens the step computed."""
+        for entry in out.scheduled:
+            seq = entry.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # finished or aborted while the step ran
+            seq.num_computed_tokens += entry.num_new_tokens
+            self.block_manager.cache_computed_blocks(seq)
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Take ``seq`` out of the queues, free its blocks and mark it finished."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+        seq.metrics.finished_time = time.monotonic()

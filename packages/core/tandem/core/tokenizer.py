@@ -1,0 +1,86 @@
+"""The model's own tokenizer (Hugging Face fast tokenizer) and its chat template."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, cast
+
+from tandem.core.errors import InvalidRequestError, ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+
+class Tokenizer:
+    def __init__(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        if not (folder / "tokenizer.json").is_file():
+            raise ModelLoadError(
+                f"{folder} has no tokenizer.json; Tandem needs a fast (tokenizer.json) tokenizer"
+            )
+        # Imported here: transformers is slow to import and only the engine needs it.
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except Exception:  # noqa: BLE001 - fall back to the bare tokenizer.json
+            logger.info("AutoTokenizer could not read %s; using tokenizer.json directly", folder)
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))  # type: ignore[no-untyped-call]
+        template = folder / "chat_template.jinja"
+        if getattr(tok, "chat_template", None) is None and template.is_file():
+            tok.chat_template = template.read_text(encoding="utf-8")
+        self._tok = tok
+        self._special_ids = frozenset(int(i) for i in tok.all_special_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        value = self._tok.eos_token_id
+        return int(value) if value is not None else None
+
+    @property
+    def bos_token_id(self) -> int | None:
+        value = self._tok.bos_token_id
+        return int(value) if value is not None else None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return cast(str, self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        if not self.has_chat_template:
+            raise InvalidRequestError(
+                "this model has no chat template; send a plain prompt to /v1/completions "
+                "or serve a model whose tokenizer_config.json has a chat_template",
+                param="messages",
+            )
+        try:
+            text = self._tok.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **template_kwargs,
+            )
+        except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
+            raise InvalidRequestError(
+                f"the chat template failed: {exc}", param="messages"
+            ) from None
+        return str(text)

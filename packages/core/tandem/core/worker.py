@@ -1,0 +1,88 @@
+"""A worker owns one device: it binds it on its own thread, loads its shard of the model,
+holds its KV cache and runs steps. Every method runs on the worker's thread."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from tandem.collectives import ProcessGroup
+from tandem.core.config import EngineConfig
+from tandem.core.forward_input import ForwardInput, SamplerOutput
+from tandem.core.kv_cache import bytes_per_block, num_blocks_for_memory
+from tandem.core.model_runner import ModelRunner
+from tandem.core.models.loader import load_model, resolve_dtype
+from tandem.core.models.model_config import ModelConfig
+from tandem.device import Device, DeviceRuntime, get_runtime
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(
+        self,
+        device: Device,
+        group: ProcessGroup,
+        config: EngineConfig,
+        model_config: ModelConfig,
+    ) -> None:
+        self.device = device
+        self.group = group
+        self.config = config
+        self.model_config = model_config
+        self.runtime: DeviceRuntime | None = None
+        self._runner: ModelRunner | None = None
+
+    @property
+    def runner(self) -> ModelRunner:
+        if self._runner is None:
+            raise RuntimeError("the worker has no model yet; call load_model() first")
+        return self._runner
+
+    def init_device(self) -> None:
+        self.runtime = get_runtime(self.device.kind)
+        self.runtime.bind(self.device)
+
+    def load_model(self) -> None:
+        dtype = resolve_dtype(
+            self.config.model.dtype, self.model_config.checkpoint_dtype, self.device.kind
+        )
+        model = load_model(
+            Path(self.config.model.model),
+            self.model_config,
+            self.group,
+            dtype,
+            self.device.torch_device(),
+        )
+        self._runner = ModelRunner(
+            model,
+            self.device.torch_device(),
+            dtype,
+            seed=self.config.model.seed,
+            samples=self.group.rank == 0,
+        )
+
+    def determine_num_blocks(self) -> int:
+        assert self.runtime is not None
+        runner = self.runner
+        layer = runner.model.attention_layers()[0]
+        block_bytes = bytes_per_block(
+            len(runner.model.attention_layers()),
+            layer.num_kv_heads,
+            layer.head_dim,
+            self.config.cache.block_size,
+            runner.dtype,
+        )
+        return num_blocks_for_memory(
+            self.config.cache,
+            self.device,
+            self.runtime.memory_info(self.device),
+            runner.weight_bytes(),
+            block_bytes,
+        )
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.runner.init_kv_cache(num_blocks, self.config.cache.block_size)
+
+    def execute_model(self, fi: ForwardInput) -> SamplerOutput | None:
+        return self.runner.execute(fi)

@@ -1,0 +1,127 @@
+"""Shared fixtures: tiny models written in the Hugging Face layout, and engines over them."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tandem.core import CacheConfig, EngineConfig, LLMEngine, ModelLoadConfig, SchedulerConfig
+from tandem.core.demo_model import DemoModelSpec, write_demo_model
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+STORIES260K = REPO_ROOT.parent / "shared" / "models" / "stories260k"
+
+# Small enough to be quick, and with weights large enough (std 0.2) that greedy choices are
+# separated by real margins rather than by float rounding.
+TEST_SPEC = DemoModelSpec(
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    vocab_size=512,
+    max_position_embeddings=512,
+    init_std=0.2,
+)
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small Qwen3-architecture demo model with its trained byte-level BPE tokenizer."""
+    return write_demo_model(tmp_path_factory.mktemp("demo"), TEST_SPEC)
+
+
+HfFactory = Callable[..., tuple[Path, Any]]
+
+
+@pytest.fixture(scope="session")
+def hf_model(tmp_path_factory: pytest.TempPathFactory, demo_dir: Path) -> HfFactory:
+    """Build a random transformers model, save it (safetensors) with the demo tokenizer."""
+    import transformers
+
+    def build(
+        architecture: str, max_shard_size: str | None = None, **overrides: Any
+    ) -> tuple[Path, Any]:
+        config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+        model_cls = getattr(transformers, architecture)
+        settings: dict[str, Any] = {
+            "vocab_size": 512,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+            "initializer_range": 0.2,
+            "tie_word_embeddings": False,
+        }
+        settings.update(overrides)
+        torch.manual_seed(0)
+        model = model_cls(config_cls(**settings)).eval()
+        folder = tmp_path_factory.mktemp(architecture)
+        if max_shard_size is None:
+            model.save_pretrained(folder)
+        else:
+            model.save_pretrained(folder, max_shard_size=max_shard_size)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(demo_dir / name, folder / name)
+        return folder, model
+
+    return build
+
+
+def engine_config(
+    model: Path,
+    *,
+    num_blocks: int | None = 256,
+    block_size: int = 16,
+    enable_prefix_cache: bool = True,
+    enable_chunked_prefill: bool = True,
+    max_tokens_per_batch: int = 2048,
+    max_seqs_per_batch: int = 64,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+) -> EngineConfig:
+    return EngineConfig(
+        model=ModelLoadConfig(model=str(model), dtype=dtype, max_model_len=max_model_len),
+        cache=CacheConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            enable_prefix_cache=enable_prefix_cache,
+        ),
+        scheduler=SchedulerConfig(
+            max_tokens_per_batch=max_tokens_per_batch,
+            max_seqs_per_batch=max_seqs_per_batch,
+            enable_chunked_prefill=enable_chunked_prefill,
+        ),
+    )
+
+
+EngineFactory = Callable[..., LLMEngine]
+
+
+@pytest.fixture
+def make_engine() -> Iterator[EngineFactory]:
+    """Engines built by a test are shut down after it."""
+    engines: list[LLMEngine] = []
+
+    def build(model: Path, **kwargs: Any) -> LLMEngine:
+        engine = LLMEngine(engine_config(model, **kwargs))
+        engines.append(engine)
+        return engine
+
+    yield build
+    for engine in engines:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def config_for() -> Callable[..., EngineConfig]:
+    """``engine_config`` for fixtures that build their own long-lived engines."""
+    return engine_config

@@ -1,0 +1,81 @@
+"""Incremental detokenization never emits half a character; stop strings never leak."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from tandem.core import LLMEngine, SamplingParams
+from tandem.core.detokenizer import IncrementalDetokenizer
+from tandem.core.tokenizer import Tokenizer
+
+TEXT = "naïve café → 日本の数据模型 😀😀 Ω≤λ, done."
+
+
+def test_streamed_text_is_whole_characters_and_complete(demo_dir: Path) -> None:
+    tok = Tokenizer(demo_dir)
+    ids = tok.encode(TEXT)
+    # Byte-level BPE splits several of these characters across tokens.
+    pieces = [tok.decode([i]) for i in ids]
+    assert any("\ufffd" in p for p in pieces)
+    prompt = tok.encode("hello")
+    detok = IncrementalDetokenizer(tok, prompt)
+    deltas = [detok.add(i) for i in ids]
+    deltas.append(detok.flush())
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == TEXT
+
+
+def test_stories_style_spaces_survive_streaming(demo_dir: Path) -> None:
+    tok = Tokenizer(demo_dir)
+    ids = tok.encode(" the model reads the prompt")
+    detok = IncrementalDetokenizer(tok, tok.encode("start"))
+    assert "".join(detok.add(i) for i in ids) + detok.flush() == " the model reads the prompt"
+
+
+def test_stop_strings_are_not_emitted_even_in_part(
+    demo_dir: Path, make_engine: Callable[..., LLMEngine]
+) -> None:
+    engine = make_engine(demo_dir)
+    # Find what greedy decoding says, then stop on a piece from its middle.
+    [free] = engine.generate(["hello world"], SamplingParams.greedy(max_tokens=16))
+    assert len(free.text) > 6
+    stop = free.text[3:6]
+    params = SamplingParams.greedy(max_tokens=16, stop=[stop, "never-there"])
+    engine.add_request("s", "hello world", params)
+    streamed = ""
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed += out.delta_text
+            assert stop not in streamed
+            final = out
+    assert final is not None and final.finished
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    expected = free.text[: free.text.index(stop)]
+    assert final.text == expected == streamed
+
+
+def test_stop_token_ids(demo_dir: Path, make_engine: Callable[..., LLMEngine]) -> None:
+    engine = make_engine(demo_dir)
+    [free] = engine.generate(["hello world"], SamplingParams.greedy(max_tokens=8))
+    target = free.token_ids[2]
+    params = SamplingParams.greedy(max_tokens=8, stop_token_ids=[target])
+    [out] = engine.generate(["hello world"], params)
+    assert out.finish_reason == "stop" and out.stop_reason == target
+    assert out.token_ids == free.token_ids[: free.token_ids.index(target) + 1]
+
+
+def test_eos_stops_unless_ignored(demo_dir: Path, make_engine: Callable[..., LLMEngine]) -> None:
+    engine = make_engine(demo_dir)
+    [free] = engine.generate(["hello world"], SamplingParams.greedy(max_tokens=8))
+    # Declare the third generated token an end-of-sequence token for this engine.
+    eos = free.token_ids[2]
+    engine.eos_token_ids = frozenset({eos})
+    [out] = engine.generate(["hello world"], SamplingParams.greedy(max_tokens=8))
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] == eos and len(out.token_ids) <= 3
+    [ignored] = engine.generate(
+        ["hello world"], SamplingParams.greedy(max_tokens=8, ignore_eos=True)
+    )
+    assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"

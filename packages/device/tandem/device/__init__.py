@@ -1,0 +1,18 @@
+"""Devices, streams and per-thread device binding.
+
+A worker thread binds its device once through the framework's own setter (``bind``), so that
+the framework's thread-local device cache and the thread's streams always agree.
+"""
+
+from tandem.device.device import Device, parse_device, parse_devices
+from tandem.device.runtime import DeviceRuntime, MemoryInfo, get_runtime, register_runtime
+
+__all__ = [
+    "Device",
+    "DeviceRuntime",
+    "MemoryInfo",
+    "get_runtime",
+    "parse_device",
+    "parse_devices",
+    "register_runtime",
+]

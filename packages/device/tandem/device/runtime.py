@@ -1,0 +1,85 @@
+"""The device runtime interface and the registry that picks an implementation by kind.
+
+Implementations for other kinds (npu, cuda, the simulator's fake) register themselves by
+name; nothing here imports them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tandem.device.device import Device
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    total_bytes: int
+    free_bytes: int
+
+
+class DeviceRuntime(Protocol):
+    """What a worker needs from a device: binding, streams, memory figures."""
+
+    kind: str
+
+    def bind(self, device: Device) -> None:
+        """Make ``device`` current for the calling thread through the framework's setter."""
+
+    def current_device(self) -> Device | None:
+        """The device bound to the calling thread, or None."""
+
+    def current_stream(self) -> Any:
+        """The calling thread's current stream on its bound device."""
+
+    def synchronize(self) -> None:
+        """Wait until the bound device has finished all queued work."""
+
+    def memory_info(self, device: Device) -> MemoryInfo:
+        """Total and free memory of ``device`` in bytes."""
+
+    def device_count(self) -> int:
+        """How many devices of this kind the process can see."""
+
+
+RuntimeFactory = Callable[[], DeviceRuntime]
+
+_factories: dict[str, RuntimeFactory] = {}
+_instances: dict[str, DeviceRuntime] = {}
+# Guards the two tables above: registration and first use may come from several workers.
+_lock = threading.Lock()
+
+
+def register_runtime(kind: str, factory: RuntimeFactory) -> None:
+    """Make ``get_runtime(kind)`` build its runtime with ``factory`` (first registration wins)."""
+    with _lock:
+        _factories.setdefault(kind, factory)
+
+
+def get_runtime(kind: str) -> DeviceRuntime:
+    """The one runtime instance for ``kind``, created on first use."""
+    with _lock:
+        runtime = _instances.get(kind)
+        if runtime is not None:
+            return runtime
+        factory = _factories.get(kind)
+        if factory is None:
+            known = ", ".join(sorted(_factories)) or "none"
+            raise RuntimeError(
+                f"no device runtime is registered for {kind!r} (registered: {known}); "
+                "install the hardware package for this device kind or use --device cpu"
+            )
+        runtime = factory()
+        _instances[kind] = runtime
+        return runtime
+
+
+def _register_builtin() -> None:
+    from tandem.device.cpu import CpuRuntime
+
+    register_runtime("cpu", CpuRuntime)
+
+
+_register_builtin()

@@ -1,0 +1,1 @@
+"""Tandem's user-facing layer: the ``tandem`` command line (and, later, the HTTP server)."""

@@ -1,0 +1,25 @@
+"""``tandem make-demo-model DIR``: write the embedded default model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from tandem.core.demo_model import DemoModelSpec, write_demo_model
+
+
+def add_parser(subparsers: Any) -> None:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "make-demo-model",
+        help="write the embedded default model (random Qwen3 weights, trained BPE tokenizer)",
+    )
+    p.add_argument("dir", help="output folder (created if missing)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    path = write_demo_model(args.dir, DemoModelSpec(seed=args.seed))
+    print(path, file=sys.stderr)
+    return 0

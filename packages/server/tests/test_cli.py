@@ -1,0 +1,101 @@
+"""The ``tandem`` command as a user runs it: a real subprocess each time."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def tandem(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tandem.server.cli.main", "--log-level", "WARNING", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
+    }
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("demo") / "model"
+    result = tandem("make-demo-model", str(folder))
+    assert result.returncode == 0, result.stderr
+    return folder
+
+
+def test_make_demo_model_is_reproducible(demo: Path, tmp_path: Path) -> None:
+    again = tmp_path / "again"
+    assert tandem("make-demo-model", str(again)).returncode == 0
+    assert _digest(again) == _digest(demo)
+    names = set(_digest(demo))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    config = json.loads((demo / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    assert config["head_dim"] * config["num_attention_heads"] != config["hidden_size"]
+    assert "im_start" in json.loads((demo / "tokenizer_config.json").read_text())["chat_template"]
+
+
+def test_generate_json_contract(demo: Path) -> None:
+    result = tandem(
+        "generate",
+        "--model",
+        str(demo),
+        "--prompt",
+        "hello world",
+        "--prompt-token-ids",
+        "5,6,7",
+        "--prompt",
+        "λ",
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3
+    records = [json.loads(line) for line in lines]
+    for record in records:
+        assert set(record) == {"prompt_token_ids", "token_ids", "text", "finish_reason"}
+        assert len(record["token_ids"]) == 6 and record["finish_reason"] == "length"
+    assert records[1]["prompt_token_ids"] == [5, 6, 7]
+    # Greedy by default: the same command gives the same tokens.
+    again = tandem(
+        "generate", "--model", str(demo), "--prompt", "hello world", "--max-tokens", "6",
+        "--ignore-eos", "--json",
+    )
+    assert json.loads(again.stdout.splitlines()[0])["token_ids"] == records[0]["token_ids"]
+    assert "tokens/s" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--model", "/nonexistent/model", "--prompt", "x"], "does not exist"),
+        (["--prompt", "x", "--block-size", "0"], "--block-size must be >= 1"),
+        (["--prompt", "x", "--max-tokens", "0"], "max_tokens must be at least 1"),
+        (["--prompt", "x", "--temperature", "-1"], "temperature must be in"),
+        ([], "at least one --prompt"),
+        (["--prompt-token-ids", "1,x"], "comma-separated integers"),
+    ],
+)
+def test_bad_input_gets_a_message_not_a_traceback(
+    demo: Path, args: list[str], expected: str
+) -> None:
+    if "--model" not in args:
+        args = ["--model", str(demo), *args]
+    result = tandem("generate", *args)
+    assert result.returncode != 0
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
