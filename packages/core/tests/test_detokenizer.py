@@ -79,3 +79,23 @@ def test_eos_stops_unless_ignored(demo_dir: Path, make_engine: Callable[..., LLM
         ["hello world"], SamplingParams.greedy(max_tokens=8, ignore_eos=True)
     )
     assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
+
+
+def test_chat_template_from_jinja_file_and_missing_template(demo_dir: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    import pytest
+
+    from tandem.core import InvalidRequestError
+
+    folder = tmp_path / "m"
+    shutil.copytree(demo_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    template = config.pop("chat_template")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidRequestError, match="no chat template"):
+        Tokenizer(folder).apply_chat_template([{"role": "user", "content": "hi"}])
+    (folder / "chat_template.jinja").write_text(template)
+    text = Tokenizer(folder).apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"

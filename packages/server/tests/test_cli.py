@@ -21,9 +21,7 @@ def tandem(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]
 
 
 def _digest(folder: Path) -> dict[str, str]:
-    return {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
-    }
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +70,15 @@ def test_generate_json_contract(demo: Path) -> None:
     assert records[1]["prompt_token_ids"] == [5, 6, 7]
     # Greedy by default: the same command gives the same tokens.
     again = tandem(
-        "generate", "--model", str(demo), "--prompt", "hello world", "--max-tokens", "6",
-        "--ignore-eos", "--json",
+        "generate",
+        "--model",
+        str(demo),
+        "--prompt",
+        "hello world",
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--json",
     )
     assert json.loads(again.stdout.splitlines()[0])["token_ids"] == records[0]["token_ids"]
     assert "tokens/s" in result.stderr
