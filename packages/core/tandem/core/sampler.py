@@ -58,16 +58,20 @@ class Sampler:
         )
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        temps = batch.temperatures
+        temps = batch.temperatures.to(logits.device)
         greedy = temps == 0
         scaled = logits / torch.where(greedy, 1.0, temps).unsqueeze(1)
         if batch.needs_top_k_top_p:
-            scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
+            scaled = apply_top_k_top_p(
+                scaled, batch.top_k.to(logits.device), batch.top_p.to(logits.device)
+            )
         probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs)
+        # Noise is drawn on the CPU, where the generators live, so a seed means the same
+        # tokens on every device kind.
+        noise = torch.empty(probs.shape, dtype=torch.float32)
         noise.exponential_(generator=self.generator)
         for row, seed in enumerate(batch.seeds):
             if seed is not None:
                 noise[row].exponential_(generator=_row_generator(seed, batch.steps[row]))
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = (probs / noise.to(probs.device)).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)

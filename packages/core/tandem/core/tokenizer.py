@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any, cast
 
@@ -30,6 +31,10 @@ class Tokenizer:
         if getattr(tok, "chat_template", None) is None and template.is_file():
             tok.chat_template = template.read_text(encoding="utf-8")
         self._tok = tok
+        # The Rust tokenizer refuses concurrent use ("Already borrowed") when one call changes
+        # its padding/truncation state; requests encode on server threads while the engine
+        # loop decodes.
+        self._lock = threading.Lock()
         self._special_ids = frozenset(int(i) for i in tok.all_special_ids)
 
     @property
@@ -51,11 +56,13 @@ class Tokenizer:
         return bool(getattr(self._tok, "chat_template", None))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        with self._lock:
+            ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens)
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return cast(str, self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+        with self._lock:
+            return cast(str, self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
@@ -73,12 +80,13 @@ class Tokenizer:
                 param="messages",
             )
         try:
-            text = self._tok.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                **template_kwargs,
-            )
+            with self._lock:
+                text = self._tok.apply_chat_template(
+                    messages,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    **template_kwargs,
+                )
         except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
             raise InvalidRequestError(
                 f"the chat template failed: {exc}", param="messages"
