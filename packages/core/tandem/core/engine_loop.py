@@ -38,8 +38,11 @@ class _Abort:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_finished: OutputCallback | None = None) -> None:
+        """``on_finished`` sees every finished output (aborts and errors included), on the
+        loop thread, whether or not anyone still reads the request's stream."""
         self.engine = engine
+        self._on_finished = on_finished
         self._commands: deque[_Add | _Abort] = deque()
         self._callbacks: dict[str, OutputCallback] = {}
         self._wake = threading.Condition()
@@ -100,6 +103,11 @@ class EngineLoop:
         callback = self._callbacks.get(out.request_id)
         if out.finished:
             self._callbacks.pop(out.request_id, None)
+            if self._on_finished is not None:
+                try:
+                    self._on_finished(out)
+                except Exception:
+                    logger.exception("on_finished hook failed for %s", out.request_id)
         if callback is not None:
             try:
                 callback(out)
@@ -147,8 +155,34 @@ def _error_output(seq: Sequence, message: str) -> RequestOutput:
     )
 
 
+class RequestStream:
+    """The outputs of one submitted request, as an async iterator; ``close()`` aborts it if
+    it has not finished, so an abandoned request gives its KV blocks back."""
+
+    def __init__(self, loop: EngineLoop, request_id: str, queue: asyncio.Queue[RequestOutput]):
+        self.loop = loop
+        self.request_id = request_id
+        self._queue = queue
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self._queue.get()
+        self.finished = out.finished
+        return out
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.loop.abort(self.request_id)
+
+
 class AsyncEngine:
-    """asyncio face of an EngineLoop: one async iterator of outputs per request."""
+    """asyncio face of an EngineLoop: one async stream of outputs per request."""
 
     def __init__(self, loop: EngineLoop) -> None:
         self.loop = loop
@@ -157,9 +191,10 @@ class AsyncEngine:
     def engine(self) -> LLMEngine:
         return self.loop.engine
 
-    async def generate(
+    def submit(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
-    ) -> AsyncGenerator[RequestOutput, None]:
+    ) -> RequestStream:
+        """Queue a request now (errors raise here); call from the running event loop."""
         aio = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -167,12 +202,14 @@ class AsyncEngine:
             aio.call_soon_threadsafe(queue.put_nowait, out)
 
         rid = self.loop.submit(prompt, params, on_output, request_id=request_id)
-        finished = False
+        return RequestStream(self.loop, rid, queue)
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
+        stream = self.submit(prompt, params, request_id)
         try:
-            while not finished:
-                item = await queue.get()
-                finished = item.finished
-                yield item
+            async for out in stream:
+                yield out
         finally:
-            if not finished:
-                self.loop.abort(rid)
+            stream.close()

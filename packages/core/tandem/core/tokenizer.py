@@ -30,6 +30,8 @@ class Tokenizer:
         template = folder / "chat_template.jinja"
         if getattr(tok, "chat_template", None) is None and template.is_file():
             tok.chat_template = template.read_text(encoding="utf-8")
+        # Context limits are the engine's business; silence the tokenizer's own warning.
+        tok.model_max_length = 1 << 62
         self._tok = tok
         # The Rust tokenizer refuses concurrent use ("Already borrowed") when one call changes
         # its padding/truncation state; requests encode on server threads while the engine
@@ -63,6 +65,16 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._lock:
             return cast(str, self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (special tokens included), as logprobs report it. A token
+        holding part of a multi-byte character has no text of its own; its vocabulary entry
+        stands in, so distinct tokens never share a name."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            with self._lock:
+                return str(self._tok.convert_ids_to_tokens(token_id))
+        return text
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids

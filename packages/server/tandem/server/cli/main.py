@@ -7,7 +7,7 @@ import logging
 import sys
 
 from tandem.core import TandemError
-from tandem.server.cli import generate, make_demo_model
+from tandem.server.cli import bench, generate, make_demo_model, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,8 +16,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    serve.add_parser(sub)
     generate.add_parser(sub)
     make_demo_model.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,80 @@
+"""Fixtures: the test model, and real ``tandem serve`` processes on free loopback ports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from harness import MODEL_NAME, SPEC, Server, ServerFactory, free_port
+
+from tandem.core.demo_model import write_demo_model
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_demo_model(tmp_path_factory.mktemp("model"), SPEC)
+
+
+@pytest.fixture(scope="session")
+def start_server(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerFactory]:
+    servers: list[Server] = []
+
+    def start(*extra: str) -> Server:
+        port = free_port()
+        log = tmp_path_factory.mktemp("server") / "server.log"
+        command = [
+            sys.executable,
+            "-m",
+            "tandem.server.cli.main",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            MODEL_NAME,
+            "--port",
+            str(port),
+            "--num-blocks",
+            "512",
+            "--block-size",
+            "16",
+            "--shutdown-timeout",
+            "5",
+            *extra,
+        ]
+        with log.open("wb") as sink:
+            process = subprocess.Popen(
+                command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ}
+            )
+        server = Server(process, f"http://127.0.0.1:{port}", log)
+        servers.append(server)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise AssertionError(f"server exited early:\n{log.read_text()}")
+            try:
+                if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                    return server
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"server did not become healthy:\n{log.read_text()}")
+
+    yield start
+    for server in servers:
+        if server.process.poll() is None:
+            server.process.kill()
+            server.process.wait()
+
+
+@pytest.fixture(scope="session")
+def server(start_server: ServerFactory) -> Server:
+    """The shared server most tests talk to."""
+    return start_server()

@@ -1,0 +1,134 @@
+"""The FastAPI application: routes, API-key check, body-size limit, error shapes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tandem.server.chat import create_chat_completion
+from tandem.server.completions import create_completion
+from tandem.server.errors import error_response, install_error_handlers
+from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.server.state import ServerState
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over ``limit`` bytes with 413, declared or streamed."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._reject(scope, receive, send)
+            return
+        seen = 0
+        started = False
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await self._reject(scope, receive, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"The request body is larger than the limit of {self.limit} bytes."
+        await error_response(413, message)(scope, receive, send)
+
+
+class ApiKeyMiddleware:
+    """With an API key set, every /v1/* request needs ``Authorization: Bearer KEY``."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and str(scope.get("path", "")).startswith("/v1"):
+            auth = dict(scope.get("headers", [])).get(b"authorization")
+            if auth != self.expected:
+                response = error_response(
+                    401,
+                    "Incorrect or missing API key: send Authorization: Bearer <key>.",
+                    code="invalid_api_key",
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        # Shutdown: aborts what is still running, so every open stream ends.
+        state.loop.stop()
+
+    app = FastAPI(title="Tandem", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.loop.is_alive:
+            return Response(status_code=200)
+        return error_response(503, f"The engine is not running: {state.engine.dead or 'stopped'}")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        engine = state.engine
+        card = {
+            "id": state.served_model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tandem",
+            "root": engine.config.model.model,
+            "max_model_len": engine.max_model_len,
+            "vocab_size": engine.model_config.vocab_size,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Any:
+        return await create_completion(state, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest) -> Any:
+        return await create_chat_completion(state, body)
+
+    # Outermost first: the key check sees the request before the body is read.
+    app.add_middleware(BodyLimitMiddleware, limit=state.max_body_bytes)
+    if state.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=state.api_key)
+    return app

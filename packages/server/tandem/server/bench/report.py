@@ -1,0 +1,80 @@
+"""Aggregate request results into vLLM's serving-benchmark figures and table."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from tandem.server.bench.client import RequestResult
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _summary(name: str, values_s: list[float]) -> dict[str, float]:
+    ms = [v * 1000 for v in values_s]
+    return {
+        f"mean_{name}_ms": statistics.fmean(ms) if ms else 0.0,
+        f"median_{name}_ms": statistics.median(ms) if ms else 0.0,
+        f"p99_{name}_ms": _percentile(ms, 99),
+    }
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.success]
+    input_tokens = sum(r.prompt_tokens for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    # As vLLM defines it: decode time per token after the first.
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    figures: dict[str, Any] = {
+        "completed": len(ok),
+        "num_prompts": len(results),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+    }
+    figures |= _summary("ttft", [r.ttft for r in ok])
+    figures |= _summary("tpot", tpots)
+    figures |= _summary("itl", [gap for r in ok for gap in r.itl])
+    figures |= _summary("e2el", [r.latency for r in ok])
+    figures["errors"] = sorted({r.error for r in results if r.error})[:5]
+    return figures
+
+
+def format_table(f: dict[str, Any]) -> str:
+    lines = [
+        "{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="),
+        f"{'Successful requests:':<40}{f['completed']:<10}",
+        f"{'Failed requests:':<40}{f['failed']:<10}",
+        f"{'Benchmark duration (s):':<40}{f['duration_s']:<10.2f}",
+        f"{'Total input tokens:':<40}{f['total_input_tokens']:<10}",
+        f"{'Total generated tokens:':<40}{f['total_output_tokens']:<10}",
+        f"{'Request throughput (req/s):':<40}{f['request_throughput']:<10.2f}",
+        f"{'Output token throughput (tok/s):':<40}{f['output_throughput']:<10.2f}",
+        f"{'Total token throughput (tok/s):':<40}{f['total_token_throughput']:<10.2f}",
+    ]
+    titles = {
+        "ttft": "Time to First Token",
+        "tpot": "Time per Output Token (excl. 1st token)",
+        "itl": "Inter-token Latency",
+        "e2el": "End-to-end Latency",
+    }
+    for key, title in titles.items():
+        lines.append("{s:{c}^50}".format(s=f" {title} ", c="-"))
+        upper = key.upper()
+        lines.append(f"{f'Mean {upper} (ms):':<40}{f[f'mean_{key}_ms']:<10.2f}")
+        lines.append(f"{f'Median {upper} (ms):':<40}{f[f'median_{key}_ms']:<10.2f}")
+        lines.append(f"{f'P99 {upper} (ms):':<40}{f[f'p99_{key}_ms']:<10.2f}")
+    lines.append("=" * 50)
+    return "\n".join(lines)

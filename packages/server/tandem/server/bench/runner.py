@@ -1,0 +1,104 @@
+"""Drive the benchmark: warm-ups, Poisson or burst arrivals under a concurrency cap."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from tandem.server.bench.client import RequestResult, send_completion
+from tandem.server.bench.dataset import random_requests
+from tandem.server.bench.report import summarize
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    base_url: str
+    model: str | None
+    num_prompts: int
+    input_len: int
+    output_len: int
+    range_ratio: float
+    max_concurrency: int | None
+    request_rate: float
+    ignore_eos: bool
+    num_warmups: int
+    seed: int
+    api_key: str | None
+    vocab_size: int | None
+
+
+async def _model_card(client: httpx.AsyncClient, config: BenchConfig) -> dict[str, Any]:
+    response = await client.get(f"{config.base_url}/v1/models", headers=_headers(config))
+    response.raise_for_status()
+    cards: list[dict[str, Any]] = response.json()["data"]
+    if config.model is None:
+        return cards[0]
+    for card in cards:
+        if card["id"] == config.model:
+            return card
+    raise ValueError(f"the server does not serve {config.model!r}")
+
+
+def _headers(config: BenchConfig) -> dict[str, str]:
+    return {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+
+
+async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=(config.max_concurrency or config.num_prompts) + 8)
+    timeout = httpx.Timeout(connect=10.0, read=600.0, write=30.0, pool=600.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        card = await _model_card(client, config)
+        vocab = config.vocab_size or int(card.get("vocab_size") or 0)
+        if vocab <= 16:
+            raise ValueError("the server does not report vocab_size; pass --vocab-size")
+        requests = random_requests(
+            config.num_prompts + config.num_warmups,
+            config.input_len,
+            config.output_len,
+            config.range_ratio,
+            vocab,
+            config.seed,
+        )
+        warmups, measured = requests[: config.num_warmups], requests[config.num_warmups :]
+        url = f"{config.base_url}/v1/completions"
+        headers = _headers(config)
+        limit = asyncio.Semaphore(config.max_concurrency or len(requests) or 1)
+
+        async def one(request: Any, bar: tqdm[Any] | None) -> RequestResult:
+            async with limit:
+                result = await send_completion(
+                    client, url, card["id"], request, config.ignore_eos, headers
+                )
+            if bar is not None:
+                bar.update(1)
+            return result
+
+        if warmups:
+            await asyncio.gather(*(one(r, None) for r in warmups))
+        rng = random.Random(config.seed)
+        bar = tqdm(total=len(measured), desc="requests", unit="req")
+        start = time.perf_counter()
+        tasks = []
+        for request in measured:
+            tasks.append(asyncio.create_task(one(request, bar)))
+            if config.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(config.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        bar.close()
+    figures = summarize(list(results), duration)
+    figures |= {
+        "model": card["id"],
+        "base_url": config.base_url,
+        "max_concurrency": config.max_concurrency,
+        "request_rate": config.request_rate,
+        "input_len": config.input_len,
+        "output_len": config.output_len,
+    }
+    return figures

@@ -1,0 +1,93 @@
+"""``tandem bench serve``: the serving benchmark (like ``vllm bench serve``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tandem.server.bench.report import format_table
+from tandem.server.bench.runner import BenchConfig, run_benchmark
+
+
+def add_parser(subparsers: Any) -> None:
+    bench: argparse.ArgumentParser = subparsers.add_parser("bench", help="benchmarks")
+    kinds = bench.add_subparsers(dest="bench_kind", required=True)
+    p: argparse.ArgumentParser = kinds.add_parser(
+        "serve", help="load a running OpenAI-compatible server and report latency/throughput"
+    )
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name (default: the server's first)")
+    p.add_argument("--num-prompts", type=int, default=96)
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths drawn uniformly from len*(1-r) .. len*(1+r)",
+    )
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second, Poisson arrivals (default: all at once)",
+    )
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--num-warmups", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api-key", default=None)
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="token-id range of the random prompts (default: from /v1/models)",
+    )
+    p.add_argument("--result-json", default=None, help="also write the figures to this file")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        print("error: --max-concurrency must be >= 1", file=sys.stderr)
+        return 2
+    if args.request_rate <= 0:
+        print("error: --request-rate must be > 0 (or inf)", file=sys.stderr)
+        return 2
+    config = BenchConfig(
+        base_url=args.base_url.rstrip("/"),
+        model=args.model,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        max_concurrency=args.max_concurrency,
+        request_rate=args.request_rate,
+        ignore_eos=args.ignore_eos,
+        num_warmups=args.num_warmups,
+        seed=args.seed,
+        api_key=args.api_key,
+        vocab_size=args.vocab_size,
+    )
+    # One line per request from the HTTP client would bury the progress bar.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        figures = asyncio.run(run_benchmark(config))
+    except (OSError, ValueError, httpx.HTTPError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(figures))
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+    return 0 if figures["failed"] == 0 else 1

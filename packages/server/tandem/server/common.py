@@ -1,0 +1,53 @@
+"""Checks and pieces shared by the completion and chat endpoints."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from tandem.core import RequestOutput
+from tandem.server.errors import ApiError, error_body
+from tandem.server.protocol import _SamplingFields
+from tandem.server.state import ServerState
+
+
+def check_request(state: ServerState, body: _SamplingFields) -> None:
+    if body.model != state.served_model_name:
+        raise ApiError(
+            404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found"
+        )
+    if body.presence_penalty or body.frequency_penalty:
+        raise ApiError(
+            400,
+            "presence_penalty and frequency_penalty are not supported yet; leave them at 0.",
+            param="presence_penalty" if body.presence_penalty else "frequency_penalty",
+        )
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options is only allowed with stream=true.", "stream_options")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def failure(outputs: list[RequestOutput]) -> tuple[int, dict[str, Any]] | None:
+    """The error to answer with when a job could not finish normally, if any."""
+    for out in outputs:
+        if out.finish_reason == "error":
+            return 500, error_body(500, f"Generation failed: {out.error}")
+        if out.finish_reason == "abort":
+            return 503, error_body(503, "The request was aborted: the server is shutting down.")
+    return None

@@ -1,0 +1,93 @@
+"""Running a request's choices on the engine: sampling parameters from the request, and the
+merged stream of outputs of several choices, with metrics and aborts handled in one place."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+from tandem.core import RequestOutput, SamplingParams
+from tandem.core.engine import Prompt
+from tandem.core.engine_loop import RequestStream
+from tandem.server.protocol import _SamplingFields
+from tandem.server.state import ServerState
+
+
+def sampling_params(
+    body: _SamplingFields, max_tokens: int, logprobs: int | None, choice: int
+) -> SamplingParams:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else float(body.temperature),
+        top_p=1.0 if body.top_p is None else float(body.top_p),
+        top_k=body.top_k or 0,
+        # Each of n choices needs its own stream of randomness, still reproducible.
+        seed=None if body.seed is None else (body.seed + choice) % (2**63),
+        stop=stop,
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+@dataclass
+class Job:
+    index: int
+    prompt: Prompt
+    params: SamplingParams
+
+
+def submit_jobs(state: ServerState, jobs: list[Job], request_id: str) -> list[RequestStream]:
+    """Queue every job now, so a bad one fails the whole request before any response starts."""
+    engine = state.async_engine
+    streams: list[RequestStream] = []
+    try:
+        for job in jobs:
+            streams.append(
+                engine.submit(job.prompt, job.params, request_id=f"{request_id}-{job.index}")
+            )
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return streams
+
+
+async def merge_outputs(
+    state: ServerState, jobs: list[Job], streams: list[RequestStream]
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """Outputs of all jobs as they come, tagged with the job's index, with metrics recorded.
+    Leaving early (the client went away) aborts every unfinished job."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        async for out in stream:
+            await queue.put((index, out))
+        await queue.put((index, None))
+
+    tasks = [
+        asyncio.create_task(pump(job.index, stream))
+        for job, stream in zip(jobs, streams, strict=True)
+    ]
+    last_token_time: dict[int, float] = {}
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, out = await queue.get()
+            if out is None:
+                remaining -= 1
+                continue
+            now = time.monotonic()
+            if out.new_token_ids:
+                if index in last_token_time:
+                    state.metrics.observe_inter_token(now - last_token_time[index])
+                last_token_time[index] = now
+            yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()

@@ -1,0 +1,114 @@
+"""Prometheus metrics of one server, in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tandem.core import LLMEngine, RequestOutput
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class ServerMetrics:
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        running = Gauge(
+            "tandem:num_requests_running",
+            "Requests in the running queue.",
+            ["model_name"],
+            registry=self.registry,
+        )
+        running.labels(**labels).set_function(lambda: engine.scheduler.num_running)
+        waiting = Gauge(
+            "tandem:num_requests_waiting",
+            "Requests in the waiting queue.",
+            ["model_name"],
+            registry=self.registry,
+        )
+        waiting.labels(**labels).set_function(lambda: engine.scheduler.num_waiting)
+        usage = Gauge(
+            "tandem:kv_cache_usage_perc",
+            "Fraction of KV-cache blocks in use (1 = full).",
+            ["model_name"],
+            registry=self.registry,
+        )
+        usage.labels(**labels).set_function(lambda: engine.block_manager.usage)
+        self._prompt_tokens = Counter(
+            "tandem:prompt_tokens",
+            "Prompt tokens of finished requests.",
+            ["model_name"],
+            registry=self.registry,
+        ).labels(**labels)
+        self._generation_tokens = Counter(
+            "tandem:generation_tokens",
+            "Generated tokens of finished requests.",
+            ["model_name"],
+            registry=self.registry,
+        ).labels(**labels)
+        self._success = Counter(
+            "tandem:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self._model = model_name
+        self._ttft = Histogram(
+            "tandem:time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(**labels)
+        self._itl = Histogram(
+            "tandem:inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(**labels)
+        self._e2e = Histogram(
+            "tandem:e2e_request_latency_seconds",
+            "Time from arrival to the last output of a request.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        ).labels(**labels)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        self._prompt_tokens.inc(len(out.prompt_token_ids))
+        self._generation_tokens.inc(len(out.token_ids))
+        self._success.labels(model_name=self._model, finished_reason=out.finish_reason).inc()
+        m = out.metrics
+        if m is None:
+            return
+        if m.first_token_time is not None:
+            self._ttft.observe(m.first_token_time - m.arrival_time)
+        if m.finished_time is not None:
+            self._e2e.observe(m.finished_time - m.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
