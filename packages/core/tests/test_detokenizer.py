@@ -99,3 +99,24 @@ def test_chat_template_from_jinja_file_and_missing_template(demo_dir: Path, tmp_
     (folder / "chat_template.jinja").write_text(template)
     text = Tokenizer(folder).apply_chat_template([{"role": "user", "content": "hi"}])
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_fast_decode_equals_transformers_decode(demo_dir: Path) -> None:
+    import random
+
+    from transformers import AutoTokenizer
+
+    folders = [demo_dir]
+    stories = Path(__file__).resolve().parents[3].parent / "shared" / "models" / "stories260k"
+    if (stories / "tokenizer.json").is_file():
+        folders.append(stories)
+    rng = random.Random(0)
+    for folder in folders:
+        ours = Tokenizer(folder)
+        reference = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        for _ in range(50):
+            ids = [rng.randrange(ours.vocab_size) for _ in range(rng.randint(1, 12))]
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(
+                    ids, skip_special_tokens=skip
+                )

@@ -240,13 +240,5 @@ class LLMEngine:
                 raise EngineDeadError(self.dead)
         return [finished[i] for i in ids]
 
-    def stats(self) -> dict[str, float]:
-        return {
-            "num_requests_running": self.scheduler.num_running,
-            "num_requests_waiting": self.scheduler.num_waiting,
-            "kv_cache_usage_perc": self.block_manager.usage,
-            "num_preemptions": self.scheduler.num_preemptions,
-        }
-
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -38,6 +38,11 @@ class Tokenizer:
         # loop decodes.
         self._lock = threading.Lock()
         self._special_ids = frozenset(int(i) for i in tok.all_special_ids)
+        # Detokenization runs per token per request on the engine loop: go straight to the
+        # Rust tokenizer when transformers would only pass the call through.
+        backend = getattr(tok, "backend_tokenizer", None)
+        cleanup = bool(getattr(tok, "clean_up_tokenization_spaces", False))
+        self._fast_decode = None if cleanup or backend is None else backend.decode
 
     @property
     def vocab_size(self) -> int:
@@ -64,6 +69,8 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._lock:
+            if self._fast_decode is not None:
+                return cast(str, self._fast_decode(ids, skip_special_tokens=skip_special_tokens))
             return cast(str, self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token_id: int) -> str:

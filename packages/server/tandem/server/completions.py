@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tandem.core import RequestOutput
 from tandem.core.engine import Prompt
+from tandem.core.engine_loop import RequestStream
 from tandem.core.sequence import TokenLogprobs
 from tandem.core.tokenizer import Tokenizer
 from tandem.server.common import check_request, failure, new_id, now, usage
@@ -127,7 +128,7 @@ async def _stream(
     state: ServerState,
     body: CompletionRequest,
     jobs: list[Job],
-    streams: list[Any],
+    streams: list[RequestStream],
     echoes: list[str],
     request_id: str,
     created: int,

@@ -22,4 +22,4 @@ class ServerState:
 
     @property
     def async_engine(self) -> AsyncEngine:
-        return AsyncEngine(self.loop)
+        return AsyncEngine(self.loop)  # a stateless view; cheap to make per request
