@@ -53,3 +53,13 @@ def test_memory_info_is_positive() -> None:
     info = get_runtime("cpu").memory_info(Device("cpu", 0))
     assert info.total_bytes > 0
     assert 0 < info.free_bytes <= info.total_bytes
+
+
+def test_malloc_tuning_applies_on_glibc() -> None:
+    import platform
+
+    from tandem.device.cpu import keep_freed_memory_in_heap
+
+    applied = keep_freed_memory_in_heap()
+    if platform.libc_ver()[0] == "glibc":
+        assert applied
