@@ -12,28 +12,26 @@ from tandem.core.forward_input import ForwardInput
 from tandem.core.layers.attention import AttentionGroup, AttentionMetadata
 
 
-def _gather_slots(
+def _gather_blocks(
     block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int
 ) -> torch.Tensor:
-    """[B, L] cache slot of each context position; positions past a sequence's end read slot 0
-    (the zeroed null block)."""
-    length = int(context_lens.max())
-    pos = torch.arange(length, device=block_tables.device)
-    blocks = block_tables[:, pos // block_size]
-    slots = blocks * block_size + pos % block_size
-    return slots.masked_fill(pos.unsqueeze(0) >= context_lens.unsqueeze(1), 0)
+    """[B, N] blocks to read: enough for the longest context. Whole blocks are copied (16 KiB
+    rows instead of one row per token); masks hide what lies past each sequence's end."""
+    num_blocks = -(-int(context_lens.max()) // block_size)
+    return block_tables[:, :num_blocks]
 
 
 def _decode_group(fi: ForwardInput, device: torch.device) -> AttentionGroup:
     n = fi.num_decodes
     ctx = fi.context_lens[:n].to(device)
-    slots = _gather_slots(fi.block_tables[:n].to(device), ctx, fi.block_size)
+    blocks = _gather_blocks(fi.block_tables[:n].to(device), ctx, fi.block_size)
+    length = blocks.shape[1] * fi.block_size
     mask = None
-    if int(ctx.min()) != slots.shape[1]:
-        pos = torch.arange(slots.shape[1], device=device)
+    if int(ctx.min()) != length:
+        pos = torch.arange(length, device=device)
         mask = (pos.unsqueeze(0) < ctx.unsqueeze(1)).view(n, 1, 1, -1)
     return AttentionGroup(
-        gather_slots=slots, mask=mask, query_index=None, valid_queries=None, num_tokens=n
+        gather_blocks=blocks, mask=mask, query_index=None, valid_queries=None, num_tokens=n
     )
 
 
@@ -41,7 +39,7 @@ def _prefill_group(fi: ForwardInput, device: torch.device) -> AttentionGroup:
     n = fi.num_decodes
     qlens = fi.query_lens[n:].to(device)
     ctx = fi.context_lens[n:].to(device)
-    slots = _gather_slots(fi.block_tables[n:].to(device), ctx, fi.block_size)
+    blocks = _gather_blocks(fi.block_tables[n:].to(device), ctx, fi.block_size)
     max_q = int(qlens.max())
     starts = torch.cumsum(qlens, 0) - qlens  # first token of each sequence within the group
     j = torch.arange(max_q, device=device).unsqueeze(0)  # [1, Q]
@@ -49,11 +47,11 @@ def _prefill_group(fi: ForwardInput, device: torch.device) -> AttentionGroup:
     j_real = torch.minimum(j, (qlens - 1).unsqueeze(1))
     query_index = starts.unsqueeze(1) + j_real
     q_pos = (ctx - qlens).unsqueeze(1) + j_real  # [B, Q] absolute position of each query
-    ctx_pos = torch.arange(slots.shape[1], device=device)
+    ctx_pos = torch.arange(blocks.shape[1] * fi.block_size, device=device)
     mask = (ctx_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)).unsqueeze(1)  # [B, 1, Q, L]
     valid = (j < qlens.unsqueeze(1)).reshape(-1).nonzero().squeeze(1)
     return AttentionGroup(
-        gather_slots=slots,
+        gather_blocks=blocks,
         mask=mask,
         query_index=query_index,
         valid_queries=valid,

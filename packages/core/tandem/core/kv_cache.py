@@ -64,13 +64,12 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (keys, values), each [(num_blocks + 1) * block_size, kv_heads, head_dim].
+    """Per layer (keys, values), each [num_blocks + 1, block_size, kv_heads, head_dim].
 
-    Block 0 is the null block padded reads point at; it is zeroed so padding can never
-    inject NaN/inf from uninitialised memory. The rest is left unwritten until used, so a
-    large cache costs no page faults up front.
+    Block 0 is the null block that padded block tables point at. Everything starts zeroed:
+    attention copies whole blocks, masked slots included, and a masked slot holding NaN
+    from uninitialised memory would still poison the output (0 * NaN).
     """
-    slots = (num_blocks + 1) * block_size
-    slab = torch.empty((num_layers, 2, slots, num_kv_heads, head_dim), dtype=dtype, device=device)
-    slab[:, :, :block_size].zero_()
+    shape = (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim)
+    slab = torch.zeros(shape, dtype=dtype, device=device)
     return [(slab[i, 0], slab[i, 1]) for i in range(num_layers)]

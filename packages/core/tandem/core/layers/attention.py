@@ -1,9 +1,10 @@
 """Attention over the paged KV cache.
 
 The step's tokens are laid out decodes first (one query each), then prefill chunks. Both
-groups read their keys and values from the cache through per-step gather indices derived
-from the block tables, so a chunk sees every earlier token, cached prefix included. The
-indices and masks are built once per step (``AttentionMetadata``) and shared by all layers.
+groups copy their sequences' cache blocks out in order (whole blocks through the block
+tables), so a chunk sees every earlier token, cached prefix included; masks hide what lies
+past each sequence's end or ahead of each query. Indices and masks are built once per step
+(``AttentionMetadata``) and shared by all layers.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from torch import nn
 class AttentionGroup:
     """A batch of sequences whose queries are padded to one length."""
 
-    # Slot of every (sequence, context position) to read; padding reads the null block.
-    gather_slots: torch.Tensor  # [B, L]
+    # Cache blocks each sequence reads, in order; padding reads the null block.
+    gather_blocks: torch.Tensor  # [B, N], N * block_size = L
     # True where query j of sequence b may attend context position l.
     mask: torch.Tensor | None  # [B, 1, Q, L] or None when nothing is masked
     # For prefill groups: flat token index of each padded query, and where results go back.
@@ -46,18 +47,22 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self._k_slots = torch.empty(0)
+        self._v_slots = torch.empty(0)
 
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """Attach this layer's caches, each [num_slots, num_kv_heads, head_dim]."""
+        """Attach this layer's caches, each [num_blocks, block_size, num_kv_heads, head_dim]."""
         self.k_cache = k_cache
         self.v_cache = v_cache
+        self._k_slots = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        self._v_slots = v_cache.view(-1, self.num_kv_heads, self.head_dim)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] -> [T, H * D]."""
-        self.k_cache.index_copy_(0, meta.slot_mapping, k)
-        self.v_cache.index_copy_(0, meta.slot_mapping, v)
+        self._k_slots.index_copy_(0, meta.slot_mapping, k)
+        self._v_slots.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if meta.decode is not None:
@@ -72,9 +77,9 @@ class PagedAttention(nn.Module):
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _attend(self, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-        b, length = group.gather_slots.shape
-        flat = group.gather_slots.reshape(-1)
-        shape = (b, length, self.num_kv_heads, self.head_dim)
+        b, n = group.gather_blocks.shape
+        flat = group.gather_blocks.reshape(-1)
+        shape = (b, n * self.k_cache.shape[1], self.num_kv_heads, self.head_dim)
         k = self.k_cache.index_select(0, flat).view(shape).transpose(1, 2)
         v = self.v_cache.index_select(0, flat).view(shape).transpose(1, 2)
         return F.scaled_dot_product_attention(
