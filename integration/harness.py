@@ -12,20 +12,9 @@ from pathlib import Path
 
 import httpx
 
-from tandem.core.demo_model import DemoModelSpec
+from tandem.core.demo_model import tiny_spec
 
-# Small, with weights large enough (std 0.2) that greedy picks are separated by real margins.
-SPEC = DemoModelSpec(
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    vocab_size=512,
-    max_position_embeddings=512,
-    init_std=0.2,
-)
+SPEC = tiny_spec()
 MODEL_NAME = "tandem-demo"
 
 

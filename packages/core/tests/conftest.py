@@ -11,30 +11,13 @@ import pytest
 import torch
 
 from tandem.core import CacheConfig, EngineConfig, LLMEngine, ModelLoadConfig, SchedulerConfig
-from tandem.core.demo_model import DemoModelSpec, write_demo_model
-
-REPO_ROOT = Path(__file__).resolve().parents[3]
-STORIES260K = REPO_ROOT.parent / "shared" / "models" / "stories260k"
-
-# Small enough to be quick, and with weights large enough (std 0.2) that greedy choices are
-# separated by real margins rather than by float rounding.
-TEST_SPEC = DemoModelSpec(
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    vocab_size=512,
-    max_position_embeddings=512,
-    init_std=0.2,
-)
+from tandem.core.demo_model import tiny_spec, write_demo_model
 
 
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small Qwen3-architecture demo model with its trained byte-level BPE tokenizer."""
-    return write_demo_model(tmp_path_factory.mktemp("demo"), TEST_SPEC)
+    return write_demo_model(tmp_path_factory.mktemp("demo"), tiny_spec())
 
 
 HfFactory = Callable[..., tuple[Path, Any]]

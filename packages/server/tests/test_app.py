@@ -5,27 +5,19 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tandem.core import CacheConfig, EngineConfig, EngineLoop, LLMEngine, ModelLoadConfig
-from tandem.core.demo_model import DemoModelSpec, write_demo_model
+from tandem.core.demo_model import tiny_spec, write_demo_model
 from tandem.server.app import create_app
 from tandem.server.metrics import ServerMetrics
 from tandem.server.state import ServerState
 
-SPEC = DemoModelSpec(
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=32,
-    vocab_size=300,
-    max_position_embeddings=128,
-)
+SPEC = replace(tiny_spec(), num_layers=1, vocab_size=300, max_position_embeddings=128)
 
 
 @pytest.fixture(scope="module")

@@ -148,6 +148,22 @@ class DemoModelSpec:
     init_std: float = 0.02
 
 
+def tiny_spec(init_std: float = 0.2) -> DemoModelSpec:
+    """A very small demo model for tests: quick to build and run. The default std of 0.2
+    keeps greedy choices separated by real margins rather than by float rounding."""
+    return DemoModelSpec(
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        vocab_size=512,
+        max_position_embeddings=512,
+        init_std=init_std,
+    )
+
+
 def demo_corpus(seed: int, num_lines: int = 4000) -> list[str]:
     rng = random.Random(seed)
     lines = []

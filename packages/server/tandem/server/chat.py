@@ -7,13 +7,27 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tandem.core import InvalidRequestError, RequestOutput
+from tandem.core import InvalidRequestError
 from tandem.core.engine_loop import RequestStream
 from tandem.core.sequence import TokenLogprobs
 from tandem.core.tokenizer import Tokenizer
-from tandem.server.common import check_request, failure, new_id, now, usage
-from tandem.server.errors import ApiError, error_body
-from tandem.server.generation import Job, merge_outputs, sampling_params, submit_jobs
+from tandem.server.common import (
+    check_request,
+    chunk_base,
+    failure,
+    new_id,
+    now,
+    stream_failure,
+    usage,
+)
+from tandem.server.errors import ApiError
+from tandem.server.generation import (
+    Job,
+    final_outputs,
+    merge_outputs,
+    sampling_params,
+    submit_jobs,
+)
 from tandem.server.protocol import ChatCompletionRequest
 from tandem.server.sse import DONE, event
 from tandem.server.state import ServerState
@@ -74,11 +88,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             _stream(state, body, jobs, streams, request_id, created),
             media_type="text/event-stream",
         )
-    finals: dict[int, RequestOutput] = {}
-    async for index, out in merge_outputs(state, jobs, streams):
-        if out.finished:
-            finals[index] = out
-    outputs = [finals[job.index] for job in jobs]
+    outputs = await final_outputs(state, jobs, streams)
     failed = failure(outputs)
     if failed is not None:
         return JSONResponse(failed[1], status_code=failed[0])
@@ -112,12 +122,7 @@ async def _stream(
     created: int,
 ) -> AsyncGenerator[str, None]:
     tokenizer = state.engine.tokenizer
-    base = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": state.served_model_name,
-    }
+    base = chunk_base(state, request_id, "chat.completion.chunk", created)
     for job in jobs:
         first = {
             "index": job.index,
@@ -129,10 +134,9 @@ async def _stream(
     prompt_tokens = 0
     completion_tokens = 0
     async for index, out in merge_outputs(state, jobs, streams):
-        if out.finish_reason in ("error", "abort"):
-            status = 500 if out.finish_reason == "error" else 503
-            message = out.error or "the request was aborted: the server is shutting down"
-            yield event(error_body(status, f"Generation failed: {message}"))
+        failed = stream_failure(out)
+        if failed is not None:
+            yield event(failed)
             break
         logprobs = None
         if body.logprobs and out.new_logprobs:

@@ -43,6 +43,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def chunk_base(state: ServerState, request_id: str, obj: str, created: int) -> dict[str, Any]:
+    return {"id": request_id, "object": obj, "created": created, "model": state.served_model_name}
+
+
+def stream_failure(out: RequestOutput) -> dict[str, Any] | None:
+    """The error event a stream ends with when its request failed or was aborted."""
+    if out.finish_reason not in ("error", "abort"):
+        return None
+    status = 500 if out.finish_reason == "error" else 503
+    message = out.error or "the request was aborted: the server is shutting down"
+    return error_body(status, f"Generation failed: {message}")
+
+
 def failure(outputs: list[RequestOutput]) -> tuple[int, dict[str, Any]] | None:
     """The error to answer with when a job could not finish normally, if any."""
     for out in outputs:

@@ -56,6 +56,17 @@ def submit_jobs(state: ServerState, jobs: list[Job], request_id: str) -> list[Re
     return streams
 
 
+async def final_outputs(
+    state: ServerState, jobs: list[Job], streams: list[RequestStream]
+) -> list[RequestOutput]:
+    """Each job's last output, in job order."""
+    finals: dict[int, RequestOutput] = {}
+    async for index, out in merge_outputs(state, jobs, streams):
+        if out.finished:
+            finals[index] = out
+    return [finals[job.index] for job in jobs]
+
+
 async def merge_outputs(
     state: ServerState, jobs: list[Job], streams: list[RequestStream]
 ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
