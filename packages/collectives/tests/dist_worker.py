@@ -10,6 +10,8 @@ import sys
 import threading
 from pathlib import Path
 
+import torch.distributed
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from collective_checks import run_checks
@@ -51,6 +53,9 @@ def main() -> None:
             t.join()
         if errors:
             raise errors[0]
+    # Tear the world down explicitly: gloo aborts if left to interpreter exit.
+    inter.barrier()
+    torch.distributed.destroy_process_group()
     print("OK", flush=True)
 
 

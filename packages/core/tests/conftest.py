@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tandem.core import CacheConfig, EngineConfig, LLMEngine, ModelLoadConfig, SchedulerConfig
+from tandem.core.config import ParallelConfig
 from tandem.core.demo_model import tiny_spec, write_demo_model
 
 
@@ -70,6 +71,7 @@ def engine_config(
     max_seqs_per_batch: int = 64,
     dtype: str = "auto",
     max_model_len: int | None = None,
+    parallel: ParallelConfig | None = None,
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelLoadConfig(model=str(model), dtype=dtype, max_model_len=max_model_len),
@@ -83,6 +85,7 @@ def engine_config(
             max_seqs_per_batch=max_seqs_per_batch,
             enable_chunked_prefill=enable_chunked_prefill,
         ),
+        parallel=parallel or ParallelConfig(),
     )
 
 

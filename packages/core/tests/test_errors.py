@@ -121,7 +121,7 @@ def test_a_failing_step_fails_its_requests_only(
     engine = make_engine(demo_dir)
     executor = engine.executor
     assert isinstance(executor, ThreadExecutor)
-    runner = executor._worker.runner
+    runner = executor.workers[0].runner
     real = runner.execute
     calls = {"n": 0}
 
@@ -129,7 +129,8 @@ def test_a_failing_step_fails_its_requests_only(
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("device fault injected by the test")
-        return real(fi)
+        result: SamplerOutput | None = real(fi)
+        return result
 
     monkeypatch.setattr(runner, "execute", flaky)
     engine.add_request("a", "hello world", SamplingParams.greedy(max_tokens=5))
@@ -154,8 +155,8 @@ def test_a_dead_worker_fails_every_request_instead_of_hanging(
     engine.step()
 
     # The worker thread goes away (as a crashed device thread would).
-    executor._thread.stop()
-    assert not executor._thread.is_alive()
+    executor._threads[0].stop()
+    assert not executor._threads[0].is_alive()
     outs = engine.step()
     assert {o.request_id for o in outs} == {"a", "b"}
     assert all(o.finish_reason == "error" for o in outs)

@@ -81,8 +81,8 @@ def test_bf16_checkpoint_runs_in_float32_on_cpu_by_default(
     config["dtype"] = "bfloat16"
     (folder / "config.json").write_text(json.dumps(config))
     auto = make_engine(folder)
-    assert auto.executor._worker.runner.dtype is torch.float32  # type: ignore[attr-defined]
+    assert auto.executor.workers[0].runner.dtype is torch.float32  # type: ignore[attr-defined]
     explicit = make_engine(folder, dtype="bfloat16")
-    assert explicit.executor._worker.runner.dtype is torch.bfloat16  # type: ignore[attr-defined]
+    assert explicit.executor.workers[0].runner.dtype is torch.bfloat16  # type: ignore[attr-defined]
     params = SamplingParams.greedy(max_tokens=4)
     assert len(explicit.generate(["hello"], params)[0].token_ids) == 4

@@ -44,8 +44,7 @@ def _prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     fi = build_forward_input(out, block_size=16)
     executor = engine.executor
     assert isinstance(executor, ThreadExecutor)
-    runner = executor._worker.runner
-    return executor._call(lambda: runner.prompt_logits(fi))
+    return executor.call(0, lambda worker: worker.runner.prompt_logits(fi))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

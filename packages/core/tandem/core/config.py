@@ -64,10 +64,43 @@ class ModelLoadConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    # This node's devices, e.g. "cpu:0,cpu:1"; one worker per device.
+    devices: str = "cpu:0"
+    # Ranks over all nodes; None = every device of every node.
+    tensor_parallel_size: int | None = None
+    # One process drives all local devices (TANDEM_ENABLE_SINGLE_PROCESS=1 / --single-process).
+    single_process: bool = False
+    # HOST:PORT of the rendezvous: one process per device, or several nodes.
+    master_node_addr: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    # torch.distributed backend between processes: gloo (CPU), hccl (NPU), nccl (CUDA).
+    dist_backend: str = "gloo"
+    # Collectives among the devices of one single-process node: "inprocess" (one communicator
+    # set for all local devices), or "torch" (torch.distributed's default group, which
+    # cannot host two ranks in one process and is refused there).
+    local_collectives: str = "inprocess"
+    # Seconds a collective or a worker call may wait before it fails instead of hanging.
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1:
+            raise ConfigError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(
+                f"--node-rank must be in [0, {self.nnodes}) for --nnodes {self.nnodes}, "
+                f"got {self.node_rank}"
+            )
+        if self.tensor_parallel_size is not None and self.tensor_parallel_size < 1:
+            raise ConfigError(
+                f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}"
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelLoadConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    device: str = "cpu:0"
-    # How workers are run, by name: "thread" = worker threads in this process.
-    executor: str = "thread"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 from tandem.core.config import EngineConfig
-from tandem.core.errors import ConfigError
 from tandem.core.forward_input import ForwardInput, SamplerOutput
 from tandem.core.models.model_config import ModelConfig
 
@@ -21,6 +19,10 @@ class Executor(Protocol):
         """Run one step on every worker; rank 0's sampled tokens."""
         ...
 
+    def follow(self) -> None:
+        """On a node other than 0: serve node 0's steps until it stops."""
+        ...
+
     def check_health(self) -> None:
         """Raise EngineDeadError if a worker is gone."""
         ...
@@ -28,16 +30,16 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
-ExecutorFactory = Callable[[EngineConfig, ModelConfig], Executor]
-
-
 def create_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
-    from tandem.core.thread_executor import ThreadExecutor
+    """The executor the topology calls for; layouts that cannot work fail here, before any
+    worker starts."""
+    from tandem.core.topology import Mode, resolve_topology
 
-    factories: dict[str, ExecutorFactory] = {"thread": ThreadExecutor}
-    factory = factories.get(config.executor)
-    if factory is None:
-        raise ConfigError(
-            f"unknown executor {config.executor!r}; choose one of {', '.join(sorted(factories))}"
-        )
-    return factory(config, model_config)
+    topology = resolve_topology(config.parallel)
+    if topology.mode is Mode.SINGLE_PROCESS:
+        from tandem.core.thread_executor import ThreadExecutor
+
+        return ThreadExecutor(config, model_config, topology)
+    from tandem.core.process_executor import ProcessExecutor
+
+    return ProcessExecutor(config, model_config, topology)

@@ -1,68 +1,183 @@
-"""Workers as threads of the engine's process: the ForwardInput object itself goes to each
-worker, and rank 0's output comes back as Python objects, with no serialization."""
+"""Single-process execution: one worker thread per local device, in the engine's process.
+
+The ForwardInput object itself goes to every worker and rank 0's sampled tokens come back as
+Python objects: nothing on this path is serialized. The local ranks share one in-process
+communicator set created for all of them at once; with several nodes, each node runs one such
+process and node leaders meet over torch.distributed (two-level groups), node 0 sending each
+step's input to the other nodes.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import TypeVar
 
-from tandem.collectives import SingleRankGroup
+import torch.distributed as dist
+
+from tandem.collectives import (
+    InProcessCommunicator,
+    ProcessGroup,
+    Rendezvous,
+    SingleRankGroup,
+    TorchDistributedGroup,
+    TwoLevelGroup,
+    create_inprocess_groups,
+    init_distributed,
+)
 from tandem.core.config import EngineConfig
 from tandem.core.errors import ConfigError, EngineDeadError
 from tandem.core.forward_input import ForwardInput, SamplerOutput
 from tandem.core.models.model_config import ModelConfig
+from tandem.core.topology import Topology
 from tandem.core.worker import Worker
 from tandem.core.worker_thread import WorkerThread
-from tandem.device import parse_devices
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# What node 0 sends the other nodes instead of a ForwardInput when it shuts down.
+_STOP = "stop"
+
 
 class ThreadExecutor:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
-        try:
-            devices = parse_devices(config.device)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if len(devices) != 1:
-            raise ConfigError(
-                f"--device names {len(devices)} devices; this build serves one device per "
-                "engine (tensor parallelism is not available yet)"
-            )
-        device = devices[0]
-        self._worker = Worker(device, SingleRankGroup(), config, model_config)
-        self._thread = WorkerThread(name=f"tandem-worker-{device}")
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, topology: Topology):
+        self.topology = topology
         self._closed = False
+        self._comm: InProcessCommunicator | None = None
+        self._control: dist.ProcessGroup | None = None
+        groups = self._make_groups(config, topology)
+        self._workers = [
+            Worker(device, group, config, model_config)
+            for device, group in zip(topology.devices, groups, strict=True)
+        ]
+        self._threads = [WorkerThread(name=f"tandem-worker-{d}") for d in topology.devices]
         try:
-            self._call(self._worker.init_device)
-            self._call(self._worker.load_model)
-            self._num_blocks = self._call(self._worker.determine_num_blocks)
-            self._call(lambda: self._worker.init_kv_cache(self._num_blocks))
+            threads = topology.cpu_threads_per_worker()
+            self._on_all(lambda w: w.init_device(threads))
+            self._on_all(lambda w: w.load_model())
+            blocks = self._on_all(lambda w: w.determine_num_blocks())
+            agreed = self._on_all(lambda w: w.agree_num_blocks(blocks[self._workers.index(w)]))
+            self._num_blocks = agreed[0]
+            self._on_all(lambda w: w.init_kv_cache(self._num_blocks))
         except BaseException:
             self.shutdown()
             raise
+        logger.info(
+            "single-process executor: %d worker threads on %s (node %d of %d)",
+            len(self._workers),
+            ",".join(str(d) for d in topology.devices),
+            topology.node_rank,
+            topology.nnodes,
+        )
 
-    def _call(self, fn: Callable[[], T]) -> T:
-        return self._thread.wait(self._thread.submit(fn))
+    def _make_groups(self, config: EngineConfig, topology: Topology) -> list[ProcessGroup]:
+        if topology.world_size == 1:
+            return [SingleRankGroup()]
+        timeout = config.parallel.timeout_s
+        local = create_inprocess_groups(topology.local_size, timeout_s=timeout)
+        self._comm = local[0].communicator
+        if topology.nnodes == 1:
+            return list(local)
+        assert topology.master_node_addr is not None
+        try:
+            rdzv = Rendezvous.parse(topology.master_node_addr, topology.nnodes, topology.node_rank)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        init_distributed(rdzv, config.parallel.dist_backend, timeout_s=timeout)
+        inter = TorchDistributedGroup(config.parallel.dist_backend)
+        # A second group for node 0's step inputs, used only from the engine thread.
+        self._control = dist.new_group(backend="gloo")
+        return [
+            TwoLevelGroup(g, inter if g.rank == 0 else None, topology.node_rank, topology.nnodes)
+            for g in local
+        ]
+
+    def _on_all(self, fn: Callable[[Worker], T]) -> list[T]:
+        """Run ``fn`` on every worker's thread at once; results in rank order. The first
+        failure aborts the communicator, so ranks blocked in a collective with the failed
+        one are released instead of waiting out the timeout."""
+        futures: list[Future[T]] = [
+            thread.submit(lambda w=worker: fn(w))  # type: ignore[misc]
+            for thread, worker in zip(self._threads, self._workers, strict=True)
+        ]
+        failure: BaseException | None = None
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_EXCEPTION)
+            for future in done:
+                exc = future.exception()
+                if exc is not None and failure is None:
+                    failure = exc
+                    if self._comm is not None:
+                        self._comm.abort(f"a worker failed: {exc}")
+            if failure is None and not all(t.is_alive() for t in self._threads):
+                failure = EngineDeadError("a worker thread died")
+                if self._comm is not None:
+                    self._comm.abort("a worker thread died")
+                break
+        if failure is not None:
+            if self.topology.world_size > 1 and not isinstance(failure, ConfigError):
+                raise EngineDeadError(f"a worker failed: {failure}") from failure
+            raise failure
+        return [f.result() for f in futures]
+
+    @property
+    def workers(self) -> list[Worker]:
+        return list(self._workers)
+
+    def call(self, rank: int, fn: Callable[[Worker], T]) -> T:
+        """Run ``fn`` on local rank ``rank``'s own thread."""
+        thread, worker = self._threads[rank], self._workers[rank]
+        return thread.wait(thread.submit(lambda: fn(worker)))
 
     @property
     def num_blocks(self) -> int:
         return self._num_blocks
 
+    @property
+    def is_leader(self) -> bool:
+        return self.topology.node_rank == 0
+
     def execute_model(self, fi: ForwardInput) -> SamplerOutput:
-        out = self._thread.wait(self._thread.submit(lambda: self._worker.execute_model(fi)))
+        if self._control is not None:
+            # Other nodes get the step over the network; local workers get the object itself.
+            dist.broadcast_object_list([fi], src=0, group=self._control)
+        outputs = self._on_all(lambda w: w.execute_model(fi))
+        out = outputs[0]
         if out is None:
             raise RuntimeError("rank 0 returned no sampler output")
         return out
 
+    def follow(self) -> None:
+        """On nodes other than 0: run every step node 0 sends, until it stops."""
+        assert self._control is not None and not self.is_leader
+        while True:
+            box: list[object] = [None]
+            dist.broadcast_object_list(box, src=0, group=self._control)
+            step = box[0]
+            if step == _STOP:
+                logger.info("node 0 stopped; leaving")
+                return
+            assert isinstance(step, ForwardInput)
+            self._on_all(lambda w, fi=step: w.execute_model(fi))  # type: ignore[misc]
+
     def check_health(self) -> None:
-        if self._closed or not self._thread.is_alive():
-            raise EngineDeadError("the worker thread is not running")
+        if self._closed or not all(t.is_alive() for t in self._threads):
+            raise EngineDeadError("a worker thread is not running")
 
     def shutdown(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._thread.stop()
+        if self._closed:
+            return
+        self._closed = True
+        if self._control is not None and self.is_leader:
+            try:
+                dist.broadcast_object_list([_STOP], src=0, group=self._control)
+            except RuntimeError:
+                logger.warning("could not tell the other nodes to stop")
+        if self._comm is not None:
+            self._comm.abort("the executor is shutting down")
+        for thread in self._threads:
+            thread.stop()

@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tandem.collectives import ProcessGroup
+import torch
+
+from tandem.collectives import ProcessGroup, ReduceOp
 from tandem.core.config import EngineConfig
 from tandem.core.forward_input import ForwardInput, SamplerOutput
 from tandem.core.kv_cache import bytes_per_block, num_blocks_for_memory
@@ -39,9 +41,13 @@ class Worker:
             raise RuntimeError("the worker has no model yet; call load_model() first")
         return self._runner
 
-    def init_device(self) -> None:
+    def init_device(self, cpu_threads: int | None = None) -> None:
+        """Bind the device to this thread; on CPU, also cap torch's threads for this worker
+        (workers sharing the cores each take their share instead of all of them)."""
         self.runtime = get_runtime(self.device.kind)
         self.runtime.bind(self.device)
+        if self.device.kind == "cpu" and cpu_threads is not None:
+            torch.set_num_threads(cpu_threads)
 
     def load_model(self) -> None:
         dtype = resolve_dtype(
@@ -80,6 +86,14 @@ class Worker:
             runner.weight_bytes(),
             block_bytes,
         )
+
+    def agree_num_blocks(self, num_blocks: int) -> int:
+        """The smallest block count over all ranks, so every rank's cache holds every block."""
+        if self.group.size == 1:
+            return num_blocks
+        value = torch.tensor([-num_blocks], dtype=torch.int64)
+        self.group.all_reduce(value, ReduceOp.MAX)
+        return -int(value.item())
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks, self.config.cache.block_size)

@@ -16,11 +16,13 @@ from tandem.server.bench.report import format_table
 from tandem.server.bench.runner import BenchConfig, run_benchmark
 
 
-def add_parser(subparsers: Any) -> None:
+def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
     bench: argparse.ArgumentParser = subparsers.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
     p: argparse.ArgumentParser = kinds.add_parser(
-        "serve", help="load a running OpenAI-compatible server and report latency/throughput"
+        "serve",
+        help="load a running OpenAI-compatible server and report latency/throughput",
+        parents=parents,
     )
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name (default: the server's first)")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from tandem.core import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
-from tandem.core.config import DTYPES
+from tandem.core.config import DTYPES, ParallelConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +23,43 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="weights and activations dtype; auto = the checkpoint's, but float32 "
         "for half-precision checkpoints on CPU",
     )
-    g.add_argument("--device", default="cpu:0", help="device to run on, e.g. cpu:0")
+    p = parser.add_argument_group("parallelism")
+    p.add_argument(
+        "--devices",
+        "--device",
+        dest="devices",
+        default="cpu:0",
+        help="this node's devices, one worker each, e.g. cpu:0,cpu:1",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="ranks over all nodes (default: every listed device of every node)",
+    )
+    p.add_argument(
+        "--single-process",
+        action="store_true",
+        help="one process drives every local device (same as TANDEM_ENABLE_SINGLE_PROCESS=1)",
+    )
+    p.add_argument(
+        "--master-node-addr",
+        default=None,
+        help="HOST:PORT where the processes meet: one process per device, or several nodes",
+    )
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument(
+        "--dist-backend",
+        default="gloo",
+        help="torch.distributed backend between processes (gloo, hccl, nccl)",
+    )
+    p.add_argument(
+        "--local-collectives",
+        choices=["inprocess", "torch"],
+        default="inprocess",
+        help="collectives among one process's devices",
+    )
     g.add_argument(
         "--max-model-len",
         type=int,
@@ -88,5 +125,18 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_seqs_per_batch=args.max_seqs_per_batch,
             enable_chunked_prefill=args.enable_chunked_prefill,
         ),
-        device=args.device,
+        parallel=ParallelConfig(
+            devices=args.devices,
+            tensor_parallel_size=args.tensor_parallel_size,
+            single_process=args.single_process or _env_flag("TANDEM_ENABLE_SINGLE_PROCESS"),
+            master_node_addr=args.master_node_addr,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            dist_backend=args.dist_backend,
+            local_collectives=args.local_collectives,
+        ),
     )
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")

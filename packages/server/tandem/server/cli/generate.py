@@ -15,6 +15,7 @@ from typing import Any
 
 from tandem.core import LLMEngine, SamplingParams
 from tandem.core.engine import Prompt
+from tandem.core.follower import run_follower
 from tandem.server.cli.engine_args import add_engine_args, engine_config_from_args
 
 
@@ -38,9 +39,9 @@ class _AppendPrompt(argparse.Action):
         setattr(namespace, self.dest, prompts)
 
 
-def add_parser(subparsers: Any) -> None:
+def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "generate", help="complete prompts and print the results"
+        "generate", help="complete prompts and print the results", parents=parents
     )
     p.add_argument(
         "--prompt",
@@ -70,7 +71,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     prompts: list[Prompt] = args.prompts or []
-    if not prompts:
+    if not prompts and args.node_rank == 0:
         print("error: give at least one --prompt TEXT or --prompt-token-ids 1,2,3", file=sys.stderr)
         return 2
     params = [
@@ -85,7 +86,11 @@ def run(args: argparse.Namespace) -> int:
         )
         for i in range(len(prompts))
     ]
-    engine = LLMEngine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    if config.parallel.node_rank > 0:
+        run_follower(config)
+        return 0
+    engine = LLMEngine(config)
     try:
         start = time.perf_counter()
         outputs = engine.generate(prompts, params)

@@ -11,15 +11,15 @@ from tandem.server.cli import bench, generate, make_demo_model, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
+    levels = ["DEBUG", "INFO", "WARNING", "ERROR"]
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving engine")
-    parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
-    )
+    parser.add_argument("--log-level", default="INFO", choices=levels)
+    # Also accepted after the subcommand, where users tend to put it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default=argparse.SUPPRESS, choices=levels)
     sub = parser.add_subparsers(dest="command", required=True)
-    serve.add_parser(sub)
-    generate.add_parser(sub)
-    make_demo_model.add_parser(sub)
-    bench.add_parser(sub)
+    for module in (serve, generate, make_demo_model, bench):
+        module.add_parser(sub, [common])
     return parser
 
 

@@ -9,10 +9,11 @@ from typing import Any
 from tandem.core.demo_model import DemoModelSpec, write_demo_model
 
 
-def add_parser(subparsers: Any) -> None:
+def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "make-demo-model",
         help="write the embedded default model (random Qwen3 weights, trained BPE tokenizer)",
+        parents=parents,
     )
     p.add_argument("dir", help="output folder (created if missing)")
     p.add_argument("--seed", type=int, default=0)

@@ -11,6 +11,7 @@ from typing import Any
 import uvicorn
 
 from tandem.core import EngineLoop, LLMEngine
+from tandem.core.follower import run_follower
 from tandem.server.app import create_app
 from tandem.server.cli.engine_args import add_engine_args, engine_config_from_args
 from tandem.server.metrics import ServerMetrics
@@ -23,9 +24,9 @@ def _after_shutdown(signum: int, _frame: object) -> None:
     logger.info("received %s during shutdown", signal.Signals(signum).name)
 
 
-def add_parser(subparsers: Any) -> None:
+def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API"
+        "serve", help="serve a model over an OpenAI-compatible HTTP API", parents=parents
     )
     p.add_argument(
         "--served-model-name",
@@ -59,6 +60,10 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
+    if config.parallel.node_rank > 0:
+        # Node 0 serves HTTP; this node only lends its devices.
+        run_follower(config)
+        return 0
     engine = LLMEngine(config)
     name = args.served_model_name or Path(args.model).resolve().name
     metrics = ServerMetrics(engine, name)
