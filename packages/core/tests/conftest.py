@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from tandem.core import CacheConfig, EngineConfig, LLMEngine, ModelLoadConfig, SchedulerConfig
 from tandem.core.config import ParallelConfig
 from tandem.core.demo_model import tiny_spec, write_demo_model
+from tandem.core.reference_models import write_reference_model
 
 
 @pytest.fixture(scope="session")
@@ -25,36 +24,14 @@ HfFactory = Callable[..., tuple[Path, Any]]
 
 
 @pytest.fixture(scope="session")
-def hf_model(tmp_path_factory: pytest.TempPathFactory, demo_dir: Path) -> HfFactory:
+def hf_model(tmp_path_factory: pytest.TempPathFactory) -> HfFactory:
     """Build a random transformers model, save it (safetensors) with the demo tokenizer."""
-    import transformers
 
     def build(
         architecture: str, max_shard_size: str | None = None, **overrides: Any
     ) -> tuple[Path, Any]:
-        config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
-        model_cls = getattr(transformers, architecture)
-        settings: dict[str, Any] = {
-            "vocab_size": 512,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 512,
-            "initializer_range": 0.2,
-            "tie_word_embeddings": False,
-        }
-        settings.update(overrides)
-        torch.manual_seed(0)
-        model = model_cls(config_cls(**settings)).eval()
         folder = tmp_path_factory.mktemp(architecture)
-        if max_shard_size is None:
-            model.save_pretrained(folder)
-        else:
-            model.save_pretrained(folder, max_shard_size=max_shard_size)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(demo_dir / name, folder / name)
+        model = write_reference_model(folder, architecture, max_shard_size, **overrides)
         return folder, model
 
     return build

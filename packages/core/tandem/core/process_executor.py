@@ -82,11 +82,15 @@ class ProcessExecutor:
         )
 
     def _check_alive(self) -> None:
-        for proc in self._procs:
+        self._check_alive_with_cause(None)
+
+    def _check_alive_with_cause(self, seen: str | None) -> None:
+        exited = [p for p in self._procs if p.exitcode is not None]
+        # Killed by a signal first: a rank that exits 1 after a failed collective is a victim.
+        for proc in sorted(exited, key=lambda p: (p.exitcode or 0) >= 0):
             if proc.exitcode is not None:
-                raise EngineDeadError(
-                    f"worker process {proc.name} exited with code {proc.exitcode}"
-                )
+                message = f"worker process {proc.name} exited with code {proc.exitcode}"
+                raise EngineDeadError(message if seen is None else f"{message} ({seen})")
 
     def _receive(self, index: int, kind: str, timeout: float) -> Any:
         conn = self._results[index]
@@ -103,6 +107,11 @@ class ProcessExecutor:
             self._check_alive()
             raise EngineDeadError(f"worker {self._procs[index].name} closed its pipe") from None
         if tag == "error":
+            # A rank's collective usually fails because a peer died: name the dead one.
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                self._check_alive_with_cause(str(value).splitlines()[0])
+                time.sleep(0.05)
             raise EngineDeadError(f"worker failed: {value}")
         if tag != kind:
             raise EngineDeadError(f"worker sent {tag!r}, expected {kind!r}")
