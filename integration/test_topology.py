@@ -78,3 +78,21 @@ def test_greedy_tokens_identical_across_topologies(models: dict[str, Path], mode
     reference = _generate(models[model], "tp1")
     for topology in TOPOLOGIES:
         assert _generate(models[model], topology) == reference, topology
+
+
+def test_torchrun_environment_names_the_nodes(models: dict[str, Path]) -> None:
+    """torchrun starting one process per "node" (2 x 2 devices) gives the same tokens."""
+    model = models["qwen3"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc-per-node", "2", "--master-port", str(free_port()),
+               "-m", "tandem.server.cli.main", "generate", "--log-level", "WARNING",
+               "--model", str(model), "--num-blocks", "256", "--max-tokens", str(NEW_TOKENS),
+               "--ignore-eos", "--json", "--devices", "cpu:0,cpu:1"]  # fmt: skip
+    for prompt in PROMPTS:
+        command += ["--prompt-token-ids", prompt]
+    env = {**os.environ, "TANDEM_ENABLE_SINGLE_PROCESS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line[line.index("{") :] for line in done.stdout.splitlines() if "{" in line]
+    tokens = [json.loads(line)["token_ids"] for line in lines]
+    assert tokens == _generate(model, "tp1")

@@ -172,3 +172,28 @@ def test_torch_distributed_group(world: int) -> None:
 
 def test_two_level_group_two_nodes_of_two() -> None:
     _run_world("two-level", 2, "2")
+
+
+def test_rendezvous_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem.collectives import Rendezvous
+
+    rdzv = Rendezvous.parse("10.0.0.5:29500", world_size=4, rank=3)
+    assert rdzv.init_method == "tcp://10.0.0.5:29500"
+    assert Rendezvous.parse("::1:29500", 2, 0).init_method == "tcp://[::1]:29500"
+    for bad in ("nohost", "host:", ":29500", "host:port"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            Rendezvous.parse(bad, 2, 0)
+    with pytest.raises(ValueError, match="outside a world"):
+        Rendezvous.parse("h:1", 2, 2)
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match="torchrun"):
+        Rendezvous.parse("env://", 2, 0)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    env = Rendezvous.parse("env://", 2, 1)
+    assert env.from_env and env.init_method == "env://"
+    with pytest.raises(ValueError, match="torchrun says rank 1 of 2"):
+        Rendezvous.parse("env://", 2, 0)

@@ -78,3 +78,8 @@ def test_modes() -> None:
         )
     )
     assert node1.first_rank == 2 and node1.world_size == 4
+
+
+def test_torchrun_needs_single_process() -> None:
+    with pytest.raises(ConfigError, match="--nproc-per-node 1"):
+        resolve_topology(ParallelConfig(devices="cpu:0", master_node_addr="env://", nnodes=2))

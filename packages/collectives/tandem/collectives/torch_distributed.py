@@ -15,6 +15,9 @@ from tandem.collectives.process_group import ReduceOp
 
 logger = logging.getLogger(__name__)
 
+# The master address that means "torchrun's environment".
+TORCHRUN_ADDRESS = "env://"
+
 _OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX}
 
 
@@ -24,9 +27,23 @@ class Rendezvous:
     master_port: int
     world_size: int
     rank: int
+    # Meet through torchrun's own store (MASTER_ADDR/MASTER_PORT in the environment).
+    from_env: bool = False
 
     @classmethod
     def parse(cls, address: str, world_size: int, rank: int) -> Rendezvous:
+        if address == TORCHRUN_ADDRESS:
+            env = cls.from_torchrun_env()
+            if env is None:
+                raise ValueError(
+                    "env:// needs torchrun's MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE"
+                )
+            if (env.world_size, env.rank) != (world_size, rank):
+                raise ValueError(
+                    f"torchrun says rank {env.rank} of {env.world_size}, the configuration "
+                    f"says {rank} of {world_size}"
+                )
+            return env
         host, sep, port = address.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"--master-node-addr must be HOST:PORT, got {address!r}")
@@ -41,11 +58,17 @@ class Rendezvous:
         if not all(k in env for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")):
             return None
         return cls(
-            env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), int(env["RANK"])
+            env["MASTER_ADDR"],
+            int(env["MASTER_PORT"]),
+            int(env["WORLD_SIZE"]),
+            int(env["RANK"]),
+            from_env=True,
         )
 
     @property
     def init_method(self) -> str:
+        if self.from_env:
+            return "env://"
         host = f"[{self.master_addr}]" if ":" in self.master_addr else self.master_addr
         return f"tcp://{host}:{self.master_port}"
 

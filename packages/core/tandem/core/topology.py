@@ -86,5 +86,11 @@ def resolve_topology(config: ParallelConfig) -> Topology:
             "host two ranks in one process; use the in-process communicator "
             "(--local-collectives inprocess) or one process per device (--master-node-addr)"
         )
+    if master == "env://" and not single:
+        raise ConfigError(
+            "under torchrun, start one Tandem process per node (--nproc-per-node 1) with "
+            f"{SINGLE_PROCESS_HINT}; one process per device is spawned by Tandem itself "
+            "(--master-node-addr HOST:PORT)"
+        )
     mode = Mode.SINGLE_PROCESS if single else Mode.MULTI_PROCESS
     return Topology(mode, devices, config.nnodes, config.node_rank, master)

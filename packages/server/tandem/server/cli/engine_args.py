@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from tandem.collectives.torch_distributed import TORCHRUN_ADDRESS, Rendezvous
 from tandem.core import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
 from tandem.core.config import DTYPES, ParallelConfig
 
@@ -105,7 +106,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _parallel_from_torchrun(args: argparse.Namespace) -> None:
+    """Under torchrun (one process per node), its environment names this node."""
+    rdzv = Rendezvous.from_torchrun_env()
+    if rdzv is None or args.master_node_addr is not None:
+        return
+    args.master_node_addr = TORCHRUN_ADDRESS
+    args.nnodes = rdzv.world_size
+    args.node_rank = rdzv.rank
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    _parallel_from_torchrun(args)
     return EngineConfig(
         model=ModelLoadConfig(
             model=args.model,
