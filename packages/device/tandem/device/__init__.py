@@ -5,14 +5,18 @@ the framework's thread-local device cache and the thread's streams always agree.
 """
 
 from tandem.device.device import Device, parse_device, parse_devices
+from tandem.device.kernel_registry import KernelKey, KernelRegistry, process_kernel_registry
 from tandem.device.runtime import DeviceRuntime, MemoryInfo, get_runtime, register_runtime
 
 __all__ = [
     "Device",
     "DeviceRuntime",
+    "KernelKey",
+    "KernelRegistry",
     "MemoryInfo",
     "get_runtime",
     "parse_device",
     "parse_devices",
+    "process_kernel_registry",
     "register_runtime",
 ]

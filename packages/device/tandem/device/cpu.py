@@ -7,6 +7,7 @@ import ctypes.util
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,6 +87,12 @@ class CpuRuntime:
             pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             return MemoryInfo(total_bytes=pages, free_bytes=pages)
         return MemoryInfo(total_bytes=total, free_bytes=free)
+
+    def load_kernel(
+        self, name: str, impl: Callable[..., Any], device: Device
+    ) -> Callable[..., Any]:
+        # CPU kernels are the Python/torch implementations themselves.
+        return impl
 
     def device_count(self) -> int:
         # CPU devices are logical: as many as the user names.

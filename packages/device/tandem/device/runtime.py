@@ -43,6 +43,12 @@ class DeviceRuntime(Protocol):
     def device_count(self) -> int:
         """How many devices of this kind the process can see."""
 
+    def load_kernel(
+        self, name: str, impl: Callable[..., Any], device: Device
+    ) -> Callable[..., Any]:
+        """Register kernel ``name`` on ``device`` and return what to call. Called once per
+        (kernel, device, variant) by the kernel registry."""
+
 
 RuntimeFactory = Callable[[], DeviceRuntime]
 

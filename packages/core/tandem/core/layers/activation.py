@@ -1,19 +1,13 @@
-"""Gated activations over a fused [gate | up] projection."""
+"""Gated activations over a fused [gate | up] projection, as registry-resolved kernels."""
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
-ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
+from tandem.core.layers.kernels import GATED_ACTIVATIONS, KernelSlot
 
 
-def gated_activation(name: str, gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    if name == "silu":
-        return F.silu(gate) * up
-    if name == "gelu":
-        return F.gelu(gate) * up
-    if name == "gelu_pytorch_tanh":
-        return F.gelu(gate, approximate="tanh") * up
-    raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(ACTIVATIONS)}")
+def gated_activation_kernel(name: str) -> KernelSlot:
+    impl = GATED_ACTIVATIONS.get(name)
+    if impl is None:
+        supported = ", ".join(sorted(GATED_ACTIVATIONS))
+        raise ValueError(f"unsupported activation {name!r}; supported: {supported}")
+    return KernelSlot(f"gated_{name}", impl)

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem.core.layers.kernels import KernelSlot, rotary
+
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -60,6 +62,7 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         self.theta = theta
         self.scaling = scaling
+        self._kernel = KernelSlot("rotary", rotary)
         self.register_buffer("cos", torch.empty(max_position, head_dim // 2, dtype=dtype), False)
         self.register_buffer("sin", torch.empty(max_position, head_dim // 2, dtype=dtype), False)
         self.reset_buffers()
@@ -81,9 +84,4 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hk, D] at ``positions`` [T]."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return self._kernel(q, cos, sin), self._kernel(k, cos, sin)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tandem.collectives import ProcessGroup
-from tandem.core.layers.activation import gated_activation
+from tandem.core.layers.activation import gated_activation_kernel
 from tandem.core.layers.attention import AttentionMetadata, PagedAttention
 from tandem.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.core.layers.linear import (
@@ -75,7 +75,7 @@ class DecoderAttention(nn.Module):
 class DecoderMLP(nn.Module):
     def __init__(self, config: ModelConfig, group: ProcessGroup):
         super().__init__()
-        self.act = config.hidden_act
+        self.act = gated_activation_kernel(config.hidden_act)
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias, group=group
         )
@@ -84,7 +84,7 @@ class DecoderMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(gated_activation(self.act, self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(self.act(self.gate_up_proj(x)))
         return out
 
 

@@ -85,8 +85,11 @@ def load_model(
     cls = model_class(config.architecture)
     files = weight_files(folder)
     # Built on meta, then materialised in place: no float32 detour, no second copy.
-    with torch.device("meta"):
-        model = cls(config, group, dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(config, group, dtype)
+    except ValueError as exc:  # a config the layers cannot build (activation, rope, TP split)
+        raise ModelLoadError(f"{folder}: {exc}") from None
     model = model.to(dtype).to_empty(device=device)
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)
