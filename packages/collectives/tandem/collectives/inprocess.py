@@ -10,8 +10,6 @@ waits longer than the timeout, or a communicator aborted because another rank fa
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +18,7 @@ import torch
 
 from tandem.collectives.errors import CollectiveAborted, CollectiveMismatch, CollectiveTimeout
 from tandem.collectives.process_group import ReduceOp
+from tandem.device.sync import REAL_SYNC, Sync
 
 Fingerprint = tuple[Any, ...]
 
@@ -39,12 +38,13 @@ class _Round:
 class InProcessCommunicator:
     """The state shared by all ranks of one in-process communicator set."""
 
-    def __init__(self, size: int, timeout_s: float) -> None:
+    def __init__(self, size: int, timeout_s: float, sync: Sync = REAL_SYNC) -> None:
         if size < 1:
             raise ValueError(f"a communicator needs at least one rank, got {size}")
         self.size = size
         self.timeout_s = timeout_s
-        self._cond = threading.Condition()
+        self._sync = sync
+        self._cond = sync.condition()
         self._rounds: dict[int, _Round] = {}
         self._error: BaseException | None = None
 
@@ -63,7 +63,8 @@ class InProcessCommunicator:
         tensor: torch.Tensor | None,
         compute: Callable[[list[torch.Tensor | None]], Any],
     ) -> Any:
-        deadline = time.monotonic() + self.timeout_s
+        self._sync.yield_point(f"collective #{seq} {fingerprint[0]} rank {rank}")
+        deadline = self._sync.monotonic() + self.timeout_s
         with self._cond:
             if self._error is not None:
                 raise self._error
@@ -94,7 +95,7 @@ class InProcessCommunicator:
             while not rnd.done:
                 if self._error is not None:
                     raise self._error
-                remaining = deadline - time.monotonic()
+                remaining = deadline - self._sync.monotonic()
                 if remaining <= 0:
                     missing = sorted(set(range(self.size)) - rnd.seen)
                     raise CollectiveTimeout(
@@ -202,8 +203,10 @@ class InProcessGroup:
         self._run("barrier", None, (), lambda _: None)
 
 
-def create_inprocess_groups(size: int, timeout_s: float = 300.0) -> list[InProcessGroup]:
+def create_inprocess_groups(
+    size: int, timeout_s: float = 300.0, sync: Sync = REAL_SYNC
+) -> list[InProcessGroup]:
     """Communicators for all ``size`` local ranks, created at once; hand group ``r`` to the
     thread of rank ``r``."""
-    comm = InProcessCommunicator(size, timeout_s)
+    comm = InProcessCommunicator(size, timeout_s, sync)
     return [InProcessGroup(comm, rank) for rank in range(size)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from tandem.core.errors import EngineDeadError
 from tandem.core.outputs import RequestOutput
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sequence import Sequence
+from tandem.device.sync import REAL_SYNC, Sync
 
 logger = logging.getLogger(__name__)
 
@@ -38,17 +38,21 @@ class _Abort:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_finished: OutputCallback | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_finished: OutputCallback | None = None,
+        sync: Sync = REAL_SYNC,
+    ) -> None:
         """``on_finished`` sees every finished output (aborts and errors included), on the
         loop thread, whether or not anyone still reads the request's stream."""
         self.engine = engine
         self._on_finished = on_finished
         self._commands: deque[_Add | _Abort] = deque()
         self._callbacks: dict[str, OutputCallback] = {}
-        self._wake = threading.Condition()
+        self._wake = sync.condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="tandem-engine-loop", daemon=True)
-        self._thread.start()
+        self._thread = sync.start_thread(self._run, "tandem-engine-loop")
 
     @property
     def is_alive(self) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import TypeVar
 
 import torch.distributed as dist
@@ -33,6 +32,7 @@ from tandem.core.models.model_config import ModelConfig
 from tandem.core.topology import Topology
 from tandem.core.worker import Worker
 from tandem.core.worker_thread import WorkerThread
+from tandem.device.sync import REAL_SYNC, Promise, Sync
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +43,15 @@ _STOP = "stop"
 
 
 class ThreadExecutor:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, topology: Topology):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        topology: Topology,
+        sync: Sync = REAL_SYNC,
+    ):
         self.topology = topology
+        self._sync = sync
         self._closed = False
         self._comm: InProcessCommunicator | None = None
         self._control: dist.ProcessGroup | None = None
@@ -53,7 +60,7 @@ class ThreadExecutor:
             Worker(device, group, config, model_config)
             for device, group in zip(topology.devices, groups, strict=True)
         ]
-        self._threads = [WorkerThread(name=f"tandem-worker-{d}") for d in topology.devices]
+        self._threads = [WorkerThread(f"tandem-worker-{d}", sync) for d in topology.devices]
         try:
             threads = topology.cpu_threads_per_worker()
             self._on_all(lambda w: w.init_device(threads))
@@ -77,7 +84,7 @@ class ThreadExecutor:
         if topology.world_size == 1:
             return [SingleRankGroup()]
         timeout = config.parallel.timeout_s
-        local = create_inprocess_groups(topology.local_size, timeout_s=timeout)
+        local = create_inprocess_groups(topology.local_size, timeout_s=timeout, sync=self._sync)
         self._comm = local[0].communicator
         if topology.nnodes == 1:
             return list(local)
@@ -99,30 +106,39 @@ class ThreadExecutor:
         """Run ``fn`` on every worker's thread at once; results in rank order. The first
         failure aborts the communicator, so ranks blocked in a collective with the failed
         one are released instead of waiting out the timeout."""
-        futures: list[Future[T]] = [
-            thread.submit(lambda w=worker: fn(w))  # type: ignore[misc]
-            for thread, worker in zip(self._threads, self._workers, strict=True)
-        ]
+        settled = self._sync.condition()
+        promises: list[Promise[T]] = []
+        for thread, worker in zip(self._threads, self._workers, strict=True):
+            promise = thread.submit(lambda w=worker: fn(w))  # type: ignore[misc]
+            promises.append(promise)
+
+        def on_done(_: Promise[T]) -> None:
+            with settled:
+                settled.notify_all()
+
+        for promise in promises:
+            promise.add_done_callback(on_done)
         failure: BaseException | None = None
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, timeout=0.5, return_when=FIRST_EXCEPTION)
-            for future in done:
-                exc = future.exception()
-                if exc is not None and failure is None:
-                    failure = exc
+        with settled:
+            while not all(p.done() for p in promises):
+                errors = [p.exception() for p in promises if p.done() and p.exception()]
+                if errors and failure is None:
+                    failure = errors[0]
                     if self._comm is not None:
-                        self._comm.abort(f"a worker failed: {exc}")
-            if failure is None and not all(t.is_alive() for t in self._threads):
-                failure = EngineDeadError("a worker thread died")
-                if self._comm is not None:
-                    self._comm.abort("a worker thread died")
-                break
+                        self._comm.abort(f"a worker failed: {failure}")
+                if not all(t.is_alive() for t in self._threads):
+                    failure = failure or EngineDeadError("a worker thread died")
+                    if self._comm is not None:
+                        self._comm.abort("a worker thread died")
+                    break
+                settled.wait(0.5)
+        if failure is None:
+            failure = next((p.exception() for p in promises if p.exception()), None)
         if failure is not None:
             if self.topology.world_size > 1 and not isinstance(failure, ConfigError):
                 raise EngineDeadError(f"a worker failed: {failure}") from failure
             raise failure
-        return [f.result() for f in futures]
+        return [p.result() for p in promises]
 
     @property
     def workers(self) -> list[Worker]:

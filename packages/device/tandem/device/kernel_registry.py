@@ -11,13 +11,12 @@ lock.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from tandem.device.device import Device
+from tandem.device.sync import REAL_SYNC, Promise, Sync
 
 T = TypeVar("T")
 
@@ -31,12 +30,13 @@ class KernelKey:
 
 
 class KernelRegistry(Generic[T]):
-    def __init__(self, lock: Callable[[], Any] = threading.Lock) -> None:
+    def __init__(self, sync: Sync = REAL_SYNC) -> None:
         # Published entries are only ever added, never replaced or removed, so a plain dict
         # read (atomic under the GIL) needs no lock.
         self._published: dict[KernelKey, T] = {}
-        self._in_flight: dict[KernelKey, Future[T]] = {}
-        self._lock = lock()
+        self._in_flight: dict[KernelKey, Promise[T]] = {}
+        self._sync = sync
+        self._lock = sync.lock()
         self.registrations = 0
 
     def lookup(self, key: KernelKey) -> T | None:
@@ -44,6 +44,7 @@ class KernelRegistry(Generic[T]):
 
     def get(self, key: KernelKey, register: Callable[[], T]) -> T:
         """The handle for ``key``, calling ``register`` only if nobody has (or is doing so)."""
+        self._sync.yield_point(f"registry.lookup {key.kernel}@{key.device}")
         handle = self._published.get(key)
         if handle is not None:
             return handle
@@ -54,11 +55,12 @@ class KernelRegistry(Generic[T]):
             future = self._in_flight.get(key)
             owner = future is None
             if future is None:
-                future = Future()
+                future = Promise(self._sync)
                 self._in_flight[key] = future
         if not owner:
             return future.result()
         try:
+            self._sync.yield_point(f"registry.register {key.kernel}@{key.device}")
             handle = register()
         except BaseException as exc:
             with self._lock:
