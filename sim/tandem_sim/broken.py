@@ -1,0 +1,39 @@
+"""Deliberately broken variants of the seed's bugs, kept as fixtures the explorers must catch.
+Nothing in ``packages/`` uses them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tandem.device.kernel_registry import KernelKey
+from tandem.device.sync import Sync
+
+
+@dataclass
+class _Entry:
+    stub: str | None = None
+
+
+class UnsynchronizedRegistry:
+    """The seed's KernelRegistry: find, emplace (ignoring that another thread already did),
+    register, and on failure erase the shared entry, leaving the winner's users a null stub."""
+
+    def __init__(self, sync: Sync) -> None:
+        self._sync = sync
+        self._entries: dict[KernelKey, _Entry] = {}
+
+    def get(self, key: KernelKey, register: Callable[[], str]) -> str | None:
+        entry = self._entries.get(key)
+        self._sync.yield_point("kernel_infos_.find")
+        if entry is None:
+            entry = self._entries.setdefault(key, _Entry())
+            self._sync.yield_point("kernel_infos_.emplace")
+            try:
+                entry.stub = register()
+            except BaseException:
+                self._entries.pop(key, None)
+                entry.stub = None
+                raise
+        self._sync.yield_point("read stub")
+        return entry.stub

@@ -1,0 +1,301 @@
+"""The deterministic scheduler: it implements the ``Sync`` facade, so engine, executor,
+worker, communicator and registry code runs on it unchanged.
+
+Every task is a real thread, but only one runs at a time. A task runs until it reaches a
+yield point (any facade call: lock, condition, thread start/join, ``yield_point``), hands
+control back, and waits to be picked again. The strategy picks among the tasks that can run.
+Time is virtual: when every task waits and some wait with a timeout, the clock jumps to the
+earliest deadline. When every task waits with no deadline, that is a deadlock, reported with
+what each task is blocked on. A task that blocks outside the facade (a raw lock, a sleep)
+never comes back: the watchdog reports it by name and label.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from tandem_sim.strategies import Strategy
+
+
+class SimulationAborted(BaseException):
+    """Raised inside the tasks of an abandoned schedule, to unwind them."""
+
+
+@dataclass
+class _Task:
+    name: str
+    sem: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
+    done: bool = False
+    label: str = "start"
+    # While blocked: what on (for reports), when it may run again, and until when.
+    blocked_on: str | None = None
+    wake: Callable[[], bool] | None = None
+    deadline: float | None = None
+    error: BaseException | None = None
+
+    def runnable(self, now: float) -> bool:
+        if self.done:
+            return False
+        if self.wake is None:
+            return True
+        return self.wake() or (self.deadline is not None and now >= self.deadline)
+
+
+@dataclass
+class Outcome:
+    decisions: list[str]
+    labels: list[str]
+    errors: dict[str, BaseException]
+    deadlock: str | None = None
+    stuck: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and self.deadlock is None and self.stuck is None
+
+    def describe(self) -> str:
+        if self.stuck:
+            return f"stuck: {self.stuck}"
+        if self.deadlock:
+            return f"deadlock: {self.deadlock}"
+        return "; ".join(f"{task}: {type(e).__name__}: {e}" for task, e in self.errors.items())
+
+
+class SimThread:
+    """The facade's thread handle for a task."""
+
+    def __init__(self, scheduler: DeterministicScheduler, task: _Task) -> None:
+        self._scheduler = scheduler
+        self._task = task
+        self.name = task.name
+
+    def is_alive(self) -> bool:
+        return not self._task.done
+
+    def join(self, timeout: float | None = None) -> None:
+        s = self._scheduler
+        deadline = None if timeout is None else s.monotonic() + timeout
+        while not self._task.done:
+            if deadline is not None and s.monotonic() >= deadline:
+                return
+            s._block(f"join {self.name}", lambda: self._task.done, deadline)
+
+
+class SimLock:
+    def __init__(self, scheduler: DeterministicScheduler, name: str) -> None:
+        self._s = scheduler
+        self.name = name
+        self.owner: _Task | None = None
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        s = self._s
+        s.yield_point(f"acquire {self.name}")
+        deadline = None if timeout is None or timeout < 0 else s.monotonic() + timeout
+        while self.owner is not None:
+            if not blocking or (deadline is not None and s.monotonic() >= deadline):
+                return False
+            owner = self.owner.name
+            s._block(f"{self.name} held by {owner}", lambda: self.owner is None, deadline)
+        self.owner = s._me()
+        return True
+
+    def release(self) -> None:
+        if self.owner is None:
+            raise RuntimeError(f"release of unlocked {self.name}")
+        self.owner = None
+        self._s.yield_point(f"release {self.name}")
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+        /,
+    ) -> None:
+        self.release()
+
+
+class _Waiter:
+    def __init__(self) -> None:
+        self.notified = False
+
+
+class SimCondition:
+    def __init__(self, scheduler: DeterministicScheduler, name: str) -> None:
+        self._s = scheduler
+        self.name = name
+        self._lock = SimLock(scheduler, f"{name}.lock")
+        self._waiters: list[_Waiter] = []
+
+    def __enter__(self) -> bool:
+        return self._lock.acquire()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+        /,
+    ) -> None:
+        self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        s = self._s
+        if self._lock.owner is not s._me():
+            raise RuntimeError(f"wait on {self.name} without holding it")
+        waiter = _Waiter()
+        self._waiters.append(waiter)
+        self._lock.release()
+        deadline = None if timeout is None else s.monotonic() + timeout
+        s._block(f"wait {self.name}", lambda: waiter.notified, deadline)
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+        self._lock.acquire()
+        return waiter.notified
+
+    def notify(self, n: int = 1) -> None:
+        for waiter in self._waiters[:n]:
+            waiter.notified = True
+        del self._waiters[:n]
+
+    def notify_all(self) -> None:
+        self.notify(len(self._waiters))
+
+
+class DeterministicScheduler:
+    def __init__(self, strategy: Strategy, watchdog_s: float = 10.0, max_steps: int = 100_000):
+        self.strategy = strategy
+        self.watchdog_s = watchdog_s
+        self.max_steps = max_steps
+        self._tasks: list[_Task] = []
+        self._by_thread: dict[int, _Task] = {}
+        self._driver = threading.Semaphore(0)
+        self._now = 0.0
+        self._names: dict[str, int] = {}
+        self._decisions: list[str] = []
+        self._labels: list[str] = []
+        self._aborted = False
+
+    # -- the Sync facade ----------------------------------------------------------------
+
+    def lock(self) -> SimLock:
+        return SimLock(self, self._name("lock"))
+
+    def condition(self) -> SimCondition:
+        return SimCondition(self, self._name("cond"))
+
+    def monotonic(self) -> float:
+        return self._now
+
+    def yield_point(self, label: str) -> None:
+        task = self._by_thread.get(threading.get_ident())
+        if task is None:
+            return  # not a simulated thread (set-up code before run())
+        if self._aborted:
+            raise SimulationAborted(label)
+        task.label = label
+        self._driver.release()
+        task.sem.acquire()
+        if self._aborted:
+            raise SimulationAborted(label)
+
+    def start_thread(self, target: Callable[[], None], name: str) -> SimThread:
+        task = _Task(self._unique(name))
+        self._tasks.append(task)
+        self.strategy.on_task_created(task.name)
+
+        def body() -> None:
+            self._by_thread[threading.get_ident()] = task
+            task.sem.acquire()
+            try:
+                target()
+            except SimulationAborted:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - reported in the outcome
+                task.error = exc
+            finally:
+                task.done = True
+                if not self._aborted:
+                    self._driver.release()
+
+        threading.Thread(target=body, name=f"sim-{task.name}", daemon=True).start()
+        handle = SimThread(self, task)
+        self.yield_point(f"start {task.name}")
+        return handle
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _name(self, kind: str) -> str:
+        self._names[kind] = self._names.get(kind, 0) + 1
+        return f"{kind}{self._names[kind]}"
+
+    def _unique(self, name: str) -> str:
+        taken = {t.name for t in self._tasks}
+        if name not in taken:
+            return name
+        n = 2
+        while f"{name}#{n}" in taken:
+            n += 1
+        return f"{name}#{n}"
+
+    def _me(self) -> _Task:
+        task = self._by_thread.get(threading.get_ident())
+        if task is None:
+            raise RuntimeError("a simulated primitive was used outside a simulated thread")
+        return task
+
+    def _block(self, on: str, wake: Callable[[], bool], deadline: float | None) -> None:
+        task = self._me()
+        task.blocked_on, task.wake, task.deadline = on, wake, deadline
+        self.yield_point(f"blocked: {on}")
+        task.blocked_on, task.wake, task.deadline = None, None, None
+
+    # -- driving ------------------------------------------------------------------------
+
+    def run(self, main: Callable[[], None], name: str = "main") -> Outcome:
+        """Run ``main`` (and every thread it starts) to the end under the strategy."""
+        self.start_thread(main, name)
+        step = 0
+        while True:
+            live = [t for t in self._tasks if not t.done]
+            if not live:
+                break
+            runnable = [t for t in live if t.runnable(self._now)]
+            if not runnable:
+                deadlines = [t.deadline for t in live if t.deadline is not None]
+                if deadlines:
+                    self._now = max(self._now, min(deadlines))
+                    continue
+                graph = "; ".join(f"{t.name} waits on {t.blocked_on}" for t in live)
+                return self._outcome(deadlock=graph)
+            if step >= self.max_steps:
+                return self._outcome(stuck=f"no end after {self.max_steps} steps")
+            chosen_name = self.strategy.choose([t.name for t in runnable], step)
+            chosen = next(t for t in runnable if t.name == chosen_name)
+            self._decisions.append(chosen.name)
+            self._labels.append(chosen.label)
+            step += 1
+            chosen.sem.release()
+            if not self._driver.acquire(timeout=self.watchdog_s):
+                return self._outcome(
+                    stuck=f"{chosen.name} blocked outside the simulator's control after "
+                    f"{chosen.label!r} (a raw lock, sleep or queue?)"
+                )
+        return self._outcome()
+
+    def _outcome(self, deadlock: str | None = None, stuck: str | None = None) -> Outcome:
+        errors = {t.name: t.error for t in self._tasks if t.error is not None}
+        outcome = Outcome(list(self._decisions), list(self._labels), errors, deadlock, stuck)
+        if deadlock or stuck:
+            # Unwind the tasks left waiting, so abandoned schedules do not pile up threads.
+            self._aborted = True
+            for task in self._tasks:
+                if not task.done:
+                    task.sem.release()
+        return outcome
