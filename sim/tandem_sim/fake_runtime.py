@@ -4,6 +4,8 @@ stub fails as "Kernel stub is null"."""
 
 from __future__ import annotations
 
+import threading
+
 from tandem.device.sync import Sync
 
 ACL_ERROR_RT_KERNEL_DUPLICATE = 507028
@@ -16,10 +18,39 @@ class RuntimeFault(RuntimeError):
 
 
 class FakeNpuRuntime:
+    """Per thread, the runtime's context device (what ``aclrtSetDevice`` sets) and the
+    framework's cached current device (what ``torch.npu.set_device`` keeps in sync with it)."""
+
     def __init__(self, sync: Sync) -> None:
         self._sync = sync
         self.registered: dict[tuple[str, int], str] = {}
         self.registrations = 0
+        self._context: dict[int, int] = {}
+        self._framework: dict[int, int] = {}
+
+    def raw_set_device(self, device: int) -> None:
+        """``aclrtSetDevice``: the context moves, the framework's cache does not."""
+        self._sync.yield_point(f"aclrtSetDevice {device}")
+        self._context[threading.get_ident()] = device
+
+    def framework_set_device(self, device: int) -> None:
+        """``torch.npu.set_device``: both move together."""
+        self._sync.yield_point(f"torch.npu.set_device {device}")
+        self._context[threading.get_ident()] = device
+        self._framework[threading.get_ident()] = device
+
+    def current_stream(self) -> int:
+        """The framework's current stream lives on the device it believes is current."""
+        return self._framework.get(threading.get_ident(), 0)
+
+    def launch_on_stream(self, stream_device: int) -> None:
+        self._sync.yield_point("rtKernelLaunch")
+        context = self._context.get(threading.get_ident(), 0)
+        if stream_device != context:
+            raise RuntimeFault(
+                f"stale device: the stream belongs to device {stream_device} but the thread's "
+                f"context is device {context} (bound with a raw runtime call?)"
+            )
 
     def register_function(self, name: str, device: int) -> str:
         self._sync.yield_point(f"rtFunctionRegister {name}@{device}")

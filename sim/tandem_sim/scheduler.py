@@ -250,6 +250,15 @@ class DeterministicScheduler:
             raise RuntimeError("a simulated primitive was used outside a simulated thread")
         return task
 
+    def block(self, on: str, wake: Callable[[], bool], deadline: float | None = None) -> None:
+        """Park the calling task until ``wake()`` holds (or virtual time passes ``deadline``);
+        ``on`` is what a deadlock report says it waits for. For fakes built on the scheduler."""
+        self._block(on, wake, deadline)
+
+    def current_task(self) -> str | None:
+        task = self._by_thread.get(threading.get_ident())
+        return None if task is None else task.name
+
     def _block(self, on: str, wake: Callable[[], bool], deadline: float | None) -> None:
         task = self._me()
         task.blocked_on, task.wake, task.deadline = on, wake, deadline

@@ -83,3 +83,59 @@ class Replay:
                 f"step {step}: recorded {wanted!r}, runnable now {sorted(runnable)}"
             )
         return wanted
+
+
+class Exhaustive:
+    """Every schedule with at most ``bound`` preemptions (switching away from a task that
+    could have continued), depth first. One instance drives many runs: call ``next_run()``
+    between them until it returns False."""
+
+    name = "exhaustive"
+
+    def __init__(self, bound: int = 2) -> None:
+        self.bound = bound
+        # Per decision: the options offered (in order), the index taken, preemptions so far.
+        self._path: list[tuple[list[str], int, int]] = []
+        self._last: str | None = None
+
+    def on_task_created(self, task: str) -> None:
+        pass
+
+    def choose(self, runnable: Sequence[str], step: int) -> str:
+        if step < len(self._path):
+            options, index, _ = self._path[step]
+            chosen = options[index]
+            if chosen not in runnable:
+                raise ReplayDiverged(f"step {step}: {chosen!r} is not runnable on re-run")
+        else:
+            used = self._path[-1][2] if self._path else 0
+            last = self._last
+            if last is not None and last in runnable:
+                others = sorted(t for t in runnable if t != last)
+                options = [last, *(others if used < self.bound else [])]
+            else:
+                options = sorted(runnable)
+            self._path.append((options, 0, used))
+            chosen = options[0]
+        self._last = chosen
+        return chosen
+
+    def next_run(self) -> bool:
+        """Move to the next unexplored schedule; False when all are done."""
+        self._last = None
+        while self._path:
+            options, index, _ = self._path.pop()
+            if index + 1 < len(options):
+                before = self._path[-1][2] if self._path else 0
+                # Taking a later option than the continuing task is one more preemption.
+                preempts = before + 1 if options[0] == self._continuing(len(self._path)) else before
+                self._path.append((options, index + 1, preempts))
+                return True
+        return False
+
+    def _continuing(self, step: int) -> str | None:
+        """The task that ran at the step before ``step`` (None at the start)."""
+        if step == 0:
+            return None
+        options, index, _ = self._path[step - 1]
+        return options[index]

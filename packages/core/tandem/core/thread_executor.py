@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch.distributed as dist
 
 from tandem.collectives import (
-    InProcessCommunicator,
     ProcessGroup,
     Rendezvous,
     SingleRankGroup,
@@ -38,6 +37,14 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+
+class Abortable(Protocol):
+    def abort(self, reason: str) -> None: ...
+
+
+# Builds the local ranks' groups and the handle that aborts them (the simulator's fake backend).
+LocalGroupFactory = Callable[[int], tuple[list[ProcessGroup], Abortable]]
+
 # What node 0 sends the other nodes instead of a ForwardInput when it shuts down.
 _STOP = "stop"
 
@@ -49,11 +56,13 @@ class ThreadExecutor:
         model_config: ModelConfig,
         topology: Topology,
         sync: Sync = REAL_SYNC,
+        local_groups: LocalGroupFactory | None = None,
     ):
         self.topology = topology
         self._sync = sync
+        self._local_groups = local_groups
         self._closed = False
-        self._comm: InProcessCommunicator | None = None
+        self._comm: Abortable | None = None
         self._control: dist.ProcessGroup | None = None
         groups = self._make_groups(config, topology)
         self._workers = [
@@ -63,12 +72,12 @@ class ThreadExecutor:
         self._threads = [WorkerThread(f"tandem-worker-{d}", sync) for d in topology.devices]
         try:
             threads = topology.cpu_threads_per_worker()
-            self._on_all(lambda w: w.init_device(threads))
-            self._on_all(lambda w: w.load_model())
-            blocks = self._on_all(lambda w: w.determine_num_blocks())
-            agreed = self._on_all(lambda w: w.agree_num_blocks(blocks[self._workers.index(w)]))
+            self.on_all(lambda w: w.init_device(threads))
+            self.on_all(lambda w: w.load_model())
+            blocks = self.on_all(lambda w: w.determine_num_blocks())
+            agreed = self.on_all(lambda w: w.agree_num_blocks(blocks[self._workers.index(w)]))
             self._num_blocks = agreed[0]
-            self._on_all(lambda w: w.init_kv_cache(self._num_blocks))
+            self.on_all(lambda w: w.init_kv_cache(self._num_blocks))
         except BaseException:
             self.shutdown()
             raise
@@ -84,6 +93,11 @@ class ThreadExecutor:
         if topology.world_size == 1:
             return [SingleRankGroup()]
         timeout = config.parallel.timeout_s
+        if self._local_groups is not None:
+            if topology.nnodes != 1:
+                raise ConfigError("injected local groups serve one node only")
+            groups, self._comm = self._local_groups(topology.local_size)
+            return groups
         local = create_inprocess_groups(topology.local_size, timeout_s=timeout, sync=self._sync)
         self._comm = local[0].communicator
         if topology.nnodes == 1:
@@ -102,7 +116,7 @@ class ThreadExecutor:
             for g in local
         ]
 
-    def _on_all(self, fn: Callable[[Worker], T]) -> list[T]:
+    def on_all(self, fn: Callable[[Worker], T]) -> list[T]:
         """Run ``fn`` on every worker's thread at once; results in rank order. The first
         failure aborts the communicator, so ranks blocked in a collective with the failed
         one are released instead of waiting out the timeout."""
@@ -161,7 +175,7 @@ class ThreadExecutor:
         if self._control is not None:
             # Other nodes get the step over the network; local workers get the object itself.
             dist.broadcast_object_list([fi], src=0, group=self._control)
-        outputs = self._on_all(lambda w: w.execute_model(fi))
+        outputs = self.on_all(lambda w: w.execute_model(fi))
         out = outputs[0]
         if out is None:
             raise RuntimeError("rank 0 returned no sampler output")
@@ -178,7 +192,7 @@ class ThreadExecutor:
                 logger.info("node 0 stopped; leaving")
                 return
             assert isinstance(step, ForwardInput)
-            self._on_all(lambda w, fi=step: w.execute_model(fi))  # type: ignore[misc]
+            self.on_all(lambda w, fi=step: w.execute_model(fi))  # type: ignore[misc]
 
     def check_health(self) -> None:
         if self._closed or not all(t.is_alive() for t in self._threads):

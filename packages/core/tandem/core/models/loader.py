@@ -71,7 +71,8 @@ def iter_checkpoint(files: list[Path], desc: str) -> Iterator[tuple[str, LazyTen
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
         names = [(h, n) for h in handles for n in h.keys()]  # noqa: SIM118 - safe_open handles are not dicts
-        for handle, name in tqdm(names, desc=desc, unit="tensor", leave=False):
+        # disable=None: a bar on terminals, silence in logs and test output.
+        for handle, name in tqdm(names, desc=desc, unit="tensor", leave=False, disable=None):
             yield name, handle.get_slice(name)
 
 

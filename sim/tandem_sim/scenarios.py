@@ -1,0 +1,211 @@
+"""Named scenarios: each a function run as the main task of one schedule. A scenario raises
+(or deadlocks) when its bug shows; the correct variant of each must pass every schedule."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache, partial
+from pathlib import Path
+
+import torch
+
+from tandem.collectives import ProcessGroup
+from tandem.core.block_manager import BlockManager
+from tandem.core.config import CacheConfig, EngineConfig, ModelLoadConfig, ParallelConfig
+from tandem.core.demo_model import tiny_spec, write_demo_model
+from tandem.core.errors import EngineDeadError
+from tandem.core.forward_input import ForwardInput
+from tandem.core.input_builder import build_forward_input
+from tandem.core.models.model_config import ModelConfig
+from tandem.core.sampling_params import SamplingParams
+from tandem.core.scheduler import ScheduledSequence, SchedulerOutput
+from tandem.core.sequence import Sequence
+from tandem.core.thread_executor import ThreadExecutor
+from tandem.core.topology import resolve_topology
+from tandem.device import Device, KernelKey, KernelRegistry
+from tandem.device.sync import REAL_SYNC
+from tandem_sim.broken import UnsynchronizedRegistry
+from tandem_sim.fake_collectives import FakeBackend
+from tandem_sim.fake_runtime import FakeNpuRuntime
+from tandem_sim.scheduler import DeterministicScheduler
+
+Scenario = Callable[[DeterministicScheduler], None]
+
+
+@dataclass(frozen=True)
+class ScenarioSpec:
+    name: str
+    run: Scenario
+    bug: str
+    # True for the deliberately broken variants: exploring them must find a failure.
+    broken: bool
+
+
+KEY = KernelKey("layer_norm_fwd_kernel", Device("npu", 0), "bfloat16")
+
+
+def registry_race(s: DeterministicScheduler, broken: bool) -> None:
+    runtime = FakeNpuRuntime(s)
+    registry = UnsynchronizedRegistry(s) if broken else KernelRegistry[str](s)
+
+    def first_forward() -> None:
+        runtime.launch(registry.get(KEY, lambda: runtime.register_function(KEY.kernel, 0)))
+
+    threads = [s.start_thread(first_forward, f"worker{i}") for i in range(2)]
+    for t in threads:
+        t.join()
+    if runtime.registrations != 1:
+        raise AssertionError(f"kernel registered {runtime.registrations} times")
+
+
+def two_groups(s: DeterministicScheduler, mismatched: bool) -> None:
+    """Two process groups in one process (tensor- and data-parallel, say) on two ranks."""
+    tp = FakeBackend(s, "tp", 2).groups()
+    dp = FakeBackend(s, "dp", 2).groups()
+
+    def rank(r: int) -> None:
+        order = [dp[r], tp[r]] if (mismatched and r == 1) else [tp[r], dp[r]]
+        for group in order:
+            group.all_reduce(torch.ones(2))
+
+    threads = [s.start_thread(partial(rank, r), f"rank{r}") for r in range(2)]
+    for t in threads:
+        t.join()
+
+
+def set_device(s: DeterministicScheduler, raw: bool) -> None:
+    runtime = FakeNpuRuntime(s)
+
+    def worker(device: int) -> None:
+        if raw:
+            runtime.raw_set_device(device)
+        else:
+            runtime.framework_set_device(device)
+        runtime.launch_on_stream(runtime.current_stream())
+
+    threads = [s.start_thread(partial(worker, d), f"npu{d}") for d in range(2)]
+    for t in threads:
+        t.join()
+
+
+@lru_cache(maxsize=1)
+def _tiny_model() -> Path:
+
+    return write_demo_model(Path(tempfile.mkdtemp(prefix="tandem-sim-")) / "tiny", tiny_spec())
+
+
+def _executor(s: DeterministicScheduler, tp: int, model: Path) -> ThreadExecutor:
+
+    devices = ",".join(f"cpu:{i}" for i in range(tp))
+    config = EngineConfig(
+        model=ModelLoadConfig(model=str(model)),
+        cache=CacheConfig(num_blocks=16),
+        parallel=ParallelConfig(devices=devices, single_process=tp > 1),
+    )
+
+    def fake_groups(size: int) -> tuple[list[ProcessGroup], FakeBackend]:
+        backend = FakeBackend(s, f"tp{size}", size)
+        return list(backend.groups()), backend
+
+    return ThreadExecutor(
+        config,
+        ModelConfig.from_folder(model),
+        resolve_topology(config.parallel),
+        sync=s,
+        local_groups=fake_groups,
+    )
+
+
+def _step_input() -> ForwardInput:
+
+    prompt = [5, 17, 300, 42, 9, 100, 7]
+    seq = Sequence("probe", prompt, SamplingParams(max_tokens=1), frozenset(), 512)
+    manager = BlockManager(num_blocks=16, block_size=16, enable_prefix_cache=False)
+    manager.allocate(seq, len(prompt), cached=[])
+    out = SchedulerOutput(scheduled=[ScheduledSequence(seq, len(prompt), samples=True)])
+    return build_forward_input(out, block_size=16)
+
+
+@lru_cache(maxsize=1)
+def _reference_logits() -> torch.Tensor:
+    model = _tiny_model()
+    config = EngineConfig(model=ModelLoadConfig(model=str(model)), cache=CacheConfig(num_blocks=16))
+    executor = ThreadExecutor(
+        config, ModelConfig.from_folder(model), resolve_topology(config.parallel), sync=REAL_SYNC
+    )
+    fi = _step_input()
+    try:
+        logits: torch.Tensor = executor.call(0, lambda w: w.runner.prompt_logits(fi))
+    finally:
+        executor.shutdown()
+    return logits
+
+
+def tp_forward(s: DeterministicScheduler, tp: int) -> None:
+    """The real single-process executor runs one TP step on the fake backend."""
+    executor = _executor(s, tp, _tiny_model())
+    fi = _step_input()
+    try:
+        logits = executor.on_all(lambda w: w.runner.prompt_logits(fi))
+    finally:
+        executor.shutdown()
+    reference = _reference_logits()
+    if not torch.allclose(logits[0], reference, atol=1e-5):
+        raise AssertionError("TP logits differ from the TP=1 run")
+
+
+def rank_dies_mid_collective(s: DeterministicScheduler) -> None:
+    """Rank 1 raises between two collectives of a step: every rank and the executor must end
+    with an error; nothing may wait forever."""
+
+    executor = _executor(s, 2, _tiny_model())
+    fi = _step_input()
+    workers = executor.workers
+    layer = workers[1].runner.model.layers[1]
+    real_forward = layer.forward
+
+    def failing(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("rank 1 device fault")
+
+    layer.forward = failing
+    try:
+        executor.on_all(lambda w: w.runner.prompt_logits(fi))
+    except EngineDeadError as exc:
+        if "rank 1 device fault" not in str(exc) and "aborted" not in str(exc):
+            raise AssertionError(f"the engine reported the wrong failure: {exc}") from exc
+    else:
+        raise AssertionError("a rank failed but the step succeeded")
+    finally:
+        layer.forward = real_forward
+        executor.shutdown()
+
+
+SCENARIOS: dict[str, ScenarioSpec] = {
+    spec.name: spec
+    for spec in [
+        ScenarioSpec("registry_race_unsynchronized", partial(registry_race, broken=True),
+                     "seed 000: racing first registration, 507028, erased entry, null stub",
+                     broken=True),
+        ScenarioSpec("registry_race", partial(registry_race, broken=False),
+                     "the same first-use race on the shipped KernelRegistry", broken=False),
+        ScenarioSpec("two_groups_mismatched_order", partial(two_groups, mismatched=True),
+                     "seed 000: two groups in one process issuing in different orders",
+                     broken=True),
+        ScenarioSpec("two_groups_ordered", partial(two_groups, mismatched=False),
+                     "the same two groups, every rank in one order", broken=False),
+        ScenarioSpec("raw_set_device", partial(set_device, raw=True),
+                     "seed 000: aclrtSetDevice leaves torch_npu's cached device stale",
+                     broken=True),
+        ScenarioSpec("framework_set_device", partial(set_device, raw=False),
+                     "binding through the framework's setter", broken=False),
+        ScenarioSpec("tp_forward", partial(tp_forward, tp=2),
+                     "the real single-process executor, TP=2 step on the fake backend",
+                     broken=False),
+        ScenarioSpec("tp_forward_4", partial(tp_forward, tp=4),
+                     "the same with TP=4", broken=False),
+        ScenarioSpec("rank_dies_mid_collective", rank_dies_mid_collective,
+                     "a rank raises inside a step: errors everywhere, no hang", broken=False),
+    ]
+}  # fmt: skip

@@ -1,0 +1,90 @@
+"""Every scenario by name: broken variants are caught within 200 PCT schedules for 20 seeds
+in a row and replay from their file; correct variants pass 2,000 schedules."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tandem_sim.explore import ReplayMismatch, explore, replay, save
+from tandem_sim.scenarios import SCENARIOS
+
+BROKEN = sorted(name for name, spec in SCENARIOS.items() if spec.broken)
+CORRECT = sorted(name for name, spec in SCENARIOS.items() if not spec.broken)
+
+
+@pytest.mark.parametrize("name", BROKEN)
+def test_broken_variant_is_caught_for_20_seeds_and_replays(name: str, tmp_path: Path) -> None:
+    firsts = []
+    for seed in range(20):
+        result = explore(SCENARIOS[name], "pct", schedules=200, seed=seed)
+        assert result.failure is not None, f"{name}, seed {seed}: not caught in 200 schedules"
+        assert result.failing_run is not None
+        firsts.append(result.failing_run)
+        path = tmp_path / f"{name}-{seed}.json"
+        save(result, path)
+        _, outcome = replay(path)
+        assert outcome.describe() == result.failure.describe()
+    assert max(firsts) <= 200
+
+
+@pytest.mark.parametrize("name", BROKEN)
+def test_broken_variant_is_caught_by_exhaustive_search(name: str) -> None:
+    result = explore(SCENARIOS[name], "exhaustive", schedules=2000, seed=0)
+    assert result.failure is not None
+
+
+@pytest.mark.parametrize("name", CORRECT)
+def test_correct_variant_passes_2000_schedules(name: str) -> None:
+    result = explore(SCENARIOS[name], "pct", schedules=2000, seed=0)
+    assert result.failure is None, result.failure.describe() if result.failure else ""
+    assert result.runs == 2000
+
+
+def test_failures_say_what_went_wrong() -> None:
+    race = explore(SCENARIOS["registry_race_unsynchronized"], "pct", 200, seed=0).failure
+    assert race is not None
+    assert "507028" in race.describe() or "Kernel stub is null" in race.describe()
+    order = explore(SCENARIOS["two_groups_mismatched_order"], "pct", 200, seed=0).failure
+    assert order is not None and order.deadlock is not None
+    assert "group tp #0 all_reduce (rank 0), waiting for ranks [1]" in order.deadlock
+    assert "group dp #0 all_reduce (rank 1), waiting for ranks [0]" in order.deadlock
+    device = explore(SCENARIOS["raw_set_device"], "pct", 200, seed=0).failure
+    assert device is not None and "stale device" in device.describe()
+
+
+def test_a_replay_that_diverges_is_an_error(tmp_path: Path) -> None:
+    result = explore(SCENARIOS["registry_race_unsynchronized"], "pct", 200, seed=3)
+    path = tmp_path / "race.json"
+    save(result, path)
+    record = json.loads(path.read_text())
+    record["decisions"][2][1] = "a label the run never reaches"
+    path.write_text(json.dumps(record))
+    with pytest.raises(ReplayMismatch, match="diverged"):
+        replay(path)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tandem_sim", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_cli_exit_codes(tmp_path: Path) -> None:
+    listed = _cli("list")
+    assert listed.returncode == 0 and all(name in listed.stdout for name in SCENARIOS)
+    out = tmp_path / "found.json"
+    found = _cli("explore", "registry_race_unsynchronized", "--strategy", "pct",
+                 "--schedules", "200", "--seed", "1", "--out", str(out))  # fmt: skip
+    assert found.returncode == 1
+    assert "FAILED after" in found.stdout and f"python -m tandem_sim replay {out}" in found.stdout
+    again = _cli("replay", str(out))
+    assert again.returncode == 1 and "replayed" in again.stdout
+    passed = _cli("explore", "registry_race", "--schedules", "50")
+    assert passed.returncode == 0 and "50 schedules passed" in passed.stdout
+    assert _cli("explore", "no_such_scenario").returncode == 2
+    assert _cli("explore", "registry_race", "--schedules", "0").returncode == 2
+    assert _cli("replay", str(tmp_path / "missing.json")).returncode == 2
