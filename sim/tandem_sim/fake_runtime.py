@@ -5,7 +5,12 @@ stub fails as "Kernel stub is null"."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
+import torch
+
+from tandem.device import Device, MemoryInfo
 from tandem.device.sync import Sync
 
 ACL_ERROR_RT_KERNEL_DUPLICATE = 507028
@@ -19,7 +24,11 @@ class RuntimeFault(RuntimeError):
 
 class FakeNpuRuntime:
     """Per thread, the runtime's context device (what ``aclrtSetDevice`` sets) and the
-    framework's cached current device (what ``torch.npu.set_device`` keeps in sync with it)."""
+    framework's cached current device (what ``torch.npu.set_device`` keeps in sync with it).
+    It is also a ``DeviceRuntime``, so real workers can be bound to it; tensors stay in host
+    memory, standing in for device memory."""
+
+    kind = "npu"
 
     def __init__(self, sync: Sync) -> None:
         self._sync = sync
@@ -64,6 +73,38 @@ class FakeNpuRuntime:
         stub = f"stub:{name}@{device}"
         self.registered[(name, device)] = stub
         return stub
+
+    # -- the DeviceRuntime interface --------------------------------------------------
+
+    def bind(self, device: Device) -> None:
+        self.framework_set_device(device.index)
+
+    def current_device(self) -> Device | None:
+        index = self._framework.get(threading.get_ident())
+        return None if index is None else Device("npu", index)
+
+    def torch_device(self, device: Device) -> torch.device:
+        return torch.device("cpu")
+
+    def synchronize(self) -> None:
+        self._sync.yield_point("aclrtSynchronizeStream")
+
+    def memory_info(self, device: Device) -> MemoryInfo:
+        return MemoryInfo(total_bytes=64 << 30, free_bytes=60 << 30)
+
+    def device_count(self) -> int:
+        return 8
+
+    def load_kernel(
+        self, name: str, impl: Callable[..., Any], device: Device
+    ) -> Callable[..., Any]:
+        stub = self.register_function(name, device.index)
+
+        def launch_then_run(*args: Any) -> Any:
+            self.launch(stub)
+            return impl(*args)
+
+        return launch_then_run
 
     def launch(self, stub: str | None) -> None:
         self._sync.yield_point("rtKernelLaunch")

@@ -96,9 +96,11 @@ def _tiny_model() -> Path:
     return write_demo_model(Path(tempfile.mkdtemp(prefix="tandem-sim-")) / "tiny", tiny_spec())
 
 
-def _executor(s: DeterministicScheduler, tp: int, model: Path) -> ThreadExecutor:
-
-    devices = ",".join(f"cpu:{i}" for i in range(tp))
+def _executor(
+    s: DeterministicScheduler, tp: int, model: Path, runtime: FakeNpuRuntime | None = None
+) -> ThreadExecutor:
+    kind = "npu" if runtime is not None else "cpu"
+    devices = ",".join(f"{kind}:{i}" for i in range(tp))
     config = EngineConfig(
         model=ModelLoadConfig(model=str(model)),
         cache=CacheConfig(num_blocks=16),
@@ -115,6 +117,8 @@ def _executor(s: DeterministicScheduler, tp: int, model: Path) -> ThreadExecutor
         resolve_topology(config.parallel),
         sync=s,
         local_groups=fake_groups,
+        runtime=runtime,
+        kernel_registry=KernelRegistry(s) if runtime is not None else None,
     )
 
 
@@ -144,8 +148,10 @@ def _reference_logits() -> torch.Tensor:
 
 
 def tp_forward(s: DeterministicScheduler, tp: int) -> None:
-    """The real single-process executor runs one TP step on the fake backend."""
-    executor = _executor(s, tp, _tiny_model())
+    """The real single-process executor, its workers bound to the fake NPU runtime, runs one
+    TP step on the fake collective backend; every kernel is registered once per device."""
+    runtime = FakeNpuRuntime(s)
+    executor = _executor(s, tp, _tiny_model(), runtime)
     fi = _step_input()
     try:
         logits = executor.on_all(lambda w: w.runner.prompt_logits(fi))
@@ -154,6 +160,11 @@ def tp_forward(s: DeterministicScheduler, tp: int) -> None:
     reference = _reference_logits()
     if not torch.allclose(logits[0], reference, atol=1e-5):
         raise AssertionError("TP logits differ from the TP=1 run")
+    kernels = {name for name, _ in runtime.registered}
+    if runtime.registrations != len(kernels) * tp:
+        raise AssertionError(
+            f"{runtime.registrations} registrations for {len(kernels)} kernels on {tp} devices"
+        )
 
 
 def rank_dies_mid_collective(s: DeterministicScheduler) -> None:

@@ -12,7 +12,9 @@ never comes back: the watchdog reports it by name and label.
 
 from __future__ import annotations
 
+import sys
 import threading
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -181,6 +183,7 @@ class DeterministicScheduler:
         self._decisions: list[str] = []
         self._labels: list[str] = []
         self._aborted = False
+        self._running: _Task | None = None
 
     # -- the Sync facade ----------------------------------------------------------------
 
@@ -199,6 +202,11 @@ class DeterministicScheduler:
             return  # not a simulated thread (set-up code before run())
         if self._aborted:
             raise SimulationAborted(label)
+        if self._running is not task:
+            raise RuntimeError(
+                f"{task.name} reached {label!r} while {getattr(self._running, 'name', None)} "
+                "was scheduled: two tasks ran at once"
+            )
         task.label = label
         self._driver.release()
         task.sem.acquire()
@@ -290,13 +298,22 @@ class DeterministicScheduler:
             self._decisions.append(chosen.name)
             self._labels.append(chosen.label)
             step += 1
+            self._running = chosen
             chosen.sem.release()
             if not self._driver.acquire(timeout=self.watchdog_s):
                 return self._outcome(
                     stuck=f"{chosen.name} blocked outside the simulator's control after "
-                    f"{chosen.label!r} (a raw lock, sleep or queue?)"
+                    f"{chosen.label!r} (a raw lock, sleep or queue?), at:\n" + self._where(chosen)
                 )
         return self._outcome()
+
+    def _where(self, task: _Task) -> str:
+        for ident, owner in self._by_thread.items():
+            if owner is task:
+                frame = sys._current_frames().get(ident)
+                if frame is not None:
+                    return "".join(traceback.format_stack(frame)[-8:])
+        return "(no frame)"
 
     def _outcome(self, deadlock: str | None = None, stuck: str | None = None) -> Outcome:
         errors = {t.name: t.error for t in self._tasks if t.error is not None}

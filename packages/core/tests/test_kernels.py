@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+
 import torch
 
 from tandem.core.layers.norm import RMSNorm
@@ -17,3 +20,32 @@ def test_the_models_kernels_go_through_the_process_registry() -> None:
     assert out.shape == x.shape
     assert registry.lookup(KernelKey("rms_norm", Device("cpu", 0), "torch.float64")) is not None
     assert len(registry) >= before
+
+
+def test_a_worker_uses_the_registry_it_is_given_even_when_empty(demo_dir: Path) -> None:
+    """An empty registry has length 0; it must still be the one the worker's kernels use."""
+    from tandem.collectives import SingleRankGroup
+    from tandem.core.config import CacheConfig, EngineConfig, ModelLoadConfig
+    from tandem.core.models.model_config import ModelConfig
+    from tandem.core.worker import Worker
+    from tandem.device import KernelRegistry
+
+    own: KernelRegistry[object] = KernelRegistry()
+    config = EngineConfig(
+        model=ModelLoadConfig(model=str(demo_dir)), cache=CacheConfig(num_blocks=8)
+    )
+    worker = Worker(
+        Device("cpu", 0), SingleRankGroup(), config, ModelConfig.from_folder(demo_dir),
+        kernel_registry=own,
+    )  # fmt: skip
+
+    def on_a_worker_thread() -> None:
+        # A thread of its own: binding is per thread and must not leak into other tests.
+        worker.init_device()
+        worker.load_model()
+        worker.runner.model.norm(torch.randn(2, worker.model_config.hidden_size))
+
+    thread = threading.Thread(target=on_a_worker_thread)
+    thread.start()
+    thread.join(60)
+    assert own.lookup(KernelKey("rms_norm", Device("cpu", 0), "torch.float32")) is not None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
 
@@ -31,6 +31,7 @@ from tandem.core.models.model_config import ModelConfig
 from tandem.core.topology import Topology
 from tandem.core.worker import Worker
 from tandem.core.worker_thread import WorkerThread
+from tandem.device import DeviceRuntime, KernelRegistry
 from tandem.device.sync import REAL_SYNC, Promise, Sync
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class ThreadExecutor:
         topology: Topology,
         sync: Sync = REAL_SYNC,
         local_groups: LocalGroupFactory | None = None,
+        runtime: DeviceRuntime | None = None,
+        kernel_registry: KernelRegistry[Any] | None = None,
     ):
         self.topology = topology
         self._sync = sync
@@ -66,7 +69,7 @@ class ThreadExecutor:
         self._control: dist.ProcessGroup | None = None
         groups = self._make_groups(config, topology)
         self._workers = [
-            Worker(device, group, config, model_config)
+            Worker(device, group, config, model_config, runtime, kernel_registry)
             for device, group in zip(topology.devices, groups, strict=True)
         ]
         self._threads = [WorkerThread(f"tandem-worker-{d}", sync) for d in topology.devices]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -15,7 +16,15 @@ from tandem.core.kv_cache import bytes_per_block, num_blocks_for_memory
 from tandem.core.model_runner import ModelRunner
 from tandem.core.models.loader import load_model, resolve_dtype
 from tandem.core.models.model_config import ModelConfig
-from tandem.device import Device, DeviceRuntime, get_runtime
+from tandem.device import (
+    BoundContext,
+    Device,
+    DeviceRuntime,
+    KernelRegistry,
+    bind_context,
+    get_runtime,
+    process_kernel_registry,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +36,18 @@ class Worker:
         group: ProcessGroup,
         config: EngineConfig,
         model_config: ModelConfig,
+        runtime: DeviceRuntime | None = None,
+        kernel_registry: KernelRegistry[Any] | None = None,
     ) -> None:
         self.device = device
         self.group = group
         self.config = config
         self.model_config = model_config
-        self.runtime: DeviceRuntime | None = None
+        self.runtime: DeviceRuntime | None = runtime
+        # Not `or`: an empty registry is falsy (it has a length).
+        self._kernel_registry = (
+            kernel_registry if kernel_registry is not None else process_kernel_registry()
+        )
         self._runner: ModelRunner | None = None
 
     @property
@@ -41,11 +56,18 @@ class Worker:
             raise RuntimeError("the worker has no model yet; call load_model() first")
         return self._runner
 
+    def _torch_device(self) -> torch.device:
+        assert self.runtime is not None, "init_device() first"
+        device: torch.device = self.runtime.torch_device(self.device)
+        return device
+
     def init_device(self, cpu_threads: int | None = None) -> None:
         """Bind the device to this thread; on CPU, also cap torch's threads for this worker
         (workers sharing the cores each take their share instead of all of them)."""
-        self.runtime = get_runtime(self.device.kind)
+        if self.runtime is None:
+            self.runtime = get_runtime(self.device.kind)
         self.runtime.bind(self.device)
+        bind_context(BoundContext(self.runtime, self._kernel_registry))
         if self.device.kind == "cpu" and cpu_threads is not None:
             torch.set_num_threads(cpu_threads)
 
@@ -58,11 +80,11 @@ class Worker:
             self.model_config,
             self.group,
             dtype,
-            self.device.torch_device(),
+            self._torch_device(),
         )
         self._runner = ModelRunner(
             model,
-            self.device.torch_device(),
+            self._torch_device(),
             dtype,
             seed=self.config.model.seed,
             samples=self.group.rank == 0,

@@ -4,16 +4,20 @@ A worker thread binds its device once through the framework's own setter (``bind
 the framework's thread-local device cache and the thread's streams always agree.
 """
 
+from tandem.device.context import BoundContext, bind_context, bound_context
 from tandem.device.device import Device, parse_device, parse_devices
 from tandem.device.kernel_registry import KernelKey, KernelRegistry, process_kernel_registry
 from tandem.device.runtime import DeviceRuntime, MemoryInfo, get_runtime, register_runtime
 
 __all__ = [
+    "BoundContext",
     "Device",
     "DeviceRuntime",
     "KernelKey",
     "KernelRegistry",
     "MemoryInfo",
+    "bind_context",
+    "bound_context",
     "get_runtime",
     "parse_device",
     "parse_devices",

@@ -70,6 +70,9 @@ class CpuRuntime:
         torch.cpu.set_device(str(device.torch_device()))
         self._local.device = device
 
+    def torch_device(self, device: Device) -> torch.device:
+        return device.torch_device()
+
     def current_device(self) -> Device | None:
         device: Device | None = getattr(self._local, "device", None)
         return device

@@ -28,6 +28,9 @@ class DeviceRuntime(Protocol):
     def bind(self, device: Device) -> None:
         """Make ``device`` current for the calling thread through the framework's setter."""
 
+    def torch_device(self, device: Device) -> Any:
+        """The torch device tensors of ``device`` live on."""
+
     def current_device(self) -> Device | None:
         """The device bound to the calling thread, or None."""
 

@@ -14,7 +14,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tandem.device import Device, KernelKey, get_runtime, process_kernel_registry
+from tandem.device import (
+    Device,
+    KernelKey,
+    bound_context,
+    get_runtime,
+    process_kernel_registry,
+)
 
 KernelFn = Callable[..., torch.Tensor]
 
@@ -36,10 +42,12 @@ class KernelSlot:
         return resolved[1](x, *args)
 
     def _resolve(self, x: torch.Tensor) -> KernelFn:
-        runtime = get_runtime(x.device.type)
+        context = bound_context()
+        runtime = context.runtime if context else get_runtime(x.device.type)
+        registry = context.registry if context else process_kernel_registry()
         device = runtime.current_device() or Device(x.device.type, x.device.index or 0)
         key = KernelKey(self.name, device, str(x.dtype))
-        handle: KernelFn = process_kernel_registry().get(
+        handle: KernelFn = registry.get(
             key, lambda: runtime.load_kernel(self.name, self.impl, device)
         )
         return handle
