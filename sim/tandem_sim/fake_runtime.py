@@ -36,6 +36,9 @@ class FakeNpuRuntime:
         self.registrations = 0
         self._context: dict[int, int] = {}
         self._framework: dict[int, int] = {}
+        # Each device's default stream, in order: a launch runs when issued, so a stream's
+        # work completes in launch order; the log lets scenarios check that order.
+        self.stream_log: dict[int, list[str]] = {}
 
     def raw_set_device(self, device: int) -> None:
         """``aclrtSetDevice``: the context moves, the framework's cache does not."""
@@ -102,6 +105,7 @@ class FakeNpuRuntime:
 
         def launch_then_run(*args: Any) -> Any:
             self.launch(stub)
+            self.stream_log.setdefault(device.index, []).append(name)
             return impl(*args)
 
         return launch_then_run

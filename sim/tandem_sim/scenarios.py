@@ -160,6 +160,10 @@ def tp_forward(s: DeterministicScheduler, tp: int) -> None:
     reference = _reference_logits()
     if not torch.allclose(logits[0], reference, atol=1e-5):
         raise AssertionError("TP logits differ from the TP=1 run")
+    for device, launched in runtime.stream_log.items():
+        # Both ranks run the same layers in the same order: their streams must agree.
+        if launched != runtime.stream_log[0]:
+            raise AssertionError(f"stream of npu:{device} ran kernels in another order")
     kernels = {name for name, _ in runtime.registered}
     if runtime.registrations != len(kernels) * tp:
         raise AssertionError(
