@@ -8,11 +8,13 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from harness import free_port
 
 from tandem.core import (
     CacheConfig,
     EngineConfig,
+    EngineDeadError,
     EngineLoop,
     LLMEngine,
     ModelLoadConfig,
@@ -61,5 +63,8 @@ def test_killed_worker_fails_requests_quickly(model_dir: Path) -> None:
         assert {o.finish_reason for o in finished.values()} == {"error"}
         assert all("rank1" in (o.error or "") for o in finished.values())
         assert engine.dead is not None and not loop.is_alive
+        # What /health consults besides the loop: the executor knows a worker is gone.
+        with pytest.raises(EngineDeadError, match="rank1"):
+            executor.check_health()
     finally:
         loop.stop()

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tandem.core import EngineDeadError
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
 from tandem.server.errors import error_response, install_error_handlers
@@ -97,9 +98,15 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if state.loop.is_alive:
-            return Response(status_code=200)
-        return error_response(503, f"The engine is not running: {state.engine.dead or 'stopped'}")
+        if not state.loop.is_alive:
+            reason = state.engine.dead or "stopped"
+            return error_response(503, f"The engine is not running: {reason}")
+        try:
+            # Also while idle: a worker that died between requests shows here.
+            state.engine.executor.check_health()
+        except EngineDeadError as exc:
+            return error_response(503, f"The engine is not running: {exc}")
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
