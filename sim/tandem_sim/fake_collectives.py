@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from tandem.collectives import CollectiveAborted, CollectiveMismatch, ReduceOp
+from tandem.collectives.process_group import check_scatterable
 from tandem_sim.scheduler import DeterministicScheduler
 
 _FIELDS = ("op", "shape", "dtype", "reduce_op", "root")
@@ -140,6 +141,7 @@ class FakeGroup:
         return result.clone()
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        check_scatterable(tensor, self.size)
         full = self.all_reduce(tensor.clone(), op)
         return full.chunk(self.size, dim=0)[self._rank].clone()
 

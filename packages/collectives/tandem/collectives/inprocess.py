@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tandem.collectives.errors import CollectiveAborted, CollectiveMismatch, CollectiveTimeout
-from tandem.collectives.process_group import ReduceOp
+from tandem.collectives.process_group import ReduceOp, check_scatterable
 from tandem.device.sync import REAL_SYNC, Sync
 
 Fingerprint = tuple[Any, ...]
@@ -177,10 +177,7 @@ class InProcessGroup:
         return result.clone()
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-        if tensor.shape[0] % self.size:
-            raise ValueError(
-                f"reduce_scatter needs dim 0 ({tensor.shape[0]}) divisible by {self.size}"
-            )
+        check_scatterable(tensor, self.size)
         reduce = _sum_in_rank_order if op is ReduceOp.SUM else _max
         result: torch.Tensor = self._run("reduce_scatter", tensor, (op.value,), reduce)
         return result.chunk(self.size, dim=0)[self._rank].clone()

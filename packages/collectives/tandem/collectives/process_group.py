@@ -42,3 +42,9 @@ class ProcessGroup(Protocol):
         ...
 
     def barrier(self) -> None: ...
+
+
+def check_scatterable(tensor: torch.Tensor, size: int) -> None:
+    """reduce_scatter hands each rank an equal slice of dim 0."""
+    if tensor.shape[0] % size:
+        raise ValueError(f"reduce_scatter needs dim 0 ({tensor.shape[0]}) divisible by {size}")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tandem.collectives.process_group import ReduceOp
+from tandem.collectives.process_group import ReduceOp, check_scatterable
 
 logger = logging.getLogger(__name__)
 
@@ -133,10 +133,7 @@ class TorchDistributedGroup:
         return torch.cat(parts, dim=dim)
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-        if tensor.shape[0] % self._size:
-            raise ValueError(
-                f"reduce_scatter needs dim 0 ({tensor.shape[0]}) divisible by {self._size}"
-            )
+        check_scatterable(tensor, self._size)
         self._sequence += 1
         if self.backend == "gloo":
             # gloo has no reduce_scatter: reduce everything, keep this rank's slice.

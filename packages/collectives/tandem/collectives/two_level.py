@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tandem.collectives.inprocess import InProcessGroup
-from tandem.collectives.process_group import ProcessGroup, ReduceOp
+from tandem.collectives.process_group import ProcessGroup, ReduceOp, check_scatterable
 
 
 class TwoLevelGroup:
@@ -60,10 +60,7 @@ class TwoLevelGroup:
         return self._local.broadcast(full, root=0)
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-        if tensor.shape[0] % self.size:
-            raise ValueError(
-                f"reduce_scatter needs dim 0 ({tensor.shape[0]}) divisible by {self.size}"
-            )
+        check_scatterable(tensor, self.size)
         full = self.all_reduce(tensor.clone(), op)
         return full.chunk(self.size, dim=0)[self.rank].clone()
 

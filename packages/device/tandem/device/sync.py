@@ -18,10 +18,8 @@ from typing import Any, Generic, Protocol, TypeVar
 T = TypeVar("T")
 
 
-class LockLike(Protocol):
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool: ...
-
-    def release(self) -> None: ...
+class Held(Protocol):
+    """Held inside a ``with`` block (locks and conditions alike)."""
 
     def __enter__(self) -> bool: ...
 
@@ -34,22 +32,18 @@ class LockLike(Protocol):
     ) -> None: ...
 
 
-class ConditionLike(Protocol):
+class LockLike(Held, Protocol):
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+class ConditionLike(Held, Protocol):
     def wait(self, timeout: float | None = None) -> bool: ...
 
     def notify(self, n: int = 1) -> None: ...
 
     def notify_all(self) -> None: ...
-
-    def __enter__(self) -> bool: ...
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-        /,
-    ) -> None: ...
 
 
 class ThreadLike(Protocol):
