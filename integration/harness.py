@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,3 +60,65 @@ def free_port() -> int:
 
 
 ServerFactory = Callable[..., "Server"]
+
+
+# Prompts of different lengths, given as token ids so every model reads the same ones.
+PROMPT_IDS = ["1,45,300,21", "7", "3,9,27,81,243,11,33,99,297,2,6,18,54,162,86,258,4,12,36,108"]
+
+
+def topology_args(
+    topology: str, port: int, kind: str = "cpu"
+) -> tuple[list[list[str]], dict[str, str]]:
+    """The extra ``tandem generate`` arguments of each node, and the environment, for a named
+    topology: tp1, tp2-single-process, tp2-multi-process, tp4-2nodes-single-process."""
+    addr = f"127.0.0.1:{port}"
+    pair = f"{kind}:0,{kind}:1"
+    if topology == "tp1":
+        return [["--devices", f"{kind}:0"]], {}
+    if topology == "tp2-single-process":
+        return [["--devices", pair]], {"TANDEM_ENABLE_SINGLE_PROCESS": "1"}
+    if topology == "tp2-multi-process":
+        return [["--devices", pair, "--master-node-addr", addr]], {}
+    if topology == "tp4-2nodes-single-process":
+        shared = ["--devices", pair, "--nnodes", "2", "--master-node-addr", addr]
+        nodes = [[*shared, "--node-rank", "0"], [*shared, "--node-rank", "1"]]
+        return nodes, {"TANDEM_ENABLE_SINGLE_PROCESS": "1"}
+    raise ValueError(f"unknown topology {topology!r}")
+
+
+@dataclass
+class Generated:
+    token_ids: list[list[int]]
+    # Every node's stderr, in node order.
+    logs: list[str]
+
+
+def generate_token_ids(
+    model: Path,
+    topology: str,
+    new_tokens: int,
+    extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    log_level: str = "WARNING",
+    kind: str = "cpu",
+) -> Generated:
+    """Greedy token ids of ``PROMPT_IDS`` from ``tandem generate`` processes (one per node)."""
+    base = [sys.executable, "-m", "tandem.server.cli.main", "generate", "--log-level", log_level,
+            "--model", str(model), "--num-blocks", "256", "--max-tokens", str(new_tokens),
+            "--ignore-eos", "--json", *extra]  # fmt: skip
+    for prompt in PROMPT_IDS:
+        base += ["--prompt-token-ids", prompt]
+    nodes, topo_env = topology_args(topology, free_port(), kind)
+    full_env = {**os.environ, **topo_env, **(env or {})}
+    procs = [
+        subprocess.Popen(base + node, env=full_env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for node in nodes
+    ]  # fmt: skip
+    outputs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    records = [json.loads(line) for line in outputs[0][0].splitlines()]
+    assert len(records) == len(PROMPT_IDS)
+    assert all(len(r["token_ids"]) == new_tokens for r in records)
+    return Generated([r["token_ids"] for r in records], [err for _, err in outputs])

@@ -43,7 +43,7 @@ def test_single_process_refuses_a_process_global_backend() -> None:
         resolve_topology(
             ParallelConfig(devices="cpu:0,cpu:1", single_process=True, local_collectives="torch")
         )
-    assert "process-global" in str(err.value) and "--local-collectives inprocess" in str(err.value)
+    assert "process-global" in str(err.value) and "--local-collectives auto" in str(err.value)
 
 
 def test_duplicate_devices() -> None:

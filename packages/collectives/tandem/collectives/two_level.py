@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from tandem.collectives.inprocess import InProcessGroup
 from tandem.collectives.process_group import ProcessGroup, ReduceOp, check_scatterable
 
 
 class TwoLevelGroup:
     def __init__(
-        self, local: InProcessGroup, inter: ProcessGroup | None, node_rank: int, nnodes: int
+        self, local: ProcessGroup, inter: ProcessGroup | None, node_rank: int, nnodes: int
     ) -> None:
         if (local.rank == 0) != (inter is not None):
             raise ValueError("exactly the node leader (local rank 0) holds the inter-node group")

@@ -75,12 +75,19 @@ class ParallelConfig:
     master_node_addr: str | None = None
     nnodes: int = 1
     node_rank: int = 0
-    # torch.distributed backend between processes: gloo (CPU), hccl (NPU), nccl (CUDA).
-    dist_backend: str = "gloo"
-    # Collectives among the devices of one single-process node: "inprocess" (one communicator
-    # set for all local devices), or "torch" (torch.distributed's default group, which
-    # cannot host two ranks in one process and is refused there).
-    local_collectives: str = "inprocess"
+    # torch.distributed backend of the process world: "auto" = gloo on CPU; on NPU/CUDA hccl/
+    # nccl when the collectives run on torch.distributed, else gloo (it only carries ids).
+    dist_backend: str = "auto"
+    # Collectives among the devices of one single-process node: "auto" (by device kind:
+    # inprocess on CPU, hccl on NPU, nccl on CUDA), "inprocess" (one communicator set for all
+    # local devices, host memory), "hccl"/"nccl" (HcclCommInitAll / ncclCommInitAll, from
+    # tandem-hw), or "torch" (torch.distributed's default group, which cannot host two ranks
+    # in one process and is refused there).
+    local_collectives: str = "auto"
+    # Collectives among processes: "auto" (torch on CPU, hccl on NPU, nccl on CUDA), "torch"
+    # (torch.distributed with dist_backend), "hccl"/"nccl" (root info / unique id exchanged
+    # over the CPU world group, then HcclCommInitRootInfo / ncclCommInitRank).
+    process_collectives: str = "auto"
     # Seconds a collective or a worker call may wait before it fails instead of hanging.
     timeout_s: float = 300.0
 

@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from tandem.core.collective_choice import resolve_collectives
 from tandem.core.config import EngineConfig
 from tandem.core.errors import ConfigError, EngineDeadError
 from tandem.core.forward_input import ForwardInput, SamplerOutput
@@ -35,6 +36,13 @@ class ProcessExecutor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, topology: Topology):
         if topology.master_node_addr is None:
             raise ConfigError("multi-process mode needs --master-node-addr HOST:PORT")
+        # Before any process starts: the collectives exist and serve this device kind.
+        resolve_collectives(
+            config.parallel,
+            topology.devices[0].kind,
+            uses_local=False,
+            uses_process=topology.uses_process_groups,
+        )
         self.topology = topology
         self._timeout = config.parallel.timeout_s
         self._closed = False

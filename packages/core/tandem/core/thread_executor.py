@@ -24,6 +24,8 @@ from tandem.collectives import (
     create_inprocess_groups,
     init_distributed,
 )
+from tandem.collectives.backends import CommunicatorSet, get_collective_backend
+from tandem.core.collective_choice import INPROCESS, TORCH, resolve_collectives
 from tandem.core.config import EngineConfig
 from tandem.core.errors import ConfigError, EngineDeadError
 from tandem.core.forward_input import ForwardInput, SamplerOutput
@@ -31,7 +33,7 @@ from tandem.core.models.model_config import ModelConfig
 from tandem.core.topology import Topology
 from tandem.core.worker import Worker
 from tandem.core.worker_thread import WorkerThread
-from tandem.device import DeviceRuntime, KernelRegistry
+from tandem.device import DeviceRuntime, KernelRegistry, get_runtime
 from tandem.device.sync import REAL_SYNC, Promise, Sync
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,9 @@ class ThreadExecutor:
         self._local_groups = local_groups
         self._closed = False
         self._comm: Abortable | None = None
+        # Hardware communicators to destroy once the workers are gone.
+        self._communicators: CommunicatorSet | None = None
+        self._runtime = runtime
         self._control: dist.ProcessGroup | None = None
         groups = self._make_groups(config, topology)
         self._workers = [
@@ -101,23 +106,51 @@ class ThreadExecutor:
                 raise ConfigError("injected local groups serve one node only")
             groups, self._comm = self._local_groups(topology.local_size)
             return groups
-        local = create_inprocess_groups(topology.local_size, timeout_s=timeout, sync=self._sync)
-        self._comm = local[0].communicator
+        kind = topology.devices[0].kind
+        choice = resolve_collectives(
+            config.parallel, kind, topology.uses_local_groups, topology.uses_process_groups
+        )
+        local: list[ProcessGroup]
+        if choice.local == INPROCESS:
+            inprocess = create_inprocess_groups(
+                topology.local_size, timeout_s=timeout, sync=self._sync
+            )
+            self._comm = inprocess[0].communicator
+            local = list(inprocess)
+        else:
+            made = get_collective_backend(choice.local).local_groups(
+                topology.devices, self._group_runtime(kind), timeout
+            )
+            self._comm = self._communicators = made.communicators
+            local = made.groups
         if topology.nnodes == 1:
-            return list(local)
+            return local
         assert topology.master_node_addr is not None
         try:
             rdzv = Rendezvous.parse(topology.master_node_addr, topology.nnodes, topology.node_rank)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        init_distributed(rdzv, config.parallel.dist_backend, timeout_s=timeout)
-        inter = TorchDistributedGroup(config.parallel.dist_backend)
+        init_distributed(rdzv, choice.dist_backend, timeout_s=timeout)
+        inter: ProcessGroup
+        if choice.process == TORCH:
+            inter = TorchDistributedGroup(choice.dist_backend)
+        else:
+            inter = get_collective_backend(choice.process).process_group(
+                topology.devices[0],
+                self._group_runtime(kind),
+                topology.node_rank,
+                topology.nnodes,
+                timeout,
+            )
         # A second group for node 0's step inputs, used only from the engine thread.
         self._control = dist.new_group(backend="gloo")
         return [
             TwoLevelGroup(g, inter if g.rank == 0 else None, topology.node_rank, topology.nnodes)
             for g in local
         ]
+
+    def _group_runtime(self, kind: str) -> DeviceRuntime:
+        return self._runtime if self._runtime is not None else get_runtime(kind)
 
     def on_all(self, fn: Callable[[Worker], T]) -> list[T]:
         """Run ``fn`` on every worker's thread at once; results in rank order. The first
@@ -210,7 +243,13 @@ class ThreadExecutor:
                 dist.broadcast_object_list([_STOP], src=0, group=self._control)
             except RuntimeError:
                 logger.warning("could not tell the other nodes to stop")
-        if self._comm is not None:
+        if self._communicators is None and self._comm is not None:
             self._comm.abort("the executor is shutting down")
         for thread in self._threads:
             thread.stop()
+        if self._communicators is not None:
+            if all(not t.is_alive() for t in self._threads):
+                self._communicators.close()
+            else:
+                # A worker still inside a collective: release it, never free under it.
+                self._communicators.abort("the executor is shutting down")

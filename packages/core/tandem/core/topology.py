@@ -41,6 +41,16 @@ class Topology:
     def first_rank(self) -> int:
         return self.node_rank * self.local_size
 
+    @property
+    def uses_local_groups(self) -> bool:
+        """Several devices of this node share one communicator set (worker threads)."""
+        return self.mode is Mode.SINGLE_PROCESS and self.local_size > 1
+
+    @property
+    def uses_process_groups(self) -> bool:
+        """Collectives cross process boundaries (one process per device, or node leaders)."""
+        return self.world_size > 1 and (self.mode is Mode.MULTI_PROCESS or self.nnodes > 1)
+
     def cpu_threads_per_worker(self) -> int | None:
         """CPU workers split this machine's cores; None leaves torch's default."""
         if self.devices[0].kind != "cpu" or self.local_size == 1:
@@ -79,12 +89,13 @@ def resolve_topology(config: ParallelConfig) -> Topology:
             f"--nnodes {config.nnodes} needs --master-node-addr HOST:PORT of node 0 for the "
             "nodes to meet"
         )
-    if single and config.local_collectives != "inprocess":
+    if single and config.local_collectives == "torch":
         raise ConfigError(
             f"single-process mode cannot use {config.local_collectives!r} collectives among "
             "local devices: torch.distributed's default group is process-global and cannot "
-            "host two ranks in one process; use the in-process communicator "
-            "(--local-collectives inprocess) or one process per device (--master-node-addr)"
+            "host two ranks in one process; use a communicator created for all local devices at "
+            "once (--local-collectives auto: inprocess on CPU, hccl on NPU, nccl on CUDA) or "
+            "one process per device (--master-node-addr)"
         )
     if master == "env://" and not single:
         raise ConfigError(

@@ -113,7 +113,8 @@ class Worker:
         """The smallest block count over all ranks, so every rank's cache holds every block."""
         if self.group.size == 1:
             return num_blocks
-        value = torch.tensor([-num_blocks], dtype=torch.int64)
+        # On the device: hardware collectives take device memory only.
+        value = torch.tensor([-num_blocks], dtype=torch.int64, device=self._torch_device())
         self.group.all_reduce(value, ReduceOp.MAX)
         return -int(value.item())
 

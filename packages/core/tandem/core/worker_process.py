@@ -12,13 +12,15 @@ from multiprocessing.connection import Connection
 
 import torch.distributed as dist
 
-from tandem.collectives import Rendezvous, TorchDistributedGroup, init_distributed
+from tandem.collectives import ProcessGroup, Rendezvous, TorchDistributedGroup, init_distributed
+from tandem.collectives.backends import get_collective_backend
+from tandem.core.collective_choice import TORCH, resolve_collectives
 from tandem.core.config import EngineConfig
 from tandem.core.forward_input import ForwardInput
 from tandem.core.models.model_config import ModelConfig
 from tandem.core.transport import ShmBroadcastReader
 from tandem.core.worker import Worker
-from tandem.device import Device
+from tandem.device import Device, get_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +68,20 @@ def _run(
     notes: Connection | None,
     results: Connection | None,
 ) -> None:
-    backend = config.parallel.dist_backend
+    timeout = config.parallel.timeout_s
+    choice = resolve_collectives(
+        config.parallel, spec.device.kind, uses_local=False, uses_process=True
+    )
     rdzv = Rendezvous.parse(spec.master_node_addr, spec.world_size, spec.rank)
-    init_distributed(rdzv, backend, timeout_s=config.parallel.timeout_s)
-    group = TorchDistributedGroup(backend)
+    init_distributed(rdzv, choice.dist_backend, timeout_s=timeout)
+    group: ProcessGroup
+    if choice.process == TORCH:
+        group = TorchDistributedGroup(choice.dist_backend)
+    else:
+        runtime = get_runtime(spec.device.kind)
+        group = get_collective_backend(choice.process).process_group(
+            spec.device, runtime, spec.rank, spec.world_size, timeout
+        )
     control = dist.new_group(backend="gloo") if spec.multi_node else None
     worker = Worker(spec.device, group, config, model_config)
     worker.init_device(spec.cpu_threads)

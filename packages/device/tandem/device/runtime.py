@@ -1,7 +1,8 @@
 """The device runtime interface and the registry that picks an implementation by kind.
 
-Implementations for other kinds (npu, cuda, the simulator's fake) register themselves by
-name; nothing here imports them.
+Implementations for other kinds register themselves by name: the simulator's fake through
+``register_runtime``, the hardware package's npu and cuda runtimes through the
+``tandem.device_runtimes`` entry-point group. Nothing here imports them.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 from tandem.device.device import Device
@@ -55,6 +57,8 @@ class DeviceRuntime(Protocol):
 
 RuntimeFactory = Callable[[], DeviceRuntime]
 
+ENTRY_POINT_GROUP = "tandem.device_runtimes"
+
 _factories: dict[str, RuntimeFactory] = {}
 _instances: dict[str, DeviceRuntime] = {}
 # Guards the two tables above: registration and first use may come from several workers.
@@ -75,10 +79,15 @@ def get_runtime(kind: str) -> DeviceRuntime:
             return runtime
         factory = _factories.get(kind)
         if factory is None:
+            for entry in entry_points(group=ENTRY_POINT_GROUP, name=kind):
+                factory = entry.load()
+                break
+        if factory is None:
             known = ", ".join(sorted(_factories)) or "none"
             raise RuntimeError(
                 f"no device runtime is registered for {kind!r} (registered: {known}); "
-                "install the hardware package for this device kind or use --device cpu"
+                "install the hardware package (pip install -e hw) for this device kind, or use "
+                "--devices cpu:0"
             )
         runtime = factory()
         _instances[kind] = runtime

@@ -52,14 +52,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument(
         "--dist-backend",
-        default="gloo",
-        help="torch.distributed backend between processes (gloo, hccl, nccl)",
+        default="auto",
+        help="torch.distributed backend of the process world (auto, gloo, hccl, nccl); auto: "
+        "gloo on CPU, else the device's backend when --process-collectives is torch",
     )
     p.add_argument(
         "--local-collectives",
-        choices=["inprocess", "torch"],
-        default="inprocess",
-        help="collectives among one process's devices",
+        choices=["auto", "inprocess", "hccl", "nccl", "torch"],
+        default="auto",
+        help="collectives among one process's devices; auto: inprocess on CPU, hccl "
+        "(HcclCommInitAll) on NPU, nccl (ncclCommInitAll) on CUDA",
+    )
+    p.add_argument(
+        "--process-collectives",
+        choices=["auto", "torch", "hccl", "nccl"],
+        default="auto",
+        help="collectives among processes; auto: torch.distributed on CPU, hccl "
+        "(HcclCommInitRootInfo) on NPU, nccl (ncclCommInitRank) on CUDA",
     )
     g.add_argument(
         "--max-model-len",
@@ -146,6 +155,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             node_rank=args.node_rank,
             dist_backend=args.dist_backend,
             local_collectives=args.local_collectives,
+            process_collectives=args.process_collectives,
         ),
     )
 

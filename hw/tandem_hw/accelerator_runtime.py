@@ -1,0 +1,116 @@
+"""A device runtime over one of torch's accelerator modules (torch.npu, torch.cuda).
+
+Binding goes through the framework's own setter (``set_device``), never a raw runtime call, so
+the framework's thread-local device cache and the thread's streams agree (concurrency rule 1).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tandem.device import Device, MemoryInfo
+
+
+def parse_visible_devices(value: str | None) -> list[int] | None:
+    """The physical ids a ``*_VISIBLE_DEVICES`` variable exposes, in order; None when unset."""
+    if value is None or not value.strip():
+        return None
+    try:
+        return [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(
+            f"visible-devices list {value!r} must be comma-separated integers"
+        ) from None
+
+
+class AcceleratorRuntime:
+    kind: str
+    # The attribute of a torch stream object that holds the raw handle.
+    stream_attr: str
+    # The variable that restricts (and renumbers) the devices this process sees.
+    visible_env: str
+
+    def __init__(self, module: Any, environ: dict[str, str]) -> None:
+        self._module = module
+        self._local = threading.local()
+        # (kernel, device) -> loads: the registry promises one per key; tests on the device
+        # read this to check it.
+        self.kernel_loads: Counter[tuple[str, Device]] = Counter()
+        self._loads_lock = threading.Lock()
+        self.visible = parse_visible_devices(environ.get(self.visible_env))
+
+    def _check(self, device: Device) -> None:
+        if device.kind != self.kind:
+            raise ValueError(f"the {self.kind} runtime cannot bind {device}")
+        count = self.device_count()
+        if device.index >= count:
+            shown = (
+                f" ({self.visible_env}={','.join(map(str, self.visible))})" if self.visible else ""
+            )
+            raise ValueError(
+                f"{device} does not exist: this process sees {count} {self.kind} device(s){shown}; "
+                f"indices in --devices are logical, counted after {self.visible_env}"
+            )
+
+    def bind(self, device: Device) -> None:
+        self._check(device)
+        self._module.set_device(device.index)
+        self._local.device = device
+
+    def torch_device(self, device: Device) -> torch.device:
+        return torch.device(self.kind, device.index)
+
+    def current_device(self) -> Device | None:
+        device: Device | None = getattr(self._local, "device", None)
+        if device is None:
+            return None
+        framework = int(self._module.current_device())
+        if framework != device.index:
+            raise RuntimeError(
+                f"this thread bound {device} but torch reports {self.kind}:{framework}: something "
+                "changed the device behind the framework's back"
+            )
+        return device
+
+    def current_stream(self) -> Any:
+        return self._module.current_stream()
+
+    def stream_handle(self, stream: Any = None) -> int:
+        """The raw runtime handle (aclrtStream / cudaStream_t) of ``stream`` or the current one."""
+        target = stream if stream is not None else self.current_stream()
+        return int(getattr(target, self.stream_attr))
+
+    def new_stream(self) -> Any:
+        """A side stream on the calling thread's device."""
+        return self._module.Stream()
+
+    def new_event(self) -> Any:
+        return self._module.Event()
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Tell the caching allocator that ``stream`` still uses ``tensor``'s memory."""
+        tensor.record_stream(stream)
+
+    def synchronize(self) -> None:
+        self._module.synchronize()
+
+    def memory_info(self, device: Device) -> MemoryInfo:
+        free, total = self._module.mem_get_info(device.index)
+        return MemoryInfo(total_bytes=int(total), free_bytes=int(free))
+
+    def device_count(self) -> int:
+        return int(self._module.device_count())
+
+    def load_kernel(
+        self, name: str, impl: Callable[..., Any], device: Device
+    ) -> Callable[..., Any]:
+        # The model's kernels are torch operators dispatched by the framework's own op
+        # registry; the kernel registry still guarantees one first use per (kernel, device).
+        with self._loads_lock:
+            self.kernel_loads[(name, device)] += 1
+        return impl

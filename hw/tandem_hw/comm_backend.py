@@ -1,0 +1,151 @@
+"""The ``hccl`` and ``nccl`` collective backends, found by name through entry points.
+
+Single-process: one ``*CommInitAll`` for every local device, called from a thread that has the
+first device bound through the framework; each worker then issues its collectives on its own
+device's current stream. Multi-process: rank 0 makes the root info (unique id), torch's default
+CPU group broadcasts it, every process calls ``*CommInitRootInfo`` / ``*CommInitRank``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from tandem.collectives import CollectiveTimeout, ProcessGroup
+from tandem.collectives.backends import LocalGroups
+from tandem.device import Device, DeviceRuntime
+from tandem_hw.accelerator_runtime import AcceleratorRuntime
+from tandem_hw.comm_group import CommGroup, Communicators, StreamHandle
+from tandem_hw.comm_library import CommLibrary
+from tandem_hw.ctypes_library import LibraryNotFound
+from tandem_hw.hccl import HcclLibrary
+from tandem_hw.nccl import NcclLibrary
+
+logger = logging.getLogger(__name__)
+
+# CPU tensors have no stream; the stand-in library only checks the handle is not null. One per
+# device, so tests can see that each rank issued on its own.
+STANDIN_STREAM_BASE = 0x5EED0000
+
+
+def stream_handle_for(runtime: DeviceRuntime, device: Device) -> StreamHandle:
+    """How a group finds the raw handle of the calling thread's current stream."""
+    if isinstance(runtime, AcceleratorRuntime):
+        return runtime.stream_handle
+    handle = STANDIN_STREAM_BASE + device.index
+    return lambda: handle
+
+
+class LibraryBackend:
+    name: str
+    # The device kind the real library drives.
+    device_kind: str
+
+    def __init__(self, load: Callable[[], CommLibrary]) -> None:
+        self._load = load
+        self._library: CommLibrary | None = None
+        self._lock = threading.Lock()
+
+    def library(self) -> CommLibrary:
+        with self._lock:
+            if self._library is None:
+                self._library = self._load()
+            return self._library
+
+    def check(self, device_kind: str) -> None:
+        try:
+            library = self.library()
+        except LibraryNotFound as exc:
+            raise ValueError(f"{self.name} collectives: {exc}") from None
+        if device_kind == self.device_kind:
+            return
+        if device_kind == "cpu" and library.is_standin:
+            logger.warning(
+                "%s collectives on cpu devices through the CPU stand-in library %s",
+                self.name,
+                library.path,
+            )
+            return
+        raise ValueError(
+            f"{self.name} collectives serve {self.device_kind} devices, not {device_kind} "
+            f"(only the CPU stand-in library takes host memory); use --local-collectives auto "
+            "and --process-collectives auto to pick the backend from the device kind"
+        )
+
+    def local_groups(
+        self, devices: Sequence[Device], runtime: DeviceRuntime, timeout_s: float
+    ) -> LocalGroups:
+        library = self.library()
+        box: dict[str, Any] = {}
+
+        def init() -> None:
+            try:
+                runtime.bind(devices[0])
+                box["comms"] = library.init_all([d.index for d in devices])
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                box["error"] = exc
+
+        thread = threading.Thread(target=init, name=f"tandem-{self.name}-init", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise CollectiveTimeout(f"{self.name} communicator creation took over {timeout_s} s")
+        if "error" in box:
+            raise box["error"]
+        comms: list[int] = box["comms"]
+        communicators = Communicators(library, comms)
+        groups: list[ProcessGroup] = [
+            CommGroup(
+                library,
+                comm,
+                rank,
+                len(devices),
+                stream_handle_for(runtime, device),
+                communicators,
+                runtime.torch_device(device),
+            )
+            for rank, (comm, device) in enumerate(zip(comms, devices, strict=True))
+        ]
+        logger.info("%s: one communicator set for %d local devices", self.name, len(devices))
+        return LocalGroups(groups, communicators)
+
+    def process_group(
+        self, device: Device, runtime: DeviceRuntime, rank: int, size: int, timeout_s: float
+    ) -> ProcessGroup:
+        library = self.library()
+        runtime.bind(device)
+        box: list[object] = [library.unique_id() if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        unique_id = box[0]
+        assert isinstance(unique_id, bytes)
+        comm = library.init_rank(size, unique_id, rank)
+        logger.info("%s: rank %d of %d joined through root info", self.name, rank, size)
+        return CommGroup(
+            library,
+            comm,
+            rank,
+            size,
+            stream_handle_for(runtime, device),
+            Communicators(library, [comm]),
+            runtime.torch_device(device),
+        )
+
+
+class HcclBackend(LibraryBackend):
+    name = "hccl"
+    device_kind = "npu"
+
+    def __init__(self) -> None:
+        super().__init__(HcclLibrary)
+
+
+class NcclBackend(LibraryBackend):
+    name = "nccl"
+    device_kind = "cuda"
+
+    def __init__(self) -> None:
+        super().__init__(NcclLibrary)

@@ -1,0 +1,159 @@
+"""A process group over a communicator library (HCCL or NCCL).
+
+Every collective goes out on the calling thread's current stream of its device, which is the
+worker thread that owns the device (concurrency rule 2). Buffers are the tensors' own device
+memory; outputs are allocated on the same device.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from tandem.collectives import CollectiveAborted, ReduceOp
+from tandem.collectives.process_group import check_scatterable
+from tandem_hw.comm_library import CommLibrary
+
+logger = logging.getLogger(__name__)
+
+# The raw handle of the calling thread's current stream (aclrtStream / cudaStream_t).
+StreamHandle = Callable[[], int]
+
+
+class Communicators:
+    """The communicators of one clique that live in this process: abort and close them once."""
+
+    def __init__(self, library: CommLibrary, comms: Sequence[int]) -> None:
+        self._library = library
+        self._comms = list(comms)
+        self._lock = threading.Lock()
+        self._aborted: str | None = None
+        self._closed = False
+
+    @property
+    def aborted(self) -> str | None:
+        return self._aborted
+
+    def abort(self, reason: str) -> None:
+        with self._lock:
+            if self._aborted is not None or self._closed:
+                return
+            self._aborted = reason
+        released = [self._library.abort(c) for c in self._comms]
+        if not all(released):
+            logger.warning(
+                "%s cannot abort a communicator; ranks blocked in a collective return when the "
+                "library's own timeout expires (%s)",
+                self._library.name,
+                reason,
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            # An aborted NCCL communicator is already released; destroying it again is invalid.
+            if self._aborted is not None and self._library.name == "nccl":
+                return
+        for comm in self._comms:
+            self._library.destroy(comm)
+
+
+class CommGroup:
+    def __init__(
+        self,
+        library: CommLibrary,
+        comm: int,
+        rank: int,
+        size: int,
+        stream: StreamHandle,
+        communicators: Communicators,
+        device: torch.device,
+    ) -> None:
+        self._library = library
+        self._device = device
+        self._comm = comm
+        self._rank = rank
+        self._size = size
+        self._stream = stream
+        self._communicators = communicators
+        self._sequence = 0
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def sequence(self) -> int:
+        return self._sequence
+
+    @property
+    def comm(self) -> int:
+        """The library's communicator handle."""
+        return self._comm
+
+    def _begin(self) -> int:
+        reason = self._communicators.aborted
+        if reason is not None:
+            raise CollectiveAborted(reason)
+        self._sequence += 1
+        return self._stream()
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        stream = self._begin()
+        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+        self._library.all_reduce(
+            buf.data_ptr(), buf.data_ptr(), buf.numel(), buf.dtype, op, self._comm, stream
+        )
+        if buf is not tensor:
+            tensor.copy_(buf)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        stream = self._begin()
+        src = tensor.contiguous()
+        out = torch.empty((self._size, *src.shape), dtype=src.dtype, device=src.device)
+        self._library.all_gather(
+            src.data_ptr(), out.data_ptr(), src.numel(), src.dtype, self._comm, stream
+        )
+        # [size, *shape] -> concatenation along ``dim``, in rank order.
+        return torch.cat(out.unbind(0), dim=dim)
+
+    def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        check_scatterable(tensor, self._size)
+        stream = self._begin()
+        src = tensor.contiguous()
+        out = torch.empty(
+            (src.shape[0] // self._size, *src.shape[1:]), dtype=src.dtype, device=src.device
+        )
+        self._library.reduce_scatter(
+            src.data_ptr(), out.data_ptr(), out.numel(), src.dtype, op, self._comm, stream
+        )
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+        if not 0 <= root < self._size:
+            raise ValueError(f"broadcast root {root} is outside a group of {self._size}")
+        stream = self._begin()
+        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+        self._library.broadcast(buf.data_ptr(), buf.numel(), buf.dtype, root, self._comm, stream)
+        if buf is not tensor:
+            tensor.copy_(buf)
+        return tensor
+
+    def barrier(self) -> None:
+        if self._library.has_barrier:
+            stream = self._begin()
+            self._library.barrier(self._comm, stream)
+            return
+        # NCCL has no barrier: one element reduced across ranks is one.
+        token = torch.zeros(1, dtype=torch.float32, device=self._device)
+        self.all_reduce(token)

@@ -1,0 +1,114 @@
+"""What a process group needs from a communicator library (HCCL or NCCL), in one shape.
+
+Handles are plain integers (the C pointer values); buffers are device pointers taken from
+tensors; every call is queued on the stream handle it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from tandem.collectives import CollectiveError, ReduceOp
+from tandem_hw.ctypes_library import BoundLibrary, CFunction, bind_library
+
+
+class CommLibraryError(CollectiveError):
+    """A library call returned an error; the message is the library's own."""
+
+    def __init__(self, function: str, code: int, message: str) -> None:
+        super().__init__(f"{function} failed: {message} (code {code})")
+        self.function = function
+        self.code = code
+        self.library_message = message
+
+
+class CommLibrary(Protocol):
+    name: str
+    # Where the library was loaded from.
+    path: str
+    # True for the CPU stand-in built by the tests: the only library that takes host memory.
+    is_standin: bool
+    # HcclBarrier exists; NCCL has none (the group reduces one element instead).
+    has_barrier: bool
+
+    def init_all(self, devices: Sequence[int]) -> list[int]:
+        """One communicator per device, created by one call (all ranks in this process)."""
+        ...
+
+    def unique_id(self) -> bytes:
+        """A fresh communicator id (root info) for ``init_rank``, made on rank 0."""
+        ...
+
+    def init_rank(self, nranks: int, unique_id: bytes, rank: int) -> int:
+        """This process's communicator of a clique named by ``unique_id``."""
+        ...
+
+    def all_reduce(
+        self,
+        send: int,
+        recv: int,
+        count: int,
+        dtype: torch.dtype,
+        op: ReduceOp,
+        comm: int,
+        stream: int,
+    ) -> None: ...
+
+    def all_gather(
+        self, send: int, recv: int, count: int, dtype: torch.dtype, comm: int, stream: int
+    ) -> None:
+        """``count`` is what each rank sends."""
+        ...
+
+    def reduce_scatter(
+        self,
+        send: int,
+        recv: int,
+        count: int,
+        dtype: torch.dtype,
+        op: ReduceOp,
+        comm: int,
+        stream: int,
+    ) -> None:
+        """``count`` is what each rank receives."""
+        ...
+
+    def broadcast(
+        self, buf: int, count: int, dtype: torch.dtype, root: int, comm: int, stream: int
+    ) -> None:
+        """In place: ``root``'s buffer lands in every rank's."""
+        ...
+
+    def barrier(self, comm: int, stream: int) -> None: ...
+
+    def destroy(self, comm: int) -> None: ...
+
+    def abort(self, comm: int) -> bool:
+        """Release ranks blocked in this communicator; False where the library cannot."""
+        ...
+
+
+class CheckedLibrary:
+    """A bound communicator library whose calls return 0 on success; any other result raises
+    with the library's own error string."""
+
+    # The library's ``const char *(int code)`` error-string function.
+    error_function: str
+
+    def __init__(self, path: Path | str, table: str, functions: Sequence[CFunction]) -> None:
+        self.path = str(path)
+        self._lib: BoundLibrary = bind_library(path, table, functions)
+        self.is_standin = self._lib.has_symbol("TandemStandinVersion")
+
+    def error_string(self, code: int) -> str:
+        text: bytes | None = self._lib[self.error_function](code)
+        return text.decode(errors="replace") if text else f"result code {code}"
+
+    def _call(self, function: str, *args: Any) -> None:
+        code = int(self._lib[function](*args))
+        if code != 0:
+            raise CommLibraryError(function, code, self.error_string(code))

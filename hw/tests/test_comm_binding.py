@@ -1,0 +1,256 @@
+"""The HCCL and NCCL bindings against the CPU stand-in: every bound function, both ways of
+creating communicators, streams passed through, and the library's own error messages."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar, cast
+
+import pytest
+import torch
+from tandem_hw import hccl, nccl
+from tandem_hw.comm_group import CommGroup, Communicators
+from tandem_hw.comm_library import CommLibrary, CommLibraryError
+from tandem_hw.ctypes_library import BoundLibrary, LibraryNotFound
+
+from tandem.collectives import CollectiveAborted, ReduceOp
+
+STREAM_BASE = 0x7000
+
+T = TypeVar("T")
+
+
+def run_ranks(n: int, fn: Callable[[int], T], timeout_s: float = 60.0) -> list[T]:
+    """``fn(rank)`` on one thread per rank, all at once; results in rank order, the first
+    error re-raised."""
+    results: list[T | None] = [None] * n
+    errors: list[BaseException] = []
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+        assert not thread.is_alive(), "a rank is still running"
+    if errors:
+        raise errors[0]
+    return [cast(T, r) for r in results]
+
+
+def _standin(library: CommLibrary) -> ctypes.CDLL:
+    lib = ctypes.CDLL(library.path)
+    lib.TandemStandinLastStream.restype = ctypes.c_size_t
+    lib.TandemStandinLastStream.argtypes = [ctypes.c_void_p]
+    lib.TandemStandinCommDevice.argtypes = [ctypes.c_void_p]
+    lib.TandemStandinCommRank.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def _stream(rank: int) -> Callable[[], int]:
+    return lambda: STREAM_BASE + rank
+
+
+def _groups(library: CommLibrary, comms: list[int]) -> list[CommGroup]:
+    shared = Communicators(library, comms)
+    return [
+        CommGroup(library, comm, rank, len(comms), _stream(rank), shared, torch.device("cpu"))
+        for rank, comm in enumerate(comms)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("table", "functions"), [(hccl, hccl.FUNCTIONS), (nccl, nccl.FUNCTIONS)], ids=["hccl", "nccl"]
+)
+def test_every_prototype_binds_with_its_argument_types(
+    standin_path: Path, table: object, functions: tuple[object, ...]
+) -> None:
+    bound = BoundLibrary(str(standin_path), hccl.FUNCTIONS + nccl.FUNCTIONS)
+    for fn in (*hccl.FUNCTIONS, *nccl.FUNCTIONS):
+        handle = bound[fn.name]
+        assert handle.argtypes == list(fn.argtypes) and handle.restype is fn.restype
+
+
+def test_root_info_and_unique_id_have_the_c_sizes() -> None:
+    assert ctypes.sizeof(hccl.HcclRootInfo) == 4108
+    assert ctypes.sizeof(nccl.NcclUniqueId) == 128
+
+
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_init_all_collectives_match_torch(library: CommLibrary, nranks: int) -> None:
+    devices = [3 + 2 * r for r in range(nranks)]
+    comms = library.init_all(devices)
+    standin = _standin(library)
+    assert [standin.TandemStandinCommDevice(c) for c in comms] == devices
+    assert [standin.TandemStandinCommRank(c) for c in comms] == list(range(nranks))
+    groups = _groups(library, comms)
+    inputs = [torch.randn(6, 4, generator=torch.Generator().manual_seed(r)) for r in range(nranks)]
+
+    def body(rank: int) -> dict[str, torch.Tensor]:
+        g = groups[rank]
+        out = {"sum": g.all_reduce(inputs[rank].clone())}
+        out["max"] = g.all_reduce(torch.tensor([rank * 7 % 5], dtype=torch.int64), ReduceOp.MAX)
+        out["f64"] = g.all_reduce(torch.full((3,), 0.5 + rank, dtype=torch.float64))
+        out["i32"] = g.all_reduce(torch.tensor([rank, 1], dtype=torch.int32))
+        # Non-contiguous input: the group reduces a contiguous copy and writes back.
+        strided = inputs[rank].clone().t()
+        out["strided"] = g.all_reduce(strided)
+        out["gather0"] = g.all_gather(inputs[rank][:2])
+        out["gather1"] = g.all_gather(inputs[rank][:2], dim=1)
+        out["scatter"] = g.reduce_scatter(
+            torch.arange(nranks * 3.0).reshape(nranks, 3) * (rank + 1)
+        )
+        out["bcast"] = g.broadcast(torch.full((5,), float(rank)), root=nranks - 1)
+        g.barrier()
+        out["bf16_bcast"] = g.broadcast(torch.full((2,), rank, dtype=torch.bfloat16), root=1)
+        return out
+
+    results = run_ranks(nranks, body)
+    total = sum(inputs[1:], inputs[0].clone())
+    scale = sum(range(1, nranks + 1))
+    for rank, out in enumerate(results):
+        assert torch.equal(out["sum"], total)
+        assert out["max"].item() == max(r * 7 % 5 for r in range(nranks))
+        assert torch.equal(out["f64"], torch.full((3,), sum(0.5 + r for r in range(nranks)),
+                                                  dtype=torch.float64))  # fmt: skip
+        assert out["i32"].tolist() == [sum(range(nranks)), nranks]
+        assert torch.equal(out["strided"], total.t())
+        assert torch.equal(out["gather0"], torch.cat([x[:2] for x in inputs], 0))
+        assert torch.equal(out["gather1"], torch.cat([x[:2] for x in inputs], 1))
+        expected = (torch.arange(nranks * 3.0).reshape(nranks, 3) * scale)[rank : rank + 1]
+        assert torch.equal(out["scatter"], expected)
+        assert out["bcast"].tolist() == [float(nranks - 1)] * 5
+        assert out["bf16_bcast"].tolist() == [1.0, 1.0]
+        # Each rank issued on its own stream, and the handle reached the library.
+        assert standin.TandemStandinLastStream(comms[rank]) == STREAM_BASE + rank
+    assert all(g.sequence == 11 for g in groups)
+    groups[0]._communicators.close()
+
+
+def test_sums_are_added_in_rank_order(library: CommLibrary) -> None:
+    """Rounding shows the order: (1e8 + 1) - 1e8 differs from 1e8 + (1 - 1e8) in float32."""
+    groups = _groups(library, library.init_all([0, 1, 2]))
+    values = [1e8, 1.0, -1e8]
+    out = run_ranks(3, lambda r: groups[r].all_reduce(torch.tensor([values[r]])))
+    expected = (torch.tensor([1e8]) + torch.tensor([1.0])) + torch.tensor([-1e8])
+    assert all(torch.equal(o, expected) for o in out)
+
+
+def test_root_info_path_joins_ranks_of_one_clique(library: CommLibrary) -> None:
+    unique_id = library.unique_id()
+    comms = run_ranks(2, lambda r: library.init_rank(2, unique_id, r))
+    groups = _groups(library, comms)
+    out = run_ranks(2, lambda r: groups[r].all_gather(torch.tensor([r + 10])))
+    assert [o.tolist() for o in out] == [[10, 11], [10, 11]]
+
+
+def test_a_failing_call_raises_with_the_library_message(library: CommLibrary) -> None:
+    comm = library.init_all([0])[0]
+    buf = torch.zeros(4)
+    with pytest.raises(CommLibraryError) as err:
+        # A null stream: the real libraries refuse it too.
+        library.all_reduce(buf.data_ptr(), buf.data_ptr(), 4, torch.float32, ReduceOp.SUM,
+                           comm, 0)  # fmt: skip
+    expected = "HCCL_E_PARA: parameter error" if library.name == "hccl" else "invalid argument"
+    assert expected in str(err.value) and err.value.code != 0
+    assert err.value.function in ("HcclAllReduce", "ncclAllReduce")
+    with pytest.raises(CommLibraryError, match=r"HcclCommInitAll|ncclCommInitAll"):
+        library.init_all([1, 1])  # the same device twice
+    with pytest.raises(CommLibraryError, match=r"InitRootInfo|InitRank"):
+        library.init_rank(2, library.unique_id(), 5)  # rank outside the clique
+    library.destroy(comm)
+
+
+def test_unsupported_reduction_type_is_refused_by_the_library(library: CommLibrary) -> None:
+    comm = library.init_all([0])[0]
+    half = torch.zeros(2, dtype=torch.float16)
+    with pytest.raises(CommLibraryError) as err:
+        library.all_reduce(half.data_ptr(), half.data_ptr(), 2, torch.float16, ReduceOp.SUM,
+                           comm, 1)  # fmt: skip
+    assert "not support" in str(err.value) or "invalid usage" in str(err.value)
+    with pytest.raises(ValueError, match=r"no data type for torch\.complex64"):
+        library.all_reduce(0, 0, 1, torch.complex64, ReduceOp.SUM, comm, 1)
+
+
+def test_a_missing_rank_times_out_instead_of_hanging(
+    library: CommLibrary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TANDEM_STANDIN_TIMEOUT_S", "1")
+    groups = _groups(library, library.init_all([0, 1]))
+    with pytest.raises(CommLibraryError, match=r"TIMEOUT|remote process"):
+        groups[0].all_reduce(torch.ones(3))
+
+
+def test_abort_fails_later_collectives_and_releases_blocked_ranks(library: CommLibrary) -> None:
+    comms = library.init_all([0, 1])
+    groups = _groups(library, comms)
+    shared = groups[0]._communicators
+    if library.name == "nccl":
+        # ncclCommAbort releases a rank blocked in a collective.
+        errors: list[BaseException] = []
+
+        def blocked() -> None:
+            try:
+                groups[0].all_reduce(torch.ones(2))
+            except CommLibraryError as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=blocked)
+        thread.start()
+        time.sleep(0.3)
+        shared.abort("rank 1 failed")
+        thread.join(10)
+        assert not thread.is_alive() and errors
+    else:
+        shared.abort("rank 1 failed")
+    with pytest.raises(CollectiveAborted, match="rank 1 failed"):
+        groups[1].all_reduce(torch.ones(2))
+    shared.close()
+
+
+def test_hccl_library_is_found_from_the_cann_install(standin_path: Path, tmp_path: Path) -> None:
+    lib64 = tmp_path / "cann" / "lib64"
+    lib64.mkdir(parents=True)
+    shutil.copy(standin_path, lib64 / "libhccl.so")
+    found = hccl.find_hccl_library({"ASCEND_HOME_PATH": str(tmp_path / "cann")})
+    assert found == lib64 / "libhccl.so"
+    found = hccl.find_hccl_library({"ASCEND_TOOLKIT_HOME": str(tmp_path / "cann")})
+    assert found == lib64 / "libhccl.so"
+    # The explicit path wins over the install.
+    assert (
+        hccl.find_hccl_library(
+            {"HCCL_SO_PATH": str(standin_path), "ASCEND_HOME_PATH": str(tmp_path / "cann")}
+        )
+        == standin_path
+    )
+
+
+def test_missing_libraries_say_where_to_point() -> None:
+    if os.path.exists("/usr/local/Ascend/ascend-toolkit/latest/lib64/libhccl.so"):
+        pytest.skip("this machine has a CANN install at the default place")
+    with pytest.raises(LibraryNotFound, match="HCCL_SO_PATH") as err:
+        hccl.find_hccl_library({})
+    assert "set_env.sh" in str(err.value)
+    with pytest.raises(LibraryNotFound, match="is not a file"):
+        hccl.find_hccl_library({"HCCL_SO_PATH": "/nonexistent/libhccl.so"})
+    with pytest.raises(LibraryNotFound, match="is not a file"):
+        nccl.find_nccl_library({"NCCL_SO_PATH": "/nonexistent/libnccl.so.2"})
+
+
+def test_a_library_without_a_symbol_fails_at_load(standin_path: Path) -> None:
+    libc = "libc.so.6"
+    with pytest.raises(LibraryNotFound, match="does not export HcclGetErrorString"):
+        BoundLibrary(libc, hccl.FUNCTIONS)
+    with pytest.raises(LibraryNotFound, match="cannot load"):
+        BoundLibrary("/nonexistent/libhccl.so", hccl.FUNCTIONS)
