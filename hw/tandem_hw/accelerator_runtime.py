@@ -9,11 +9,14 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from tandem.device import Device, MemoryInfo
+from tandem.device.sync import Promise
+
+T = TypeVar("T")
 
 
 def parse_visible_devices(value: str | None) -> list[int] | None:
@@ -85,9 +88,9 @@ class AcceleratorRuntime:
         target = stream if stream is not None else self.current_stream()
         return int(getattr(target, self.stream_attr))
 
-    def new_stream(self) -> Any:
+    def new_stream(self, name: str) -> TorchStream:
         """A side stream on the calling thread's device."""
-        return self._module.Stream()
+        return TorchStream(self._module, self._module.Stream(), name)
 
     def new_event(self) -> Any:
         return self._module.Event()
@@ -114,3 +117,42 @@ class AcceleratorRuntime:
         with self._loads_lock:
             self.kernel_loads[(name, device)] += 1
         return impl
+
+
+class _TorchEvent:
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def done(self) -> bool:
+        return bool(self._event.query())
+
+
+class TorchStream:
+    """A device stream: ``submit`` launches the work on it from the calling thread and returns
+    once the stream has finished it (the caller needs the sampled tokens on the host anyway);
+    events let the scratch allocator reuse memory without a full synchronize."""
+
+    def __init__(self, module: Any, stream: Any, name: str) -> None:
+        self._module = module
+        self.stream = stream
+        self.name = name
+
+    def submit(self, fn: Callable[[], T]) -> Promise[T]:
+        promise: Promise[T] = Promise()
+        try:
+            with self._module.stream(self.stream):
+                result = fn()
+            self.stream.synchronize()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the promise
+            promise.set_exception(exc)
+        else:
+            promise.set_result(result)
+        return promise
+
+    def record_event(self) -> _TorchEvent:
+        event = self._module.Event()
+        event.record(self.stream)
+        return _TorchEvent(event)
+
+    def stop(self) -> None:
+        """Nothing to stop: the stream belongs to the framework."""

@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tandem.core.slot_stager import SlotStager
 from tandem.device.kernel_registry import KernelKey
+from tandem.device.scratch_allocator import ScratchBlock
 from tandem.device.sync import Sync
 
 
@@ -37,3 +39,11 @@ class UnsynchronizedRegistry:
                 raise
         self._sync.yield_point("read stub")
         return entry.stub
+
+
+class UnrecordedStager(SlotStager):
+    """Seed 001's workspace: the block is handed to a stream but never recorded on it, so the
+    allocator may hand it out again while the stream still reads it."""
+
+    def _record(self, block: ScratchBlock) -> None:
+        return None

@@ -22,11 +22,14 @@ from tandem.core.models.model_config import ModelConfig
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler import ScheduledSequence, SchedulerOutput
 from tandem.core.sequence import Sequence
+from tandem.core.slot_stager import SlotStager, Staged
 from tandem.core.thread_executor import ThreadExecutor
 from tandem.core.topology import resolve_topology
 from tandem.device import Device, KernelKey, KernelRegistry
-from tandem.device.sync import REAL_SYNC
-from tandem_sim.broken import UnsynchronizedRegistry
+from tandem.device.ordered_executor import OrderedExecutor
+from tandem.device.scratch_allocator import ScratchAllocator
+from tandem.device.sync import REAL_SYNC, Promise
+from tandem_sim.broken import UnrecordedStager, UnsynchronizedRegistry
 from tandem_sim.fake_collectives import FakeBackend
 from tandem_sim.fake_runtime import FakeNpuRuntime
 from tandem_sim.scheduler import DeterministicScheduler
@@ -197,6 +200,83 @@ def rank_dies_mid_collective(s: DeterministicScheduler) -> None:
         executor.shutdown()
 
 
+def _expect(staged: Staged, value: float, what: str) -> None:
+    if not torch.equal(staged.tensors[0], torch.full((4,), value)):
+        raise AssertionError(f"{what}: {staged.tensors[0].tolist()} != {value}")
+
+
+def _run_slots(
+    s: DeterministicScheduler, stagers: list[SlotStager], streams: list[OrderedExecutor]
+) -> None:
+    """Each slot's host thread stages a step of its own values, launches a kernel that reads
+    them on the slot's stream, and gives the scratch back at once (no synchronize)."""
+
+    def slot(i: int) -> None:
+        launched: list[Promise[None]] = []
+        for step in range(1):
+            value = float(10 * i + step)
+            staged = stagers[i].stage([torch.full((4,), value)])
+            _expect(staged, value, "the host staged another slot's inputs")
+
+            def kernel(staged: Staged = staged, value: float = value) -> None:
+                s.yield_point("kernel.read")
+                staged.check()
+                _expect(staged, value, "a stream read another step's inputs")
+
+            launched.append(streams[i].submit(kernel))
+            stagers[i].release(staged)
+        for promise in launched:
+            promise.result()
+
+    try:
+        threads = [s.start_thread(partial(slot, i), f"host{i}") for i in range(len(stagers))]
+        for t in threads:
+            t.join()
+    finally:
+        for stream in streams:
+            stream.stop()
+
+
+def stream_workspace_reuse(s: DeterministicScheduler, record: bool) -> None:
+    allocator = ScratchAllocator(torch.device("cpu"), s)
+    streams = [OrderedExecutor(f"stream{i}", s) for i in range(2)]
+    kind = SlotStager if record else UnrecordedStager
+    _run_slots(s, [kind(allocator, stream, s) for stream in streams], streams)
+
+
+def shared_cache_across_streams(s: DeterministicScheduler, shared: bool) -> None:
+    """Two slots' host threads stage at once; what each staged must be its own. (The slots'
+    streams are not driven here: the race is on the host, before any launch, and leaving
+    them out keeps the schedule tree small enough for exhaustive search.)"""
+    allocator = ScratchAllocator(torch.device("cpu"), s)
+    streams = [_IdleStream(), _IdleStream()]
+    if shared:
+        # Seed 001: one static cache that every pipeline stages into.
+        one = SlotStager(allocator, streams[0], s)
+        stagers = [one, one]
+    else:
+        stagers = [SlotStager(allocator, stream, s) for stream in streams]
+
+    def slot(i: int) -> None:
+        value = float(i + 1)
+        staged = stagers[i].stage([torch.full((4,), value)])
+        _expect(staged, value, "the host staged another slot's inputs")
+        stagers[i].release(staged)
+
+    threads = [s.start_thread(partial(slot, i), f"host{i}") for i in range(2)]
+    for t in threads:
+        t.join()
+
+
+class _IdleStream:
+    """A stream with nothing queued: its events are always done."""
+
+    def record_event(self) -> Promise[None]:
+        done: Promise[None] = Promise(REAL_SYNC)
+        done.set_result(None)
+        return done
+
+
 SCENARIOS: dict[str, ScenarioSpec] = {
     spec.name: spec
     for spec in [
@@ -222,5 +302,16 @@ SCENARIOS: dict[str, ScenarioSpec] = {
                      "the same with TP=4", broken=False),
         ScenarioSpec("rank_dies_mid_collective", rank_dies_mid_collective,
                      "a rank raises inside a step: errors everywhere, no hang", broken=False),
+        ScenarioSpec("stream_workspace_reuse_unrecorded", partial(stream_workspace_reuse,
+                     record=False), "seed 001: scratch freed without record_stream, reused "
+                     "while a stream reads it", broken=True),
+        ScenarioSpec("stream_workspace_reuse", partial(stream_workspace_reuse, record=True),
+                     "scratch recorded on the stream that reads it", broken=False),
+        ScenarioSpec("shared_cache_across_streams_static", partial(shared_cache_across_streams,
+                     shared=True), "seed 001: one staging cache shared by every pipeline",
+                     broken=True),
+        ScenarioSpec("shared_cache_across_streams", partial(shared_cache_across_streams,
+                     shared=False), "each pipeline slot stages through its own cache",
+                     broken=False),
     ]
 }  # fmt: skip

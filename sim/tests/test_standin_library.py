@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from tandem_sim.standin_library import StandinUnavailable, build_standin_library
 
 

@@ -87,3 +87,38 @@ def test_hit_on_a_free_cached_block_is_not_counted_twice() -> None:
     # 2 cached + 2 new blocks > 3 blocks in all.
     assert not manager.can_allocate(b, 3, cached)
     assert manager.can_allocate(_seq("c", [1, 2, 3, 4, 5]), 1, cached)
+
+
+def test_concurrent_reserve_and_release_keep_the_pool_whole() -> None:
+    """The scheduler reserves while step completions release, from other threads."""
+    import threading
+
+    manager = BlockManager(num_blocks=64, block_size=16, enable_prefix_cache=False)
+    barrier = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def churn(seed: int) -> None:
+        try:
+            barrier.wait(timeout=10)
+            held: list[list[int]] = []
+            for i in range(2000):
+                got = manager.reserve(1 + (seed + i) % 5)
+                if got is not None:
+                    held.append(got)
+                if held and (i % 3 == 0 or got is None):
+                    manager.release(held.pop(0))
+            for blocks in held:
+                manager.release(blocks)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert manager.num_free_blocks == 64
+    # Every block comes back exactly once: a full reservation takes them all, distinct.
+    everything = manager.reserve(64)
+    assert everything is not None and sorted(everything) == list(range(1, 65))

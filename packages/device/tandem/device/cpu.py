@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from tandem.device.device import Device
+from tandem.device.ordered_executor import OrderedExecutor
 from tandem.device.runtime import MemoryInfo
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,10 @@ class CpuRuntime:
     ) -> Callable[..., Any]:
         # CPU kernels are the Python/torch implementations themselves.
         return impl
+
+    def new_stream(self, name: str) -> OrderedExecutor:
+        # A CPU stream is an ordered executor of its own: a thread that runs work in order.
+        return OrderedExecutor(name)
 
     def device_count(self) -> int:
         # CPU devices are logical: as many as the user names.

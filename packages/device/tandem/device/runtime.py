@@ -11,9 +11,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from tandem.device.device import Device
+from tandem.device.scratch_allocator import Event
+from tandem.device.sync import Promise
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,21 @@ class DeviceRuntime(Protocol):
     ) -> Callable[..., Any]:
         """Register kernel ``name`` on ``device`` and return what to call. Called once per
         (kernel, device, variant) by the kernel registry."""
+
+    def new_stream(self, name: str) -> DeviceStream:
+        """A stream of its own on the calling thread's device."""
+        ...
+
+
+class DeviceStream(Protocol):
+    """Work submitted runs after everything submitted before it (on CPU an ordered executor
+    with a thread of its own; on an accelerator a device stream)."""
+
+    def submit(self, fn: Callable[[], T]) -> Promise[T]: ...
+
+    def record_event(self) -> Event: ...
+
+    def stop(self) -> None: ...
 
 
 RuntimeFactory = Callable[[], DeviceRuntime]
