@@ -106,8 +106,44 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    # Steps a worker may run at once, each in a pipeline slot with its own stream, input
+    # staging and communicator set, all on one copy of the weights.
+    max_concurrency: int = 1
+    # Experiment switches (off by default): serialize the slots' input preparation, or their
+    # forwards, to measure what running them at once gains.
+    serialize_prepare: bool = False
+    serialize_forward: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 1:
+            raise ConfigError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+
+
+@dataclass(frozen=True)
+class RecConfig:
+    """The fixed-steps scheduler of generative recommendation."""
+
+    # Requests per batch (a batch runs its prefill and every decode round together).
+    max_batch_size: int = 16
+    # Beams per request; 0 = the model's beam_width. A request asking for more candidates
+    # than beams gets as many beams as candidates.
+    beam_width: int = 0
+    # Decode rounds after the prefill; None = what the model needs (num_codebooks - 1).
+    max_decode_rounds: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ConfigError(f"--rec-max-batch-size must be >= 1, got {self.max_batch_size}")
+        if self.beam_width < 0:
+            raise ConfigError(f"--beam-width must be >= 0, got {self.beam_width}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelLoadConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    rec: RecConfig = field(default_factory=RecConfig)

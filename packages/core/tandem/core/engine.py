@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.core.block_manager import BlockManager
@@ -24,10 +26,21 @@ from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler import Scheduler, SchedulerOutput
 from tandem.core.sequence import Sequence, SequenceStatus, TokenLogprobs
 from tandem.core.tokenizer import Tokenizer
+from tandem.device.sync import Promise
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    slot: int
+    out: SchedulerOutput
+    promise: Promise[SamplerOutput]
+    request_ids: frozenset[str]
+    # Admits or prefills: nothing else runs beside it.
+    exclusive: bool
 
 
 class LLMEngine:
@@ -54,6 +67,11 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.dead: str | None = None
+        # Pipelined stepping (--max-concurrency > 1): steps in flight on the workers' slots.
+        self._pipelined = config.pipeline.max_concurrency > 1
+        self._free_slots = list(range(config.pipeline.max_concurrency))
+        self._in_flight: deque[_InFlight] = deque()
+        self._deferred_free: list[Sequence] = []
         logger.info(
             "engine ready: %s, context %d, %d KV blocks of %d tokens",
             self.model_config.architecture,
@@ -137,7 +155,11 @@ class LLMEngine:
         seq = self.sequences.get(request_id)
         if seq is None:
             return None
-        self.scheduler.finish(seq, "abort")
+        in_flight = any(request_id in f.request_ids for f in self._in_flight)
+        self.scheduler.finish(seq, "abort", free_blocks=not in_flight)
+        if in_flight:
+            # Its step still writes the sequence's KV blocks: free them when it completes.
+            self._deferred_free.append(seq)
         return self._finish_output(seq)
 
     def has_unfinished(self) -> bool:
@@ -148,6 +170,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.dead is not None:
             return []
+        if self._pipelined:
+            return self._step_pipelined()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty():
             return []
@@ -162,6 +186,67 @@ class LLMEngine:
             return self._fail_step(sched_out, f"the model step failed: {exc}")
         self.scheduler.on_step_done(sched_out)
         return self._process(sched_out, result)
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Keep up to ``max_concurrency`` steps in flight on the pipeline slots, then complete
+        the oldest. A step that admits or prefills runs alone; decode steps share the running
+        sequences between slots (disjoint sets, so results match one step at a time)."""
+        self._launch()
+        if not self._in_flight:
+            return []
+        flight = self._in_flight.popleft()
+        try:
+            result = flight.promise.result(timeout=self.config.parallel.timeout_s)
+        except TimeoutError:
+            return self._fail_all(
+                f"a step took over {self.config.parallel.timeout_s} s; a worker is stuck"
+            )
+        except EngineDeadError as exc:
+            logger.error("engine died: %s", exc)
+            return self._fail_all(str(exc))
+        except Exception as exc:
+            logger.exception(
+                "step failed; failing the %d requests in it", len(flight.out.scheduled)
+            )
+            self._free_slots.append(flight.slot)
+            self._release_deferred()
+            return self._fail_step(flight.out, f"the model step failed: {exc}")
+        self._free_slots.append(flight.slot)
+        self._release_deferred()
+        self.scheduler.on_step_done(flight.out)
+        return self._process(flight.out, result)
+
+    def _launch(self) -> None:
+        width = self.config.pipeline.max_concurrency
+        while self._free_slots and not any(f.exclusive for f in self._in_flight):
+            exclusive = not self._in_flight and self.scheduler.needs_full_step()
+            if exclusive:
+                out = self.scheduler.schedule()
+            else:
+                busy = {rid for f in self._in_flight for rid in f.request_ids}
+                share = -(-self.scheduler.num_running // width)
+                out = self.scheduler.schedule_decodes(exclude=busy, max_seqs=share)
+            if out.is_empty():
+                return
+            slot = self._free_slots.pop(0)
+            fi = build_forward_input(out, self.config.cache.block_size)
+            try:
+                promise = self.executor.submit_model(slot, fi)
+            except Exception as exc:  # noqa: BLE001 - becomes a failed step below
+                promise = Promise()
+                promise.set_exception(exc)
+            ids = frozenset(e.seq.request_id for e in out.scheduled)
+            self._in_flight.append(_InFlight(slot, out, promise, ids, exclusive))
+
+    def _release_deferred(self) -> None:
+        busy = {rid for f in self._in_flight for rid in f.request_ids}
+        keep = []
+        for seq in self._deferred_free:
+            if seq.request_id in busy:
+                keep.append(seq)
+            else:
+                self.block_manager.free(seq)
+        self._deferred_free = keep
 
     def _process(self, sched_out: SchedulerOutput, result: SamplerOutput) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

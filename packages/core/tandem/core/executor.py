@@ -6,7 +6,9 @@ from typing import Protocol
 
 from tandem.core.config import EngineConfig
 from tandem.core.forward_input import ForwardInput, SamplerOutput
-from tandem.core.models.model_config import ModelConfig
+from tandem.core.rec_step import RecStep, RecStepOutput
+from tandem.core.worker import AnyModelConfig
+from tandem.device.sync import Promise
 
 
 class Executor(Protocol):
@@ -17,6 +19,14 @@ class Executor(Protocol):
 
     def execute_model(self, fi: ForwardInput) -> SamplerOutput:
         """Run one step on every worker; rank 0's sampled tokens."""
+        ...
+
+    def submit_model(self, slot: int, fi: ForwardInput) -> Promise[SamplerOutput]:
+        """Run one step on pipeline slot ``slot`` of every worker, without waiting."""
+        ...
+
+    def submit_rec(self, slot: int, step: RecStep) -> Promise[RecStepOutput]:
+        """Run one recommendation step on pipeline slot ``slot``, without waiting."""
         ...
 
     def follow(self) -> None:
@@ -30,7 +40,7 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
-def create_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
+def create_executor(config: EngineConfig, model_config: AnyModelConfig) -> Executor:
     """The executor the topology calls for; layouts that cannot work fail here, before any
     worker starts."""
     from tandem.core.topology import Mode, resolve_topology

@@ -21,10 +21,13 @@ from tandem.core.collective_choice import resolve_collectives
 from tandem.core.config import EngineConfig
 from tandem.core.errors import ConfigError, EngineDeadError
 from tandem.core.forward_input import ForwardInput, SamplerOutput
-from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.rec_config import RecModelConfig
+from tandem.core.rec_step import RecStep, RecStepOutput
 from tandem.core.topology import Topology
 from tandem.core.transport import ShmBroadcastWriter
+from tandem.core.worker import AnyModelConfig
 from tandem.core.worker_process import STOP, WorkerSpec, worker_main
+from tandem.device.sync import Promise
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +36,15 @@ _POLL_S = 0.2
 
 
 class ProcessExecutor:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, topology: Topology):
+    def __init__(self, config: EngineConfig, model_config: AnyModelConfig, topology: Topology):
         if topology.master_node_addr is None:
             raise ConfigError("multi-process mode needs --master-node-addr HOST:PORT")
+        if config.pipeline.max_concurrency > 1 or isinstance(model_config, RecModelConfig):
+            raise ConfigError(
+                "pipeline slots (--max-concurrency > 1, or serving a recommender) run in "
+                "single-process mode: TANDEM_ENABLE_SINGLE_PROCESS=1 instead of "
+                "--master-node-addr"
+            )
         # Before any process starts: the collectives exist and serve this device kind.
         resolve_collectives(
             config.parallel,
@@ -151,6 +160,12 @@ class ProcessExecutor:
             for proc in self._procs:
                 if proc.exitcode not in (None, 0):
                     raise EngineDeadError(f"worker {proc.name} exited with {proc.exitcode}")
+
+    def submit_model(self, slot: int, fi: ForwardInput) -> Promise[SamplerOutput]:
+        raise ConfigError("one process per device runs one step at a time (no pipeline slots)")
+
+    def submit_rec(self, slot: int, step: RecStep) -> Promise[RecStepOutput]:
+        raise ConfigError("recommenders are served in single-process mode")
 
     def check_health(self) -> None:
         if self._closed:

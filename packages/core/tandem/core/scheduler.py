@@ -119,6 +119,31 @@ class Scheduler:
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return out
 
+    def schedule_decodes(self, exclude: set[str], max_seqs: int) -> SchedulerOutput:
+        """A decode-only batch while other steps are in flight: running sequences not in
+        ``exclude`` that have exactly one token to compute, oldest first, at most
+        ``max_seqs``. Nothing is admitted or preempted (an in-flight step may hold what a
+        preemption would free); a sequence without room for its next block waits."""
+        out = SchedulerOutput()
+        limit = min(max_seqs, self.config.max_seqs_per_batch, self.config.max_tokens_per_batch)
+        for seq in self.running:
+            if len(out.scheduled) >= limit:
+                break
+            if seq.request_id in exclude or seq.num_tokens - seq.num_computed_tokens != 1:
+                continue
+            if not self.block_manager.can_append(seq, 1):
+                continue
+            self.block_manager.append_slots(seq, 1)
+            out.scheduled.append(self._entry(seq, 1))
+        return out
+
+    def needs_full_step(self) -> bool:
+        """Whether some work is more than one decode token per running sequence (admissions,
+        prefill chunks): such a step runs with nothing else in flight."""
+        return bool(self.waiting) or any(
+            s.num_tokens - s.num_computed_tokens != 1 for s in self.running
+        )
+
     def _entry(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         return ScheduledSequence(
             seq=seq,
@@ -145,15 +170,19 @@ class Scheduler:
             seq.num_computed_tokens += entry.num_new_tokens
             self.block_manager.cache_computed_blocks(seq)
 
-    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """Take ``seq`` out of the queues, free its blocks and mark it finished."""
+    def finish(
+        self, seq: Sequence, reason: str, error: str | None = None, free_blocks: bool = True
+    ) -> None:
+        """Take ``seq`` out of the queues, free its blocks (unless a step still in flight
+        writes them: the caller frees them when it completes) and mark it finished."""
         if seq.status is SequenceStatus.FINISHED:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        if free_blocks:
+            self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error

@@ -25,13 +25,14 @@ from tandem.collectives import (
     init_distributed,
 )
 from tandem.collectives.backends import CommunicatorSet, get_collective_backend
-from tandem.core.collective_choice import INPROCESS, TORCH, resolve_collectives
+from tandem.core.collective_choice import INPROCESS, TORCH, CollectiveChoice, resolve_collectives
 from tandem.core.config import EngineConfig
 from tandem.core.errors import ConfigError, EngineDeadError
 from tandem.core.forward_input import ForwardInput, SamplerOutput
-from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.rec_config import RecModelConfig
+from tandem.core.rec_step import RecStep, RecStepOutput
 from tandem.core.topology import Topology
-from tandem.core.worker import Worker
+from tandem.core.worker import AnyModelConfig, Worker
 from tandem.core.worker_thread import WorkerThread
 from tandem.device import DeviceRuntime, KernelRegistry, get_runtime
 from tandem.device.sync import REAL_SYNC, Promise, Sync
@@ -56,7 +57,7 @@ class ThreadExecutor:
     def __init__(
         self,
         config: EngineConfig,
-        model_config: ModelConfig,
+        model_config: AnyModelConfig,
         topology: Topology,
         sync: Sync = REAL_SYNC,
         local_groups: LocalGroupFactory | None = None,
@@ -72,10 +73,31 @@ class ThreadExecutor:
         self._communicators: CommunicatorSet | None = None
         self._runtime = runtime
         self._control: dist.ProcessGroup | None = None
+        # Pipeline slots beyond the first: their communicator sets.
+        self._slot_comms: list[Abortable | None] = []
+        self._slot_closeables: list[CommunicatorSet] = []
+        self.uses_slots = config.pipeline.max_concurrency > 1 or isinstance(
+            model_config, RecModelConfig
+        )
+        if self.uses_slots and topology.nnodes > 1:
+            raise ConfigError(
+                "pipeline slots (--max-concurrency > 1, or a recommender) serve one node; "
+                "drop --nnodes or use --max-concurrency 1 with an LLM"
+            )
         groups = self._make_groups(config, topology)
+        per_slot = self._make_slot_groups(config, topology, groups) if self.uses_slots else None
         self._workers = [
-            Worker(device, group, config, model_config, runtime, kernel_registry)
-            for device, group in zip(topology.devices, groups, strict=True)
+            Worker(
+                device,
+                group,
+                config,
+                model_config,
+                runtime,
+                kernel_registry,
+                slot_groups=[s[rank] for s in per_slot] if per_slot else None,
+                sync=sync,
+            )
+            for rank, (device, group) in enumerate(zip(topology.devices, groups, strict=True))
         ]
         self._threads = [WorkerThread(f"tandem-worker-{d}", sync) for d in topology.devices]
         try:
@@ -86,6 +108,8 @@ class ThreadExecutor:
             agreed = self.on_all(lambda w: w.agree_num_blocks(blocks[self._workers.index(w)]))
             self._num_blocks = agreed[0]
             self.on_all(lambda w: w.init_kv_cache(self._num_blocks))
+            if self.uses_slots:
+                self.on_all(lambda w: w.init_slots())
         except BaseException:
             self.shutdown()
             raise
@@ -98,34 +122,22 @@ class ThreadExecutor:
         )
 
     def _make_groups(self, config: EngineConfig, topology: Topology) -> list[ProcessGroup]:
+        """The local ranks' groups of slot 0 (the worker threads'), reaching across nodes."""
         if topology.world_size == 1:
             return [SingleRankGroup()]
-        timeout = config.parallel.timeout_s
-        if self._local_groups is not None:
-            if topology.nnodes != 1:
-                raise ConfigError("injected local groups serve one node only")
-            groups, self._comm = self._local_groups(topology.local_size)
-            return groups
-        kind = topology.devices[0].kind
+        if self._local_groups is not None and topology.nnodes != 1:
+            raise ConfigError("injected local groups serve one node only")
         choice = resolve_collectives(
-            config.parallel, kind, topology.uses_local_groups, topology.uses_process_groups
+            config.parallel,
+            topology.devices[0].kind,
+            topology.uses_local_groups,
+            topology.uses_process_groups,
         )
-        local: list[ProcessGroup]
-        if choice.local == INPROCESS:
-            inprocess = create_inprocess_groups(
-                topology.local_size, timeout_s=timeout, sync=self._sync
-            )
-            self._comm = inprocess[0].communicator
-            local = list(inprocess)
-        else:
-            made = get_collective_backend(choice.local).local_groups(
-                topology.devices, self._group_runtime(kind), timeout
-            )
-            self._comm = self._communicators = made.communicators
-            local = made.groups
+        local, self._comm, self._communicators = self._local_set(config, topology, choice)
         if topology.nnodes == 1:
             return local
         assert topology.master_node_addr is not None
+        timeout = config.parallel.timeout_s
         try:
             rdzv = Rendezvous.parse(topology.master_node_addr, topology.nnodes, topology.node_rank)
         except ValueError as exc:
@@ -137,7 +149,7 @@ class ThreadExecutor:
         else:
             inter = get_collective_backend(choice.process).process_group(
                 topology.devices[0],
-                self._group_runtime(kind),
+                self._group_runtime(topology.devices[0].kind),
                 topology.node_rank,
                 topology.nnodes,
                 timeout,
@@ -148,6 +160,46 @@ class ThreadExecutor:
             TwoLevelGroup(g, inter if g.rank == 0 else None, topology.node_rank, topology.nnodes)
             for g in local
         ]
+
+    def _local_set(
+        self, config: EngineConfig, topology: Topology, choice: CollectiveChoice
+    ) -> tuple[list[ProcessGroup], Abortable, CommunicatorSet | None]:
+        """One communicator set for every local device, created at once."""
+        if self._local_groups is not None:
+            groups, abortable = self._local_groups(topology.local_size)
+            return groups, abortable, None
+        timeout = config.parallel.timeout_s
+        if choice.local == INPROCESS:
+            inprocess = create_inprocess_groups(
+                topology.local_size, timeout_s=timeout, sync=self._sync
+            )
+            return list(inprocess), inprocess[0].communicator, None
+        kind = topology.devices[0].kind
+        made = get_collective_backend(choice.local).local_groups(
+            topology.devices, self._group_runtime(kind), timeout
+        )
+        return made.groups, made.communicators, made.communicators
+
+    def _make_slot_groups(
+        self, config: EngineConfig, topology: Topology, slot0: list[ProcessGroup]
+    ) -> list[list[ProcessGroup]]:
+        """Per pipeline slot, per local rank: a communicator set for each slot, so that slots'
+        collectives never share (and interleave on) one communicator."""
+        count = config.pipeline.max_concurrency
+        if topology.world_size == 1:
+            self._slot_comms.extend([None] * (count - 1))
+            return [[SingleRankGroup()] for _ in range(count)]
+        choice = resolve_collectives(
+            config.parallel, topology.devices[0].kind, uses_local=True, uses_process=False
+        )
+        sets = [slot0]
+        for _ in range(1, count):
+            groups, abortable, closeable = self._local_set(config, topology, choice)
+            sets.append(groups)
+            self._slot_comms.append(abortable)
+            if closeable is not None:
+                self._slot_closeables.append(closeable)
+        return sets
 
     def _group_runtime(self, kind: str) -> DeviceRuntime:
         return self._runtime if self._runtime is not None else get_runtime(kind)
@@ -230,6 +282,52 @@ class ThreadExecutor:
             assert isinstance(step, ForwardInput)
             self.on_all(lambda w, fi=step: w.execute_model(fi))  # type: ignore[misc]
 
+    def submit_model(self, slot: int, fi: ForwardInput) -> Promise[SamplerOutput]:
+        """Run ``fi`` on pipeline slot ``slot`` of every worker; rank 0's sampled tokens once
+        every rank is done. Steps on different slots run at once."""
+
+        def call(w: Worker) -> Promise[Any]:
+            return w.submit_model(slot, fi)
+
+        return self._submit(slot, call)
+
+    def submit_rec(self, slot: int, step: RecStep) -> Promise[RecStepOutput]:
+        def call(w: Worker) -> Promise[Any]:
+            return w.submit_rec(slot, step)
+
+        return self._submit(slot, call)
+
+    def _submit(self, slot: int, call: Callable[[Worker], Promise[Any]]) -> Promise[Any]:
+        if not self.uses_slots:
+            raise ConfigError("this executor has no pipeline slots (--max-concurrency 1)")
+        combined: Promise[Any] = Promise(self._sync)
+        ranks = [call(w) for w in self._workers]
+        lock = self._sync.lock()
+        remaining = [len(ranks)]
+        comm = self._comm if slot == 0 else self._slot_comms[slot - 1]
+
+        def on_done(done: Promise[Any]) -> None:
+            error = done.exception()
+            if error is not None and comm is not None:
+                # Ranks of this slot blocked in a collective with the failed one get released.
+                comm.abort(f"a worker failed: {error}")
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if not last:
+                return
+            failure = next((p.exception() for p in ranks if p.exception()), None)
+            if failure is None:
+                combined.set_result(ranks[0].result())
+            elif len(ranks) > 1:
+                combined.set_exception(EngineDeadError(f"a worker failed: {failure}"))
+            else:
+                combined.set_exception(failure)
+
+        for promise in ranks:
+            promise.add_done_callback(on_done)
+        return combined
+
     def check_health(self) -> None:
         if self._closed or not all(t.is_alive() for t in self._threads):
             raise EngineDeadError("a worker thread is not running")
@@ -245,6 +343,14 @@ class ThreadExecutor:
                 logger.warning("could not tell the other nodes to stop")
         if self._communicators is None and self._comm is not None:
             self._comm.abort("the executor is shutting down")
+        closeables = set(map(id, self._slot_closeables))
+        for comm in self._slot_comms:
+            if comm is not None and id(comm) not in closeables:
+                comm.abort("the executor is shutting down")
+        for worker in self._workers:
+            worker.stop_slots()
+        for closeable in self._slot_closeables:
+            closeable.close()
         for thread in self._threads:
             thread.stop()
         if self._communicators is not None:

@@ -13,6 +13,8 @@ T = TypeVar("T")
 
 
 class WorkerThread(OrderedExecutor):
+    stopped_error = EngineDeadError
+
     def wait(self, promise: Promise[T], poll_s: float = 0.5) -> T:
         """The result of ``promise``; raises EngineDeadError if this thread dies first."""
         while True:

@@ -21,6 +21,9 @@ class ExecutorStopped(RuntimeError):
 
 
 class OrderedExecutor:
+    # What a submission to a stopped executor fails with.
+    stopped_error: type[Exception] = ExecutorStopped
+
     def __init__(self, name: str, sync: Sync = REAL_SYNC) -> None:
         self.name = name
         self._sync = sync
@@ -34,7 +37,7 @@ class OrderedExecutor:
     def submit(self, fn: Callable[[], T]) -> Promise[T]:
         promise: Promise[T] = Promise(self._sync)
         if not self._thread.is_alive():
-            promise.set_exception(ExecutorStopped(f"{self.name} is not running"))
+            promise.set_exception(self.stopped_error(f"{self.name} is not running"))
             return promise
         with self._cond:
             self._calls.append((fn, promise))

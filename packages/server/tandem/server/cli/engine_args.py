@@ -7,7 +7,7 @@ import os
 
 from tandem.collectives.torch_distributed import TORCHRUN_ADDRESS, Rendezvous
 from tandem.core import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
-from tandem.core.config import DTYPES, ParallelConfig
+from tandem.core.config import DTYPES, ParallelConfig, PipelineConfig, RecConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -108,6 +108,42 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="split long prompts across steps",
     )
     g.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=1,
+        help="steps each worker runs at once, each in a pipeline slot with its own stream "
+        "(one copy of the weights)",
+    )
+    g.add_argument(
+        "--serialize-prepare",
+        action="store_true",
+        help="experiment: let one slot at a time prepare its inputs",
+    )
+    g.add_argument(
+        "--serialize-forward",
+        action="store_true",
+        help="experiment: let one slot at a time run its forward",
+    )
+    g.add_argument(
+        "--rec-max-batch-size",
+        type=int,
+        default=16,
+        help="recommender: requests per batch (prefill and decode rounds run together)",
+    )
+    g.add_argument(
+        "--beam-width",
+        type=int,
+        default=0,
+        help="recommender: beams per request (default: the model's beam_width)",
+    )
+    g.add_argument(
+        "--max-decode-rounds",
+        type=int,
+        default=None,
+        help="recommender: decode rounds after the prefill (must be the model's: "
+        "num_codebooks - 1)",
+    )
+    g.add_argument(
         "--engine-seed",
         type=int,
         default=0,
@@ -145,6 +181,16 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_tokens_per_batch=args.max_tokens_per_batch,
             max_seqs_per_batch=args.max_seqs_per_batch,
             enable_chunked_prefill=args.enable_chunked_prefill,
+        ),
+        pipeline=PipelineConfig(
+            max_concurrency=args.max_concurrency,
+            serialize_prepare=args.serialize_prepare,
+            serialize_forward=args.serialize_forward,
+        ),
+        rec=RecConfig(
+            max_batch_size=args.rec_max_batch_size,
+            beam_width=args.beam_width,
+            max_decode_rounds=args.max_decode_rounds,
         ),
         parallel=ParallelConfig(
             devices=args.devices,

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from tandem.core.demo_model import DemoModelSpec, write_demo_model
+from tandem.core.rec_demo_model import RecDemoSpec, write_rec_demo_model
 
 
 def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -17,10 +19,20 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("dir", help="output folder (created if missing)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--kind",
+        choices=["llm", "rec"],
+        default="llm",
+        help="llm: the Qwen3-architecture demo model; rec: a random generative recommender "
+        "(encoder-decoder with cross-attention, semantic-id catalog)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    path = write_demo_model(args.dir, DemoModelSpec(seed=args.seed))
+    if args.kind == "rec":
+        path = write_rec_demo_model(Path(args.dir), RecDemoSpec(seed=args.seed))
+    else:
+        path = write_demo_model(args.dir, DemoModelSpec(seed=args.seed))
     print(path, file=sys.stderr)
     return 0

@@ -10,11 +10,14 @@ from typing import Any
 
 import uvicorn
 
-from tandem.core import EngineLoop, LLMEngine
+from tandem.core import EngineConfig, EngineLoop, LLMEngine
 from tandem.core.follower import run_follower
+from tandem.core.models.rec_config import is_rec_folder
+from tandem.core.rec_service import RecService
 from tandem.server.app import create_app
 from tandem.server.cli.engine_args import add_engine_args, engine_config_from_args
 from tandem.server.metrics import ServerMetrics
+from tandem.server.rec_app import RecMetrics, RecServerState, create_rec_app
 from tandem.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -60,12 +63,14 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
+    name = args.served_model_name or Path(args.model).resolve().name
+    if is_rec_folder(Path(args.model)):
+        return _serve_rec(args, config, name)
     if config.parallel.node_rank > 0:
         # Node 0 serves HTTP; this node only lends its devices.
         run_follower(config)
         return 0
     engine = LLMEngine(config)
-    name = args.served_model_name or Path(args.model).resolve().name
     metrics = ServerMetrics(engine, name)
     loop = EngineLoop(engine, on_finished=metrics.observe_finished)
     state = ServerState(
@@ -75,8 +80,27 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_bytes=int(args.max_request_body_mb * (1 << 20)),
     )
-    app = create_app(state)
-    server = uvicorn.Server(
+    server = _uvicorn(create_app(state), args)
+    logger.info("serving %s as %r on http://%s:%d", args.model, name, args.host, args.port)
+    try:
+        _run_server(server)
+    finally:
+        loop.stop()
+    logger.info("server stopped")
+    return 0
+
+
+def _run_server(server: uvicorn.Server) -> None:
+    # uvicorn handles SIGINT/SIGTERM while it runs (stop accepting, drain, shut down), then
+    # re-raises the signal under the handler it found. Finding this one, the re-raise is a
+    # no-op and the process exits 0 after a clean shutdown.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _after_shutdown)
+    server.run()
+
+
+def _uvicorn(app: Any, args: argparse.Namespace) -> uvicorn.Server:
+    return uvicorn.Server(
         uvicorn.Config(
             app,
             host=args.host,
@@ -85,15 +109,24 @@ def run(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=int(args.shutdown_timeout),
         )
     )
-    logger.info("serving %s as %r on http://%s:%d", args.model, name, args.host, args.port)
-    # uvicorn handles SIGINT/SIGTERM while it runs (stop accepting, drain, shut down), then
-    # re-raises the signal under the handler it found. Finding this one, the re-raise is a
-    # no-op and the process exits 0 after a clean shutdown.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _after_shutdown)
+
+
+def _serve_rec(args: argparse.Namespace, config: EngineConfig, name: str) -> int:
+    """A generative recommender: the fixed-steps engine behind /v1/recommendations."""
+    service = RecService(config)
+    state = RecServerState(
+        service=service,
+        served_model_name=name,
+        metrics=RecMetrics(service, name),
+        api_key=args.api_key,
+        max_body_bytes=int(args.max_request_body_mb * (1 << 20)),
+    )
+    server = _uvicorn(create_rec_app(state), args)
+    logger.info("serving recommender %s as %r on http://%s:%d", args.model, name, args.host,
+                args.port)  # fmt: skip
     try:
-        server.run()
+        _run_server(server)
     finally:
-        loop.stop()
+        service.shutdown()
     logger.info("server stopped")
     return 0
