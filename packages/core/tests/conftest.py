@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tandem.core import CacheConfig, EngineConfig, LLMEngine, ModelLoadConfig, SchedulerConfig
-from tandem.core.config import ParallelConfig
+from tandem.core.config import ParallelConfig, PipelineConfig
 from tandem.core.demo_model import tiny_spec, write_demo_model
 from tandem.core.reference_models import write_reference_model
 
@@ -49,6 +49,7 @@ def engine_config(
     dtype: str = "auto",
     max_model_len: int | None = None,
     parallel: ParallelConfig | None = None,
+    pipeline: PipelineConfig | None = None,
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelLoadConfig(model=str(model), dtype=dtype, max_model_len=max_model_len),
@@ -63,6 +64,7 @@ def engine_config(
             enable_chunked_prefill=enable_chunked_prefill,
         ),
         parallel=parallel or ParallelConfig(),
+        pipeline=pipeline or PipelineConfig(),
     )
 
 

@@ -90,7 +90,8 @@ class PipelineSlot:
         return self.host.submit(host)
 
     def is_alive(self) -> bool:
-        return self.host.is_alive()
+        stream_alive = getattr(self.stream, "is_alive", None)
+        return self.host.is_alive() and (stream_alive() if callable(stream_alive) else True)
 
     def stop(self) -> None:
         self.host.stop()

@@ -18,15 +18,15 @@ from tandem.core.rec_catalog import CATALOG_FILE
 @dataclass(frozen=True)
 class RecDemoSpec:
     num_codebooks: int = 3
-    codebook_size: int = 64
-    hidden_size: int = 128
-    num_heads: int = 4
+    codebook_size: int = 256
+    hidden_size: int = 256
+    num_heads: int = 8
     head_dim: int = 32
-    intermediate_size: int = 256
-    num_encoder_layers: int = 2
-    num_decoder_layers: int = 2
-    max_history: int = 128
-    num_items: int = 4096
+    intermediate_size: int = 1024
+    num_encoder_layers: int = 4
+    num_decoder_layers: int = 4
+    max_history: int = 256
+    num_items: int = 50000
     beam_width: int = 16
     seed: int = 0
 

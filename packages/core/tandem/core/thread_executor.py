@@ -331,6 +331,8 @@ class ThreadExecutor:
     def check_health(self) -> None:
         if self._closed or not all(t.is_alive() for t in self._threads):
             raise EngineDeadError("a worker thread is not running")
+        if not all(slot.is_alive() for w in self._workers for slot in w.slots):
+            raise EngineDeadError("a pipeline slot's thread is not running")
 
     def shutdown(self) -> None:
         if self._closed:

@@ -33,6 +33,10 @@ def _meminfo_bytes(field: str) -> int | None:
 # glibc mallopt parameters.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
+# Enough arenas that worker and slot threads rarely wait on one another's malloc; few
+# enough that freed activations (kept in each arena, see below) are not held once per thread.
+_ARENAS = 4
 
 
 def keep_freed_memory_in_heap() -> bool:
@@ -53,7 +57,8 @@ def keep_freed_memory_in_heap() -> bool:
     mallopt.restype = ctypes.c_int
     no_mmap: int = mallopt(_M_MMAP_MAX, 0)
     no_trim: int = mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
-    return no_mmap == 1 and no_trim == 1
+    arenas: int = mallopt(_M_ARENA_MAX, _ARENAS)
+    return no_mmap == 1 and no_trim == 1 and arenas == 1
 
 
 class CpuRuntime:

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from tandem.server.bench.rec import SETTINGS, Workload, format_rec_table, run_interleaved, run_one
 from tandem.server.bench.report import format_table
 from tandem.server.bench.runner import BenchConfig, run_benchmark
 
@@ -54,6 +55,63 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--result-json", default=None, help="also write the figures to this file")
     p.set_defaults(func=run)
+
+    r: argparse.ArgumentParser = kinds.add_parser(
+        "rec",
+        help="requests/s and latency of a recommender for several pipeline settings, "
+        "interleaved, each in its own process",
+        parents=parents,
+    )
+    r.add_argument(
+        "--model", required=True, help="a recommender folder (make-demo-model --kind rec)"
+    )
+    r.add_argument(
+        "--settings",
+        default=",".join(SETTINGS),
+        help=f"comma-separated, from: {', '.join(SETTINGS)}",
+    )
+    r.add_argument("--rounds", type=int, default=2, help="interleaved rounds (A B C A B C)")
+    r.add_argument("--num-requests", type=int, default=256)
+    r.add_argument("--history-len", type=int, default=64)
+    r.add_argument("--num-candidates", type=int, default=10)
+    r.add_argument("--client-concurrency", type=int, default=64, help="requests kept outstanding")
+    r.add_argument("--batch-size", type=int, default=16, help="requests per batch")
+    r.add_argument("--devices", default="cpu:0")
+    r.add_argument("--num-blocks", type=int, default=1024, help="KV blocks (16 items each)")
+    r.add_argument("--result-json", default=None)
+    r.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    r.set_defaults(func=run_rec)
+
+
+def run_rec(args: argparse.Namespace) -> int:
+    names = [n.strip() for n in args.settings.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown or not names:
+        print(f"error: unknown setting(s) {unknown}; choose from {', '.join(SETTINGS)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    for name in ("num_requests", "history_len", "num_candidates", "client_concurrency",
+                 "batch_size", "rounds", "num_blocks"):  # fmt: skip
+        if getattr(args, name) < 1:
+            print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    workload = Workload(
+        num_requests=args.num_requests,
+        history_len=args.history_len,
+        num_candidates=args.num_candidates,
+        client_concurrency=args.client_concurrency,
+        batch_size=args.batch_size,
+        devices=args.devices,
+        num_blocks=args.num_blocks,
+    )
+    if args.child:
+        print(json.dumps(run_one(Path(args.model), SETTINGS[names[0]], workload)))
+        return 0
+    results = run_interleaved(Path(args.model), [SETTINGS[n] for n in names], workload, args.rounds)
+    print(format_rec_table(results))
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps(results, indent=2), encoding="utf-8")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
