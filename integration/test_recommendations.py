@@ -57,9 +57,9 @@ def test_ranked_candidates_over_http(rec_server: Server, rec_dir: Path) -> None:
     scores = [c["score"] for c in candidates]
     assert scores == sorted(scores, reverse=True)
     # The same request gives the same answer (batched with others or not).
+    same = {"model": NAME, "history": history, "num_candidates": 5}
     with ThreadPoolExecutor(8) as pool:
-        again = list(pool.map(lambda _: _post(rec_server, {"model": NAME, "history": history,
-                                                           "num_candidates": 5}), range(8)))  # fmt: skip
+        again = list(pool.map(lambda _: _post(rec_server, same), range(8)))
     assert all(r.json()["candidates"] == candidates for r in again)
 
 

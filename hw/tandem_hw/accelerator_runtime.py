@@ -154,5 +154,8 @@ class TorchStream:
         event.record(self.stream)
         return _TorchEvent(event)
 
+    def is_alive(self) -> bool:
+        return True
+
     def stop(self) -> None:
         """Nothing to stop: the stream belongs to the framework."""

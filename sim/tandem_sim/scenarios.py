@@ -13,7 +13,13 @@ import torch
 
 from tandem.collectives import ProcessGroup
 from tandem.core.block_manager import BlockManager
-from tandem.core.config import CacheConfig, EngineConfig, ModelLoadConfig, ParallelConfig
+from tandem.core.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelLoadConfig,
+    ParallelConfig,
+    PipelineConfig,
+)
 from tandem.core.demo_model import tiny_spec, write_demo_model
 from tandem.core.errors import EngineDeadError
 from tandem.core.forward_input import ForwardInput
@@ -100,7 +106,12 @@ def _tiny_model() -> Path:
 
 
 def _executor(
-    s: DeterministicScheduler, tp: int, model: Path, runtime: FakeNpuRuntime | None = None
+    s: DeterministicScheduler,
+    tp: int,
+    model: Path,
+    runtime: FakeNpuRuntime | None = None,
+    slots: int = 1,
+    share_communicator: bool = False,
 ) -> ThreadExecutor:
     kind = "npu" if runtime is not None else "cpu"
     devices = ",".join(f"{kind}:{i}" for i in range(tp))
@@ -108,11 +119,17 @@ def _executor(
         model=ModelLoadConfig(model=str(model)),
         cache=CacheConfig(num_blocks=16),
         parallel=ParallelConfig(devices=devices, single_process=tp > 1),
+        pipeline=PipelineConfig(max_concurrency=slots),
     )
+    made: list[tuple[list[ProcessGroup], FakeBackend]] = []
 
     def fake_groups(size: int) -> tuple[list[ProcessGroup], FakeBackend]:
-        backend = FakeBackend(s, f"tp{size}", size)
-        return list(backend.groups()), backend
+        if share_communicator and made:
+            # The bug: every pipeline slot gets the same communicator.
+            return made[0]
+        backend = FakeBackend(s, f"tp{size}-set{len(made)}", size)
+        made.append((list(backend.groups()), backend))
+        return made[-1]
 
     return ThreadExecutor(
         config,
@@ -125,14 +142,57 @@ def _executor(
     )
 
 
-def _step_input() -> ForwardInput:
-
-    prompt = [5, 17, 300, 42, 9, 100, 7]
-    seq = Sequence("probe", prompt, SamplingParams(max_tokens=1), frozenset(), 512)
+def _step_input(
+    prompt: tuple[int, ...] = (5, 17, 300, 42, 9, 100, 7), first_block: int = 0
+) -> ForwardInput:
+    seq = Sequence("probe", list(prompt), SamplingParams.greedy(max_tokens=1), frozenset(), 512)
     manager = BlockManager(num_blocks=16, block_size=16, enable_prefix_cache=False)
+    # Steps of different slots write different blocks, as the scheduler guarantees.
+    manager.reserve(first_block)
     manager.allocate(seq, len(prompt), cached=[])
     out = SchedulerOutput(scheduled=[ScheduledSequence(seq, len(prompt), samples=True)])
     return build_forward_input(out, block_size=16)
+
+
+SLOT_PROMPTS = ((5, 17, 300, 42, 9, 100, 7), (11, 3, 250, 8, 61))
+
+
+@lru_cache(maxsize=1)
+def _reference_tokens() -> tuple[int, ...]:
+    model = _tiny_model()
+    config = EngineConfig(model=ModelLoadConfig(model=str(model)), cache=CacheConfig(num_blocks=16))
+    executor = ThreadExecutor(
+        config, ModelConfig.from_folder(model), resolve_topology(config.parallel), sync=REAL_SYNC
+    )
+    try:
+        return tuple(
+            executor.execute_model(_step_input(p, first_block=i)).token_ids[0]
+            for i, p in enumerate(SLOT_PROMPTS)
+        )
+    finally:
+        executor.shutdown()
+
+
+def tp_slots(s: DeterministicScheduler, share_communicator: bool) -> None:
+    """TP=2 with two pipeline slots, one step on each at once. Each slot must have its own
+    communicator set: with one shared, the slots' collectives interleave in different orders
+    on the two ranks (a mismatch or a deadlock the fake backend reports)."""
+    runtime = FakeNpuRuntime(s)
+    executor = _executor(
+        s, 2, _tiny_model(), runtime, slots=2, share_communicator=share_communicator
+    )
+    try:
+        steps = [
+            executor.submit_model(i, _step_input(p, first_block=i))
+            for i, p in enumerate(SLOT_PROMPTS)
+        ]
+        tokens = tuple(step.result().token_ids[0] for step in steps)
+    finally:
+        executor.shutdown()
+    if tokens != _reference_tokens():
+        raise AssertionError(
+            f"slot steps sampled {tokens}, TP=1 one at a time {_reference_tokens()}"
+        )
 
 
 @lru_cache(maxsize=1)
@@ -302,6 +362,12 @@ SCENARIOS: dict[str, ScenarioSpec] = {
                      "the same with TP=4", broken=False),
         ScenarioSpec("rank_dies_mid_collective", rank_dies_mid_collective,
                      "a rank raises inside a step: errors everywhere, no hang", broken=False),
+        ScenarioSpec("tp_slots_shared_communicator", partial(tp_slots, share_communicator=True),
+                     "two pipeline slots issuing TP collectives on one communicator",
+                     broken=True),
+        ScenarioSpec("tp_slots", partial(tp_slots, share_communicator=False),
+                     "TP=2, two slots, a communicator set per slot: steps at once, TP=1 tokens",
+                     broken=False),
         ScenarioSpec("stream_workspace_reuse_unrecorded", partial(stream_workspace_reuse,
                      record=False), "seed 001: scratch freed without record_stream, reused "
                      "while a stream reads it", broken=True),

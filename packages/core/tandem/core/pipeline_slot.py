@@ -90,8 +90,7 @@ class PipelineSlot:
         return self.host.submit(host)
 
     def is_alive(self) -> bool:
-        stream_alive = getattr(self.stream, "is_alive", None)
-        return self.host.is_alive() and (stream_alive() if callable(stream_alive) else True)
+        return self.host.is_alive() and self.stream.is_alive()
 
     def stop(self) -> None:
         self.host.stop()

@@ -125,8 +125,11 @@ class ThreadExecutor:
         """The local ranks' groups of slot 0 (the worker threads'), reaching across nodes."""
         if topology.world_size == 1:
             return [SingleRankGroup()]
-        if self._local_groups is not None and topology.nnodes != 1:
-            raise ConfigError("injected local groups serve one node only")
+        if self._local_groups is not None:
+            if topology.nnodes != 1:
+                raise ConfigError("injected local groups serve one node only")
+            groups, self._comm = self._local_groups(topology.local_size)
+            return groups
         choice = resolve_collectives(
             config.parallel,
             topology.devices[0].kind,
@@ -162,12 +165,14 @@ class ThreadExecutor:
         ]
 
     def _local_set(
-        self, config: EngineConfig, topology: Topology, choice: CollectiveChoice
+        self, config: EngineConfig, topology: Topology, choice: CollectiveChoice | None
     ) -> tuple[list[ProcessGroup], Abortable, CommunicatorSet | None]:
-        """One communicator set for every local device, created at once."""
+        """One communicator set for every local device, created at once (by the injected
+        factory when there is one: the simulator's fake backend)."""
         if self._local_groups is not None:
             groups, abortable = self._local_groups(topology.local_size)
             return groups, abortable, None
+        assert choice is not None
         timeout = config.parallel.timeout_s
         if choice.local == INPROCESS:
             inprocess = create_inprocess_groups(
@@ -189,8 +194,12 @@ class ThreadExecutor:
         if topology.world_size == 1:
             self._slot_comms.extend([None] * (count - 1))
             return [[SingleRankGroup()] for _ in range(count)]
-        choice = resolve_collectives(
-            config.parallel, topology.devices[0].kind, uses_local=True, uses_process=False
+        choice = (
+            resolve_collectives(
+                config.parallel, topology.devices[0].kind, uses_local=True, uses_process=False
+            )
+            if self._local_groups is None
+            else None
         )
         sets = [slot0]
         for _ in range(1, count):

@@ -11,11 +11,13 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from tandem.core import LLMEngine, SamplingParams
 from tandem.core.engine import Prompt
 from tandem.core.follower import run_follower
+from tandem.core.models.rec_config import is_rec_folder
 from tandem.server.cli.engine_args import add_engine_args, engine_config_from_args
 
 
@@ -70,6 +72,14 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if is_rec_folder(Path(args.model)):
+        print(
+            f"error: {args.model} is a generative recommender, not a language model; serve it "
+            "with `tandem serve --model DIR` (POST /v1/recommendations) or measure it with "
+            "`tandem bench rec --model DIR`",
+            file=sys.stderr,
+        )
+        return 2
     prompts: list[Prompt] = args.prompts or []
     if not prompts and args.node_rank == 0:
         print("error: give at least one --prompt TEXT or --prompt-token-ids 1,2,3", file=sys.stderr)
