@@ -93,3 +93,13 @@ def test_three_cold_starts_have_no_registration_errors(accelerator: str, model: 
         assert done.returncode == 0, f"cold start {start}: {done.stderr[-3000:]}"
         found = [word for word in REGISTRATION_ERRORS if word in done.stderr]
         assert not found, f"cold start {start} logged {found}: {done.stderr[-3000:]}"
+
+
+def test_pipeline_slots_match_one_step_at_a_time(accelerator: str, model: Path) -> None:
+    """Two pipeline slots per device (their own streams and communicator sets) give the
+    tokens of one step at a time."""
+    one = generate_token_ids(model, "tp2-single-process", NEW_TOKENS, kind=accelerator)
+    two = generate_token_ids(
+        model, "tp2-single-process", NEW_TOKENS, ("--max-concurrency", "2"), kind=accelerator
+    )
+    assert two.token_ids == one.token_ids
