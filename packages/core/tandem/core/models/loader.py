@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -76,6 +77,30 @@ def iter_checkpoint(files: list[Path], desc: str) -> Iterator[tuple[str, LazyTen
             yield name, handle.get_slice(name)
 
 
+class Loadable(Protocol):
+    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> set[str]: ...
+
+    def expected_parameters(self) -> set[str]: ...
+
+    def eval(self) -> Any: ...
+
+
+def fill_from_checkpoint(model: Loadable, files: list[Path], desc: str) -> None:
+    """Load every checkpoint tensor into ``model`` (each rank its shard); every parameter
+    must be covered."""
+    try:
+        loaded = model.load_weights(iter_checkpoint(files, desc))
+    except (ValueError, OSError) as exc:
+        raise ModelLoadError(str(exc)) from None
+    missing = model.expected_parameters() - loaded
+    if missing:
+        raise ModelLoadError(
+            f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. "
+            + ", ".join(sorted(missing)[:5])
+        )
+    model.eval()
+
+
 def load_model(
     folder: Path,
     config: ModelConfig,
@@ -101,18 +126,7 @@ def load_model(
     # Padding rows of a vocab-parallel shard must stay zero.
     model.embed_tokens.weight.data.zero_()
     model.lm_head.weight.data.zero_()
-    desc = f"loading {folder.name} (rank {group.rank})"
-    try:
-        loaded = model.load_weights(iter_checkpoint(files, desc))
-    except (ValueError, OSError) as exc:
-        raise ModelLoadError(str(exc)) from None
-    missing = model.expected_parameters() - loaded
-    if missing:
-        raise ModelLoadError(
-            f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. "
-            + ", ".join(sorted(missing)[:5])
-        )
-    model.eval()
+    fill_from_checkpoint(model, files, f"loading {folder.name} (rank {group.rank})")
     logger.info(
         "loaded %s (%s, %d layers) in %s", folder, config.architecture, config.num_layers, dtype
     )

@@ -10,7 +10,7 @@ import torch
 
 from tandem.collectives import ProcessGroup
 from tandem.core.errors import ModelLoadError
-from tandem.core.models.loader import iter_checkpoint, weight_files
+from tandem.core.models.loader import fill_from_checkpoint, weight_files
 from tandem.core.models.rec_config import RecModelConfig
 from tandem.core.models.rec_model import GenerativeRecommender
 
@@ -33,18 +33,7 @@ def load_rec_model(
     except ValueError as exc:
         raise ModelLoadError(f"{folder}: {exc}") from None
     model = model.to(dtype).to_empty(device=device)
-    desc = f"loading {folder.name} (rank {group.rank})"
-    try:
-        loaded = model.load_weights(iter_checkpoint(files, desc))
-    except (ValueError, OSError) as exc:
-        raise ModelLoadError(str(exc)) from None
-    missing = model.expected_parameters() - loaded
-    if missing:
-        raise ModelLoadError(
-            f"the checkpoint lacks {len(missing)} tensors the recommender needs, e.g. "
-            + ", ".join(sorted(missing)[:5])
-        )
-    model.eval()
+    fill_from_checkpoint(model, files, f"loading {folder.name} (rank {group.rank})")
     logger.info(
         "loaded recommender %s (%d codebooks of %d, %d+%d layers) in %s",
         folder,
