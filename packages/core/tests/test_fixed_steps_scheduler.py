@@ -92,6 +92,10 @@ def test_a_request_that_could_never_fit_fails_at_once() -> None:
     # The engine goes on serving requests that fit.
     ok = request(history_len=5)
     engine.submit(ok)
+    # Several at once: one that can never fit refuses the lot.
+    with pytest.raises(InvalidRequestError):
+        engine.submit(request(history_len=3), request(history_len=64))
+    assert scheduler.num_waiting <= 1  # `ok` may still wait; the refused pair did not queue
     assert results([ok])[0].candidates
     engine.stop()
 
@@ -156,3 +160,19 @@ def test_stopping_fails_waiting_requests_instead_of_losing_them() -> None:
     with pytest.raises(EngineDeadError):
         engine.submit(request(history_len=3))
     assert fake.blocks.num_free_blocks == 64
+
+
+def test_requests_queued_together_batch_the_same_at_every_width() -> None:
+    batches: dict[int, list[list[int]]] = {}
+    for width in (1, 2, 4):
+        fake = FakeEngine(num_blocks=64, block_size=16, max_decode_rounds=ROUNDS)
+        engine, _ = start(fake, max_concurrency=width, max_batch_size=3)
+        fake.hold()
+        requests = [request(history_len=2) for _ in range(8)]
+        engine.submit(*requests)
+        fake.release()
+        done = results(requests)
+        # The fake names candidates (batch id, i): which requests shared a batch.
+        batches[width] = [[d.candidates[0][0]] for d in done]
+        engine.stop()
+    assert batches[1] == batches[2] == batches[4] == [[0]] * 3 + [[1]] * 3 + [[2]] * 2

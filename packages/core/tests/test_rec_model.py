@@ -48,7 +48,8 @@ def _config(folder: Path, width: int = 1, devices: str = "cpu:0", **rec: int) ->
 def _serve(config: EngineConfig, histories: list[list[list[int]]]) -> list[RecResult]:
     service = RecService(config)
     try:
-        promises = [service.submit(h, num_candidates=1 + i % 5) for i, h in enumerate(histories)]
+        # Queued together, so every width forms the same batches (and shapes).
+        promises = service.submit_many([(h, 1 + i % 5) for i, h in enumerate(histories)])
         results = [p.result(timeout=60) for p in promises]
         assert service.blocks.num_free_blocks == service.blocks.num_blocks
         return results

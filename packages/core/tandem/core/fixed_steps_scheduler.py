@@ -57,17 +57,21 @@ class FixedStepsScheduler:
     def blocks_needed(self, request: RecRequest) -> int:
         return self.blocks.blocks_for(request.history_len)
 
-    def add(self, request: RecRequest) -> None:
-        """Queue ``request``; raises InvalidRequestError if it could never fit."""
-        needed = self.blocks_needed(request)
-        if needed > self.blocks.num_blocks:
-            raise InvalidRequestError(
-                f"the history needs {needed} KV blocks and the cache has {self.blocks.num_blocks}"
-                " in all; send a shorter history or start the server with more --num-blocks",
-                "history",
-            )
+    def add(self, *requests: RecRequest) -> None:
+        """Queue ``requests`` together (next to each other in the queue, so they batch the
+        same way whatever else is running); raises InvalidRequestError, queueing none, if one
+        could never fit."""
+        for request in requests:
+            needed = self.blocks_needed(request)
+            if needed > self.blocks.num_blocks:
+                raise InvalidRequestError(
+                    f"the history needs {needed} KV blocks and the cache has "
+                    f"{self.blocks.num_blocks} in all; send a shorter history or start the "
+                    "server with more --num-blocks",
+                    "history",
+                )
         with self._lock:
-            self._waiting.append(request)
+            self._waiting.extend(requests)
 
     def next_batch(self) -> RecBatch | None:
         """The next batch to put in flight, its blocks reserved; None when no slot is free,

@@ -65,15 +65,16 @@ class RecEngine:
         self.steps_submitted = 0
         self._thread = sync.start_thread(self._loop, "tandem-rec-engine")
 
-    def submit(self, request: RecRequest) -> Promise[RecResult]:
-        """Queue ``request`` (InvalidRequestError if it could never be served)."""
+    def submit(self, *requests: RecRequest) -> list[Promise[RecResult]]:
+        """Queue ``requests`` together (InvalidRequestError, none queued, if one could never
+        be served)."""
         if not self._running:
             raise EngineDeadError(f"the recommendation engine is not running ({self._error})")
-        self.scheduler.add(request)
+        self.scheduler.add(*requests)
         with self._cond:
             self._wake = True
             self._cond.notify_all()
-        return request.result
+        return [r.result for r in requests]
 
     @property
     def is_running(self) -> bool:

@@ -70,7 +70,14 @@ class RecService:
         request = make_rec_request(
             history, num_candidates, self.model_config, self.beam_width, request_id
         )
-        return self.engine.submit(request)
+        return self.engine.submit(request)[0]
+
+    def submit_many(self, requests: list[tuple[list[list[int]], int]]) -> list[Promise[RecResult]]:
+        """(history, num_candidates) pairs queued together: they are batched in order, by
+        ``--rec-max-batch-size``, however many slots there are (so the results do not depend
+        on the pipeline width)."""
+        made = [make_rec_request(h, k, self.model_config, self.beam_width) for h, k in requests]
+        return self.engine.submit(*made)
 
     def check_health(self) -> None:
         if not self.engine.is_running:

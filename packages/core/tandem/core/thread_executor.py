@@ -364,6 +364,14 @@ class ThreadExecutor:
             closeable.close()
         for thread in self._threads:
             thread.stop()
+        if self._control is not None and dist.is_initialized():
+            # Tear the node groups down before the interpreter does: gloo's threads still
+            # running at exit abort the process ("terminate called without an active
+            # exception").
+            try:
+                dist.destroy_process_group()
+            except RuntimeError:
+                logger.warning("could not destroy the node groups cleanly")
         if self._communicators is not None:
             if all(not t.is_alive() for t in self._threads):
                 self._communicators.close()
