@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch.distributed as dist
 
 from tandem.collectives import CollectiveTimeout, ProcessGroup
 from tandem.collectives.backends import LocalGroups
 from tandem.device import Device, DeviceRuntime
+from tandem.device.ordered_executor import OrderedExecutor
 from tandem_hw.accelerator_runtime import AcceleratorRuntime
 from tandem_hw.comm_group import CommGroup, Communicators, StreamHandle
 from tandem_hw.comm_library import CommLibrary
@@ -80,23 +80,21 @@ class LibraryBackend:
         self, devices: Sequence[Device], runtime: DeviceRuntime, timeout_s: float
     ) -> LocalGroups:
         library = self.library()
-        box: dict[str, Any] = {}
 
-        def init() -> None:
-            try:
-                runtime.bind(devices[0])
-                box["comms"] = library.init_all([d.index for d in devices])
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-                box["error"] = exc
+        def init() -> list[int]:
+            runtime.bind(devices[0])
+            return library.init_all([d.index for d in devices])
 
-        thread = threading.Thread(target=init, name=f"tandem-{self.name}-init", daemon=True)
-        thread.start()
-        thread.join(timeout_s)
-        if thread.is_alive():
-            raise CollectiveTimeout(f"{self.name} communicator creation took over {timeout_s} s")
-        if "error" in box:
-            raise box["error"]
-        comms: list[int] = box["comms"]
+        # A thread of its own, so the caller's thread keeps its device binding.
+        thread = OrderedExecutor(f"tandem-{self.name}-init")
+        try:
+            comms = thread.submit(init).result(timeout=timeout_s)
+        except TimeoutError:
+            raise CollectiveTimeout(
+                f"{self.name} communicator creation took over {timeout_s} s"
+            ) from None
+        finally:
+            thread.stop(timeout=0)
         communicators = Communicators(library, comms)
         groups: list[ProcessGroup] = [
             CommGroup(

@@ -6,9 +6,9 @@ tensors; every call is queued on the stream handle it is given.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -94,14 +94,21 @@ class CommLibrary(Protocol):
 
 class CheckedLibrary:
     """A bound communicator library whose calls return 0 on success; any other result raises
-    with the library's own error string."""
+    with the library's own error string. The calls whose C signatures HCCL and NCCL share
+    (all-reduce, all-gather, reduce-scatter, destroy) are here, by symbol name; each library
+    adds the ones that differ."""
 
+    name: str
     # The library's ``const char *(int code)`` error-string function.
     error_function: str
+    # C symbols of the shared calls: all_reduce, all_gather, reduce_scatter, destroy.
+    symbols: ClassVar[Mapping[str, str]]
+    data_types: Mapping[torch.dtype, int]
+    reduce_ops: Mapping[ReduceOp, int]
 
-    def __init__(self, path: Path | str, table: str, functions: Sequence[CFunction]) -> None:
+    def __init__(self, path: Path | str, functions: Sequence[CFunction]) -> None:
         self.path = str(path)
-        self._lib: BoundLibrary = bind_library(path, table, functions)
+        self._lib: BoundLibrary = bind_library(path, self.name, functions)
         self.is_standin = self._lib.has_symbol("TandemStandinVersion")
 
     def error_string(self, code: int) -> str:
@@ -112,3 +119,59 @@ class CheckedLibrary:
         code = int(self._lib[function](*args))
         if code != 0:
             raise CommLibraryError(function, code, self.error_string(code))
+
+    def _dtype(self, dtype: torch.dtype) -> int:
+        try:
+            return self.data_types[dtype]
+        except KeyError:
+            raise ValueError(f"{self.name.upper()} has no data type for {dtype}") from None
+
+    def all_reduce(
+        self,
+        send: int,
+        recv: int,
+        count: int,
+        dtype: torch.dtype,
+        op: ReduceOp,
+        comm: int,
+        stream: int,
+    ) -> None:
+        self._call(
+            self.symbols["all_reduce"],
+            send,
+            recv,
+            count,
+            self._dtype(dtype),
+            self.reduce_ops[op],
+            comm,
+            stream,
+        )
+
+    def all_gather(
+        self, send: int, recv: int, count: int, dtype: torch.dtype, comm: int, stream: int
+    ) -> None:
+        self._call(self.symbols["all_gather"], send, recv, count, self._dtype(dtype), comm, stream)
+
+    def reduce_scatter(
+        self,
+        send: int,
+        recv: int,
+        count: int,
+        dtype: torch.dtype,
+        op: ReduceOp,
+        comm: int,
+        stream: int,
+    ) -> None:
+        self._call(
+            self.symbols["reduce_scatter"],
+            send,
+            recv,
+            count,
+            self._dtype(dtype),
+            self.reduce_ops[op],
+            comm,
+            stream,
+        )
+
+    def destroy(self, comm: int) -> None:
+        self._call(self.symbols["destroy"], comm)

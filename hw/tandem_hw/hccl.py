@@ -10,6 +10,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -148,24 +149,21 @@ def find_hccl_library(env: Mapping[str, str] | None = None) -> Path:
     )
 
 
-def _dtype(dtype: torch.dtype) -> int:
-    try:
-        return DATA_TYPES[dtype]
-    except KeyError:
-        raise ValueError(f"HCCL has no data type for {dtype}") from None
-
-
-def _op(op: ReduceOp) -> int:
-    return REDUCE_OPS[op]
-
-
 class HcclLibrary(CheckedLibrary):
     name = "hccl"
     has_barrier = True
     error_function = "HcclGetErrorString"
+    symbols: ClassVar[Mapping[str, str]] = {
+        "all_reduce": "HcclAllReduce",
+        "all_gather": "HcclAllGather",
+        "reduce_scatter": "HcclReduceScatter",
+        "destroy": "HcclCommDestroy",
+    }
+    data_types = DATA_TYPES
+    reduce_ops = REDUCE_OPS
 
     def __init__(self, path: Path | str | None = None) -> None:
-        super().__init__(path if path is not None else find_hccl_library(), "hccl", FUNCTIONS)
+        super().__init__(path if path is not None else find_hccl_library(), FUNCTIONS)
         logger.info("HCCL from %s%s", self.path, " (CPU stand-in)" if self.is_standin else "")
 
     def init_all(self, devices: Sequence[int]) -> list[int]:
@@ -189,45 +187,13 @@ class HcclLibrary(CheckedLibrary):
         self._call("HcclCommInitRootInfo", nranks, ctypes.byref(info), rank, ctypes.byref(comm))
         return int(comm.value or 0)
 
-    def all_reduce(
-        self,
-        send: int,
-        recv: int,
-        count: int,
-        dtype: torch.dtype,
-        op: ReduceOp,
-        comm: int,
-        stream: int,
-    ) -> None:
-        self._call("HcclAllReduce", send, recv, count, _dtype(dtype), _op(op), comm, stream)
-
-    def all_gather(
-        self, send: int, recv: int, count: int, dtype: torch.dtype, comm: int, stream: int
-    ) -> None:
-        self._call("HcclAllGather", send, recv, count, _dtype(dtype), comm, stream)
-
-    def reduce_scatter(
-        self,
-        send: int,
-        recv: int,
-        count: int,
-        dtype: torch.dtype,
-        op: ReduceOp,
-        comm: int,
-        stream: int,
-    ) -> None:
-        self._call("HcclReduceScatter", send, recv, count, _dtype(dtype), _op(op), comm, stream)
-
     def broadcast(
         self, buf: int, count: int, dtype: torch.dtype, root: int, comm: int, stream: int
     ) -> None:
-        self._call("HcclBroadcast", buf, count, _dtype(dtype), root, comm, stream)
+        self._call("HcclBroadcast", buf, count, self._dtype(dtype), root, comm, stream)
 
     def barrier(self, comm: int, stream: int) -> None:
         self._call("HcclBarrier", comm, stream)
-
-    def destroy(self, comm: int) -> None:
-        self._call("HcclCommDestroy", comm)
 
     def abort(self, comm: int) -> bool:
         # HCCL has no abort: a blocked rank returns when HCCL_EXEC_TIMEOUT expires.

@@ -9,6 +9,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -120,24 +121,21 @@ def find_nccl_library(env: Mapping[str, str] | None = None) -> Path | str:
     )
 
 
-def _dtype(dtype: torch.dtype) -> int:
-    try:
-        return DATA_TYPES[dtype]
-    except KeyError:
-        raise ValueError(f"NCCL has no data type for {dtype}") from None
-
-
-def _op(op: ReduceOp) -> int:
-    return REDUCE_OPS[op]
-
-
 class NcclLibrary(CheckedLibrary):
     name = "nccl"
     has_barrier = False
     error_function = "ncclGetErrorString"
+    symbols: ClassVar[Mapping[str, str]] = {
+        "all_reduce": "ncclAllReduce",
+        "all_gather": "ncclAllGather",
+        "reduce_scatter": "ncclReduceScatter",
+        "destroy": "ncclCommDestroy",
+    }
+    data_types = DATA_TYPES
+    reduce_ops = REDUCE_OPS
 
     def __init__(self, path: Path | str | None = None) -> None:
-        super().__init__(path if path is not None else find_nccl_library(), "nccl", FUNCTIONS)
+        super().__init__(path if path is not None else find_nccl_library(), FUNCTIONS)
         logger.info("NCCL %s from %s", self.version(), self.path)
 
     def version(self) -> int:
@@ -167,45 +165,13 @@ class NcclLibrary(CheckedLibrary):
         self._call("ncclCommInitRank", ctypes.byref(comm), nranks, uid, rank)
         return int(comm.value or 0)
 
-    def all_reduce(
-        self,
-        send: int,
-        recv: int,
-        count: int,
-        dtype: torch.dtype,
-        op: ReduceOp,
-        comm: int,
-        stream: int,
-    ) -> None:
-        self._call("ncclAllReduce", send, recv, count, _dtype(dtype), _op(op), comm, stream)
-
-    def all_gather(
-        self, send: int, recv: int, count: int, dtype: torch.dtype, comm: int, stream: int
-    ) -> None:
-        self._call("ncclAllGather", send, recv, count, _dtype(dtype), comm, stream)
-
-    def reduce_scatter(
-        self,
-        send: int,
-        recv: int,
-        count: int,
-        dtype: torch.dtype,
-        op: ReduceOp,
-        comm: int,
-        stream: int,
-    ) -> None:
-        self._call("ncclReduceScatter", send, recv, count, _dtype(dtype), _op(op), comm, stream)
-
     def broadcast(
         self, buf: int, count: int, dtype: torch.dtype, root: int, comm: int, stream: int
     ) -> None:
-        self._call("ncclBroadcast", buf, buf, count, _dtype(dtype), root, comm, stream)
+        self._call("ncclBroadcast", buf, buf, count, self._dtype(dtype), root, comm, stream)
 
     def barrier(self, comm: int, stream: int) -> None:
         raise NotImplementedError("NCCL has no barrier; the group reduces one element instead")
-
-    def destroy(self, comm: int) -> None:
-        self._call("ncclCommDestroy", comm)
 
     def abort(self, comm: int) -> bool:
         self._call("ncclCommAbort", comm)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,7 +156,7 @@ class LLMEngine:
         seq = self.sequences.get(request_id)
         if seq is None:
             return None
-        in_flight = any(request_id in f.request_ids for f in self._in_flight)
+        in_flight = request_id in self._busy_ids()
         self.scheduler.finish(seq, "abort", free_blocks=not in_flight)
         if in_flight:
             # Its step still writes the sequence's KV blocks: free them when it completes.
@@ -176,16 +177,7 @@ class LLMEngine:
         if sched_out.is_empty():
             return []
         fi = build_forward_input(sched_out, self.config.cache.block_size)
-        try:
-            result = self.executor.execute_model(fi)
-        except EngineDeadError as exc:
-            logger.error("engine died: %s", exc)
-            return self._fail_all(str(exc))
-        except Exception as exc:
-            logger.exception("step failed; failing the %d requests in it", len(sched_out.scheduled))
-            return self._fail_step(sched_out, f"the model step failed: {exc}")
-        self.scheduler.on_step_done(sched_out)
-        return self._process(sched_out, result)
+        return self._run_step(sched_out, lambda: self.executor.execute_model(fi))
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """Keep up to ``max_concurrency`` steps in flight on the pipeline slots, then complete
@@ -195,26 +187,33 @@ class LLMEngine:
         if not self._in_flight:
             return []
         flight = self._in_flight.popleft()
+        timeout = self.config.parallel.timeout_s
+
+        def wait() -> SamplerOutput:
+            try:
+                return flight.promise.result(timeout=timeout)
+            except TimeoutError:
+                raise EngineDeadError(f"a step took over {timeout} s; a worker is stuck") from None
+            finally:
+                self._free_slots.append(flight.slot)
+                self._release_deferred()
+
+        return self._run_step(flight.out, wait)
+
+    def _run_step(
+        self, sched_out: SchedulerOutput, run: Callable[[], SamplerOutput]
+    ) -> list[RequestOutput]:
+        """The step's outputs, or its requests failed (all of them, if the engine died)."""
         try:
-            result = flight.promise.result(timeout=self.config.parallel.timeout_s)
-        except TimeoutError:
-            return self._fail_all(
-                f"a step took over {self.config.parallel.timeout_s} s; a worker is stuck"
-            )
+            result = run()
         except EngineDeadError as exc:
             logger.error("engine died: %s", exc)
             return self._fail_all(str(exc))
         except Exception as exc:
-            logger.exception(
-                "step failed; failing the %d requests in it", len(flight.out.scheduled)
-            )
-            self._free_slots.append(flight.slot)
-            self._release_deferred()
-            return self._fail_step(flight.out, f"the model step failed: {exc}")
-        self._free_slots.append(flight.slot)
-        self._release_deferred()
-        self.scheduler.on_step_done(flight.out)
-        return self._process(flight.out, result)
+            logger.exception("step failed; failing the %d requests in it", len(sched_out.scheduled))
+            return self._fail_step(sched_out, f"the model step failed: {exc}")
+        self.scheduler.on_step_done(sched_out)
+        return self._process(sched_out, result)
 
     def _launch(self) -> None:
         width = self.config.pipeline.max_concurrency
@@ -223,9 +222,8 @@ class LLMEngine:
             if exclusive:
                 out = self.scheduler.schedule()
             else:
-                busy = {rid for f in self._in_flight for rid in f.request_ids}
                 share = -(-self.scheduler.num_running // width)
-                out = self.scheduler.schedule_decodes(exclude=busy, max_seqs=share)
+                out = self.scheduler.schedule_decodes(exclude=self._busy_ids(), max_seqs=share)
             if out.is_empty():
                 return
             slot = self._free_slots.pop(0)
@@ -238,8 +236,12 @@ class LLMEngine:
             ids = frozenset(e.seq.request_id for e in out.scheduled)
             self._in_flight.append(_InFlight(slot, out, promise, ids, exclusive))
 
+    def _busy_ids(self) -> set[str]:
+        """Requests with a step in flight."""
+        return {rid for f in self._in_flight for rid in f.request_ids}
+
     def _release_deferred(self) -> None:
-        busy = {rid for f in self._in_flight for rid in f.request_ids}
+        busy = self._busy_ids()
         keep = []
         for seq in self._deferred_free:
             if seq.request_id in busy:

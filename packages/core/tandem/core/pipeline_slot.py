@@ -10,7 +10,7 @@ the forward, and gives the scratch back at once: no synchronize between host and
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from tandem.collectives.thread_bound import ThreadBoundGroup
@@ -22,15 +22,6 @@ from tandem.device.sync import REAL_SYNC, LockLike, Promise, Sync
 
 P = TypeVar("P")
 R = TypeVar("R")
-
-
-@contextlib.contextmanager
-def _held(lock: LockLike | None) -> Iterator[None]:
-    if lock is None:
-        yield
-        return
-    with lock:
-        yield
 
 
 class PipelineSlot:
@@ -74,11 +65,11 @@ class PipelineSlot:
         """Prepare on the host thread, forward on the stream; the result when both are done."""
 
         def host() -> R:
-            with _held(self._prepare_lock):
+            with self._prepare_lock or contextlib.nullcontext():
                 prepared, staged = prepare(self.stager)
 
             def on_stream() -> R:
-                with _held(self._forward_lock):
+                with self._forward_lock or contextlib.nullcontext():
                     return forward(prepared)
 
             done = self.stream.submit(on_stream)

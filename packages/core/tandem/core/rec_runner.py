@@ -18,11 +18,13 @@ from tandem.core.rec_step import RecPrefill, RecStep, RecStepOutput
 class BatchState:
     """One in-flight batch, kept by the slot that runs it (slots never share these)."""
 
-    block_tables: torch.Tensor
-    lengths: torch.Tensor
     widths: torch.Tensor
     num_candidates: tuple[int, ...]
     beams: Beams
+    # Built once at the prefill, read every round: cache slots of the history's keys and
+    # which of them each request attends.
+    slots: torch.Tensor  # [R, blocks * block_size]
+    mask: torch.Tensor  # [R, blocks * block_size]
 
 
 SlotState = dict[int, BatchState]
@@ -77,15 +79,11 @@ class RecModelRunner:
             state[step.batch_id] = batch
         else:
             batch = state[step.batch_id]
-        nb = batch.block_tables.shape[1]
-        span = nb * self.block_size
-        slots = self._slots(batch.block_tables, span)
         cross = [
-            (k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots])
+            (k.view(-1, *k.shape[2:])[batch.slots], v.view(-1, *v.shape[2:])[batch.slots])
             for k, v in zip(self.k_caches, self.v_caches, strict=True)
         ]
-        mask = torch.arange(span, device=self.device).unsqueeze(0) < batch.lengths.unsqueeze(1)
-        logits = self.model.decode(batch.beams.codes.to(self.device), cross, mask)
+        logits = self.model.decode(batch.beams.codes.to(self.device), cross, batch.mask)
         batch.beams = beam_step(batch.beams, logits.cpu(), self.catalog, batch.widths)
         if step.round < self.model.config.max_decode_rounds:
             return RecStepOutput(step.batch_id, step.round, finished=False)
@@ -106,15 +104,15 @@ class RecModelRunner:
         ):
             k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[mask])
             v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[mask])
-        width = int(p.beam_widths.max())
-        # Kept across rounds: copies, because the step's inputs live in scratch memory that
-        # is handed out again once this step's stream work is done.
+        span = tables.shape[1] * self.block_size
+        # Kept across rounds: computed (or copied) here, because the step's inputs live in
+        # scratch memory that is handed out again once this step's stream work is done.
         return BatchState(
-            block_tables=tables.clone(),
-            lengths=lengths.clone(),
             widths=p.beam_widths.clone(),
             num_candidates=p.num_candidates,
-            beams=initial_beams(len(p.num_candidates), width),
+            beams=initial_beams(len(p.num_candidates), int(p.beam_widths.max())),
+            slots=self._slots(tables, span),
+            mask=torch.arange(span, device=self.device).unsqueeze(0) < lengths.unsqueeze(1),
         )
 
 

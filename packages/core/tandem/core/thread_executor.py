@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
@@ -49,6 +50,16 @@ class Abortable(Protocol):
 # Builds the local ranks' groups and the handle that aborts them (the simulator's fake backend).
 LocalGroupFactory = Callable[[int], tuple[list[ProcessGroup], Abortable]]
 
+
+@dataclass(frozen=True)
+class _Comms:
+    """One communicator set of this process: how to release ranks blocked in it, and (for
+    hardware libraries) how to free it once no thread uses it."""
+
+    abortable: Abortable | None
+    closeable: CommunicatorSet | None
+
+
 # What node 0 sends the other nodes instead of a ForwardInput when it shuts down.
 _STOP = "stop"
 
@@ -68,14 +79,10 @@ class ThreadExecutor:
         self._sync = sync
         self._local_groups = local_groups
         self._closed = False
-        self._comm: Abortable | None = None
-        # Hardware communicators to destroy once the workers are gone.
-        self._communicators: CommunicatorSet | None = None
+        # Per pipeline slot (slot 0 = the worker threads'), its communicator set.
+        self._comms: list[_Comms] = []
         self._runtime = runtime
         self._control: dist.ProcessGroup | None = None
-        # Pipeline slots beyond the first: their communicator sets.
-        self._slot_comms: list[Abortable | None] = []
-        self._slot_closeables: list[CommunicatorSet] = []
         self.uses_slots = config.pipeline.max_concurrency > 1 or isinstance(
             model_config, RecModelConfig
         )
@@ -124,21 +131,25 @@ class ThreadExecutor:
     def _make_groups(self, config: EngineConfig, topology: Topology) -> list[ProcessGroup]:
         """The local ranks' groups of slot 0 (the worker threads'), reaching across nodes."""
         if topology.world_size == 1:
+            self._comms.append(_Comms(None, None))
             return [SingleRankGroup()]
-        if self._local_groups is not None:
-            if topology.nnodes != 1:
-                raise ConfigError("injected local groups serve one node only")
-            groups, self._comm = self._local_groups(topology.local_size)
-            return groups
-        choice = resolve_collectives(
-            config.parallel,
-            topology.devices[0].kind,
-            topology.uses_local_groups,
-            topology.uses_process_groups,
+        if self._local_groups is not None and topology.nnodes != 1:
+            raise ConfigError("injected local groups serve one node only")
+        choice = (
+            None
+            if self._local_groups is not None
+            else resolve_collectives(
+                config.parallel,
+                topology.devices[0].kind,
+                topology.uses_local_groups,
+                topology.uses_process_groups,
+            )
         )
-        local, self._comm, self._communicators = self._local_set(config, topology, choice)
+        local, comms = self._local_set(config, topology, choice)
+        self._comms.append(comms)
         if topology.nnodes == 1:
             return local
+        assert choice is not None
         assert topology.master_node_addr is not None
         timeout = config.parallel.timeout_s
         try:
@@ -166,24 +177,24 @@ class ThreadExecutor:
 
     def _local_set(
         self, config: EngineConfig, topology: Topology, choice: CollectiveChoice | None
-    ) -> tuple[list[ProcessGroup], Abortable, CommunicatorSet | None]:
+    ) -> tuple[list[ProcessGroup], _Comms]:
         """One communicator set for every local device, created at once (by the injected
         factory when there is one: the simulator's fake backend)."""
         if self._local_groups is not None:
             groups, abortable = self._local_groups(topology.local_size)
-            return groups, abortable, None
+            return groups, _Comms(abortable, None)
         assert choice is not None
         timeout = config.parallel.timeout_s
         if choice.local == INPROCESS:
             inprocess = create_inprocess_groups(
                 topology.local_size, timeout_s=timeout, sync=self._sync
             )
-            return list(inprocess), inprocess[0].communicator, None
+            return list(inprocess), _Comms(inprocess[0].communicator, None)
         kind = topology.devices[0].kind
         made = get_collective_backend(choice.local).local_groups(
             topology.devices, self._group_runtime(kind), timeout
         )
-        return made.groups, made.communicators, made.communicators
+        return made.groups, _Comms(made.communicators, made.communicators)
 
     def _make_slot_groups(
         self, config: EngineConfig, topology: Topology, slot0: list[ProcessGroup]
@@ -192,7 +203,7 @@ class ThreadExecutor:
         collectives never share (and interleave on) one communicator."""
         count = config.pipeline.max_concurrency
         if topology.world_size == 1:
-            self._slot_comms.extend([None] * (count - 1))
+            self._comms.extend(_Comms(None, None) for _ in range(1, count))
             return [[SingleRankGroup()] for _ in range(count)]
         choice = (
             resolve_collectives(
@@ -203,12 +214,15 @@ class ThreadExecutor:
         )
         sets = [slot0]
         for _ in range(1, count):
-            groups, abortable, closeable = self._local_set(config, topology, choice)
+            groups, comms = self._local_set(config, topology, choice)
             sets.append(groups)
-            self._slot_comms.append(abortable)
-            if closeable is not None:
-                self._slot_closeables.append(closeable)
+            self._comms.append(comms)
         return sets
+
+    def _abort_slot(self, slot: int, reason: str) -> None:
+        abortable = self._comms[slot].abortable if slot < len(self._comms) else None
+        if abortable is not None:
+            abortable.abort(reason)
 
     def _group_runtime(self, kind: str) -> DeviceRuntime:
         return self._runtime if self._runtime is not None else get_runtime(kind)
@@ -235,12 +249,10 @@ class ThreadExecutor:
                 errors = [p.exception() for p in promises if p.done() and p.exception()]
                 if errors and failure is None:
                     failure = errors[0]
-                    if self._comm is not None:
-                        self._comm.abort(f"a worker failed: {failure}")
+                    self._abort_slot(0, f"a worker failed: {failure}")
                 if not all(t.is_alive() for t in self._threads):
                     failure = failure or EngineDeadError("a worker thread died")
-                    if self._comm is not None:
-                        self._comm.abort("a worker thread died")
+                    self._abort_slot(0, "a worker thread died")
                     break
                 settled.wait(0.5)
         if failure is None:
@@ -313,13 +325,12 @@ class ThreadExecutor:
         ranks = [call(w) for w in self._workers]
         lock = self._sync.lock()
         remaining = [len(ranks)]
-        comm = self._comm if slot == 0 else self._slot_comms[slot - 1]
 
         def on_done(done: Promise[Any]) -> None:
             error = done.exception()
-            if error is not None and comm is not None:
+            if error is not None:
                 # Ranks of this slot blocked in a collective with the failed one get released.
-                comm.abort(f"a worker failed: {error}")
+                self._abort_slot(slot, f"a worker failed: {error}")
             with lock:
                 remaining[0] -= 1
                 last = remaining[0] == 0
@@ -352,16 +363,11 @@ class ThreadExecutor:
                 dist.broadcast_object_list([_STOP], src=0, group=self._control)
             except RuntimeError:
                 logger.warning("could not tell the other nodes to stop")
-        if self._communicators is None and self._comm is not None:
-            self._comm.abort("the executor is shutting down")
-        closeables = set(map(id, self._slot_closeables))
-        for comm in self._slot_comms:
-            if comm is not None and id(comm) not in closeables:
-                comm.abort("the executor is shutting down")
+        for comms in self._comms:
+            if comms.closeable is None and comms.abortable is not None:
+                comms.abortable.abort("the executor is shutting down")
         for worker in self._workers:
             worker.stop_slots()
-        for closeable in self._slot_closeables:
-            closeable.close()
         for thread in self._threads:
             thread.stop()
         if self._control is not None and dist.is_initialized():
@@ -372,9 +378,14 @@ class ThreadExecutor:
                 dist.destroy_process_group()
             except RuntimeError:
                 logger.warning("could not destroy the node groups cleanly")
-        if self._communicators is not None:
-            if all(not t.is_alive() for t in self._threads):
-                self._communicators.close()
+        idle = not any(t.is_alive() for t in self._threads) and not any(
+            slot.is_alive() for w in self._workers for slot in w.slots
+        )
+        for comms in self._comms:
+            if comms.closeable is None:
+                continue
+            if idle:
+                comms.closeable.close()
             else:
-                # A worker still inside a collective: release it, never free under it.
-                self._communicators.abort("the executor is shutting down")
+                # A thread still inside a collective: release it, never free under it.
+                comms.closeable.abort("the executor is shutting down")

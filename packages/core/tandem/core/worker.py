@@ -64,7 +64,7 @@ class Worker:
         self.model_config = model_config
         self.runtime: DeviceRuntime | None = runtime
         self._slot_groups = ThreadBoundGroup(slot_groups) if slot_groups else None
-        self.group: ProcessGroup = self._slot_groups if self._slot_groups else group
+        self.group: ProcessGroup = self._slot_groups if self._slot_groups is not None else group
         self._sync = sync
         # Not `or`: an empty registry is falsy (it has a length).
         self._kernel_registry = (

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -96,21 +96,13 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Tandem", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
 
-    @app.get("/health")
-    async def health() -> Response:
+    def check_health() -> None:
         if not state.loop.is_alive:
-            reason = state.engine.dead or "stopped"
-            return error_response(503, f"The engine is not running: {reason}")
-        try:
-            # Also while idle: a worker that died between requests shows here.
-            state.engine.executor.check_health()
-        except EngineDeadError as exc:
-            return error_response(503, f"The engine is not running: {exc}")
-        return Response(status_code=200)
+            raise EngineDeadError(state.engine.dead or "stopped")
+        # Also while idle: a worker that died between requests shows here.
+        state.engine.executor.check_health()
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+    add_health_and_metrics(app, check_health, state.metrics.render)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -134,8 +126,32 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat(body: ChatCompletionRequest) -> Any:
         return await create_chat_completion(state, body)
 
-    # Outermost first: the key check sees the request before the body is read.
-    app.add_middleware(BodyLimitMiddleware, limit=state.max_body_bytes)
-    if state.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=state.api_key)
+    add_limits(app, state.max_body_bytes, state.api_key)
     return app
+
+
+def add_health_and_metrics(
+    app: FastAPI, check_health: Callable[[], None], render_metrics: Callable[[], bytes]
+) -> None:
+    """``/health`` (503 with the reason once ``check_health`` raises EngineDeadError) and
+    ``/metrics`` (Prometheus text), the same for every kind of model."""
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            check_health()
+        except EngineDeadError as exc:
+            return error_response(503, f"The engine is not running: {exc}")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render_metrics(), media_type="text/plain; version=0.0.4")
+
+
+def add_limits(app: FastAPI, max_body_bytes: int, api_key: str | None) -> None:
+    """The body-size limit and, with a key, the API-key check."""
+    # Outermost first: the key check sees the request before the body is read.
+    app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)

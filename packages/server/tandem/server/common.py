@@ -12,11 +12,15 @@ from tandem.server.protocol import _SamplingFields
 from tandem.server.state import ServerState
 
 
-def check_request(state: ServerState, body: _SamplingFields) -> None:
-    if body.model != state.served_model_name:
+def check_model(served: str, requested: str) -> None:
+    if requested != served:
         raise ApiError(
-            404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found"
+            404, f"The model `{requested}` does not exist.", param="model", code="model_not_found"
         )
+
+
+def check_request(state: ServerState, body: _SamplingFields) -> None:
+    check_model(state.served_model_name, body.model)
     if body.presence_penalty or body.frequency_penalty:
         raise ApiError(
             400,

@@ -6,22 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
-from tandem.core import EngineDeadError
 from tandem.core.rec_request import RecResult
 from tandem.core.rec_service import RecService
 from tandem.device.sync import Promise
-from tandem.server.app import ApiKeyMiddleware, BodyLimitMiddleware
-from tandem.server.errors import ApiError, error_response, install_error_handlers
+from tandem.server.app import add_health_and_metrics, add_limits
+from tandem.server.common import check_model, new_id, now
+from tandem.server.errors import install_error_handlers
 
 T = TypeVar("T")
 
@@ -96,7 +95,7 @@ def _response(result: RecResult, model: str, history_len: int) -> dict[str, Any]
     return {
         "id": result.request_id,
         "object": "recommendation",
-        "created": int(time.time()),
+        "created": now(),
         "model": model,
         "candidates": [
             {"item": list(item), "score": score}
@@ -117,17 +116,7 @@ def create_rec_app(state: RecServerState) -> FastAPI:
     app = FastAPI(title="Tandem", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
 
-    @app.get("/health")
-    async def health() -> Response:
-        try:
-            service.check_health()
-        except EngineDeadError as exc:
-            return error_response(503, f"The engine is not running: {exc}")
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+    add_health_and_metrics(app, service.check_health, state.metrics.render)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -147,15 +136,11 @@ def create_rec_app(state: RecServerState) -> FastAPI:
 
     @app.post("/v1/recommendations")
     async def recommend(body: RecommendationRequest) -> dict[str, Any]:
-        if body.model != state.served_model_name:
-            raise ApiError(
-                404, f"The model `{body.model}` does not exist.", param="model",
-                code="model_not_found",
-            )  # fmt: skip
+        check_model(state.served_model_name, body.model)
         start = time.perf_counter()
         name = state.metrics.model_name
         try:
-            promise = service.submit(body.history, body.num_candidates, f"rec-{uuid.uuid4().hex}")
+            promise = service.submit(body.history, body.num_candidates, new_id("rec"))
             result = await _await(promise)
         except Exception:
             state.metrics.requests.labels(name, "error").inc()
@@ -164,7 +149,5 @@ def create_rec_app(state: RecServerState) -> FastAPI:
         state.metrics.latency.labels(name).observe(time.perf_counter() - start)
         return _response(result, state.served_model_name, len(body.history))
 
-    app.add_middleware(BodyLimitMiddleware, limit=state.max_body_bytes)
-    if state.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=state.api_key)
+    add_limits(app, state.max_body_bytes, state.api_key)
     return app
