@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tandem.core.engine import LLMEngine
+from tandem.core.scheduler import SchedulerOutput
 from tandem.core.slot_stager import SlotStager
 from tandem.device.kernel_registry import KernelKey
 from tandem.device.scratch_allocator import ScratchBlock
@@ -47,3 +49,16 @@ class UnrecordedStager(SlotStager):
 
     def _record(self, block: ScratchBlock) -> None:
         return None
+
+
+class DecodeOnlyEngine(LLMEngine):
+    """The engine's launch rule before the livelock fix: with nothing in flight and one
+    decode token per running sequence it asked only for a decode-only batch, which skips
+    sequences without room for their next block and never preempts, so once none had room
+    the engine spun with nothing in flight."""
+
+    def _next_batch(self) -> tuple[SchedulerOutput, bool]:
+        if not self._in_flight and self.scheduler.needs_full_step():
+            return self.scheduler.schedule(), True
+        share = -(-self.scheduler.num_running // self.config.pipeline.max_concurrency)
+        return self.scheduler.schedule_decodes(exclude=self._busy_ids(), max_seqs=share), False

@@ -21,6 +21,7 @@ from tandem.core.config import (
     PipelineConfig,
 )
 from tandem.core.demo_model import tiny_spec, write_demo_model
+from tandem.core.engine import LLMEngine
 from tandem.core.errors import EngineDeadError
 from tandem.core.forward_input import ForwardInput
 from tandem.core.input_builder import build_forward_input
@@ -35,7 +36,7 @@ from tandem.device import Device, KernelKey, KernelRegistry
 from tandem.device.ordered_executor import OrderedExecutor
 from tandem.device.scratch_allocator import ScratchAllocator
 from tandem.device.sync import REAL_SYNC, Promise
-from tandem_sim.broken import UnrecordedStager, UnsynchronizedRegistry
+from tandem_sim.broken import DecodeOnlyEngine, UnrecordedStager, UnsynchronizedRegistry
 from tandem_sim.fake_collectives import FakeBackend
 from tandem_sim.fake_runtime import FakeNpuRuntime
 from tandem_sim.scheduler import DeterministicScheduler
@@ -105,6 +106,19 @@ def _tiny_model() -> Path:
     return write_demo_model(Path(tempfile.mkdtemp(prefix="tandem-sim-")) / "tiny", tiny_spec())
 
 
+def _config(
+    tp: int, model: Path, kind: str, slots: int, cache: CacheConfig | None = None
+) -> EngineConfig:
+    return EngineConfig(
+        model=ModelLoadConfig(model=str(model)),
+        cache=cache or CacheConfig(num_blocks=16),
+        parallel=ParallelConfig(
+            devices=",".join(f"{kind}:{i}" for i in range(tp)), single_process=tp > 1
+        ),
+        pipeline=PipelineConfig(max_concurrency=slots),
+    )
+
+
 def _executor(
     s: DeterministicScheduler,
     tp: int,
@@ -112,15 +126,10 @@ def _executor(
     runtime: FakeNpuRuntime | None = None,
     slots: int = 1,
     share_communicator: bool = False,
+    config: EngineConfig | None = None,
 ) -> ThreadExecutor:
     kind = "npu" if runtime is not None else "cpu"
-    devices = ",".join(f"{kind}:{i}" for i in range(tp))
-    config = EngineConfig(
-        model=ModelLoadConfig(model=str(model)),
-        cache=CacheConfig(num_blocks=16),
-        parallel=ParallelConfig(devices=devices, single_process=tp > 1),
-        pipeline=PipelineConfig(max_concurrency=slots),
-    )
+    config = config or _config(tp, model, kind, slots)
     made: list[tuple[list[ProcessGroup], FakeBackend]] = []
 
     def fake_groups(size: int) -> tuple[list[ProcessGroup], FakeBackend]:
@@ -260,6 +269,66 @@ def rank_dies_mid_collective(s: DeterministicScheduler) -> None:
         executor.shutdown()
 
 
+# KV pressure: three requests of 6 + 10 tokens need 4 blocks of 4 tokens each; the pool
+# holds 8, so the running ones keep running out of room and must be preempted.
+PRESSURE_PROMPTS = ((5, 17, 300, 42, 9, 100), (11, 3, 250, 8, 61, 7), (40, 41, 42, 43, 44, 45))
+PRESSURE_PARAMS = SamplingParams.greedy(max_tokens=10, ignore_eos=True)
+PRESSURE_CACHE = CacheConfig(block_size=4, num_blocks=8, enable_prefix_cache=False)
+
+
+def _pressure_run(engine: LLMEngine, bound: int) -> dict[str, tuple[int, ...]]:
+    """Every request to its end within ``bound`` steps; the tokens of each."""
+    for i, prompt in enumerate(PRESSURE_PROMPTS):
+        engine.add_request(f"p{i}", list(prompt), PRESSURE_PARAMS)
+    ended: dict[str, tuple[int, ...]] = {}
+    steps = 0
+    while engine.has_unfinished():
+        steps += 1
+        if steps > bound:
+            raise AssertionError(
+                f"livelock: no end after {bound} engine steps ({engine.scheduler_state()})"
+            )
+        for out in engine.step():
+            if out.finished:
+                if out.request_id in ended:
+                    raise AssertionError(f"{out.request_id} ended twice")
+                if out.finish_reason != "length":
+                    raise AssertionError(f"{out.request_id} ended with {out.error}")
+                ended[out.request_id] = tuple(out.token_ids)
+    return ended
+
+
+@lru_cache(maxsize=1)
+def _pressure_reference() -> dict[str, tuple[int, ...]]:
+    engine = LLMEngine(_config(1, _tiny_model(), "cpu", slots=1, cache=PRESSURE_CACHE))
+    try:
+        return _pressure_run(engine, bound=10_000)
+    finally:
+        engine.shutdown()
+
+
+def llm_slots_kv_pressure(s: DeterministicScheduler, broken: bool) -> None:
+    """The real LLM engine with two pipeline slots under KV pressure: every request ends
+    (each exactly once, within a bound on engine steps), tokens equal one step at a time,
+    every block free at the end. The broken variant keeps the launch rule that livelocked."""
+    config = _config(1, _tiny_model(), "cpu", slots=2, cache=PRESSURE_CACHE)
+    executor = _executor(s, 1, _tiny_model(), slots=2, config=config)
+    engine_class = DecodeOnlyEngine if broken else LLMEngine
+    engine = engine_class(config, executor=executor, sync=s)
+    try:
+        tokens = _pressure_run(engine, bound=400)
+        while engine.step() or engine._in_flight:
+            pass
+    finally:
+        engine.shutdown()
+    if engine.scheduler.num_preemptions == 0:
+        raise AssertionError("nothing was preempted: the scenario lost its KV pressure")
+    if tokens != _pressure_reference():
+        raise AssertionError(f"tokens {tokens} differ from one step at a time")
+    if engine.block_manager.num_free_blocks != engine.block_manager.num_blocks:
+        raise AssertionError(f"{engine.block_manager.num_free_blocks} blocks free at the end")
+
+
 def _expect(staged: Staged, value: float, what: str) -> None:
     if not torch.equal(staged.tensors[0], torch.full((4,), value)):
         raise AssertionError(f"{what}: {staged.tensors[0].tolist()} != {value}")
@@ -368,6 +437,12 @@ SCENARIOS: dict[str, ScenarioSpec] = {
         ScenarioSpec("tp_slots", partial(tp_slots, share_communicator=False),
                      "TP=2, two slots, a communicator set per slot: steps at once, TP=1 tokens",
                      broken=False),
+        ScenarioSpec("llm_slots_kv_pressure_decode_only", partial(llm_slots_kv_pressure,
+                     broken=True), "decode-only launches with nothing in flight never "
+                     "preempt: the engine spins once no sequence has room", broken=True),
+        ScenarioSpec("llm_slots_kv_pressure", partial(llm_slots_kv_pressure, broken=False),
+                     "the LLM engine, two slots, KV pressure: every request ends, tokens as "
+                     "one step at a time", broken=False),
         ScenarioSpec("stream_workspace_reuse_unrecorded", partial(stream_workspace_reuse,
                      record=False), "seed 001: scratch freed without record_stream, reused "
                      "while a stream reads it", broken=True),

@@ -37,8 +37,14 @@ class SchedulerConfig:
     max_tokens_per_batch: int = 2048
     max_seqs_per_batch: int = 64
     enable_chunked_prefill: bool = True
+    # Seconds the engine may hold requests without launching or completing a step before
+    # the watchdog logs its state and fails them (a safety net: a live engine never idles
+    # with work it could do).
+    stall_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.stall_timeout_s <= 0:
+            raise ConfigError(f"--stall-timeout-s must be > 0, got {self.stall_timeout_s}")
         if self.max_tokens_per_batch < 1:
             raise ConfigError(
                 f"--max-tokens-per-batch must be >= 1, got {self.max_tokens_per_batch}"

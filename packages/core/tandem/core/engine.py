@@ -27,7 +27,7 @@ from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler import Scheduler, SchedulerOutput
 from tandem.core.sequence import Sequence, SequenceStatus, TokenLogprobs
 from tandem.core.tokenizer import Tokenizer
-from tandem.device.sync import Promise
+from tandem.device.sync import REAL_SYNC, Promise, Sync
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,16 @@ class _InFlight:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor | None = None,
+        sync: Sync = REAL_SYNC,
+    ) -> None:
+        """``executor``: one built by the caller (the simulator's, on fake devices); by
+        default the one the topology calls for."""
         self.config = config
+        self._sync = sync
         folder = Path(config.model.model)
         self.model_config = ModelConfig.from_folder(folder)
         model_class(self.model_config.architecture)  # unknown architectures fail before workers
@@ -57,11 +65,14 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.executor: Executor = create_executor(config, self.model_config)
+        self.executor: Executor = (
+            executor if executor is not None else create_executor(config, self.model_config)
+        )
         self.block_manager = BlockManager(
             num_blocks=self.executor.num_blocks,
             block_size=config.cache.block_size,
             enable_prefix_cache=config.cache.enable_prefix_cache,
+            sync=sync,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -73,6 +84,11 @@ class LLMEngine:
         self._free_slots = list(range(config.pipeline.max_concurrency))
         self._in_flight: deque[_InFlight] = deque()
         self._deferred_free: list[Sequence] = []
+        # Set when a decode beside in-flight steps found no room: launch nothing more until
+        # they drain, so the full path can preempt.
+        self._draining = False
+        self.idle = False
+        self._last_progress = self._sync.monotonic()
         logger.info(
             "engine ready: %s, context %d, %d KV blocks of %d tokens",
             self.model_config.architecture,
@@ -169,22 +185,30 @@ class LLMEngine:
     # -- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One round of work: launch what can run and complete what is due. Afterwards
+        ``idle`` says whether it did nothing at all (launched, completed and preempted
+        nothing): then nothing changes until a request arrives or is aborted, and a caller
+        should block instead of stepping again."""
+        self.idle = False
         if self.dead is not None:
             return []
         if self._pipelined:
             return self._step_pipelined()
-        sched_out = self.scheduler.schedule()
+        sched_out = self._schedule_full()
         if sched_out.is_empty():
+            self._mark_idle()
             return []
         fi = build_forward_input(sched_out, self.config.cache.block_size)
         return self._run_step(sched_out, lambda: self.executor.execute_model(fi))
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """Keep up to ``max_concurrency`` steps in flight on the pipeline slots, then complete
-        the oldest. A step that admits or prefills runs alone; decode steps share the running
-        sequences between slots (disjoint sets, so results match one step at a time)."""
+        the oldest. A step that admits, prefills or preempts runs alone; decode steps share
+        the running sequences between slots (disjoint sets, so results match one step at a
+        time)."""
         self._launch()
         if not self._in_flight:
+            self._mark_idle()
             return []
         flight = self._in_flight.popleft()
         timeout = self.config.parallel.timeout_s
@@ -212,18 +236,48 @@ class LLMEngine:
         except Exception as exc:
             logger.exception("step failed; failing the %d requests in it", len(sched_out.scheduled))
             return self._fail_step(sched_out, f"the model step failed: {exc}")
+        finally:
+            self._last_progress = self._sync.monotonic()
         self.scheduler.on_step_done(sched_out)
         return self._process(sched_out, result)
 
-    def _launch(self) -> None:
+    def _schedule_full(self) -> SchedulerOutput:
+        """The scheduler's full path (admits, prefills, preempts). A pass that only preempted
+        is followed by another, which admits or runs what the preemption made room for: an
+        empty result then means there is truly nothing to run."""
+        out = self.scheduler.schedule()
+        while out.is_empty() and out.preempted:
+            self._last_progress = self._sync.monotonic()
+            out = self.scheduler.schedule()
+        return out
+
+    def _next_batch(self) -> tuple[SchedulerOutput, bool]:
+        """The next batch to launch and whether it must run alone.
+
+        Completeness: with nothing in flight, the full path runs whenever a decode-only
+        batch would not do (work other than one decode token per sequence, or a sequence
+        without room for its next block); it always schedules, admits or preempts while
+        there is work. With steps in flight, only decodes are launched beside them; once
+        one is blocked for a block, nothing more is launched, the in-flight steps drain
+        (each wait completes one), and the full path preempts. So every call launches,
+        completes or preempts while requests remain, and the engine cannot spin in place.
+        """
         width = self.config.pipeline.max_concurrency
+        share = -(-self.scheduler.num_running // width)
+        if self._in_flight:
+            if self._draining:
+                return SchedulerOutput(), False
+            out = self.scheduler.schedule_decodes(exclude=self._busy_ids(), max_seqs=share)
+            self._draining = out.blocked
+            return out, False
+        self._draining = False
+        if not self.scheduler.needs_full_step() and self.scheduler.decodes_fit():
+            return self.scheduler.schedule_decodes(exclude=set(), max_seqs=share), False
+        return self._schedule_full(), True
+
+    def _launch(self) -> None:
         while self._free_slots and not any(f.exclusive for f in self._in_flight):
-            exclusive = not self._in_flight and self.scheduler.needs_full_step()
-            if exclusive:
-                out = self.scheduler.schedule()
-            else:
-                share = -(-self.scheduler.num_running // width)
-                out = self.scheduler.schedule_decodes(exclude=self._busy_ids(), max_seqs=share)
+            out, exclusive = self._next_batch()
             if out.is_empty():
                 return
             slot = self._free_slots.pop(0)
@@ -231,10 +285,47 @@ class LLMEngine:
             try:
                 promise = self.executor.submit_model(slot, fi)
             except Exception as exc:  # noqa: BLE001 - becomes a failed step below
-                promise = Promise()
+                promise = Promise(self._sync)
                 promise.set_exception(exc)
             ids = frozenset(e.seq.request_id for e in out.scheduled)
             self._in_flight.append(_InFlight(slot, out, promise, ids, exclusive))
+            self._last_progress = self._sync.monotonic()
+
+    def _mark_idle(self) -> None:
+        self.idle = True
+
+    def stalled_for(self) -> float:
+        """Seconds since a step was last launched or completed (or a sequence preempted)."""
+        return self._sync.monotonic() - self._last_progress
+
+    def fail_stalled(self) -> list[RequestOutput]:
+        """The watchdog's last resort, for an engine that has made no progress for
+        ``stall_timeout_s`` with requests left: log the scheduler's state once and fail
+        every request not in flight with an error that says so."""
+        state = self.scheduler_state()
+        logger.error("the engine made no progress for %.1f s; %s", self.stalled_for(), state)
+        message = (
+            f"the engine could not schedule the request and gave up on it ({state}); this is "
+            "a bug, please report it"
+        )
+        busy = self._busy_ids()
+        outputs = []
+        for seq in list(self.sequences.values()):
+            if seq.request_id not in busy:
+                self.scheduler.finish(seq, "error", error=message)
+                outputs.append(self._finish_output(seq))
+        self._last_progress = self._sync.monotonic()
+        return outputs
+
+    def scheduler_state(self) -> str:
+        running = self.scheduler.running
+        return (
+            f"running {len(running)} (tokens to compute: "
+            f"{[s.num_tokens - s.num_computed_tokens for s in running][:16]}), "
+            f"waiting {self.scheduler.num_waiting}, in flight {len(self._in_flight)}, "
+            f"free KV blocks {self.block_manager.num_free_blocks} of "
+            f"{self.block_manager.num_blocks}"
+        )
 
     def _busy_ids(self) -> set[str]:
         """Requests with a step in flight."""
@@ -325,6 +416,9 @@ class LLMEngine:
                     finished[out.request_id] = out
             if self.dead is not None and len(finished) < len(ids):
                 raise EngineDeadError(self.dead)
+            if self.idle and len(finished) < len(ids):
+                # Offline nothing else can change the engine's state: waiting would never end.
+                finished.update((o.request_id, o) for o in self.fail_stalled())
         return [finished[i] for i in ids]
 
     def shutdown(self) -> None:

@@ -103,6 +103,20 @@ class EngineLoop:
                 if out is not None:
                     self._deliver(out)
 
+    def _wait_while_idle(self) -> None:
+        """The engine has requests but nothing it can do: block until a command arrives (an
+        abort or a new request changes what can run) instead of spinning, and past the stall
+        timeout let the watchdog fail what is stuck."""
+        limit = self.engine.config.scheduler.stall_timeout_s
+        stalled = self.engine.stalled_for()
+        if stalled >= limit:
+            for out in self.engine.fail_stalled():
+                self._deliver(out)
+            return
+        with self._wake:
+            if not self._commands and not self._stopping:
+                self._wake.wait(limit - stalled)
+
     def _deliver(self, out: RequestOutput) -> None:
         callback = self._callbacks.get(out.request_id)
         if out.finished:
@@ -133,6 +147,8 @@ class EngineLoop:
                 self._drain_commands()
                 for out in self.engine.step():
                     self._deliver(out)
+                if self.engine.idle and self.engine.has_unfinished():
+                    self._wait_while_idle()
         except BaseException as exc:
             logger.exception("engine loop crashed")
             self.engine.dead = f"engine loop crashed: {exc}"

@@ -29,6 +29,9 @@ class SchedulerOutput:
     # Ordered: single-token steps (decodes) first, then multi-token prefill chunks.
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # A decode-only batch left out a sequence that had no room for its next block: only the
+    # full path, which preempts, can give it one.
+    blocked: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -100,9 +103,16 @@ class Scheduler:
             seq = self.waiting[0]
             cached = self.block_manager.find_cached_prefix(seq)
             remaining = seq.num_tokens - len(cached) * self.block_manager.block_size
-            if remaining > budget and not self.config.enable_chunked_prefill:
+            # Without chunking, an oversized sequence may still run alone: only a preempted
+            # one can be (its generated tokens grew it past the budget), and waiting for a
+            # budget it can never fit would stall it forever.
+            if (
+                remaining > budget
+                and not self.config.enable_chunked_prefill
+                and (out.scheduled or remaining <= self.config.max_tokens_per_batch)
+            ):
                 break
-            num_new = min(remaining, budget)
+            num_new = min(remaining, budget) if self.config.enable_chunked_prefill else remaining
             if not self.block_manager.can_allocate(seq, num_new, cached):
                 break
             self.waiting.popleft()
@@ -123,7 +133,8 @@ class Scheduler:
         """A decode-only batch while other steps are in flight: running sequences not in
         ``exclude`` that have exactly one token to compute, oldest first, at most
         ``max_seqs``. Nothing is admitted or preempted (an in-flight step may hold what a
-        preemption would free); a sequence without room for its next block waits."""
+        preemption would free); a sequence without room for its next block waits, and the
+        batch says so (``blocked``)."""
         out = SchedulerOutput()
         limit = min(max_seqs, self.config.max_seqs_per_batch, self.config.max_tokens_per_batch)
         for seq in self.running:
@@ -132,10 +143,20 @@ class Scheduler:
             if seq.request_id in exclude or seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
             if not self.block_manager.can_append(seq, 1):
+                out.blocked = True
                 continue
             self.block_manager.append_slots(seq, 1)
             out.scheduled.append(self._entry(seq, 1))
         return out
+
+    def decodes_fit(self) -> bool:
+        """Whether the free blocks cover every running sequence's next token."""
+        blocks = self.block_manager
+        needed = sum(
+            max(0, blocks.blocks_for(s.num_computed_tokens + 1) - len(s.block_table))
+            for s in self.running
+        )
+        return needed <= blocks.num_free_blocks
 
     def needs_full_step(self) -> bool:
         """Whether some work is more than one decode token per running sequence (admissions,

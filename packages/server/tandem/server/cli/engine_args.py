@@ -108,6 +108,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="split long prompts across steps",
     )
     g.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        default=60.0,
+        help="seconds with requests but no step launched or completed before the engine "
+        "logs its state and fails them",
+    )
+    g.add_argument(
         "--max-concurrency",
         type=int,
         default=1,
@@ -181,6 +188,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_tokens_per_batch=args.max_tokens_per_batch,
             max_seqs_per_batch=args.max_seqs_per_batch,
             enable_chunked_prefill=args.enable_chunked_prefill,
+            stall_timeout_s=args.stall_timeout_s,
         ),
         pipeline=PipelineConfig(
             max_concurrency=args.max_concurrency,
