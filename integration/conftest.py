@@ -13,7 +13,7 @@ import httpx
 import pytest
 from harness import MODEL_NAME, SPEC, Server, ServerFactory, free_port
 
-from tandem.core.demo_model import write_demo_model
+from tandem.core.demo.demo_model import write_demo_model
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from tandem.core.demo_model import tiny_spec
+from tandem.core.demo.demo_model import tiny_spec
 
 SPEC = tiny_spec()
 MODEL_NAME = "tandem-demo"

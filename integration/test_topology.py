@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 from harness import PROMPT_IDS, free_port, generate_token_ids
-
-from tandem.core.reference_models import write_reference_model
+from reference_models import write_reference_model
 
 STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260k"
 

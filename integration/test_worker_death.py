@@ -22,7 +22,7 @@ from tandem.core import (
     SamplingParams,
 )
 from tandem.core.config import ParallelConfig
-from tandem.core.process_executor import ProcessExecutor
+from tandem.core.executor.process_executor import ProcessExecutor
 
 
 def test_killed_worker_fails_requests_quickly(model_dir: Path) -> None:

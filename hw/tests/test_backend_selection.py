@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from tandem_hw.comm_backend import HcclBackend, NcclBackend
 
-from tandem.core.collective_choice import resolve_collectives
 from tandem.core.config import ParallelConfig
 from tandem.core.errors import ConfigError
+from tandem.core.parallel.collective_choice import resolve_collectives
 
 
 def test_auto_picks_the_device_kinds_library(standin_path: Path) -> None:

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 from harness import generate_token_ids
-
-from tandem.core.reference_models import write_reference_model
+from reference_models import write_reference_model
 
 NEW_TOKENS = 32
 

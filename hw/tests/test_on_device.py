@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from harness import generate_token_ids
+from reference_models import write_reference_model
 from tandem_hw.accelerator_runtime import AcceleratorRuntime
 
 from tandem.core.layers.activation import gated_activation_kernel
 from tandem.core.layers.kernels import KernelSlot, rms_norm, rotary
-from tandem.core.reference_models import write_reference_model
 from tandem.device import BoundContext, Device, KernelRegistry, bind_context, get_runtime
 
 NEW_TOKENS = 32

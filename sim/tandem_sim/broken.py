@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tandem.core.engine import LLMEngine
-from tandem.core.scheduler import SchedulerOutput
-from tandem.core.slot_stager import SlotStager
+from tandem.core.llm.engine import LLMEngine
+from tandem.core.llm.scheduler import SchedulerOutput
+from tandem.core.worker.slot_stager import SlotStager
 from tandem.device.kernel_registry import KernelKey
 from tandem.device.scratch_allocator import ScratchBlock
 from tandem.device.sync import Sync

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.core.block_manager import BlockManager
-from tandem.core.rec_step import RecStep, RecStepOutput
+from tandem.core.kv.block_manager import BlockManager
+from tandem.core.rec.step import RecStep, RecStepOutput
 from tandem.device.sync import REAL_SYNC, Promise, Sync
 
 

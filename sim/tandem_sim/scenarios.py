@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from tandem.collectives import ProcessGroup
-from tandem.core.block_manager import BlockManager
 from tandem.core.config import (
     CacheConfig,
     EngineConfig,
@@ -20,18 +19,19 @@ from tandem.core.config import (
     ParallelConfig,
     PipelineConfig,
 )
-from tandem.core.demo_model import tiny_spec, write_demo_model
-from tandem.core.engine import LLMEngine
+from tandem.core.demo.demo_model import tiny_spec, write_demo_model
 from tandem.core.errors import EngineDeadError
-from tandem.core.forward_input import ForwardInput
-from tandem.core.input_builder import build_forward_input
+from tandem.core.executor.thread_executor import ThreadExecutor
+from tandem.core.kv.block_manager import BlockManager
+from tandem.core.llm.engine import LLMEngine
+from tandem.core.llm.forward_input import ForwardInput
+from tandem.core.llm.input_builder import build_forward_input
+from tandem.core.llm.sampling_params import SamplingParams
+from tandem.core.llm.scheduler import ScheduledSequence, SchedulerOutput
+from tandem.core.llm.sequence import Sequence
 from tandem.core.models.model_config import ModelConfig
-from tandem.core.sampling_params import SamplingParams
-from tandem.core.scheduler import ScheduledSequence, SchedulerOutput
-from tandem.core.sequence import Sequence
-from tandem.core.slot_stager import SlotStager, Staged
-from tandem.core.thread_executor import ThreadExecutor
-from tandem.core.topology import resolve_topology
+from tandem.core.parallel.topology import resolve_topology
+from tandem.core.worker.slot_stager import SlotStager, Staged
 from tandem.device import Device, KernelKey, KernelRegistry
 from tandem.device.ordered_executor import OrderedExecutor
 from tandem.device.scratch_allocator import ScratchAllocator

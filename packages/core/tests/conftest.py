@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from reference_models import write_reference_model
 
 from tandem.core import CacheConfig, EngineConfig, LLMEngine, ModelLoadConfig, SchedulerConfig
 from tandem.core.config import ParallelConfig, PipelineConfig
-from tandem.core.demo_model import tiny_spec, write_demo_model
-from tandem.core.reference_models import write_reference_model
+from tandem.core.demo.demo_model import tiny_spec, write_demo_model
 
 
 @pytest.fixture(scope="session")

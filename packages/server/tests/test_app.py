@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tandem.core import CacheConfig, EngineConfig, EngineLoop, LLMEngine, ModelLoadConfig
-from tandem.core.demo_model import tiny_spec, write_demo_model
+from tandem.core.demo.demo_model import tiny_spec, write_demo_model
 from tandem.server.app import create_app
 from tandem.server.metrics import ServerMetrics
 from tandem.server.state import ServerState

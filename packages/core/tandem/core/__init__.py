@@ -1,8 +1,6 @@
 """Tandem's engine core: configuration, models, KV cache, scheduler, workers and engine."""
 
 from tandem.core.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
-from tandem.core.engine import LLMEngine
-from tandem.core.engine_loop import AsyncEngine, EngineLoop
 from tandem.core.errors import (
     ConfigError,
     EngineDeadError,
@@ -10,8 +8,10 @@ from tandem.core.errors import (
     ModelLoadError,
     TandemError,
 )
-from tandem.core.outputs import RequestOutput
-from tandem.core.sampling_params import SamplingParams
+from tandem.core.llm.engine import LLMEngine
+from tandem.core.llm.engine_loop import AsyncEngine, EngineLoop
+from tandem.core.llm.outputs import RequestOutput
+from tandem.core.llm.sampling_params import SamplingParams
 
 __all__ = [
     "AsyncEngine",

@@ -8,9 +8,9 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tandem.core import InvalidRequestError
-from tandem.core.engine_loop import RequestStream
-from tandem.core.sequence import TokenLogprobs
-from tandem.core.tokenizer import Tokenizer
+from tandem.core.llm.engine_loop import RequestStream
+from tandem.core.llm.sequence import TokenLogprobs
+from tandem.core.llm.tokenizer import Tokenizer
 from tandem.server.common import (
     check_request,
     chunk_base,

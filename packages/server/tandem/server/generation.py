@@ -9,8 +9,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from tandem.core import RequestOutput, SamplingParams
-from tandem.core.engine import Prompt
-from tandem.core.engine_loop import RequestStream
+from tandem.core.llm.engine import Prompt
+from tandem.core.llm.engine_loop import RequestStream
 from tandem.server.protocol import _SamplingFields
 from tandem.server.state import ServerState
 

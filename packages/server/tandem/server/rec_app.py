@@ -15,8 +15,8 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
-from tandem.core.rec_request import RecResult
-from tandem.core.rec_service import RecService
+from tandem.core.rec.request import RecResult
+from tandem.core.rec.service import RecService
 from tandem.device.sync import Promise
 from tandem.server.app import add_health_and_metrics, add_limits
 from tandem.server.common import check_model, new_id, now

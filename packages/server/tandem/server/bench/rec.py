@@ -23,8 +23,8 @@ from tqdm import tqdm
 from tandem.core import CacheConfig, EngineConfig, ModelLoadConfig
 from tandem.core.config import ParallelConfig, PipelineConfig, RecConfig
 from tandem.core.models.rec_config import load_rec_config
-from tandem.core.rec_catalog import load_catalog
-from tandem.core.rec_service import RecService
+from tandem.core.rec.catalog import load_catalog
+from tandem.core.rec.service import RecService
 
 logger = logging.getLogger(__name__)
 

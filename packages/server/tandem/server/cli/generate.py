@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from tandem.core import LLMEngine, SamplingParams
-from tandem.core.engine import Prompt
-from tandem.core.follower import run_follower
+from tandem.core.executor.follower import run_follower
+from tandem.core.llm.engine import Prompt
 from tandem.core.models.rec_config import is_rec_folder
 from tandem.server.cli.engine_args import add_engine_args, engine_config_from_args
 

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tandem.core.demo_model import DemoModelSpec, write_demo_model
-from tandem.core.rec_demo_model import RecDemoSpec, write_rec_demo_model
+from tandem.core.demo.demo_model import DemoModelSpec, write_demo_model
+from tandem.core.demo.rec_demo_model import RecDemoSpec, write_rec_demo_model
 
 
 def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:

@@ -11,9 +11,9 @@ from typing import Any
 import uvicorn
 
 from tandem.core import EngineConfig, EngineLoop, LLMEngine
-from tandem.core.follower import run_follower
+from tandem.core.executor.follower import run_follower
 from tandem.core.models.rec_config import is_rec_folder
-from tandem.core.rec_service import RecService
+from tandem.core.rec.service import RecService
 from tandem.server.app import create_app
 from tandem.server.cli.engine_args import add_engine_args, engine_config_from_args
 from tandem.server.metrics import ServerMetrics

@@ -1,0 +1,396 @@
+"""Single-process execution: one worker thread per local device, in the engine's process.
+
+The ForwardInput object itself goes to every worker and rank 0's sampled tokens come back as
+Python objects: nothing on this path is serialized. The local ranks share one in-process
+communicator set created for all of them at once; with several nodes, each node runs one such
+process and node leaders meet over torch.distributed (two-level groups), node 0 sending each
+step's input to the other nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import torch.distributed as dist
+
+from tandem.collectives import (
+    ProcessGroup,
+    Rendezvous,
+    SingleRankGroup,
+    TorchDistributedGroup,
+    TwoLevelGroup,
+    create_inprocess_groups,
+    init_distributed,
+)
+from tandem.collectives.backends import CommunicatorSet, get_collective_backend
+from tandem.core.config import EngineConfig
+from tandem.core.errors import ConfigError, EngineDeadError
+from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
+from tandem.core.models.rec_config import RecModelConfig
+from tandem.core.parallel.collective_choice import (
+    INPROCESS,
+    TORCH,
+    CollectiveChoice,
+    resolve_collectives,
+)
+from tandem.core.parallel.topology import Topology
+from tandem.core.rec.step import RecStep, RecStepOutput
+from tandem.core.worker.worker import AnyModelConfig, Worker
+from tandem.core.worker.worker_thread import WorkerThread
+from tandem.device import DeviceRuntime, KernelRegistry, get_runtime
+from tandem.device.sync import REAL_SYNC, Promise, Sync
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Abortable(Protocol):
+    def abort(self, reason: str) -> None: ...
+
+
+# Builds the local ranks' groups and the handle that aborts them (the simulator's fake backend).
+LocalGroupFactory = Callable[[int], tuple[list[ProcessGroup], Abortable]]
+
+
+@dataclass(frozen=True)
+class _Comms:
+    """One communicator set of this process: how to release ranks blocked in it, and (for
+    hardware libraries) how to free it once no thread uses it."""
+
+    abortable: Abortable | None
+    closeable: CommunicatorSet | None
+
+
+# What node 0 sends the other nodes instead of a ForwardInput when it shuts down.
+_STOP = "stop"
+
+
+class ThreadExecutor:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: AnyModelConfig,
+        topology: Topology,
+        sync: Sync = REAL_SYNC,
+        local_groups: LocalGroupFactory | None = None,
+        runtime: DeviceRuntime | None = None,
+        kernel_registry: KernelRegistry[Any] | None = None,
+    ):
+        self.topology = topology
+        self._sync = sync
+        self._local_groups = local_groups
+        self._closed = False
+        # Per pipeline slot (slot 0 = the worker threads'), its communicator set.
+        self._comms: list[_Comms] = []
+        self._runtime = runtime
+        self._control: dist.ProcessGroup | None = None
+        self.uses_slots = config.pipeline.max_concurrency > 1 or isinstance(
+            model_config, RecModelConfig
+        )
+        if self.uses_slots and topology.nnodes > 1:
+            raise ConfigError(
+                "pipeline slots (--max-concurrency > 1, or a recommender) serve one node; "
+                "drop --nnodes or use --max-concurrency 1 with an LLM"
+            )
+        groups = self._make_groups(config, topology)
+        per_slot = self._make_slot_groups(config, topology, groups) if self.uses_slots else None
+        self._workers = [
+            Worker(
+                device,
+                group,
+                config,
+                model_config,
+                runtime,
+                kernel_registry,
+                slot_groups=[s[rank] for s in per_slot] if per_slot else None,
+                sync=sync,
+            )
+            for rank, (device, group) in enumerate(zip(topology.devices, groups, strict=True))
+        ]
+        self._threads = [WorkerThread(f"tandem-worker-{d}", sync) for d in topology.devices]
+        try:
+            threads = topology.cpu_threads_per_worker()
+            self.on_all(lambda w: w.init_device(threads))
+            self.on_all(lambda w: w.load_model())
+            blocks = self.on_all(lambda w: w.determine_num_blocks())
+            agreed = self.on_all(lambda w: w.agree_num_blocks(blocks[self._workers.index(w)]))
+            self._num_blocks = agreed[0]
+            self.on_all(lambda w: w.init_kv_cache(self._num_blocks))
+            if self.uses_slots:
+                self.on_all(lambda w: w.init_slots())
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info(
+            "single-process executor: %d worker threads on %s (node %d of %d)",
+            len(self._workers),
+            ",".join(str(d) for d in topology.devices),
+            topology.node_rank,
+            topology.nnodes,
+        )
+
+    def _make_groups(self, config: EngineConfig, topology: Topology) -> list[ProcessGroup]:
+        """The local ranks' groups of slot 0 (the worker threads'), reaching across nodes."""
+        if topology.world_size == 1:
+            self._comms.append(_Comms(None, None))
+            return [SingleRankGroup()]
+        if self._local_groups is not None and topology.nnodes != 1:
+            raise ConfigError("injected local groups serve one node only")
+        choice = (
+            None
+            if self._local_groups is not None
+            else resolve_collectives(
+                config.parallel,
+                topology.devices[0].kind,
+                topology.uses_local_groups,
+                topology.uses_process_groups,
+            )
+        )
+        local, comms = self._local_set(config, topology, choice)
+        self._comms.append(comms)
+        if topology.nnodes == 1:
+            return local
+        assert choice is not None
+        assert topology.master_node_addr is not None
+        timeout = config.parallel.timeout_s
+        try:
+            rdzv = Rendezvous.parse(topology.master_node_addr, topology.nnodes, topology.node_rank)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        init_distributed(rdzv, choice.dist_backend, timeout_s=timeout)
+        inter: ProcessGroup
+        if choice.process == TORCH:
+            inter = TorchDistributedGroup(choice.dist_backend)
+        else:
+            inter = get_collective_backend(choice.process).process_group(
+                topology.devices[0],
+                self._group_runtime(topology.devices[0].kind),
+                topology.node_rank,
+                topology.nnodes,
+                timeout,
+            )
+        # A second group for node 0's step inputs, used only from the engine thread.
+        self._control = dist.new_group(backend="gloo")
+        return [
+            TwoLevelGroup(g, inter if g.rank == 0 else None, topology.node_rank, topology.nnodes)
+            for g in local
+        ]
+
+    def _local_set(
+        self, config: EngineConfig, topology: Topology, choice: CollectiveChoice | None
+    ) -> tuple[list[ProcessGroup], _Comms]:
+        """One communicator set for every local device, created at once (by the injected
+        factory when there is one: the simulator's fake backend)."""
+        if self._local_groups is not None:
+            groups, abortable = self._local_groups(topology.local_size)
+            return groups, _Comms(abortable, None)
+        assert choice is not None
+        timeout = config.parallel.timeout_s
+        if choice.local == INPROCESS:
+            inprocess = create_inprocess_groups(
+                topology.local_size, timeout_s=timeout, sync=self._sync
+            )
+            return list(inprocess), _Comms(inprocess[0].communicator, None)
+        kind = topology.devices[0].kind
+        made = get_collective_backend(choice.local).local_groups(
+            topology.devices, self._group_runtime(kind), timeout
+        )
+        return made.groups, _Comms(made.communicators, made.communicators)
+
+    def _make_slot_groups(
+        self, config: EngineConfig, topology: Topology, slot0: list[ProcessGroup]
+    ) -> list[list[ProcessGroup]]:
+        """Per pipeline slot, per local rank: a communicator set for each slot, so that slots'
+        collectives never share (and interleave on) one communicator."""
+        count = config.pipeline.max_concurrency
+        if topology.world_size == 1:
+            self._comms.extend(_Comms(None, None) for _ in range(1, count))
+            return [[SingleRankGroup()] for _ in range(count)]
+        choice = (
+            resolve_collectives(
+                config.parallel, topology.devices[0].kind, uses_local=True, uses_process=False
+            )
+            if self._local_groups is None
+            else None
+        )
+        sets = [slot0]
+        for _ in range(1, count):
+            groups, comms = self._local_set(config, topology, choice)
+            sets.append(groups)
+            self._comms.append(comms)
+        return sets
+
+    def _abort_slot(self, slot: int, reason: str) -> None:
+        abortable = self._comms[slot].abortable if slot < len(self._comms) else None
+        if abortable is not None:
+            abortable.abort(reason)
+
+    def _group_runtime(self, kind: str) -> DeviceRuntime:
+        return self._runtime if self._runtime is not None else get_runtime(kind)
+
+    def on_all(self, fn: Callable[[Worker], T]) -> list[T]:
+        """Run ``fn`` on every worker's thread at once; results in rank order. The first
+        failure aborts the communicator, so ranks blocked in a collective with the failed
+        one are released instead of waiting out the timeout."""
+        settled = self._sync.condition()
+        promises: list[Promise[T]] = []
+        for thread, worker in zip(self._threads, self._workers, strict=True):
+            promise = thread.submit(lambda w=worker: fn(w))  # type: ignore[misc]
+            promises.append(promise)
+
+        def on_done(_: Promise[T]) -> None:
+            with settled:
+                settled.notify_all()
+
+        for promise in promises:
+            promise.add_done_callback(on_done)
+        failure: BaseException | None = None
+        with settled:
+            while not all(p.done() for p in promises):
+                errors = [p.exception() for p in promises if p.done() and p.exception()]
+                if errors and failure is None:
+                    failure = errors[0]
+                    self._abort_slot(0, f"a worker failed: {failure}")
+                if not all(t.is_alive() for t in self._threads):
+                    failure = failure or EngineDeadError("a worker thread died")
+                    self._abort_slot(0, "a worker thread died")
+                    break
+                settled.wait(0.5)
+        if failure is None:
+            failure = next((p.exception() for p in promises if p.exception()), None)
+        if failure is not None:
+            if self.topology.world_size > 1 and not isinstance(failure, ConfigError):
+                raise EngineDeadError(f"a worker failed: {failure}") from failure
+            raise failure
+        return [p.result() for p in promises]
+
+    @property
+    def workers(self) -> list[Worker]:
+        return list(self._workers)
+
+    def call(self, rank: int, fn: Callable[[Worker], T]) -> T:
+        """Run ``fn`` on local rank ``rank``'s own thread."""
+        thread, worker = self._threads[rank], self._workers[rank]
+        return thread.wait(thread.submit(lambda: fn(worker)))
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def is_leader(self) -> bool:
+        return self.topology.node_rank == 0
+
+    def execute_model(self, fi: ForwardInput) -> SamplerOutput:
+        if self._control is not None:
+            # Other nodes get the step over the network; local workers get the object itself.
+            dist.broadcast_object_list([fi], src=0, group=self._control)
+        outputs = self.on_all(lambda w: w.execute_model(fi))
+        out = outputs[0]
+        if out is None:
+            raise RuntimeError("rank 0 returned no sampler output")
+        return out
+
+    def follow(self) -> None:
+        """On nodes other than 0: run every step node 0 sends, until it stops."""
+        assert self._control is not None and not self.is_leader
+        while True:
+            box: list[object] = [None]
+            dist.broadcast_object_list(box, src=0, group=self._control)
+            step = box[0]
+            if step == _STOP:
+                logger.info("node 0 stopped; leaving")
+                return
+            assert isinstance(step, ForwardInput)
+            self.on_all(lambda w, fi=step: w.execute_model(fi))  # type: ignore[misc]
+
+    def submit_model(self, slot: int, fi: ForwardInput) -> Promise[SamplerOutput]:
+        """Run ``fi`` on pipeline slot ``slot`` of every worker; rank 0's sampled tokens once
+        every rank is done. Steps on different slots run at once."""
+
+        def call(w: Worker) -> Promise[Any]:
+            return w.submit_model(slot, fi)
+
+        return self._submit(slot, call)
+
+    def submit_rec(self, slot: int, step: RecStep) -> Promise[RecStepOutput]:
+        def call(w: Worker) -> Promise[Any]:
+            return w.submit_rec(slot, step)
+
+        return self._submit(slot, call)
+
+    def _submit(self, slot: int, call: Callable[[Worker], Promise[Any]]) -> Promise[Any]:
+        if not self.uses_slots:
+            raise ConfigError("this executor has no pipeline slots (--max-concurrency 1)")
+        combined: Promise[Any] = Promise(self._sync)
+        ranks = [call(w) for w in self._workers]
+        lock = self._sync.lock()
+        remaining = [len(ranks)]
+
+        def on_done(done: Promise[Any]) -> None:
+            error = done.exception()
+            if error is not None:
+                # Ranks of this slot blocked in a collective with the failed one get released.
+                self._abort_slot(slot, f"a worker failed: {error}")
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if not last:
+                return
+            failure = next((p.exception() for p in ranks if p.exception()), None)
+            if failure is None:
+                combined.set_result(ranks[0].result())
+            elif len(ranks) > 1:
+                combined.set_exception(EngineDeadError(f"a worker failed: {failure}"))
+            else:
+                combined.set_exception(failure)
+
+        for promise in ranks:
+            promise.add_done_callback(on_done)
+        return combined
+
+    def check_health(self) -> None:
+        if self._closed or not all(t.is_alive() for t in self._threads):
+            raise EngineDeadError("a worker thread is not running")
+        if not all(slot.is_alive() for w in self._workers for slot in w.slots):
+            raise EngineDeadError("a pipeline slot's thread is not running")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._control is not None and self.is_leader:
+            try:
+                dist.broadcast_object_list([_STOP], src=0, group=self._control)
+            except RuntimeError:
+                logger.warning("could not tell the other nodes to stop")
+        for comms in self._comms:
+            if comms.closeable is None and comms.abortable is not None:
+                comms.abortable.abort("the executor is shutting down")
+        for worker in self._workers:
+            worker.stop_slots()
+        for thread in self._threads:
+            thread.stop()
+        if self._control is not None and dist.is_initialized():
+            # Tear the node groups down before the interpreter does: gloo's threads still
+            # running at exit abort the process ("terminate called without an active
+            # exception").
+            try:
+                dist.destroy_process_group()
+            except RuntimeError:
+                logger.warning("could not destroy the node groups cleanly")
+        idle = not any(t.is_alive() for t in self._threads) and not any(
+            slot.is_alive() for w in self._workers for slot in w.slots
+        )
+        for comms in self._comms:
+            if comms.closeable is None:
+                continue
+            if idle:
+                comms.closeable.close()
+            else:
+                # A thread still inside a collective: release it, never free under it.
+                comms.closeable.abort("the executor is shutting down")

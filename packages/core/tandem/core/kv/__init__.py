@@ -1,0 +1,1 @@
+"""KV-cache accounting (block pool, prefix cache) and KV tensor allocation."""

@@ -1,0 +1,425 @@
+"""LLMEngine: requests in, one scheduled step at a time through the executor, outputs out.
+
+Not thread-safe on its own; ``EngineLoop`` drives it from one thread for servers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.core.config import EngineConfig
+from tandem.core.errors import EngineDeadError, InvalidRequestError
+from tandem.core.executor.executor import Executor, create_executor
+from tandem.core.kv.block_manager import BlockManager
+from tandem.core.llm.forward_input import SamplerOutput
+from tandem.core.llm.input_builder import build_forward_input
+from tandem.core.llm.output_processor import OutputProcessor
+from tandem.core.llm.outputs import RequestOutput
+from tandem.core.llm.sampling_params import SamplingParams
+from tandem.core.llm.scheduler import Scheduler, SchedulerOutput
+from tandem.core.llm.sequence import Sequence, SequenceStatus, TokenLogprobs
+from tandem.core.llm.tokenizer import Tokenizer
+from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.registry import model_class
+from tandem.device.sync import REAL_SYNC, Promise, Sync
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    slot: int
+    out: SchedulerOutput
+    promise: Promise[SamplerOutput]
+    request_ids: frozenset[str]
+    # Admits or prefills: nothing else runs beside it.
+    exclusive: bool
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor | None = None,
+        sync: Sync = REAL_SYNC,
+    ) -> None:
+        """``executor``: one built by the caller (the simulator's, on fake devices); by
+        default the one the topology calls for."""
+        self.config = config
+        self._sync = sync
+        folder = Path(config.model.model)
+        self.model_config = ModelConfig.from_folder(folder)
+        model_class(self.model_config.architecture)  # unknown architectures fail before workers
+        self.tokenizer = Tokenizer(folder)
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.model.max_model_len or limit, limit)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.executor: Executor = (
+            executor if executor is not None else create_executor(config, self.model_config)
+        )
+        self.block_manager = BlockManager(
+            num_blocks=self.executor.num_blocks,
+            block_size=config.cache.block_size,
+            enable_prefix_cache=config.cache.enable_prefix_cache,
+            sync=sync,
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.sequences: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.dead: str | None = None
+        # Pipelined stepping (--max-concurrency > 1): steps in flight on the workers' slots.
+        self._pipelined = config.pipeline.max_concurrency > 1
+        self._free_slots = list(range(config.pipeline.max_concurrency))
+        self._in_flight: deque[_InFlight] = deque()
+        self._deferred_free: list[Sequence] = []
+        # Set when a decode beside in-flight steps found no room: launch nothing more until
+        # they drain, so the full path can preempt.
+        self._draining = False
+        self.idle = False
+        self._last_progress = self._sync.monotonic()
+        logger.info(
+            "engine ready: %s, context %d, %d KV blocks of %d tokens",
+            self.model_config.architecture,
+            self.max_model_len,
+            self.block_manager.num_blocks,
+            config.cache.block_size,
+        )
+
+    # -- requests -------------------------------------------------------------------------
+
+    def prepare_request(
+        self, request_id: str | None, prompt: Prompt, params: SamplingParams
+    ) -> Sequence:
+        """Validate and tokenize a request without touching engine state (any thread)."""
+        params.validate()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}",
+                    param="prompt",
+                )
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_ids)} tokens, but this model's maximum context "
+                f"length is {self.max_model_len} tokens (prompt plus at least one generated "
+                "token); shorten the prompt",
+                param="prompt",
+            )
+        total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        # The last sampled token is never fed back, so its KV is never stored.
+        blocks = self.block_manager.blocks_for(total - 1)
+        if blocks > self.block_manager.num_blocks:
+            capacity = self.block_manager.num_blocks * self.block_manager.block_size
+            raise InvalidRequestError(
+                f"the request needs {total} tokens of KV cache (prompt {len(prompt_ids)} + "
+                f"max_tokens {params.max_tokens}), more than the whole cache holds "
+                f"({capacity} tokens); lower max_tokens or give the cache more memory",
+                param="max_tokens",
+            )
+        sched = self.config.scheduler
+        if not sched.enable_chunked_prefill and len(prompt_ids) > sched.max_tokens_per_batch:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_ids)} tokens, more than max_tokens_per_batch "
+                f"({sched.max_tokens_per_batch}) without chunked prefill; enable chunked "
+                "prefill or raise --max-tokens-per-batch",
+                param="prompt",
+            )
+        return Sequence(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            max_total_tokens=self.max_model_len,
+        )
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead}")
+        if seq.request_id in self.sequences:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
+        self.sequences[seq.request_id] = seq
+        self.outputs.add(seq)
+        self.scheduler.add(seq)
+
+    def add_request(
+        self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None
+    ) -> str:
+        seq = self.prepare_request(request_id, prompt, params or SamplingParams())
+        self.add_sequence(seq)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            return None
+        in_flight = request_id in self._busy_ids()
+        self.scheduler.finish(seq, "abort", free_blocks=not in_flight)
+        if in_flight:
+            # Its step still writes the sequence's KV blocks: free them when it completes.
+            self._deferred_free.append(seq)
+        return self._finish_output(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.sequences)
+
+    # -- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One round of work: launch what can run and complete what is due. Afterwards
+        ``idle`` says whether it did nothing at all (launched, completed and preempted
+        nothing): then nothing changes until a request arrives or is aborted, and a caller
+        should block instead of stepping again."""
+        self.idle = False
+        if self.dead is not None:
+            return []
+        if self._pipelined:
+            return self._step_pipelined()
+        sched_out = self._schedule_full()
+        if sched_out.is_empty():
+            self._mark_idle()
+            return []
+        fi = build_forward_input(sched_out, self.config.cache.block_size)
+        return self._run_step(sched_out, lambda: self.executor.execute_model(fi))
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Keep up to ``max_concurrency`` steps in flight on the pipeline slots, then complete
+        the oldest. A step that admits, prefills or preempts runs alone; decode steps share
+        the running sequences between slots (disjoint sets, so results match one step at a
+        time)."""
+        self._launch()
+        if not self._in_flight:
+            self._mark_idle()
+            return []
+        flight = self._in_flight.popleft()
+        timeout = self.config.parallel.timeout_s
+
+        def wait() -> SamplerOutput:
+            try:
+                return flight.promise.result(timeout=timeout)
+            except TimeoutError:
+                raise EngineDeadError(f"a step took over {timeout} s; a worker is stuck") from None
+            finally:
+                self._free_slots.append(flight.slot)
+                self._release_deferred()
+
+        return self._run_step(flight.out, wait)
+
+    def _run_step(
+        self, sched_out: SchedulerOutput, run: Callable[[], SamplerOutput]
+    ) -> list[RequestOutput]:
+        """The step's outputs, or its requests failed (all of them, if the engine died)."""
+        try:
+            result = run()
+        except EngineDeadError as exc:
+            logger.error("engine died: %s", exc)
+            return self._fail_all(str(exc))
+        except Exception as exc:
+            logger.exception("step failed; failing the %d requests in it", len(sched_out.scheduled))
+            return self._fail_step(sched_out, f"the model step failed: {exc}")
+        finally:
+            self._last_progress = self._sync.monotonic()
+        self.scheduler.on_step_done(sched_out)
+        return self._process(sched_out, result)
+
+    def _schedule_full(self) -> SchedulerOutput:
+        """The scheduler's full path (admits, prefills, preempts). A pass that only preempted
+        is followed by another, which admits or runs what the preemption made room for: an
+        empty result then means there is truly nothing to run."""
+        out = self.scheduler.schedule()
+        while out.is_empty() and out.preempted:
+            self._last_progress = self._sync.monotonic()
+            out = self.scheduler.schedule()
+        return out
+
+    def _next_batch(self) -> tuple[SchedulerOutput, bool]:
+        """The next batch to launch and whether it must run alone.
+
+        Completeness: with nothing in flight, the full path runs whenever a decode-only
+        batch would not do (work other than one decode token per sequence, or a sequence
+        without room for its next block); it always schedules, admits or preempts while
+        there is work. With steps in flight, only decodes are launched beside them; once
+        one is blocked for a block, nothing more is launched, the in-flight steps drain
+        (each wait completes one), and the full path preempts. So every call launches,
+        completes or preempts while requests remain, and the engine cannot spin in place.
+        """
+        width = self.config.pipeline.max_concurrency
+        share = -(-self.scheduler.num_running // width)
+        if self._in_flight:
+            if self._draining:
+                return SchedulerOutput(), False
+            out = self.scheduler.schedule_decodes(exclude=self._busy_ids(), max_seqs=share)
+            self._draining = out.blocked
+            return out, False
+        self._draining = False
+        if not self.scheduler.needs_full_step() and self.scheduler.decodes_fit():
+            return self.scheduler.schedule_decodes(exclude=set(), max_seqs=share), False
+        return self._schedule_full(), True
+
+    def _launch(self) -> None:
+        while self._free_slots and not any(f.exclusive for f in self._in_flight):
+            out, exclusive = self._next_batch()
+            if out.is_empty():
+                return
+            slot = self._free_slots.pop(0)
+            fi = build_forward_input(out, self.config.cache.block_size)
+            try:
+                promise = self.executor.submit_model(slot, fi)
+            except Exception as exc:  # noqa: BLE001 - becomes a failed step below
+                promise = Promise(self._sync)
+                promise.set_exception(exc)
+            ids = frozenset(e.seq.request_id for e in out.scheduled)
+            self._in_flight.append(_InFlight(slot, out, promise, ids, exclusive))
+            self._last_progress = self._sync.monotonic()
+
+    def _mark_idle(self) -> None:
+        self.idle = True
+
+    def stalled_for(self) -> float:
+        """Seconds since a step was last launched or completed (or a sequence preempted)."""
+        return self._sync.monotonic() - self._last_progress
+
+    def fail_stalled(self) -> list[RequestOutput]:
+        """The watchdog's last resort, for an engine that has made no progress for
+        ``stall_timeout_s`` with requests left: log the scheduler's state once and fail
+        every request not in flight with an error that says so."""
+        state = self.scheduler_state()
+        logger.error("the engine made no progress for %.1f s; %s", self.stalled_for(), state)
+        message = (
+            f"the engine could not schedule the request and gave up on it ({state}); this is "
+            "a bug, please report it"
+        )
+        busy = self._busy_ids()
+        outputs = []
+        for seq in list(self.sequences.values()):
+            if seq.request_id not in busy:
+                self.scheduler.finish(seq, "error", error=message)
+                outputs.append(self._finish_output(seq))
+        self._last_progress = self._sync.monotonic()
+        return outputs
+
+    def scheduler_state(self) -> str:
+        running = self.scheduler.running
+        return (
+            f"running {len(running)} (tokens to compute: "
+            f"{[s.num_tokens - s.num_computed_tokens for s in running][:16]}), "
+            f"waiting {self.scheduler.num_waiting}, in flight {len(self._in_flight)}, "
+            f"free KV blocks {self.block_manager.num_free_blocks} of "
+            f"{self.block_manager.num_blocks}"
+        )
+
+    def _busy_ids(self) -> set[str]:
+        """Requests with a step in flight."""
+        return {rid for f in self._in_flight for rid in f.request_ids}
+
+    def _release_deferred(self) -> None:
+        busy = self._busy_ids()
+        keep = []
+        for seq in self._deferred_free:
+            if seq.request_id in busy:
+                keep.append(seq)
+            else:
+                self.block_manager.free(seq)
+        self._deferred_free = keep
+
+    def _process(self, sched_out: SchedulerOutput, result: SamplerOutput) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        row = 0
+        for entry in sched_out.scheduled:
+            seq = entry.seq
+            if not entry.samples:
+                continue
+            token = result.token_ids[row]
+            if seq.status is SequenceStatus.RUNNING:
+                seq.token_ids.append(token)
+                if seq.params.logprobs is not None and result.logprobs is not None:
+                    assert result.top_token_ids is not None and result.top_logprobs is not None
+                    n = seq.params.logprobs
+                    seq.logprobs.append(
+                        TokenLogprobs(
+                            token_id=token,
+                            logprob=result.logprobs[row],
+                            top=list(
+                                zip(
+                                    result.top_token_ids[row][:n],
+                                    result.top_logprobs[row][:n],
+                                    strict=True,
+                                )
+                            ),
+                        )
+                    )
+                reason = self.outputs.on_token(seq) or seq.check_stop_token()
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                    outputs.append(self._finish_output(seq))
+                else:
+                    outputs.append(self.outputs.make_output(seq))
+            row += 1
+        return outputs
+
+    def _finish_output(self, seq: Sequence) -> RequestOutput:
+        self.sequences.pop(seq.request_id, None)
+        return self.outputs.make_output(seq)
+
+    def _fail_step(self, sched_out: SchedulerOutput, message: str) -> list[RequestOutput]:
+        outputs = []
+        for entry in sched_out.scheduled:
+            if entry.seq.request_id in self.sequences:
+                self.scheduler.finish(entry.seq, "error", error=message)
+                outputs.append(self._finish_output(entry.seq))
+        return outputs
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        self.dead = message
+        outputs = []
+        for seq in list(self.sequences.values()):
+            self.scheduler.finish(seq, "error", error=message)
+            outputs.append(self._finish_output(seq))
+        return outputs
+
+    # -- conveniences ---------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; outputs in prompt order."""
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompts)
+        else:
+            param_list = list(params)
+        if len(param_list) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        ids = [self.add_request(None, p, sp) for p, sp in zip(prompts, param_list, strict=True)]
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    finished[out.request_id] = out
+            if self.dead is not None and len(finished) < len(ids):
+                raise EngineDeadError(self.dead)
+            if self.idle and len(finished) < len(ids):
+                # Offline nothing else can change the engine's state: waiting would never end.
+                finished.update((o.request_id, o) for o in self.fail_stalled())
+        return [finished[i] for i in ids]
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,235 @@
+"""Drive an LLMEngine from one background thread, for callers on other threads or asyncio.
+
+Requests are validated on the caller's thread (so errors come back at once), then queued;
+the loop thread adds them, steps while there is work, and hands each output to the
+request's callback. ``AsyncEngine`` wraps this in an async iterator per request; leaving
+the iterator early aborts the request so its KV blocks return to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+
+from tandem.core.errors import EngineDeadError
+from tandem.core.llm.engine import LLMEngine, Prompt
+from tandem.core.llm.outputs import RequestOutput
+from tandem.core.llm.sampling_params import SamplingParams
+from tandem.core.llm.sequence import Sequence
+from tandem.device.sync import REAL_SYNC, Sync
+
+logger = logging.getLogger(__name__)
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+@dataclass
+class _Add:
+    seq: Sequence
+    callback: OutputCallback
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_finished: OutputCallback | None = None,
+        sync: Sync = REAL_SYNC,
+    ) -> None:
+        """``on_finished`` sees every finished output (aborts and errors included), on the
+        loop thread, whether or not anyone still reads the request's stream."""
+        self.engine = engine
+        self._on_finished = on_finished
+        self._commands: deque[_Add | _Abort] = deque()
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._wake = sync.condition()
+        self._stopping = False
+        self._thread = sync.start_thread(self._run, "tandem-engine-loop")
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.engine.dead is None
+
+    def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        callback: OutputCallback,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; raises InvalidRequestError / EngineDeadError on the caller's thread."""
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running: {self.engine.dead or 'stopped'}")
+        seq = self.engine.prepare_request(request_id, prompt, params)
+        with self._wake:
+            self._commands.append(_Add(seq, callback))
+            self._wake.notify()
+        return seq.request_id
+
+    def abort(self, request_id: str) -> None:
+        with self._wake:
+            self._commands.append(_Abort(request_id))
+            self._wake.notify()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout)
+        self.engine.shutdown()
+
+    def _drain_commands(self) -> None:
+        while True:
+            with self._wake:
+                if not self._commands:
+                    return
+                command = self._commands.popleft()
+            if isinstance(command, _Add):
+                try:
+                    self.engine.add_sequence(command.seq)
+                    self._callbacks[command.seq.request_id] = command.callback
+                except Exception as exc:  # noqa: BLE001 - reported to the request
+                    command.callback(_error_output(command.seq, str(exc)))
+            else:
+                out = self.engine.abort(command.request_id)
+                if out is not None:
+                    self._deliver(out)
+
+    def _wait_while_idle(self) -> None:
+        """The engine has requests but nothing it can do: block until a command arrives (an
+        abort or a new request changes what can run) instead of spinning, and past the stall
+        timeout let the watchdog fail what is stuck."""
+        limit = self.engine.config.scheduler.stall_timeout_s
+        stalled = self.engine.stalled_for()
+        if stalled >= limit:
+            for out in self.engine.fail_stalled():
+                self._deliver(out)
+            return
+        with self._wake:
+            if not self._commands and not self._stopping:
+                self._wake.wait(limit - stalled)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        callback = self._callbacks.get(out.request_id)
+        if out.finished:
+            self._callbacks.pop(out.request_id, None)
+            if self._on_finished is not None:
+                try:
+                    self._on_finished(out)
+                except Exception:
+                    logger.exception("on_finished hook failed for %s", out.request_id)
+        if callback is not None:
+            try:
+                callback(out)
+            except Exception:
+                logger.exception("output callback of %s failed", out.request_id)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while (
+                        not self._stopping
+                        and not self._commands
+                        and not (self.engine.has_unfinished() and self.engine.dead is None)
+                    ):
+                        self._wake.wait()
+                    if self._stopping:
+                        break
+                self._drain_commands()
+                for out in self.engine.step():
+                    self._deliver(out)
+                if self.engine.idle and self.engine.has_unfinished():
+                    self._wait_while_idle()
+        except BaseException as exc:
+            logger.exception("engine loop crashed")
+            self.engine.dead = f"engine loop crashed: {exc}"
+        finally:
+            for request_id in list(self._callbacks):
+                aborted = self.engine.abort(request_id)
+                if aborted is not None:
+                    if self.engine.dead is not None:
+                        aborted.finish_reason, aborted.error = "error", self.engine.dead
+                    self._deliver(aborted)
+
+
+def _error_output(seq: Sequence, message: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=seq.request_id,
+        prompt_token_ids=seq.prompt_token_ids,
+        token_ids=[],
+        text="",
+        new_token_ids=[],
+        delta_text="",
+        finished=True,
+        finish_reason="error",
+        error=message,
+    )
+
+
+class RequestStream:
+    """The outputs of one submitted request, as an async iterator; ``close()`` aborts it if
+    it has not finished, so an abandoned request gives its KV blocks back."""
+
+    def __init__(self, loop: EngineLoop, request_id: str, queue: asyncio.Queue[RequestOutput]):
+        self.loop = loop
+        self.request_id = request_id
+        self._queue = queue
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self._queue.get()
+        self.finished = out.finished
+        return out
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.loop.abort(self.request_id)
+
+
+class AsyncEngine:
+    """asyncio face of an EngineLoop: one async stream of outputs per request."""
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self.loop = loop
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.loop.engine
+
+    def submit(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> RequestStream:
+        """Queue a request now (errors raise here); call from the running event loop."""
+        aio = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def on_output(out: RequestOutput) -> None:
+            aio.call_soon_threadsafe(queue.put_nowait, out)
+
+        rid = self.loop.submit(prompt, params, on_output, request_id=request_id)
+        return RequestStream(self.loop, rid, queue)
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
+        stream = self.submit(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()

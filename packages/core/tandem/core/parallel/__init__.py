@@ -1,0 +1,1 @@
+"""Parallel layout: topology, which collectives each level uses, group construction."""

@@ -1,0 +1,121 @@
+"""The fixed-steps scheduler of generative recommendation.
+
+Every request needs exactly one prefill and ``max_decode_rounds`` decode rounds, so its whole
+KV footprint is known when it arrives: the blocks are reserved up front, at admission, and
+held until its last round. Requests are grouped into batches (up to ``max_batch_size``); up to
+``max_concurrency`` batches are in flight at once, each on a pipeline slot of its own.
+
+When blocks run out, new work waits for in-flight batches to give theirs back; it never fails
+for that. A request that could never fit (more blocks than the whole pool) fails at once.
+Admission is first come, first served: a large request at the head is not overtaken by smaller
+ones behind it, so none starves.
+
+Thread-safe: requests arrive from the server's threads while the engine loop schedules and
+completes batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+from tandem.core.errors import InvalidRequestError
+from tandem.core.kv.block_manager import BlockManager
+from tandem.core.rec.request import RecRequest
+from tandem.device.sync import REAL_SYNC, Sync
+
+
+@dataclass(eq=False)
+class RecBatch:
+    batch_id: int
+    slot: int
+    requests: list[RecRequest]
+    # The round in flight (0 = prefill).
+    round: int = 0
+
+
+class FixedStepsScheduler:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_batch_size: int,
+        max_concurrency: int,
+        max_decode_rounds: int,
+        sync: Sync = REAL_SYNC,
+    ) -> None:
+        self.blocks = blocks
+        self.max_batch_size = max_batch_size
+        self.max_concurrency = max_concurrency
+        self.max_decode_rounds = max_decode_rounds
+        self._lock = sync.lock()
+        self._waiting: deque[RecRequest] = deque()
+        self._in_flight: dict[int, RecBatch] = {}
+        self._free_slots = list(range(max_concurrency))
+        self._ids = itertools.count()
+
+    def blocks_needed(self, request: RecRequest) -> int:
+        return self.blocks.blocks_for(request.history_len)
+
+    def add(self, *requests: RecRequest) -> None:
+        """Queue ``requests`` together (next to each other in the queue, so they batch the
+        same way whatever else is running); raises InvalidRequestError, queueing none, if one
+        could never fit."""
+        for request in requests:
+            needed = self.blocks_needed(request)
+            if needed > self.blocks.num_blocks:
+                raise InvalidRequestError(
+                    f"the history needs {needed} KV blocks and the cache has "
+                    f"{self.blocks.num_blocks} in all; send a shorter history or start the "
+                    "server with more --num-blocks",
+                    "history",
+                )
+        with self._lock:
+            self._waiting.extend(requests)
+
+    def next_batch(self) -> RecBatch | None:
+        """The next batch to put in flight, its blocks reserved; None when no slot is free,
+        nothing waits, or the head of the queue must wait for blocks."""
+        with self._lock:
+            if not self._free_slots or not self._waiting:
+                return None
+            requests: list[RecRequest] = []
+            while self._waiting and len(requests) < self.max_batch_size:
+                head = self._waiting[0]
+                reserved = self.blocks.reserve(self.blocks_needed(head))
+                if reserved is None:
+                    break
+                head.blocks = reserved
+                requests.append(self._waiting.popleft())
+            if not requests:
+                return None
+            batch = RecBatch(next(self._ids), self._free_slots.pop(0), requests)
+            self._in_flight[batch.batch_id] = batch
+            return batch
+
+    def finish(self, batch: RecBatch) -> None:
+        """The batch is done (or failed): its blocks and its slot are free again."""
+        with self._lock:
+            del self._in_flight[batch.batch_id]
+            for request in batch.requests:
+                self.blocks.release(request.blocks)
+                request.blocks = []
+            self._free_slots.append(batch.slot)
+            self._free_slots.sort()
+
+    def remove_waiting(self) -> list[RecRequest]:
+        """Take every waiting request out (the engine is stopping)."""
+        with self._lock:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            return waiting
+
+    @property
+    def num_waiting(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._in_flight)

@@ -1,0 +1,121 @@
+"""Runs a recommender step on the worker's device: the shared weights and the shared paged
+cross-attention cache, with each batch's beams in the state of the slot that runs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.core.kv.block_manager import NULL_BLOCK
+from tandem.core.models.rec_model import GenerativeRecommender
+from tandem.core.rec.beam_search import Beams, beam_step, best_candidates, initial_beams
+from tandem.core.rec.catalog import Catalog
+from tandem.core.rec.step import RecPrefill, RecStep, RecStepOutput
+
+
+@dataclass
+class BatchState:
+    """One in-flight batch, kept by the slot that runs it (slots never share these)."""
+
+    widths: torch.Tensor
+    num_candidates: tuple[int, ...]
+    beams: Beams
+    # Built once at the prefill, read every round: cache slots of the history's keys and
+    # which of them each request attends.
+    slots: torch.Tensor  # [R, blocks * block_size]
+    mask: torch.Tensor  # [R, blocks * block_size]
+
+
+SlotState = dict[int, BatchState]
+
+
+class RecModelRunner:
+    def __init__(
+        self,
+        model: GenerativeRecommender,
+        catalog: Catalog,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.catalog = catalog
+        self.device = device
+        self.dtype = dtype
+        self.block_size = 0
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def block_bytes(self, block_size: int) -> int:
+        heads, head_dim = self.model.cross_heads()
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * len(self.model.decoder.layers) * block_size * heads * head_dim * elem
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        heads, head_dim = self.model.cross_heads()
+        shape = (num_blocks + 1, block_size, heads, head_dim)
+        self.block_size = block_size
+        layers = len(self.model.decoder.layers)
+        self.k_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)
+        ]
+        self.v_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)
+        ]
+
+    def _slots(self, tables: torch.Tensor, length: int) -> torch.Tensor:
+        """[R, length] cache slot of every history position."""
+        pos = torch.arange(length, device=tables.device)
+        return tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
+
+    @torch.inference_mode()
+    def execute(self, step: RecStep, state: SlotState) -> RecStepOutput:
+        if step.round == 0:
+            assert step.prefill is not None, "round 0 carries the prefill"
+            batch = self._prefill(step.prefill)
+            state[step.batch_id] = batch
+        else:
+            batch = state[step.batch_id]
+        cross = [
+            (k.view(-1, *k.shape[2:])[batch.slots], v.view(-1, *v.shape[2:])[batch.slots])
+            for k, v in zip(self.k_caches, self.v_caches, strict=True)
+        ]
+        logits = self.model.decode(batch.beams.codes.to(self.device), cross, batch.mask)
+        batch.beams = beam_step(batch.beams, logits.cpu(), self.catalog, batch.widths)
+        if step.round < self.model.config.max_decode_rounds:
+            return RecStepOutput(step.batch_id, step.round, finished=False)
+        del state[step.batch_id]
+        candidates, scores = best_candidates(batch.beams, list(batch.num_candidates))
+        return RecStepOutput(step.batch_id, step.round, True, candidates, scores)
+
+    def _prefill(self, p: RecPrefill) -> BatchState:
+        items = p.histories.to(self.device)
+        lengths = p.lengths.to(self.device)
+        tables = p.block_tables.to(self.device)
+        length = items.shape[1]
+        mask = torch.arange(length, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
+        encoded = self.model.encode(items, mask)
+        slots = self._slots(tables, length)[mask]
+        for (k, v), k_cache, v_cache in zip(
+            self.model.cross_key_values(encoded), self.k_caches, self.v_caches, strict=True
+        ):
+            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[mask])
+            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[mask])
+        span = tables.shape[1] * self.block_size
+        # Kept across rounds: computed (or copied) here, because the step's inputs live in
+        # scratch memory that is handed out again once this step's stream work is done.
+        return BatchState(
+            widths=p.beam_widths.clone(),
+            num_candidates=p.num_candidates,
+            beams=initial_beams(len(p.num_candidates), int(p.beam_widths.max())),
+            slots=self._slots(tables, span),
+            mask=torch.arange(span, device=self.device).unsqueeze(0) < lengths.unsqueeze(1),
+        )
+
+
+def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [NULL_BLOCK] * (width - len(t)) for t in tables], dtype=torch.int64)

@@ -1,0 +1,63 @@
+"""KV-cache sizing from memory and allocation with a zeroed null block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.core.config import CacheConfig
+from tandem.core.errors import ConfigError
+from tandem.core.kv.kv_cache import GIB, allocate_kv_cache, bytes_per_block, num_blocks_for_memory
+from tandem.device import Device, MemoryInfo
+
+
+def test_bytes_per_block() -> None:
+    # keys + values, 2 layers, 16 slots, 4 heads of 8, float32
+    assert bytes_per_block(2, 4, 8, 16, torch.float32) == 2 * 2 * 16 * 4 * 8 * 4
+
+
+def test_cpu_sizing_uses_the_budget_minus_weights() -> None:
+    config = CacheConfig(cpu_memory_gb=1.0, max_memory_utilization=0.5)
+    memory = MemoryInfo(total_bytes=64 * GIB, free_bytes=60 * GIB)
+    blocks = num_blocks_for_memory(
+        config, Device("cpu"), memory, weight_bytes=GIB // 4, block_bytes=1 << 20
+    )
+    assert blocks == (GIB // 2 - GIB // 4) // (1 << 20)
+
+
+def test_device_sizing_uses_total_memory_and_what_is_in_use() -> None:
+    config = CacheConfig(max_memory_utilization=0.9)
+    memory = MemoryInfo(total_bytes=10 * GIB, free_bytes=8 * GIB)
+    blocks = num_blocks_for_memory(
+        config, Device("npu"), memory, weight_bytes=0, block_bytes=GIB // 10
+    )
+    assert blocks == int(9 * GIB - 2 * GIB) // (GIB // 10)
+
+
+def test_explicit_block_count_wins_and_no_room_is_an_error() -> None:
+    memory = MemoryInfo(total_bytes=GIB, free_bytes=GIB)
+    assert num_blocks_for_memory(CacheConfig(num_blocks=7), Device("cpu"), memory, 0, 1) == 7
+    with pytest.raises(ConfigError, match="--cpu-memory-gb"):
+        num_blocks_for_memory(
+            CacheConfig(cpu_memory_gb=0.001),
+            Device("cpu"),
+            memory,
+            weight_bytes=GIB,
+            block_bytes=1024,
+        )
+
+
+def test_cache_starts_zeroed() -> None:
+    caches = allocate_kv_cache(
+        2,
+        num_blocks=3,
+        block_size=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    assert len(caches) == 2
+    for k, v in caches:
+        assert k.shape == (4, 4, 2, 8)
+        assert torch.count_nonzero(k) == 0 and torch.count_nonzero(v) == 0

@@ -1,0 +1,51 @@
+"""The models' kernels resolve through the process-global kernel registry."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from tandem.core.layers.norm import RMSNorm
+from tandem.device import Device, KernelKey, process_kernel_registry
+
+
+def test_the_models_kernels_go_through_the_process_registry() -> None:
+    registry = process_kernel_registry()
+    before = len(registry)
+    norm = RMSNorm(8, eps=1e-6)
+    x = torch.randn(3, 8, dtype=torch.float64)
+    out = norm(x)
+    assert out.shape == x.shape
+    assert registry.lookup(KernelKey("rms_norm", Device("cpu", 0), "torch.float64")) is not None
+    assert len(registry) >= before
+
+
+def test_a_worker_uses_the_registry_it_is_given_even_when_empty(demo_dir: Path) -> None:
+    """An empty registry has length 0; it must still be the one the worker's kernels use."""
+    from tandem.collectives import SingleRankGroup
+    from tandem.core.config import CacheConfig, EngineConfig, ModelLoadConfig
+    from tandem.core.models.model_config import ModelConfig
+    from tandem.core.worker.worker import Worker
+    from tandem.device import KernelRegistry
+
+    own: KernelRegistry[object] = KernelRegistry()
+    config = EngineConfig(
+        model=ModelLoadConfig(model=str(demo_dir)), cache=CacheConfig(num_blocks=8)
+    )
+    worker = Worker(
+        Device("cpu", 0), SingleRankGroup(), config, ModelConfig.from_folder(demo_dir),
+        kernel_registry=own,
+    )  # fmt: skip
+
+    def on_a_worker_thread() -> None:
+        # A thread of its own: binding is per thread and must not leak into other tests.
+        worker.init_device()
+        worker.load_model()
+        worker.runner.model.norm(torch.randn(2, worker.model_config.hidden_size))
+
+    thread = threading.Thread(target=on_a_worker_thread)
+    thread.start()
+    thread.join(60)
+    assert own.lookup(KernelKey("rms_norm", Device("cpu", 0), "torch.float32")) is not None

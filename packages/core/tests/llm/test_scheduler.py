@@ -1,0 +1,104 @@
+"""Scheduling: budgets, chunked prefill, preemption of the newest, waiting for room."""
+
+from __future__ import annotations
+
+from tandem.core.config import SchedulerConfig
+from tandem.core.kv.block_manager import BlockManager
+from tandem.core.llm.sampling_params import SamplingParams
+from tandem.core.llm.scheduler import Scheduler, SchedulerOutput
+from tandem.core.llm.sequence import Sequence, SequenceStatus
+
+
+def _seq(rid: str, n: int, arrival: float) -> Sequence:
+    seq = Sequence(
+        request_id=rid,
+        prompt_token_ids=list(range(1, n + 1)),
+        params=SamplingParams(max_tokens=100),
+        eos_token_ids=frozenset(),
+        max_total_tokens=10_000,
+    )
+    seq.metrics.arrival_time = arrival
+    return seq
+
+
+def _complete(scheduler: Scheduler, out: SchedulerOutput) -> None:
+    """Pretend the step ran: advance and append a token to every sampling sequence."""
+    scheduler.on_step_done(out)
+    for entry in out.scheduled:
+        if entry.samples:
+            entry.seq.token_ids.append(7)
+
+
+def _scheduler(
+    num_blocks: int = 64, tokens: int = 64, seqs: int = 8, chunked: bool = True
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_tokens_per_batch=tokens, max_seqs_per_batch=seqs, enable_chunked_prefill=chunked
+        ),
+        BlockManager(num_blocks=num_blocks, block_size=4, enable_prefix_cache=False),
+    )
+
+
+def test_chunked_prefill_splits_by_token_budget_and_decodes_come_first() -> None:
+    s = _scheduler(tokens=10)
+    s.add(_seq("long", 25, arrival=0))
+    steps = []
+    while s.running == [] or s.running[0].num_computed_tokens < 25:
+        out = s.schedule()
+        steps.append([(e.seq.request_id, e.num_new_tokens, e.samples) for e in out.scheduled])
+        _complete(s, out)
+    assert steps == [[("long", 10, False)], [("long", 10, False)], [("long", 5, True)]]
+    s.add(_seq("short", 3, arrival=1))
+    out = s.schedule()
+    assert [(e.seq.request_id, e.num_new_tokens) for e in out.scheduled] == [
+        ("long", 1),
+        ("short", 3),
+    ]
+
+
+def test_without_chunking_a_prompt_waits_for_a_step_with_room() -> None:
+    s = _scheduler(tokens=10, chunked=False)
+    s.add(_seq("a", 6, arrival=0))
+    s.add(_seq("b", 6, arrival=1))
+    out = s.schedule()
+    assert [e.seq.request_id for e in out.scheduled] == ["a"]
+    _complete(s, out)
+    out = s.schedule()
+    assert [(e.seq.request_id, e.num_new_tokens) for e in out.scheduled] == [("a", 1), ("b", 6)]
+
+
+def test_sequence_budget() -> None:
+    s = _scheduler(seqs=2)
+    for i in range(3):
+        s.add(_seq(f"r{i}", 2, arrival=i))
+    out = s.schedule()
+    assert len(out.scheduled) == 2 and s.num_waiting == 1
+
+
+def test_decode_out_of_blocks_preempts_the_newest() -> None:
+    s = _scheduler(num_blocks=2)
+    s.add(_seq("old", 4, arrival=0))
+    s.add(_seq("new", 4, arrival=1))
+    out = s.schedule()
+    assert len(out.scheduled) == 2
+    _complete(s, out)
+    # Each now needs a second block; only one sequence can have it.
+    out = s.schedule()
+    assert [e.seq.request_id for e in out.scheduled] == ["old"]
+    assert [p.request_id for p in out.preempted] == ["new"]
+    new = out.preempted[0]
+    assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0
+    assert new.block_table == [] and s.waiting[0] is new
+
+
+def test_waiting_request_waits_for_blocks_instead_of_failing() -> None:
+    s = _scheduler(num_blocks=2)
+    s.add(_seq("a", 8, arrival=0))
+    s.add(_seq("b", 4, arrival=1))
+    out = s.schedule()
+    assert [e.seq.request_id for e in out.scheduled] == ["a"]
+    assert s.num_waiting == 1
+    s.finish(s.running[0], "stop")
+    out = s.schedule()
+    assert [e.seq.request_id for e in out.scheduled] == ["b"]
