@@ -1,5 +1,5 @@
 """A generative recommender behind the real server: ``tandem make-demo-model --kind rec``, then
-``tandem serve`` with two devices in one process and two pipeline slots; ranked candidates
+``tandem serve`` with two devices in one process and two pipeline lanes; ranked candidates
 over HTTP, OpenAI-style errors for bad input, the server still serving after each."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tandem.collectives import CollectiveTimeout, ProcessGroup
 from tandem.collectives.backends import LocalGroups
 from tandem.device import Device, DeviceRuntime
-from tandem.device.ordered_executor import OrderedExecutor
+from tandem.device.task_thread import TaskThread
 from tandem_hw.accelerator_runtime import AcceleratorRuntime
 from tandem_hw.comm_group import CommGroup, Communicators, StreamHandle
 from tandem_hw.comm_library import CommLibrary
@@ -86,7 +86,7 @@ class LibraryBackend:
             return library.init_all([d.index for d in devices])
 
         # A thread of its own, so the caller's thread keeps its device binding.
-        thread = OrderedExecutor(f"tandem-{self.name}-init")
+        thread = TaskThread(f"tandem-{self.name}-init")
         try:
             comms = thread.submit(init).result(timeout=timeout_s)
         except TimeoutError:

@@ -15,7 +15,7 @@ from reference_models import write_reference_model
 from tandem_hw.accelerator_runtime import AcceleratorRuntime
 
 from tandem.core.layers.activation import gated_activation_kernel
-from tandem.core.layers.kernels import KernelSlot, rms_norm, rotary
+from tandem.core.layers.kernels import KernelHandle, rms_norm, rotary
 from tandem.device import BoundContext, Device, KernelRegistry, bind_context, get_runtime
 
 NEW_TOKENS = 32
@@ -60,12 +60,12 @@ def test_first_use_kernel_registration_happens_once_per_device(accelerator: str)
             xd, wd = x.to(target), weight.to(target)
             cos = torch.ones(4, 8, 32, device=target)
             sin = torch.zeros(4, 8, 32, device=target)
-            slots = [KernelSlot("rms_norm", rms_norm), gated_activation_kernel("silu"),
-                     KernelSlot("rotary", rotary)]  # fmt: skip
+            handles = [KernelHandle("rms_norm", rms_norm), gated_activation_kernel("silu"),
+                     KernelHandle("rotary", rotary)]  # fmt: skip
             barrier.wait(timeout=60)
-            normed = slots[0](xd, wd, 1e-6)
-            slots[1](torch.cat([xd, xd], -1))
-            slots[2](xd, cos, sin)
+            normed = handles[0](xd, wd, 1e-6)
+            handles[1](torch.cat([xd, xd], -1))
+            handles[2](xd, cos, sin)
             runtime.synchronize()
             torch.testing.assert_close(normed.cpu(), rms_norm(x, weight, 1e-6))
         except BaseException as exc:  # noqa: BLE001 - reported below
@@ -95,8 +95,8 @@ def test_three_cold_starts_have_no_registration_errors(accelerator: str, model: 
         assert not found, f"cold start {start} logged {found}: {done.stderr[-3000:]}"
 
 
-def test_pipeline_slots_match_one_step_at_a_time(accelerator: str, model: Path) -> None:
-    """Two pipeline slots per device (their own streams and communicator sets) give the
+def test_pipeline_lanes_match_one_step_at_a_time(accelerator: str, model: Path) -> None:
+    """Two pipeline lanes per device (their own streams and communicator sets) give the
     tokens of one step at a time."""
     one = generate_token_ids(model, "tp2-single-process", NEW_TOKENS, kind=accelerator)
     two = generate_token_ids(

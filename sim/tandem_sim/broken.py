@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from tandem.core.llm.engine import LLMEngine
 from tandem.core.llm.scheduler import SchedulerOutput
-from tandem.core.worker.slot_stager import SlotStager
+from tandem.core.worker.lane_stager import LaneStager
 from tandem.device.kernel_registry import KernelKey
 from tandem.device.scratch_allocator import ScratchBlock
 from tandem.device.sync import Sync
@@ -43,7 +43,7 @@ class UnsynchronizedRegistry:
         return entry.stub
 
 
-class UnrecordedStager(SlotStager):
+class UnrecordedStager(LaneStager):
     """Seed 001's workspace: the block is handed to a stream but never recorded on it, so the
     allocator may hand it out again while the stream still reads it."""
 

@@ -2,8 +2,8 @@
 (a real BlockManager of ``num_blocks`` blocks with no KV memory behind it) and completes steps
 only when told to, so tests can hold steps open and create overlaps on purpose.
 
-It also checks what a real worker would rely on: a batch's rounds arrive in order on the slot
-it started on, no slot runs two steps at once, and a prefill's blocks are reserved and
+It also checks what a real worker would rely on: a batch's rounds arrive in order on the lane
+it started on, no lane runs two steps at once, and a prefill's blocks are reserved and
 disjoint from every other in-flight batch's."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tandem.device.sync import REAL_SYNC, Promise, Sync
 
 @dataclass
 class _Open:
-    slot: int
+    lane: int
     step: RecStep
     promise: Promise[RecStepOutput]
 
@@ -33,7 +33,7 @@ class FakeEngine:
         self._cond = sync.condition()
         self._hold = False
         self._open: list[_Open] = []
-        self._batch_slot: dict[int, int] = {}
+        self._batch_lane: dict[int, int] = {}
         self._batch_round: dict[int, int] = {}
         self._batch_blocks: dict[int, set[int]] = {}
         self._batch_candidates: dict[int, tuple[int, ...]] = {}
@@ -70,27 +70,27 @@ class FakeEngine:
 
     @property
     def open_steps(self) -> list[tuple[int, int, int]]:
-        """(slot, batch, round) of every open step."""
+        """(lane, batch, round) of every open step."""
         with self._cond:
-            return [(o.slot, o.step.batch_id, o.step.round) for o in self._open]
+            return [(o.lane, o.step.batch_id, o.step.round) for o in self._open]
 
-    def submit_rec(self, slot: int, step: RecStep) -> Promise[RecStepOutput]:
+    def submit_rec(self, lane: int, step: RecStep) -> Promise[RecStepOutput]:
         promise: Promise[RecStepOutput] = Promise(self._sync)
         with self._cond:
             self.step_calls += 1
-            self._check(slot, step)
+            self._check(lane, step)
             if self._hold:
-                self._open.append(_Open(slot, step, promise))
+                self._open.append(_Open(lane, step, promise))
                 self.max_open = max(self.max_open, len(self._open))
                 self._cond.notify_all()
                 return promise
         promise.set_result(self._output(step))
         return promise
 
-    def _check(self, slot: int, step: RecStep) -> None:
-        busy = {o.slot for o in self._open}
-        if slot in busy:
-            self.violations.append(f"slot {slot} got a step while running another")
+    def _check(self, lane: int, step: RecStep) -> None:
+        busy = {o.lane for o in self._open}
+        if lane in busy:
+            self.violations.append(f"lane {lane} got a step while running another")
         if step.round == 0:
             assert step.prefill is not None
             blocks = {b for row in step.prefill.block_tables.tolist() for b in row if b}
@@ -98,11 +98,11 @@ class FakeEngine:
                 if held & blocks:
                     self.violations.append(f"batch {step.batch_id} shares blocks with {other}")
             self._batch_blocks[step.batch_id] = blocks
-            self._batch_slot[step.batch_id] = slot
+            self._batch_lane[step.batch_id] = lane
             self._batch_candidates[step.batch_id] = step.prefill.num_candidates
         else:
-            if self._batch_slot.get(step.batch_id) != slot:
-                self.violations.append(f"batch {step.batch_id} moved slots")
+            if self._batch_lane.get(step.batch_id) != lane:
+                self.violations.append(f"batch {step.batch_id} moved lanes")
             if self._batch_round.get(step.batch_id) != step.round - 1:
                 self.violations.append(f"batch {step.batch_id} skipped to round {step.round}")
         self._batch_round[step.batch_id] = step.round

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from tandem.device import Device, MemoryInfo
-from tandem.device.ordered_executor import OrderedExecutor
 from tandem.device.sync import Sync
+from tandem.device.task_thread import TaskThread
 
 ACL_ERROR_RT_KERNEL_DUPLICATE = 507028
 
@@ -96,10 +96,10 @@ class FakeNpuRuntime:
     def memory_info(self, device: Device) -> MemoryInfo:
         return MemoryInfo(total_bytes=64 << 30, free_bytes=60 << 30)
 
-    def new_stream(self, name: str) -> OrderedExecutor:
+    def new_stream(self, name: str) -> TaskThread:
         """A side stream: an ordered executor whose thread the simulator schedules, so work
         on it interleaves with the host's at every yield point."""
-        return OrderedExecutor(name, self._sync)
+        return TaskThread(name, self._sync)
 
     def device_count(self) -> int:
         return 8

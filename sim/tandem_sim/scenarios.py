@@ -28,14 +28,14 @@ from tandem.core.llm.forward_input import ForwardInput
 from tandem.core.llm.input_builder import build_forward_input
 from tandem.core.llm.sampling_params import SamplingParams
 from tandem.core.llm.scheduler import ScheduledSequence, SchedulerOutput
-from tandem.core.llm.sequence import Sequence
+from tandem.core.llm.sequence import TokenSequence
 from tandem.core.models.model_config import ModelConfig
 from tandem.core.parallel.topology import resolve_topology
-from tandem.core.worker.slot_stager import SlotStager, Staged
+from tandem.core.worker.lane_stager import LaneStager, Staged
 from tandem.device import Device, KernelKey, KernelRegistry
-from tandem.device.ordered_executor import OrderedExecutor
 from tandem.device.scratch_allocator import ScratchAllocator
 from tandem.device.sync import REAL_SYNC, Promise
+from tandem.device.task_thread import TaskThread
 from tandem_sim.broken import DecodeOnlyEngine, UnrecordedStager, UnsynchronizedRegistry
 from tandem_sim.fake_collectives import FakeBackend
 from tandem_sim.fake_runtime import FakeNpuRuntime
@@ -107,7 +107,7 @@ def _tiny_model() -> Path:
 
 
 def _config(
-    tp: int, model: Path, kind: str, slots: int, cache: CacheConfig | None = None
+    tp: int, model: Path, kind: str, lanes: int, cache: CacheConfig | None = None
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelLoadConfig(model=str(model)),
@@ -115,7 +115,7 @@ def _config(
         parallel=ParallelConfig(
             devices=",".join(f"{kind}:{i}" for i in range(tp)), single_process=tp > 1
         ),
-        pipeline=PipelineConfig(max_concurrency=slots),
+        pipeline=PipelineConfig(max_concurrency=lanes),
     )
 
 
@@ -124,17 +124,17 @@ def _executor(
     tp: int,
     model: Path,
     runtime: FakeNpuRuntime | None = None,
-    slots: int = 1,
+    lanes: int = 1,
     share_communicator: bool = False,
     config: EngineConfig | None = None,
 ) -> ThreadExecutor:
     kind = "npu" if runtime is not None else "cpu"
-    config = config or _config(tp, model, kind, slots)
+    config = config or _config(tp, model, kind, lanes)
     made: list[tuple[list[ProcessGroup], FakeBackend]] = []
 
     def fake_groups(size: int) -> tuple[list[ProcessGroup], FakeBackend]:
         if share_communicator and made:
-            # The bug: every pipeline slot gets the same communicator.
+            # The bug: every pipeline lane gets the same communicator.
             return made[0]
         backend = FakeBackend(s, f"tp{size}-set{len(made)}", size)
         made.append((list(backend.groups()), backend))
@@ -154,16 +154,18 @@ def _executor(
 def _step_input(
     prompt: tuple[int, ...] = (5, 17, 300, 42, 9, 100, 7), first_block: int = 0
 ) -> ForwardInput:
-    seq = Sequence("probe", list(prompt), SamplingParams.greedy(max_tokens=1), frozenset(), 512)
+    seq = TokenSequence(
+        "probe", list(prompt), SamplingParams.greedy(max_tokens=1), frozenset(), 512
+    )
     manager = BlockManager(num_blocks=16, block_size=16, enable_prefix_cache=False)
-    # Steps of different slots write different blocks, as the scheduler guarantees.
+    # Steps of different lanes write different blocks, as the scheduler guarantees.
     manager.reserve(first_block)
     manager.allocate(seq, len(prompt), cached=[])
     out = SchedulerOutput(scheduled=[ScheduledSequence(seq, len(prompt), samples=True)])
     return build_forward_input(out, block_size=16)
 
 
-SLOT_PROMPTS = ((5, 17, 300, 42, 9, 100, 7), (11, 3, 250, 8, 61))
+LANE_PROMPTS = ((5, 17, 300, 42, 9, 100, 7), (11, 3, 250, 8, 61))
 
 
 @lru_cache(maxsize=1)
@@ -176,31 +178,31 @@ def _reference_tokens() -> tuple[int, ...]:
     try:
         return tuple(
             executor.execute_model(_step_input(p, first_block=i)).token_ids[0]
-            for i, p in enumerate(SLOT_PROMPTS)
+            for i, p in enumerate(LANE_PROMPTS)
         )
     finally:
         executor.shutdown()
 
 
-def tp_slots(s: DeterministicScheduler, share_communicator: bool) -> None:
-    """TP=2 with two pipeline slots, one step on each at once. Each slot must have its own
-    communicator set: with one shared, the slots' collectives interleave in different orders
+def tp_lanes(s: DeterministicScheduler, share_communicator: bool) -> None:
+    """TP=2 with two pipeline lanes, one step on each at once. Each lane must have its own
+    communicator set: with one shared, the lanes' collectives interleave in different orders
     on the two ranks (a mismatch or a deadlock the fake backend reports)."""
     runtime = FakeNpuRuntime(s)
     executor = _executor(
-        s, 2, _tiny_model(), runtime, slots=2, share_communicator=share_communicator
+        s, 2, _tiny_model(), runtime, lanes=2, share_communicator=share_communicator
     )
     try:
         steps = [
             executor.submit_model(i, _step_input(p, first_block=i))
-            for i, p in enumerate(SLOT_PROMPTS)
+            for i, p in enumerate(LANE_PROMPTS)
         ]
         tokens = tuple(step.result().token_ids[0] for step in steps)
     finally:
         executor.shutdown()
     if tokens != _reference_tokens():
         raise AssertionError(
-            f"slot steps sampled {tokens}, TP=1 one at a time {_reference_tokens()}"
+            f"lane steps sampled {tokens}, TP=1 one at a time {_reference_tokens()}"
         )
 
 
@@ -300,19 +302,19 @@ def _pressure_run(engine: LLMEngine, bound: int) -> dict[str, tuple[int, ...]]:
 
 @lru_cache(maxsize=1)
 def _pressure_reference() -> dict[str, tuple[int, ...]]:
-    engine = LLMEngine(_config(1, _tiny_model(), "cpu", slots=1, cache=PRESSURE_CACHE))
+    engine = LLMEngine(_config(1, _tiny_model(), "cpu", lanes=1, cache=PRESSURE_CACHE))
     try:
         return _pressure_run(engine, bound=10_000)
     finally:
         engine.shutdown()
 
 
-def llm_slots_kv_pressure(s: DeterministicScheduler, broken: bool) -> None:
-    """The real LLM engine with two pipeline slots under KV pressure: every request ends
+def llm_lanes_kv_pressure(s: DeterministicScheduler, broken: bool) -> None:
+    """The real LLM engine with two pipeline lanes under KV pressure: every request ends
     (each exactly once, within a bound on engine steps), tokens equal one step at a time,
     every block free at the end. The broken variant keeps the launch rule that livelocked."""
-    config = _config(1, _tiny_model(), "cpu", slots=2, cache=PRESSURE_CACHE)
-    executor = _executor(s, 1, _tiny_model(), slots=2, config=config)
+    config = _config(1, _tiny_model(), "cpu", lanes=2, cache=PRESSURE_CACHE)
+    executor = _executor(s, 1, _tiny_model(), lanes=2, config=config)
     engine_class = DecodeOnlyEngine if broken else LLMEngine
     engine = engine_class(config, executor=executor, sync=s)
     try:
@@ -334,18 +336,18 @@ def _expect(staged: Staged, value: float, what: str) -> None:
         raise AssertionError(f"{what}: {staged.tensors[0].tolist()} != {value}")
 
 
-def _run_slots(
-    s: DeterministicScheduler, stagers: list[SlotStager], streams: list[OrderedExecutor]
+def _run_lanes(
+    s: DeterministicScheduler, stagers: list[LaneStager], streams: list[TaskThread]
 ) -> None:
-    """Each slot's host thread stages a step of its own values, launches a kernel that reads
-    them on the slot's stream, and gives the scratch back at once (no synchronize)."""
+    """Each lane's host thread stages a step of its own values, launches a kernel that reads
+    them on the lane's stream, and gives the scratch back at once (no synchronize)."""
 
-    def slot(i: int) -> None:
+    def lane(i: int) -> None:
         launched: list[Promise[None]] = []
         for step in range(1):
             value = float(10 * i + step)
             staged = stagers[i].stage([torch.full((4,), value)])
-            _expect(staged, value, "the host staged another slot's inputs")
+            _expect(staged, value, "the host staged another lane's inputs")
 
             def kernel(staged: Staged = staged, value: float = value) -> None:
                 s.yield_point("kernel.read")
@@ -358,7 +360,7 @@ def _run_slots(
             promise.result()
 
     try:
-        threads = [s.start_thread(partial(slot, i), f"host{i}") for i in range(len(stagers))]
+        threads = [s.start_thread(partial(lane, i), f"host{i}") for i in range(len(stagers))]
         for t in threads:
             t.join()
     finally:
@@ -368,31 +370,31 @@ def _run_slots(
 
 def stream_workspace_reuse(s: DeterministicScheduler, record: bool) -> None:
     allocator = ScratchAllocator(torch.device("cpu"), s)
-    streams = [OrderedExecutor(f"stream{i}", s) for i in range(2)]
-    kind = SlotStager if record else UnrecordedStager
-    _run_slots(s, [kind(allocator, stream, s) for stream in streams], streams)
+    streams = [TaskThread(f"stream{i}", s) for i in range(2)]
+    kind = LaneStager if record else UnrecordedStager
+    _run_lanes(s, [kind(allocator, stream, s) for stream in streams], streams)
 
 
 def shared_cache_across_streams(s: DeterministicScheduler, shared: bool) -> None:
-    """Two slots' host threads stage at once; what each staged must be its own. (The slots'
+    """Two lanes' host threads stage at once; what each staged must be its own. (The lanes'
     streams are not driven here: the race is on the host, before any launch, and leaving
     them out keeps the schedule tree small enough for exhaustive search.)"""
     allocator = ScratchAllocator(torch.device("cpu"), s)
     streams = [_IdleStream(), _IdleStream()]
     if shared:
         # Seed 001: one static cache that every pipeline stages into.
-        one = SlotStager(allocator, streams[0], s)
+        one = LaneStager(allocator, streams[0], s)
         stagers = [one, one]
     else:
-        stagers = [SlotStager(allocator, stream, s) for stream in streams]
+        stagers = [LaneStager(allocator, stream, s) for stream in streams]
 
-    def slot(i: int) -> None:
+    def lane(i: int) -> None:
         value = float(i + 1)
         staged = stagers[i].stage([torch.full((4,), value)])
-        _expect(staged, value, "the host staged another slot's inputs")
+        _expect(staged, value, "the host staged another lane's inputs")
         stagers[i].release(staged)
 
-    threads = [s.start_thread(partial(slot, i), f"host{i}") for i in range(2)]
+    threads = [s.start_thread(partial(lane, i), f"host{i}") for i in range(2)]
     for t in threads:
         t.join()
 
@@ -431,17 +433,17 @@ SCENARIOS: dict[str, ScenarioSpec] = {
                      "the same with TP=4", broken=False),
         ScenarioSpec("rank_dies_mid_collective", rank_dies_mid_collective,
                      "a rank raises inside a step: errors everywhere, no hang", broken=False),
-        ScenarioSpec("tp_slots_shared_communicator", partial(tp_slots, share_communicator=True),
-                     "two pipeline slots issuing TP collectives on one communicator",
+        ScenarioSpec("tp_lanes_shared_communicator", partial(tp_lanes, share_communicator=True),
+                     "two pipeline lanes issuing TP collectives on one communicator",
                      broken=True),
-        ScenarioSpec("tp_slots", partial(tp_slots, share_communicator=False),
-                     "TP=2, two slots, a communicator set per slot: steps at once, TP=1 tokens",
+        ScenarioSpec("tp_lanes", partial(tp_lanes, share_communicator=False),
+                     "TP=2, two lanes, a communicator set per lane: steps at once, TP=1 tokens",
                      broken=False),
-        ScenarioSpec("llm_slots_kv_pressure_decode_only", partial(llm_slots_kv_pressure,
+        ScenarioSpec("llm_lanes_kv_pressure_decode_only", partial(llm_lanes_kv_pressure,
                      broken=True), "decode-only launches with nothing in flight never "
                      "preempt: the engine spins once no sequence has room", broken=True),
-        ScenarioSpec("llm_slots_kv_pressure", partial(llm_slots_kv_pressure, broken=False),
-                     "the LLM engine, two slots, KV pressure: every request ends, tokens as "
+        ScenarioSpec("llm_lanes_kv_pressure", partial(llm_lanes_kv_pressure, broken=False),
+                     "the LLM engine, two lanes, KV pressure: every request ends, tokens as "
                      "one step at a time", broken=False),
         ScenarioSpec("stream_workspace_reuse_unrecorded", partial(stream_workspace_reuse,
                      record=False), "seed 001: scratch freed without record_stream, reused "
@@ -452,7 +454,7 @@ SCENARIOS: dict[str, ScenarioSpec] = {
                      shared=True), "seed 001: one staging cache shared by every pipeline",
                      broken=True),
         ScenarioSpec("shared_cache_across_streams", partial(shared_cache_across_streams,
-                     shared=False), "each pipeline slot stages through its own cache",
+                     shared=False), "each pipeline lane stages through its own cache",
                      broken=False),
     ]
 }  # fmt: skip

@@ -47,7 +47,7 @@ def test_in_flight_batches_are_capped_and_every_block_comes_back() -> None:
     for r in requests:
         engine.submit(r)
     fake.wait_open(2)
-    assert sorted(slot for slot, _, _ in fake.open_steps) == [0, 1]
+    assert sorted(lane for lane, _, _ in fake.open_steps) == [0, 1]
     assert scheduler.num_in_flight == 2 and scheduler.num_waiting == 3
     # Two batches of one request each hold one block apiece.
     assert fake.blocks.num_free_blocks == 62
@@ -70,7 +70,7 @@ def test_out_of_blocks_waits_for_in_flight_steps_instead_of_failing() -> None:
     engine.submit(first)
     engine.submit(second)
     fake.wait_open(1)
-    # A slot is free but the blocks are not: the second request waits, it does not fail.
+    # A lane is free but the blocks are not: the second request waits, it does not fail.
     assert scheduler.num_in_flight == 1 and scheduler.num_waiting == 1
     assert not second.result.done()
     while not first.result.done():
@@ -112,7 +112,7 @@ def test_no_request_starves_behind_smaller_ones() -> None:
     big, later = request(history_len=40), request(history_len=10)  # 3 blocks, 1 block
     engine.submit(big)
     engine.submit(later)
-    # 2 blocks free and a slot free: `later` would fit, but `big` is first in line.
+    # 2 blocks free and a lane free: `later` would fit, but `big` is first in line.
     assert scheduler.num_waiting == 2 and [b for _, b, _ in fake.open_steps] == [0]
     order: list[int] = []
     while len(order) < 3:

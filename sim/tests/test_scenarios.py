@@ -39,7 +39,7 @@ def test_broken_variant_is_caught_by_exhaustive_search(name: str) -> None:
 
 # Scenarios that run two steps of the real executor per schedule: fewer in the suite, 10,000
 # in `tox -e sim-deep`.
-SUITE_SCHEDULES = {"tp_slots": 500, "llm_slots_kv_pressure": 500}
+SUITE_SCHEDULES = {"tp_lanes": 500, "llm_lanes_kv_pressure": 500}
 
 
 @pytest.mark.parametrize("name", CORRECT)

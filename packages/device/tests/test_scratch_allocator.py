@@ -6,13 +6,13 @@ import threading
 
 import torch
 
-from tandem.device.ordered_executor import OrderedExecutor
 from tandem.device.scratch_allocator import ScratchAllocator
+from tandem.device.task_thread import TaskThread
 
 
 def test_a_block_recorded_on_a_busy_stream_is_not_handed_out_again() -> None:
     allocator = ScratchAllocator(torch.device("cpu"))
-    stream = OrderedExecutor("stream")
+    stream = TaskThread("stream")
     gate = threading.Event()
     try:
         first = allocator.allocate(1000)

@@ -1,10 +1,10 @@
 """A group that is, on each thread, the group that thread was bound to.
 
-Several pipeline slots run one model at once, each slot on its own threads. Sharing one
-communicator between them would let two slots' collectives interleave in different orders on
-different ranks (concurrency rule 2), so each slot gets a communicator set of its own, and the
-model's layers reach the calling slot's group through this one. A thread that was never bound
-fails loudly instead of borrowing another slot's group.
+Several pipeline lanes run one model at once, each lane on its own threads. Sharing one
+communicator between them would let two lanes' collectives interleave in different orders on
+different ranks (concurrency rule 2), so each lane gets a communicator set of its own, and the
+model's layers reach the calling lane's group through this one. A thread that was never bound
+fails loudly instead of borrowing another lane's group.
 """
 
 from __future__ import annotations
@@ -21,20 +21,20 @@ class ThreadBoundGroup:
         if not groups:
             raise ValueError("a thread-bound group needs at least one group")
         if len({(g.rank, g.size) for g in groups}) != 1:
-            raise ValueError("every slot's group must have this rank's rank and size")
+            raise ValueError("every lane's group must have this rank's rank and size")
         self.groups = groups
         self._local = threading.local()
 
-    def bind(self, slot: int) -> None:
-        """Make slot ``slot``'s group the calling thread's."""
-        self._local.group = self.groups[slot]
+    def bind(self, lane: int) -> None:
+        """Make lane ``lane``'s group the calling thread's."""
+        self._local.group = self.groups[lane]
 
     def _current(self) -> ProcessGroup:
         group: ProcessGroup | None = getattr(self._local, "group", None)
         if group is None:
             raise RuntimeError(
                 f"thread {threading.current_thread().name} issued a collective without a "
-                "pipeline slot's group bound"
+                "pipeline lane's group bound"
             )
         return group
 

@@ -113,10 +113,10 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    # Steps a worker may run at once, each in a pipeline slot with its own stream, input
+    # Steps a worker may run at once, each in a pipeline lane with its own stream, input
     # staging and communicator set, all on one copy of the weights.
     max_concurrency: int = 1
-    # Experiment switches (off by default): serialize the slots' input preparation, or their
+    # Experiment switches (off by default): serialize the lanes' input preparation, or their
     # forwards, to measure what running them at once gains.
     serialize_prepare: bool = False
     serialize_forward: bool = False

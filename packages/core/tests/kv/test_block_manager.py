@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from tandem.core.kv.block_manager import NULL_BLOCK, BlockManager
 from tandem.core.llm.sampling_params import SamplingParams
-from tandem.core.llm.sequence import Sequence
+from tandem.core.llm.sequence import TokenSequence
 
 
-def _seq(rid: str, tokens: list[int]) -> Sequence:
-    return Sequence(
+def _seq(rid: str, tokens: list[int]) -> TokenSequence:
+    return TokenSequence(
         request_id=rid,
         prompt_token_ids=tokens,
         params=SamplingParams(),
@@ -17,7 +17,7 @@ def _seq(rid: str, tokens: list[int]) -> Sequence:
     )
 
 
-def _run_prefill(manager: BlockManager, seq: Sequence) -> None:
+def _run_prefill(manager: BlockManager, seq: TokenSequence) -> None:
     cached = manager.find_cached_prefix(seq)
     new = seq.num_tokens - len(cached) * manager.block_size
     assert manager.can_allocate(seq, new, cached)

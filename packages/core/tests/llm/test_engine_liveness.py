@@ -55,7 +55,7 @@ def _serve(engine: LLMEngine, deadline_s: float) -> dict[str, RequestOutput]:
     return finished
 
 
-def test_slots_under_kv_pressure_finish_like_one_step_at_a_time(
+def test_lanes_under_kv_pressure_finish_like_one_step_at_a_time(
     demo_dir: Path, make_engine: EngineFactory
 ) -> None:
     reference_engine = make_engine(demo_dir, num_blocks=64)

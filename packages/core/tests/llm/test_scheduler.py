@@ -6,11 +6,11 @@ from tandem.core.config import SchedulerConfig
 from tandem.core.kv.block_manager import BlockManager
 from tandem.core.llm.sampling_params import SamplingParams
 from tandem.core.llm.scheduler import Scheduler, SchedulerOutput
-from tandem.core.llm.sequence import Sequence, SequenceStatus
+from tandem.core.llm.sequence import SequenceStatus, TokenSequence
 
 
-def _seq(rid: str, n: int, arrival: float) -> Sequence:
-    seq = Sequence(
+def _seq(rid: str, n: int, arrival: float) -> TokenSequence:
+    seq = TokenSequence(
         request_id=rid,
         prompt_token_ids=list(range(1, n + 1)),
         params=SamplingParams(max_tokens=100),

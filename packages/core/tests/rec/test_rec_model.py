@@ -173,16 +173,16 @@ def test_combinations_that_cannot_work_stop_at_start_up(rec_dir: Path) -> None:
         RecService(nodes)
 
 
-def test_each_slot_shares_one_copy_of_the_weights(rec_dir: Path) -> None:
+def test_each_lane_shares_one_copy_of_the_weights(rec_dir: Path) -> None:
     service = RecService(_config(rec_dir, width=4))
     try:
         worker = service.executor.workers[0]  # type: ignore[attr-defined]
-        assert len(worker.slots) == 4
+        assert len(worker.lanes) == 4
         params = list(worker.rec_runner.model.parameters())
-        # One model object for every slot: slots differ in threads and state only.
+        # One model object for every lane: lanes differ in threads and state only.
         assert len({id(p) for p in params}) == len(params)
-        assert len({id(s.state) for s in worker.slots}) == 4
-        assert len({id(s.stager) for s in worker.slots}) == 4
+        assert len({id(s.state) for s in worker.lanes}) == 4
+        assert len({id(s.stager) for s in worker.lanes}) == 4
     finally:
         service.shutdown()
 

@@ -1,4 +1,4 @@
-"""Several steps in flight on a worker's pipeline slots (``--max-concurrency``) give the same
+"""Several steps in flight on a worker's pipeline lanes (``--max-concurrency``) give the same
 tokens as one step at a time, at TP=1 and TP=2 in one process, and free every block."""
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ def test_tokens_match_one_step_at_a_time(demo_dir: Path, make_engine: EngineFact
     for width in (2, 4):
         engine = make_engine(demo_dir, pipeline=PipelineConfig(max_concurrency=width))
         executor = engine.executor
-        assert isinstance(executor, ThreadExecutor) and executor.uses_slots
-        assert len(executor.workers[0].slots) == width
+        assert isinstance(executor, ThreadExecutor) and executor.uses_lanes
+        assert len(executor.workers[0].lanes) == width
         assert _run(engine, _params()) == reference, f"max_concurrency={width}"
 
 
-def test_tensor_parallel_slots_match_tp1(demo_dir: Path, make_engine: EngineFactory) -> None:
+def test_tensor_parallel_lanes_match_tp1(demo_dir: Path, make_engine: EngineFactory) -> None:
     reference = _run(make_engine(demo_dir), _params())
     engine = make_engine(
         demo_dir,
@@ -80,7 +80,7 @@ def test_abort_in_flight_frees_blocks_once_its_step_is_done(
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_pipeline_slots_refuse_one_process_per_device(demo_dir: Path) -> None:
+def test_pipeline_lanes_refuse_one_process_per_device(demo_dir: Path) -> None:
     from ..conftest import engine_config
 
     config = engine_config(

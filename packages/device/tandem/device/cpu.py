@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from tandem.device.device import Device
-from tandem.device.ordered_executor import OrderedExecutor
 from tandem.device.runtime import MemoryInfo
+from tandem.device.task_thread import TaskThread
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def _meminfo_bytes(field: str) -> int | None:
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
-# Enough arenas that worker and slot threads rarely wait on one another's malloc; few
+# Enough arenas that worker and lane threads rarely wait on one another's malloc; few
 # enough that freed activations (kept in each arena, see below) are not held once per thread.
 _ARENAS = 4
 
@@ -103,9 +103,9 @@ class CpuRuntime:
         # CPU kernels are the Python/torch implementations themselves.
         return impl
 
-    def new_stream(self, name: str) -> OrderedExecutor:
+    def new_stream(self, name: str) -> TaskThread:
         # A CPU stream is an ordered executor of its own: a thread that runs work in order.
-        return OrderedExecutor(name)
+        return TaskThread(name)
 
     def device_count(self) -> int:
         # CPU devices are logical: as many as the user names.

@@ -30,7 +30,7 @@ class Event(Protocol):
 
 
 class Stream(Protocol):
-    """An ordered queue of device work (see ``OrderedExecutor``)."""
+    """An ordered queue of device work (see ``TaskThread``)."""
 
     def record_event(self) -> Event:
         """An event that is done once all work queued so far has run."""

@@ -47,9 +47,9 @@ class RecMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
             registry=self.registry,
         )  # fmt: skip
-        waiting = Gauge("tandem:num_requests_waiting", "Requests waiting for blocks or a slot.",
+        waiting = Gauge("tandem:num_requests_waiting", "Requests waiting for blocks or a lane.",
                         labels, registry=self.registry)  # fmt: skip
-        in_flight = Gauge("tandem:rec_batches_in_flight", "Batches on pipeline slots.", labels,
+        in_flight = Gauge("tandem:rec_batches_in_flight", "Batches on pipeline lanes.", labels,
                           registry=self.registry)  # fmt: skip
         usage = Gauge("tandem:kv_cache_usage_perc", "Fraction of KV blocks reserved.", labels,
                       registry=self.registry)  # fmt: skip

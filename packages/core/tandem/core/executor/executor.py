@@ -21,12 +21,12 @@ class Executor(Protocol):
         """Run one step on every worker; rank 0's sampled tokens."""
         ...
 
-    def submit_model(self, slot: int, fi: ForwardInput) -> Promise[SamplerOutput]:
-        """Run one step on pipeline slot ``slot`` of every worker, without waiting."""
+    def submit_model(self, lane: int, fi: ForwardInput) -> Promise[SamplerOutput]:
+        """Run one step on pipeline lane ``lane`` of every worker, without waiting."""
         ...
 
-    def submit_rec(self, slot: int, step: RecStep) -> Promise[RecStepOutput]:
-        """Run one recommendation step on pipeline slot ``slot``, without waiting."""
+    def submit_rec(self, lane: int, step: RecStep) -> Promise[RecStepOutput]:
+        """Run one recommendation step on pipeline lane ``lane``, without waiting."""
         ...
 
     def follow(self) -> None:

@@ -41,7 +41,7 @@ class ProcessExecutor:
             raise ConfigError("multi-process mode needs --master-node-addr HOST:PORT")
         if config.pipeline.max_concurrency > 1 or isinstance(model_config, RecModelConfig):
             raise ConfigError(
-                "pipeline slots (--max-concurrency > 1, or serving a recommender) run in "
+                "pipeline lanes (--max-concurrency > 1, or serving a recommender) run in "
                 "single-process mode: TANDEM_ENABLE_SINGLE_PROCESS=1 instead of "
                 "--master-node-addr"
             )
@@ -161,10 +161,10 @@ class ProcessExecutor:
                 if proc.exitcode not in (None, 0):
                     raise EngineDeadError(f"worker {proc.name} exited with {proc.exitcode}")
 
-    def submit_model(self, slot: int, fi: ForwardInput) -> Promise[SamplerOutput]:
-        raise ConfigError("one process per device runs one step at a time (no pipeline slots)")
+    def submit_model(self, lane: int, fi: ForwardInput) -> Promise[SamplerOutput]:
+        raise ConfigError("one process per device runs one step at a time (no pipeline lanes)")
 
-    def submit_rec(self, slot: int, step: RecStep) -> Promise[RecStepOutput]:
+    def submit_rec(self, lane: int, step: RecStep) -> Promise[RecStepOutput]:
         raise ConfigError("recommenders are served in single-process mode")
 
     def check_health(self) -> None:

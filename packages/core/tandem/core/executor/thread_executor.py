@@ -84,20 +84,20 @@ class ThreadExecutor:
         self._sync = sync
         self._local_groups = local_groups
         self._closed = False
-        # Per pipeline slot (slot 0 = the worker threads'), its communicator set.
+        # Per pipeline lane (lane 0 = the worker threads'), its communicator set.
         self._comms: list[_Comms] = []
         self._runtime = runtime
         self._control: dist.ProcessGroup | None = None
-        self.uses_slots = config.pipeline.max_concurrency > 1 or isinstance(
+        self.uses_lanes = config.pipeline.max_concurrency > 1 or isinstance(
             model_config, RecModelConfig
         )
-        if self.uses_slots and topology.nnodes > 1:
+        if self.uses_lanes and topology.nnodes > 1:
             raise ConfigError(
-                "pipeline slots (--max-concurrency > 1, or a recommender) serve one node; "
+                "pipeline lanes (--max-concurrency > 1, or a recommender) serve one node; "
                 "drop --nnodes or use --max-concurrency 1 with an LLM"
             )
         groups = self._make_groups(config, topology)
-        per_slot = self._make_slot_groups(config, topology, groups) if self.uses_slots else None
+        per_lane = self._make_lane_groups(config, topology, groups) if self.uses_lanes else None
         self._workers = [
             Worker(
                 device,
@@ -106,7 +106,7 @@ class ThreadExecutor:
                 model_config,
                 runtime,
                 kernel_registry,
-                slot_groups=[s[rank] for s in per_slot] if per_slot else None,
+                lane_groups=[s[rank] for s in per_lane] if per_lane else None,
                 sync=sync,
             )
             for rank, (device, group) in enumerate(zip(topology.devices, groups, strict=True))
@@ -120,8 +120,8 @@ class ThreadExecutor:
             agreed = self.on_all(lambda w: w.agree_num_blocks(blocks[self._workers.index(w)]))
             self._num_blocks = agreed[0]
             self.on_all(lambda w: w.init_kv_cache(self._num_blocks))
-            if self.uses_slots:
-                self.on_all(lambda w: w.init_slots())
+            if self.uses_lanes:
+                self.on_all(lambda w: w.init_lanes())
         except BaseException:
             self.shutdown()
             raise
@@ -134,7 +134,7 @@ class ThreadExecutor:
         )
 
     def _make_groups(self, config: EngineConfig, topology: Topology) -> list[ProcessGroup]:
-        """The local ranks' groups of slot 0 (the worker threads'), reaching across nodes."""
+        """The local ranks' groups of lane 0 (the worker threads'), reaching across nodes."""
         if topology.world_size == 1:
             self._comms.append(_Comms(None, None))
             return [SingleRankGroup()]
@@ -201,10 +201,10 @@ class ThreadExecutor:
         )
         return made.groups, _Comms(made.communicators, made.communicators)
 
-    def _make_slot_groups(
+    def _make_lane_groups(
         self, config: EngineConfig, topology: Topology, slot0: list[ProcessGroup]
     ) -> list[list[ProcessGroup]]:
-        """Per pipeline slot, per local rank: a communicator set for each slot, so that slots'
+        """Per pipeline lane, per local rank: a communicator set for each lane, so that lanes'
         collectives never share (and interleave on) one communicator."""
         count = config.pipeline.max_concurrency
         if topology.world_size == 1:
@@ -224,8 +224,8 @@ class ThreadExecutor:
             self._comms.append(comms)
         return sets
 
-    def _abort_slot(self, slot: int, reason: str) -> None:
-        abortable = self._comms[slot].abortable if slot < len(self._comms) else None
+    def _abort_lane(self, lane: int, reason: str) -> None:
+        abortable = self._comms[lane].abortable if lane < len(self._comms) else None
         if abortable is not None:
             abortable.abort(reason)
 
@@ -254,10 +254,10 @@ class ThreadExecutor:
                 errors = [p.exception() for p in promises if p.done() and p.exception()]
                 if errors and failure is None:
                     failure = errors[0]
-                    self._abort_slot(0, f"a worker failed: {failure}")
+                    self._abort_lane(0, f"a worker failed: {failure}")
                 if not all(t.is_alive() for t in self._threads):
                     failure = failure or EngineDeadError("a worker thread died")
-                    self._abort_slot(0, "a worker thread died")
+                    self._abort_lane(0, "a worker thread died")
                     break
                 settled.wait(0.5)
         if failure is None:
@@ -308,24 +308,24 @@ class ThreadExecutor:
             assert isinstance(step, ForwardInput)
             self.on_all(lambda w, fi=step: w.execute_model(fi))  # type: ignore[misc]
 
-    def submit_model(self, slot: int, fi: ForwardInput) -> Promise[SamplerOutput]:
-        """Run ``fi`` on pipeline slot ``slot`` of every worker; rank 0's sampled tokens once
-        every rank is done. Steps on different slots run at once."""
+    def submit_model(self, lane: int, fi: ForwardInput) -> Promise[SamplerOutput]:
+        """Run ``fi`` on pipeline lane ``lane`` of every worker; rank 0's sampled tokens once
+        every rank is done. Steps on different lanes run at once."""
 
         def call(w: Worker) -> Promise[Any]:
-            return w.submit_model(slot, fi)
+            return w.submit_model(lane, fi)
 
-        return self._submit(slot, call)
+        return self._submit(lane, call)
 
-    def submit_rec(self, slot: int, step: RecStep) -> Promise[RecStepOutput]:
+    def submit_rec(self, lane: int, step: RecStep) -> Promise[RecStepOutput]:
         def call(w: Worker) -> Promise[Any]:
-            return w.submit_rec(slot, step)
+            return w.submit_rec(lane, step)
 
-        return self._submit(slot, call)
+        return self._submit(lane, call)
 
-    def _submit(self, slot: int, call: Callable[[Worker], Promise[Any]]) -> Promise[Any]:
-        if not self.uses_slots:
-            raise ConfigError("this executor has no pipeline slots (--max-concurrency 1)")
+    def _submit(self, lane: int, call: Callable[[Worker], Promise[Any]]) -> Promise[Any]:
+        if not self.uses_lanes:
+            raise ConfigError("this executor has no pipeline lanes (--max-concurrency 1)")
         combined: Promise[Any] = Promise(self._sync)
         ranks = [call(w) for w in self._workers]
         lock = self._sync.lock()
@@ -334,8 +334,8 @@ class ThreadExecutor:
         def on_done(done: Promise[Any]) -> None:
             error = done.exception()
             if error is not None:
-                # Ranks of this slot blocked in a collective with the failed one get released.
-                self._abort_slot(slot, f"a worker failed: {error}")
+                # Ranks of this lane blocked in a collective with the failed one get released.
+                self._abort_lane(lane, f"a worker failed: {error}")
             with lock:
                 remaining[0] -= 1
                 last = remaining[0] == 0
@@ -356,8 +356,8 @@ class ThreadExecutor:
     def check_health(self) -> None:
         if self._closed or not all(t.is_alive() for t in self._threads):
             raise EngineDeadError("a worker thread is not running")
-        if not all(slot.is_alive() for w in self._workers for slot in w.slots):
-            raise EngineDeadError("a pipeline slot's thread is not running")
+        if not all(lane.is_alive() for w in self._workers for lane in w.lanes):
+            raise EngineDeadError("a pipeline lane's thread is not running")
 
     def shutdown(self) -> None:
         if self._closed:
@@ -372,7 +372,7 @@ class ThreadExecutor:
             if comms.closeable is None and comms.abortable is not None:
                 comms.abortable.abort("the executor is shutting down")
         for worker in self._workers:
-            worker.stop_slots()
+            worker.stop_lanes()
         for thread in self._threads:
             thread.stop()
         if self._control is not None and dist.is_initialized():
@@ -384,7 +384,7 @@ class ThreadExecutor:
             except RuntimeError:
                 logger.warning("could not destroy the node groups cleanly")
         idle = not any(t.is_alive() for t in self._threads) and not any(
-            slot.is_alive() for w in self._workers for slot in w.slots
+            lane.is_alive() for w in self._workers for lane in w.lanes
         )
         for comms in self._comms:
             if comms.closeable is None:

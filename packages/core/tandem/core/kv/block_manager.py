@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from tandem.core.llm.sequence import Sequence
+from tandem.core.llm.sequence import TokenSequence
 from tandem.device.sync import REAL_SYNC, Sync
 
 NULL_BLOCK = 0
@@ -56,7 +56,7 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _hashes_of_full_prompt_blocks(self, seq: Sequence) -> list[int]:
+    def _hashes_of_full_prompt_blocks(self, seq: TokenSequence) -> list[int]:
         hashes: list[int] = []
         parent: int | None = None
         bs = self.block_size
@@ -65,7 +65,7 @@ class BlockManager:
             hashes.append(parent)
         return hashes
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+    def find_cached_prefix(self, seq: TokenSequence) -> list[int]:
         """Blocks already holding a prefix of ``seq``; at least one token is left to compute."""
         if not self.enable_prefix_cache:
             return []
@@ -80,14 +80,14 @@ class BlockManager:
                 hits.append(block)
         return hits
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int]) -> bool:
+    def can_allocate(self, seq: TokenSequence, num_new_tokens: int, cached: list[int]) -> bool:
         """Whether a waiting ``seq`` can start with ``cached`` blocks and ``num_new_tokens``."""
         needed = self.blocks_for(len(cached) * self.block_size + num_new_tokens) - len(cached)
         with self._lock:
             reclaimed = sum(1 for b in cached if self._ref_counts[b] == 0)
             return needed <= len(self._free) - reclaimed
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int]) -> None:
+    def allocate(self, seq: TokenSequence, num_new_tokens: int, cached: list[int]) -> None:
         """Give a waiting ``seq`` its prefix-cache hits plus blocks for ``num_new_tokens``."""
         assert not seq.block_table, "allocate() is for sequences without blocks"
         with self._lock:
@@ -100,16 +100,16 @@ class BlockManager:
             seq.block_hashes = [self._block_to_hash[b] for b in cached]
             self._append(seq, num_new_tokens)
 
-    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def can_append(self, seq: TokenSequence, num_new_tokens: int) -> bool:
         needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         with self._lock:
             return needed <= len(self._free)
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+    def append_slots(self, seq: TokenSequence, num_new_tokens: int) -> None:
         with self._lock:
             self._append(seq, num_new_tokens)
 
-    def _append(self, seq: Sequence, num_new_tokens: int) -> None:
+    def _append(self, seq: TokenSequence, num_new_tokens: int) -> None:
         needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         if needed > len(self._free):
             raise RuntimeError("append_slots() without room; call can_append() first")
@@ -140,7 +140,7 @@ class BlockManager:
         self._ref_counts[block] = 1
         return block
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
+    def cache_computed_blocks(self, seq: TokenSequence) -> None:
         """Publish the hashes of blocks that became full of computed tokens."""
         if not self.enable_prefix_cache:
             return
@@ -156,7 +156,7 @@ class BlockManager:
                     self._hash_to_block[parent] = block
                     self._block_to_hash[block] = parent
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: TokenSequence) -> None:
         # Reverse order: a sequence's tail blocks are the least likely to be shared, so
         # they are reused first and the shared prefix stays cached longest.
         with self._lock:

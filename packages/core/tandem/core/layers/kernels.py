@@ -25,7 +25,7 @@ from tandem.device import (
 KernelFn = Callable[..., torch.Tensor]
 
 
-class KernelSlot:
+class KernelHandle:
     """One module's handle on a kernel. A module belongs to one worker, so the handle it
     resolved on its worker's device can be kept."""
 

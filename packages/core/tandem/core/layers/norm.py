@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.core.layers.kernels import KernelSlot, rms_norm
+from tandem.core.layers.kernels import KernelHandle, rms_norm
 from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
 
 
@@ -14,7 +14,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self._kernel = KernelSlot("rms_norm", rms_norm)
+        self._kernel = KernelHandle("rms_norm", rms_norm)
 
     def load_weight(self, param: nn.Parameter, loaded: LazyTensor, name: str) -> None:
         copy_checked(param.data, read_shard(loaded, 0, 0, param.shape[0]), name)

@@ -23,7 +23,7 @@ from tandem.core.llm.output_processor import OutputProcessor
 from tandem.core.llm.outputs import RequestOutput
 from tandem.core.llm.sampling_params import SamplingParams
 from tandem.core.llm.scheduler import Scheduler, SchedulerOutput
-from tandem.core.llm.sequence import Sequence, SequenceStatus, TokenLogprobs
+from tandem.core.llm.sequence import SequenceStatus, TokenLogprobs, TokenSequence
 from tandem.core.llm.tokenizer import Tokenizer
 from tandem.core.models.model_config import ModelConfig
 from tandem.core.models.registry import model_class
@@ -36,7 +36,7 @@ Prompt = str | list[int]
 
 @dataclass(frozen=True)
 class _InFlight:
-    slot: int
+    lane: int
     out: SchedulerOutput
     promise: Promise[SamplerOutput]
     request_ids: frozenset[str]
@@ -76,14 +76,14 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.sequences: dict[str, Sequence] = {}
+        self.sequences: dict[str, TokenSequence] = {}
         self._ids = itertools.count()
         self.dead: str | None = None
-        # Pipelined stepping (--max-concurrency > 1): steps in flight on the workers' slots.
+        # Pipelined stepping (--max-concurrency > 1): steps in flight on the workers' lanes.
         self._pipelined = config.pipeline.max_concurrency > 1
-        self._free_slots = list(range(config.pipeline.max_concurrency))
+        self._free_lanes = list(range(config.pipeline.max_concurrency))
         self._in_flight: deque[_InFlight] = deque()
-        self._deferred_free: list[Sequence] = []
+        self._deferred_free: list[TokenSequence] = []
         # Set when a decode beside in-flight steps found no room: launch nothing more until
         # they drain, so the full path can preempt.
         self._draining = False
@@ -101,7 +101,7 @@ class LLMEngine:
 
     def prepare_request(
         self, request_id: str | None, prompt: Prompt, params: SamplingParams
-    ) -> Sequence:
+    ) -> TokenSequence:
         """Validate and tokenize a request without touching engine state (any thread)."""
         params.validate()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -144,7 +144,7 @@ class LLMEngine:
                 "prefill or raise --max-tokens-per-batch",
                 param="prompt",
             )
-        return Sequence(
+        return TokenSequence(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             params=params,
@@ -152,7 +152,7 @@ class LLMEngine:
             max_total_tokens=self.max_model_len,
         )
 
-    def add_sequence(self, seq: Sequence) -> None:
+    def add_sequence(self, seq: TokenSequence) -> None:
         if self.dead is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead}")
         if seq.request_id in self.sequences:
@@ -202,9 +202,9 @@ class LLMEngine:
         return self._run_step(sched_out, lambda: self.executor.execute_model(fi))
 
     def _step_pipelined(self) -> list[RequestOutput]:
-        """Keep up to ``max_concurrency`` steps in flight on the pipeline slots, then complete
+        """Keep up to ``max_concurrency`` steps in flight on the pipeline lanes, then complete
         the oldest. A step that admits, prefills or preempts runs alone; decode steps share
-        the running sequences between slots (disjoint sets, so results match one step at a
+        the running sequences between lanes (disjoint sets, so results match one step at a
         time)."""
         self._launch()
         if not self._in_flight:
@@ -219,7 +219,7 @@ class LLMEngine:
             except TimeoutError:
                 raise EngineDeadError(f"a step took over {timeout} s; a worker is stuck") from None
             finally:
-                self._free_slots.append(flight.slot)
+                self._free_lanes.append(flight.lane)
                 self._release_deferred()
 
         return self._run_step(flight.out, wait)
@@ -276,19 +276,19 @@ class LLMEngine:
         return self._schedule_full(), True
 
     def _launch(self) -> None:
-        while self._free_slots and not any(f.exclusive for f in self._in_flight):
+        while self._free_lanes and not any(f.exclusive for f in self._in_flight):
             out, exclusive = self._next_batch()
             if out.is_empty():
                 return
-            slot = self._free_slots.pop(0)
+            lane = self._free_lanes.pop(0)
             fi = build_forward_input(out, self.config.cache.block_size)
             try:
-                promise = self.executor.submit_model(slot, fi)
+                promise = self.executor.submit_model(lane, fi)
             except Exception as exc:  # noqa: BLE001 - becomes a failed step below
                 promise = Promise(self._sync)
                 promise.set_exception(exc)
             ids = frozenset(e.seq.request_id for e in out.scheduled)
-            self._in_flight.append(_InFlight(slot, out, promise, ids, exclusive))
+            self._in_flight.append(_InFlight(lane, out, promise, ids, exclusive))
             self._last_progress = self._sync.monotonic()
 
     def _mark_idle(self) -> None:
@@ -376,7 +376,7 @@ class LLMEngine:
             row += 1
         return outputs
 
-    def _finish_output(self, seq: Sequence) -> RequestOutput:
+    def _finish_output(self, seq: TokenSequence) -> RequestOutput:
         self.sequences.pop(seq.request_id, None)
         return self.outputs.make_output(seq)
 

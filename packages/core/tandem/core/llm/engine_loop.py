@@ -18,7 +18,7 @@ from tandem.core.errors import EngineDeadError
 from tandem.core.llm.engine import LLMEngine, Prompt
 from tandem.core.llm.outputs import RequestOutput
 from tandem.core.llm.sampling_params import SamplingParams
-from tandem.core.llm.sequence import Sequence
+from tandem.core.llm.sequence import TokenSequence
 from tandem.device.sync import REAL_SYNC, Sync
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ OutputCallback = Callable[[RequestOutput], None]
 
 @dataclass
 class _Add:
-    seq: Sequence
+    seq: TokenSequence
     callback: OutputCallback
 
 
@@ -161,7 +161,7 @@ class EngineLoop:
                     self._deliver(aborted)
 
 
-def _error_output(seq: Sequence, message: str) -> RequestOutput:
+def _error_output(seq: TokenSequence, message: str) -> RequestOutput:
     return RequestOutput(
         request_id=seq.request_id,
         prompt_token_ids=seq.prompt_token_ids,

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 from tandem.core.llm.detokenizer import IncrementalDetokenizer
 from tandem.core.llm.outputs import RequestOutput
-from tandem.core.llm.sequence import Sequence
+from tandem.core.llm.sequence import TokenSequence
 from tandem.core.llm.tokenizer import Tokenizer
 
 
 @dataclass
 class RequestState:
-    seq: Sequence
+    seq: TokenSequence
     detokenizer: IncrementalDetokenizer
     text: str = ""
     emitted_text: int = 0
@@ -31,12 +31,12 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: TokenSequence) -> None:
         self.states[seq.request_id] = RequestState(
             seq=seq, detokenizer=IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
         )
 
-    def on_token(self, seq: Sequence) -> str | None:
+    def on_token(self, seq: TokenSequence) -> str | None:
         """Account for the newest token; returns a finish reason if the text hit a stop."""
         state = self.states[seq.request_id]
         if seq.metrics.first_token_time is None:
@@ -64,7 +64,7 @@ class OutputProcessor:
         state.stop_reason = best[1]
         return "stop"
 
-    def make_output(self, seq: Sequence) -> RequestOutput:
+    def make_output(self, seq: TokenSequence) -> RequestOutput:
         state = self.states[seq.request_id]
         finished = seq.is_finished
         if (

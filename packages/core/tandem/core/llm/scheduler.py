@@ -11,14 +11,14 @@ from dataclasses import dataclass, field
 from tandem.core.config import SchedulerConfig
 from tandem.core.kv.block_manager import BlockManager
 from tandem.core.llm.scheduling_policy import FcfsPolicy, SchedulingPolicy
-from tandem.core.llm.sequence import Sequence, SequenceStatus
+from tandem.core.llm.sequence import SequenceStatus, TokenSequence
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ScheduledSequence:
-    seq: Sequence
+    seq: TokenSequence
     num_new_tokens: int
     # True when this step computes the sequence's last known token, so it samples one more.
     samples: bool
@@ -28,7 +28,7 @@ class ScheduledSequence:
 class SchedulerOutput:
     # Ordered: single-token steps (decodes) first, then multi-token prefill chunks.
     scheduled: list[ScheduledSequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[TokenSequence] = field(default_factory=list)
     # A decode-only batch left out a sequence that had no room for its next block: only the
     # full path, which preempts, can give it one.
     blocked: bool = False
@@ -51,11 +51,11 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.policy: SchedulingPolicy = policy or FcfsPolicy()
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[TokenSequence] = deque()
+        self.running: list[TokenSequence] = []
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: TokenSequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -165,14 +165,14 @@ class Scheduler:
             s.num_tokens - s.num_computed_tokens != 1 for s in self.running
         )
 
-    def _entry(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+    def _entry(self, seq: TokenSequence, num_new: int) -> ScheduledSequence:
         return ScheduledSequence(
             seq=seq,
             num_new_tokens=num_new,
             samples=seq.num_computed_tokens + num_new == seq.num_tokens,
         )
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: TokenSequence) -> None:
         logger.info("preempting request %s (recompute later): out of KV blocks", seq.request_id)
         self.running.remove(seq)
         self.block_manager.free(seq)
@@ -192,7 +192,7 @@ class Scheduler:
             self.block_manager.cache_computed_blocks(seq)
 
     def finish(
-        self, seq: Sequence, reason: str, error: str | None = None, free_blocks: bool = True
+        self, seq: TokenSequence, reason: str, error: str | None = None, free_blocks: bool = True
     ) -> None:
         """Take ``seq`` out of the queues, free its blocks (unless a step still in flight
         writes them: the caller frees them when it completes) and mark it finished."""

@@ -34,7 +34,7 @@ class TokenLogprobs:
 
 
 @dataclass
-class Sequence:
+class TokenSequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams

@@ -1,6 +1,6 @@
 """The recommendation engine: a loop thread that admits batches from the fixed-steps
-scheduler, runs each batch's prefill and decode rounds on its pipeline slot one after another
-(batches on different slots at once), and delivers every request's ranked candidates.
+scheduler, runs each batch's prefill and decode rounds on its pipeline lane one after another
+(batches on different lanes at once), and delivers every request's ranked candidates.
 
 Nothing waits forever: a failed step fails the requests of its batch and frees its blocks;
 stopping fails what is still waiting.
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 class RecStepRunner(Protocol):
-    def submit_rec(self, slot: int, step: RecStep) -> Promise[RecStepOutput]: ...
+    def submit_rec(self, lane: int, step: RecStep) -> Promise[RecStepOutput]: ...
 
 
 def prefill_step(batch: RecBatch) -> RecStep:
@@ -110,7 +110,7 @@ class RecEngine:
         self._in_flight[batch.batch_id] = batch
         batch.round = step.round
         try:
-            promise = self.runner.submit_rec(batch.slot, step)
+            promise = self.runner.submit_rec(batch.lane, step)
         except BaseException as exc:  # noqa: BLE001 - the batch fails, the engine goes on
             failed: Promise[RecStepOutput] = Promise(self._sync)
             failed.set_exception(exc)

@@ -3,7 +3,7 @@
 Every request needs exactly one prefill and ``max_decode_rounds`` decode rounds, so its whole
 KV footprint is known when it arrives: the blocks are reserved up front, at admission, and
 held until its last round. Requests are grouped into batches (up to ``max_batch_size``); up to
-``max_concurrency`` batches are in flight at once, each on a pipeline slot of its own.
+``max_concurrency`` batches are in flight at once, each on a pipeline lane of its own.
 
 When blocks run out, new work waits for in-flight batches to give theirs back; it never fails
 for that. A request that could never fit (more blocks than the whole pool) fails at once.
@@ -29,7 +29,7 @@ from tandem.device.sync import REAL_SYNC, Sync
 @dataclass(eq=False)
 class RecBatch:
     batch_id: int
-    slot: int
+    lane: int
     requests: list[RecRequest]
     # The round in flight (0 = prefill).
     round: int = 0
@@ -51,7 +51,7 @@ class FixedStepsScheduler:
         self._lock = sync.lock()
         self._waiting: deque[RecRequest] = deque()
         self._in_flight: dict[int, RecBatch] = {}
-        self._free_slots = list(range(max_concurrency))
+        self._free_lanes = list(range(max_concurrency))
         self._ids = itertools.count()
 
     def blocks_needed(self, request: RecRequest) -> int:
@@ -74,10 +74,10 @@ class FixedStepsScheduler:
             self._waiting.extend(requests)
 
     def next_batch(self) -> RecBatch | None:
-        """The next batch to put in flight, its blocks reserved; None when no slot is free,
+        """The next batch to put in flight, its blocks reserved; None when no lane is free,
         nothing waits, or the head of the queue must wait for blocks."""
         with self._lock:
-            if not self._free_slots or not self._waiting:
+            if not self._free_lanes or not self._waiting:
                 return None
             requests: list[RecRequest] = []
             while self._waiting and len(requests) < self.max_batch_size:
@@ -89,19 +89,19 @@ class FixedStepsScheduler:
                 requests.append(self._waiting.popleft())
             if not requests:
                 return None
-            batch = RecBatch(next(self._ids), self._free_slots.pop(0), requests)
+            batch = RecBatch(next(self._ids), self._free_lanes.pop(0), requests)
             self._in_flight[batch.batch_id] = batch
             return batch
 
     def finish(self, batch: RecBatch) -> None:
-        """The batch is done (or failed): its blocks and its slot are free again."""
+        """The batch is done (or failed): its blocks and its lane are free again."""
         with self._lock:
             del self._in_flight[batch.batch_id]
             for request in batch.requests:
                 self.blocks.release(request.blocks)
                 request.blocks = []
-            self._free_slots.append(batch.slot)
-            self._free_slots.sort()
+            self._free_lanes.append(batch.lane)
+            self._free_lanes.sort()
 
     def remove_waiting(self) -> list[RecRequest]:
         """Take every waiting request out (the engine is stopping)."""

@@ -1,5 +1,5 @@
 """Runs a recommender step on the worker's device: the shared weights and the shared paged
-cross-attention cache, with each batch's beams in the state of the slot that runs it."""
+cross-attention cache, with each batch's beams in the state of the lane that runs it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tandem.core.rec.step import RecPrefill, RecStep, RecStepOutput
 
 @dataclass
 class BatchState:
-    """One in-flight batch, kept by the slot that runs it (slots never share these)."""
+    """One in-flight batch, kept by the lane that runs it (lanes never share these)."""
 
     widths: torch.Tensor
     num_candidates: tuple[int, ...]
@@ -27,7 +27,7 @@ class BatchState:
     mask: torch.Tensor  # [R, blocks * block_size]
 
 
-SlotState = dict[int, BatchState]
+LaneState = dict[int, BatchState]
 
 
 class RecModelRunner:
@@ -72,7 +72,7 @@ class RecModelRunner:
         return tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
 
     @torch.inference_mode()
-    def execute(self, step: RecStep, state: SlotState) -> RecStepOutput:
+    def execute(self, step: RecStep, state: LaneState) -> RecStepOutput:
         if step.round == 0:
             assert step.prefill is not None, "round 0 carries the prefill"
             batch = self._prefill(step.prefill)

@@ -1,5 +1,5 @@
 """Everything that serves a recommender, built from the engine config: executor (workers with
-pipeline slots), block pool, fixed-steps scheduler and engine loop. Combinations that cannot
+pipeline lanes), block pool, fixed-steps scheduler and engine loop. Combinations that cannot
 work stop here, before anything is loaded."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class RecService:
             self.executor.shutdown()
             raise
         logger.info(
-            "recommender ready: %d blocks of %d items, %d pipeline slots, batches of %d, %d beams",
+            "recommender ready: %d blocks of %d items, %d pipeline lanes, batches of %d, %d beams",
             self.executor.num_blocks,
             config.cache.block_size,
             config.pipeline.max_concurrency,
@@ -74,7 +74,7 @@ class RecService:
 
     def submit_many(self, requests: list[tuple[list[list[int]], int]]) -> list[Promise[RecResult]]:
         """(history, num_candidates) pairs queued together: they are batched in order, by
-        ``--rec-max-batch-size``, however many slots there are (so the results do not depend
+        ``--rec-max-batch-size``, however many lanes there are (so the results do not depend
         on the pipeline width)."""
         made = [make_rec_request(h, k, self.model_config, self.beam_width) for h, k in requests]
         return self.engine.submit(*made)

@@ -2,7 +2,7 @@
 
 A batch is a group of requests that go through one prefill (round 0: encode the histories,
 keep their cross-attention keys in the batch's blocks, emit level 0) and then exactly
-``max_decode_rounds`` decode rounds (one level each) together, all on one pipeline slot.
+``max_decode_rounds`` decode rounds (one level each) together, all on one pipeline lane.
 Steps own their tensors: the engine builds them from copies and never touches them again.
 """
 

@@ -1,6 +1,6 @@
 """A worker owns one device: it binds it on its own thread, loads its shard of the model
 (an LLM or a recommender), holds its KV cache and runs steps, one at a time on its own thread
-or several at once in pipeline slots that share the weights."""
+or several at once in pipeline lanes that share the weights."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from tandem.core.models.rec_loader import load_rec_model
 from tandem.core.rec.catalog import load_catalog
 from tandem.core.rec.runner import RecModelRunner
 from tandem.core.rec.step import RecPrefill, RecStep, RecStepOutput
-from tandem.core.worker.pipeline_slot import PipelineSlot
-from tandem.core.worker.slot_stager import SlotStager, Staged
+from tandem.core.worker.lane import Lane
+from tandem.core.worker.lane_stager import LaneStager, Staged
 from tandem.device import (
     BoundContext,
     Device,
@@ -53,18 +53,18 @@ class Worker:
         model_config: AnyModelConfig,
         runtime: DeviceRuntime | None = None,
         kernel_registry: KernelRegistry[Any] | None = None,
-        slot_groups: list[ProcessGroup] | None = None,
+        lane_groups: list[ProcessGroup] | None = None,
         sync: Sync = REAL_SYNC,
     ) -> None:
-        """``slot_groups``: one group per pipeline slot (``max_concurrency`` of them); the
-        model then reaches the calling slot's group, and ``group`` serves the worker thread
+        """``lane_groups``: one group per pipeline lane (``max_concurrency`` of them); the
+        model then reaches the calling lane's group, and ``group`` serves the worker thread
         (loading, agreeing on the cache size)."""
         self.device = device
         self.config = config
         self.model_config = model_config
         self.runtime: DeviceRuntime | None = runtime
-        self._slot_groups = ThreadBoundGroup(slot_groups) if slot_groups else None
-        self.group: ProcessGroup = self._slot_groups if self._slot_groups is not None else group
+        self._lane_groups = ThreadBoundGroup(lane_groups) if lane_groups else None
+        self.group: ProcessGroup = self._lane_groups if self._lane_groups is not None else group
         self._sync = sync
         # Not `or`: an empty registry is falsy (it has a length).
         self._kernel_registry = (
@@ -72,7 +72,7 @@ class Worker:
         )
         self._runner: ModelRunner | None = None
         self._rec_runner: RecModelRunner | None = None
-        self.slots: list[PipelineSlot] = []
+        self.lanes: list[Lane] = []
 
     @property
     def runner(self) -> ModelRunner:
@@ -98,9 +98,9 @@ class Worker:
             self.runtime = get_runtime(self.device.kind)
         self.runtime.bind(self.device)
         bind_context(BoundContext(self.runtime, self._kernel_registry))
-        if self._slot_groups is not None:
-            # The worker thread speaks for slot 0 (it never runs while slots do).
-            self._slot_groups.bind(0)
+        if self._lane_groups is not None:
+            # The worker thread speaks for lane 0 (it never runs while lanes do).
+            self._lane_groups.bind(0)
         if self.device.kind == "cpu" and cpu_threads is not None:
             torch.set_num_threads(cpu_threads)
 
@@ -162,20 +162,20 @@ class Worker:
         else:
             self.runner.init_kv_cache(num_blocks, self.config.cache.block_size)
 
-    def init_slots(self) -> None:
-        """The pipeline slots (``max_concurrency`` of them), each with its own threads."""
+    def init_lanes(self) -> None:
+        """The pipeline lanes (``max_concurrency`` of them), each with its own threads."""
         assert self.runtime is not None
         pipeline = self.config.pipeline
         allocator = ScratchAllocator(self._torch_device(), self._sync)
         prepare_lock = self._sync.lock() if pipeline.serialize_prepare else None
         forward_lock = self._sync.lock() if pipeline.serialize_forward else None
-        self.slots = [
-            PipelineSlot(
+        self.lanes = [
+            Lane(
                 i,
                 self.device,
                 self.runtime,
                 self._kernel_registry,
-                self._slot_groups,
+                self._lane_groups,
                 allocator,
                 prepare_lock,
                 forward_lock,
@@ -184,37 +184,37 @@ class Worker:
             for i in range(pipeline.max_concurrency)
         ]
 
-    def stop_slots(self) -> None:
-        for slot in self.slots:
-            slot.stop()
+    def stop_lanes(self) -> None:
+        for lane in self.lanes:
+            lane.stop()
 
     def execute_model(self, fi: ForwardInput) -> SamplerOutput | None:
         return self.runner.execute(fi)
 
-    def submit_model(self, slot: int, fi: ForwardInput) -> Promise[SamplerOutput | None]:
-        """Run ``fi`` on pipeline slot ``slot``; the result once its stream has run it."""
+    def submit_model(self, lane: int, fi: ForwardInput) -> Promise[SamplerOutput | None]:
+        """Run ``fi`` on pipeline lane ``lane``; the result once its stream has run it."""
 
-        def prepare(stager: SlotStager) -> tuple[ForwardInput, Staged]:
+        def prepare(stager: LaneStager) -> tuple[ForwardInput, Staged]:
             staged = stager.stage(
                 [fi.input_ids, fi.positions, fi.slot_mapping, fi.query_lens, fi.context_lens,
                  fi.block_tables, fi.sample_indices]
             )  # fmt: skip
-            ids, positions, slots, qlens, clens, tables, samples = staged.tensors
+            ids, positions, kv_slots, qlens, clens, tables, samples = staged.tensors
             own = replace(
-                fi, input_ids=ids, positions=positions, slot_mapping=slots, query_lens=qlens,
+                fi, input_ids=ids, positions=positions, slot_mapping=kv_slots, query_lens=qlens,
                 context_lens=clens, block_tables=tables, sample_indices=samples,
             )  # fmt: skip
             return own, staged
 
-        return self.slots[slot].run(prepare, self.runner.execute)
+        return self.lanes[lane].run(prepare, self.runner.execute)
 
-    def submit_rec(self, slot: int, step: RecStep) -> Promise[RecStepOutput]:
-        """Run one step of a recommendation batch on slot ``slot`` (every step of a batch goes
-        to the same slot, which keeps the batch's beams)."""
+    def submit_rec(self, lane: int, step: RecStep) -> Promise[RecStepOutput]:
+        """Run one step of a recommendation batch on lane ``lane`` (every step of a batch goes
+        to the same lane, which keeps the batch's beams)."""
         runner = self.rec_runner
-        state = self.slots[slot].state
+        state = self.lanes[lane].state
 
-        def prepare(stager: SlotStager) -> tuple[RecStep, Staged | None]:
+        def prepare(stager: LaneStager) -> tuple[RecStep, Staged | None]:
             p = step.prefill
             if p is None:
                 return step, None
@@ -223,4 +223,4 @@ class Worker:
             own = RecPrefill(h, lengths, tables, widths, p.num_candidates)
             return replace(step, prefill=own), staged
 
-        return self.slots[slot].run(prepare, lambda s: runner.execute(s, state))
+        return self.lanes[lane].run(prepare, lambda s: runner.execute(s, state))

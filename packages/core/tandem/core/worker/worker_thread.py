@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import TypeVar
 
 from tandem.core.errors import EngineDeadError
-from tandem.device.ordered_executor import OrderedExecutor
 from tandem.device.sync import Promise
+from tandem.device.task_thread import TaskThread
 
 T = TypeVar("T")
 
 
-class WorkerThread(OrderedExecutor):
+class WorkerThread(TaskThread):
     stopped_error = EngineDeadError
 
     def wait(self, promise: Promise[T], poll_s: float = 0.5) -> T:

@@ -118,18 +118,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-concurrency",
         type=int,
         default=1,
-        help="steps each worker runs at once, each in a pipeline slot with its own stream "
+        help="steps each worker runs at once, each in a pipeline lane with its own stream "
         "(one copy of the weights)",
     )
     g.add_argument(
         "--serialize-prepare",
         action="store_true",
-        help="experiment: let one slot at a time prepare its inputs",
+        help="experiment: let one lane at a time prepare its inputs",
     )
     g.add_argument(
         "--serialize-forward",
         action="store_true",
-        help="experiment: let one slot at a time run its forward",
+        help="experiment: let one lane at a time run its forward",
     )
     g.add_argument(
         "--rec-max-batch-size",

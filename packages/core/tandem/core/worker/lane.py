@@ -1,9 +1,9 @@
-"""One pipeline slot of a worker: a host thread that prepares a step's inputs, a stream that
+"""One pipeline lane of a worker: a host thread that prepares a step's inputs, a stream that
 runs its forward, a stager of its own, the state of the batches it runs, and (with tensor
-parallelism) a communicator set of its own. Slots share the weights, the KV cache and the
+parallelism) a communicator set of its own. Lanes share the weights, the KV cache and the
 scratch allocator, nothing mutable besides.
 
-The host stages the step's inputs into scratch memory recorded on the slot's stream, queues
+The host stages the step's inputs into scratch memory recorded on the lane's stream, queues
 the forward, and gives the scratch back at once: no synchronize between host and stream.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from tandem.collectives.thread_bound import ThreadBoundGroup
-from tandem.core.worker.slot_stager import SlotStager, Staged
+from tandem.core.worker.lane_stager import LaneStager, Staged
 from tandem.core.worker.worker_thread import WorkerThread
 from tandem.device import BoundContext, Device, DeviceRuntime, KernelRegistry, bind_context
 from tandem.device.scratch_allocator import ScratchAllocator
@@ -24,7 +24,7 @@ P = TypeVar("P")
 R = TypeVar("R")
 
 
-class PipelineSlot:
+class Lane:
     def __init__(
         self,
         index: int,
@@ -38,11 +38,11 @@ class PipelineSlot:
         sync: Sync = REAL_SYNC,
     ) -> None:
         self.index = index
-        name = f"tandem-{device}-slot{index}"
+        name = f"tandem-{device}-lane{index}"
         self.host = WorkerThread(f"{name}-host", sync)
         self.stream = runtime.new_stream(f"{name}-stream")
-        self.stager = SlotStager(allocator, self.stream, sync)
-        # Per-slot state of the batches this slot runs (the recommender's beams).
+        self.stager = LaneStager(allocator, self.stream, sync)
+        # Per-lane state of the batches this lane runs (the recommender's beams).
         self.state: dict[int, Any] = {}
         self._prepare_lock = prepare_lock
         self._forward_lock = forward_lock
@@ -53,13 +53,13 @@ class PipelineSlot:
             if group is not None:
                 group.bind(index)
 
-        # Both threads of the slot own the device; the stream's also issues the collectives.
+        # Both threads of the lane own the device; the stream's also issues the collectives.
         self.host.submit(bind).result()
         self.stream.submit(bind).result()
 
     def run(
         self,
-        prepare: Callable[[SlotStager], tuple[P, Staged | None]],
+        prepare: Callable[[LaneStager], tuple[P, Staged | None]],
         forward: Callable[[P], R],
     ) -> Promise[R]:
         """Prepare on the host thread, forward on the stream; the result when both are done."""

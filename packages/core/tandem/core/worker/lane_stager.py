@@ -1,9 +1,9 @@
-"""One pipeline slot's step inputs on their way to the slot's stream.
+"""One pipeline lane's step inputs on their way to the lane's stream.
 
-Each slot owns its stager (never shared between slots: the seed's bug was a static cache every
+Each lane owns its stager (never shared between lanes: the seed's bug was a static cache every
 pipeline wrote into). The stager packs the step's tensors into a host staging buffer it keeps
 between steps (built once, grown when a step needs more), copies them into a scratch block
-from the worker's shared allocator, and records the block on the slot's stream. The host can
+from the worker's shared allocator, and records the block on the lane's stream. The host can
 then give the block back at once: the allocator reuses it only after the stream has run past
 this step, so there is no synchronize and no use-after-free.
 """
@@ -40,7 +40,7 @@ class Staged:
             )
 
 
-class SlotStager:
+class LaneStager:
     def __init__(self, allocator: ScratchAllocator, stream: Stream, sync: Sync = REAL_SYNC):
         self._allocator = allocator
         self._stream = stream

@@ -1,7 +1,7 @@
-"""An ordered executor: calls run one after another, in submission order, on a thread of its
-own. It is what a device stream is on CPU (work queued now runs after everything queued
-before it), and what a worker thread is. Queue, thread and results come from the sync facade,
-so the simulator can drive it."""
+"""A task thread: calls run one after another, in submission order, on a thread of its own. It is
+what a device stream is on CPU (work queued now runs after everything queued before it), and
+what a worker thread is. Queue, thread and results come from the sync facade, so the simulator
+can drive it."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ T = TypeVar("T")
 _STOP = object()
 
 
-class ExecutorStopped(RuntimeError):
-    """Work was submitted to an executor whose thread is no longer running."""
+class TaskThreadStopped(RuntimeError):
+    """Work was submitted to a task thread that is no longer running."""
 
 
-class OrderedExecutor:
-    # What a submission to a stopped executor fails with.
-    stopped_error: type[Exception] = ExecutorStopped
+class TaskThread:
+    # What a submission to a stopped task thread fails with.
+    stopped_error: type[Exception] = TaskThreadStopped
 
     def __init__(self, name: str, sync: Sync = REAL_SYNC) -> None:
         self.name = name
