@@ -74,7 +74,7 @@ class FakeEngine:
         with self._cond:
             return [(o.lane, o.step.batch_id, o.step.round) for o in self._open]
 
-    def submit_rec(self, lane: int, step: RecStep) -> Promise[RecStepOutput]:
+    def submit(self, lane: int, step: RecStep) -> Promise[RecStepOutput]:
         promise: Promise[RecStepOutput] = Promise(self._sync)
         with self._cond:
             self.step_calls += 1

@@ -24,14 +24,16 @@ from tandem.core.errors import EngineDeadError
 from tandem.core.executor.thread_executor import ThreadExecutor
 from tandem.core.kv.block_manager import BlockManager
 from tandem.core.llm.engine import LLMEngine
-from tandem.core.llm.forward_input import ForwardInput
+from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
 from tandem.core.llm.input_builder import build_forward_input
+from tandem.core.llm.model_runner import LLMRunnerFactory, ModelRunner
 from tandem.core.llm.sampling_params import SamplingParams
 from tandem.core.llm.scheduler import ScheduledSequence, SchedulerOutput
 from tandem.core.llm.sequence import TokenSequence
 from tandem.core.models.model_config import ModelConfig
 from tandem.core.parallel.topology import resolve_topology
 from tandem.core.worker.lane_stager import LaneStager, Staged
+from tandem.core.worker.worker import Worker
 from tandem.device import Device, KernelKey, KernelRegistry
 from tandem.device.scratch_allocator import ScratchAllocator
 from tandem.device.sync import REAL_SYNC, Promise
@@ -127,7 +129,7 @@ def _executor(
     lanes: int = 1,
     share_communicator: bool = False,
     config: EngineConfig | None = None,
-) -> ThreadExecutor:
+) -> ThreadExecutor[ForwardInput, SamplerOutput]:
     kind = "npu" if runtime is not None else "cpu"
     config = config or _config(tp, model, kind, lanes)
     made: list[tuple[list[ProcessGroup], FakeBackend]] = []
@@ -142,13 +144,25 @@ def _executor(
 
     return ThreadExecutor(
         config,
-        ModelConfig.from_folder(model),
+        LLMRunnerFactory(ModelConfig.from_folder(model)),
         resolve_topology(config.parallel),
+        lanes=lanes > 1,
         sync=s,
         local_groups=fake_groups,
         runtime=runtime,
         kernel_registry=KernelRegistry(s) if runtime is not None else None,
     )
+
+
+def _real_executor(config: EngineConfig) -> ThreadExecutor[ForwardInput, SamplerOutput]:
+    factory = LLMRunnerFactory(ModelConfig.from_folder(Path(config.model.model)))
+    return ThreadExecutor(config, factory, resolve_topology(config.parallel), sync=REAL_SYNC)
+
+
+def _model_runner(worker: Worker[ForwardInput, SamplerOutput]) -> ModelRunner:
+    runner = worker.runner
+    assert isinstance(runner, ModelRunner)
+    return runner
 
 
 def _step_input(
@@ -172,12 +186,10 @@ LANE_PROMPTS = ((5, 17, 300, 42, 9, 100, 7), (11, 3, 250, 8, 61))
 def _reference_tokens() -> tuple[int, ...]:
     model = _tiny_model()
     config = EngineConfig(model=ModelLoadConfig(model=str(model)), cache=CacheConfig(num_blocks=16))
-    executor = ThreadExecutor(
-        config, ModelConfig.from_folder(model), resolve_topology(config.parallel), sync=REAL_SYNC
-    )
+    executor = _real_executor(config)
     try:
         return tuple(
-            executor.execute_model(_step_input(p, first_block=i)).token_ids[0]
+            executor.execute(_step_input(p, first_block=i)).token_ids[0]
             for i, p in enumerate(LANE_PROMPTS)
         )
     finally:
@@ -194,8 +206,7 @@ def tp_lanes(s: DeterministicScheduler, share_communicator: bool) -> None:
     )
     try:
         steps = [
-            executor.submit_model(i, _step_input(p, first_block=i))
-            for i, p in enumerate(LANE_PROMPTS)
+            executor.submit(i, _step_input(p, first_block=i)) for i, p in enumerate(LANE_PROMPTS)
         ]
         tokens = tuple(step.result().token_ids[0] for step in steps)
     finally:
@@ -210,12 +221,10 @@ def tp_lanes(s: DeterministicScheduler, share_communicator: bool) -> None:
 def _reference_logits() -> torch.Tensor:
     model = _tiny_model()
     config = EngineConfig(model=ModelLoadConfig(model=str(model)), cache=CacheConfig(num_blocks=16))
-    executor = ThreadExecutor(
-        config, ModelConfig.from_folder(model), resolve_topology(config.parallel), sync=REAL_SYNC
-    )
+    executor = _real_executor(config)
     fi = _step_input()
     try:
-        logits: torch.Tensor = executor.call(0, lambda w: w.runner.prompt_logits(fi))
+        logits: torch.Tensor = executor.call(0, lambda w: _model_runner(w).prompt_logits(fi))
     finally:
         executor.shutdown()
     return logits
@@ -228,7 +237,7 @@ def tp_forward(s: DeterministicScheduler, tp: int) -> None:
     executor = _executor(s, tp, _tiny_model(), runtime)
     fi = _step_input()
     try:
-        logits = executor.on_all(lambda w: w.runner.prompt_logits(fi))
+        logits = executor.on_all(lambda w: _model_runner(w).prompt_logits(fi))
     finally:
         executor.shutdown()
     reference = _reference_logits()
@@ -252,7 +261,7 @@ def rank_dies_mid_collective(s: DeterministicScheduler) -> None:
     executor = _executor(s, 2, _tiny_model())
     fi = _step_input()
     workers = executor.workers
-    layer = workers[1].runner.model.layers[1]
+    layer = _model_runner(workers[1]).model.layers[1]
     real_forward = layer.forward
 
     def failing(*args: object, **kwargs: object) -> object:
@@ -260,7 +269,7 @@ def rank_dies_mid_collective(s: DeterministicScheduler) -> None:
 
     layer.forward = failing
     try:
-        executor.on_all(lambda w: w.runner.prompt_logits(fi))
+        executor.on_all(lambda w: _model_runner(w).prompt_logits(fi))
     except EngineDeadError as exc:
         if "rank 1 device fault" not in str(exc) and "aborted" not in str(exc):
             raise AssertionError(f"the engine reported the wrong failure: {exc}") from exc

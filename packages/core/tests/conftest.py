@@ -12,6 +12,9 @@ from reference_models import write_reference_model
 from tandem.core import CacheConfig, EngineConfig, LLMEngine, ModelLoadConfig, SchedulerConfig
 from tandem.core.config import ParallelConfig, PipelineConfig
 from tandem.core.demo.demo_model import tiny_spec, write_demo_model
+from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
+from tandem.core.llm.model_runner import ModelRunner
+from tandem.core.worker.worker import Worker
 
 
 @pytest.fixture(scope="session")
@@ -92,3 +95,10 @@ def make_engine() -> Iterator[EngineFactory]:
 def config_for() -> Callable[..., EngineConfig]:
     """``engine_config`` for fixtures that build their own long-lived engines."""
     return engine_config
+
+
+def model_runner(worker: Worker[ForwardInput, SamplerOutput]) -> ModelRunner:
+    """An LLM worker's runner, as the type the tests poke at."""
+    runner = worker.runner
+    assert isinstance(runner, ModelRunner)
+    return runner

@@ -30,13 +30,13 @@ def test_single_process_never_serializes(
         monkeypatch.setattr(cls, "__getstate__", refuse, raising=False)
     monkeypatch.setattr(ShmBroadcastWriter, "__init__", refuse)
     seen: list[ForwardInput] = []
-    real_execute = ThreadExecutor.execute_model
+    real_execute = ThreadExecutor.execute
 
-    def recording(self: ThreadExecutor, fi: ForwardInput) -> SamplerOutput:
+    def recording(self: ThreadExecutor[ForwardInput, SamplerOutput], fi: ForwardInput) -> Any:
         seen.append(fi)
         return real_execute(self, fi)
 
-    monkeypatch.setattr(ThreadExecutor, "execute_model", recording)
+    monkeypatch.setattr(ThreadExecutor, "execute", recording)
 
     params = SamplingParams.greedy(max_tokens=16, ignore_eos=True)
     tp1 = [o.token_ids for o in make_engine(demo_dir).generate(PROMPTS, params)]
@@ -63,7 +63,7 @@ def test_a_failing_rank_kills_the_engine_without_hanging(
     assert isinstance(executor, ThreadExecutor)
     runner = executor.workers[1].runner
 
-    def broken(fi: ForwardInput) -> SamplerOutput | None:
+    def broken(fi: ForwardInput, state: object) -> SamplerOutput | None:
         raise RuntimeError("rank 1 device fault")
 
     monkeypatch.setattr(runner, "execute", broken)

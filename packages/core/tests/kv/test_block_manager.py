@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tandem.core.kv.block_manager import NULL_BLOCK, BlockManager
+from tandem.core.kv.block_manager import BlockManager
+from tandem.core.kv.block_pool import NULL_BLOCK
 from tandem.core.llm.sampling_params import SamplingParams
 from tandem.core.llm.sequence import TokenSequence
 

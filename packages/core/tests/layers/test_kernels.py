@@ -26,6 +26,8 @@ def test_a_worker_uses_the_registry_it_is_given_even_when_empty(demo_dir: Path) 
     """An empty registry has length 0; it must still be the one the worker's kernels use."""
     from tandem.collectives import SingleRankGroup
     from tandem.core.config import CacheConfig, EngineConfig, ModelLoadConfig
+    from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
+    from tandem.core.llm.model_runner import LLMRunnerFactory, ModelRunner
     from tandem.core.models.model_config import ModelConfig
     from tandem.core.worker.worker import Worker
     from tandem.device import KernelRegistry
@@ -34,8 +36,9 @@ def test_a_worker_uses_the_registry_it_is_given_even_when_empty(demo_dir: Path) 
     config = EngineConfig(
         model=ModelLoadConfig(model=str(demo_dir)), cache=CacheConfig(num_blocks=8)
     )
-    worker = Worker(
-        Device("cpu", 0), SingleRankGroup(), config, ModelConfig.from_folder(demo_dir),
+    model_config = ModelConfig.from_folder(demo_dir)
+    worker: Worker[ForwardInput, SamplerOutput] = Worker(
+        Device("cpu", 0), SingleRankGroup(), config, LLMRunnerFactory(model_config),
         kernel_registry=own,
     )  # fmt: skip
 
@@ -43,7 +46,9 @@ def test_a_worker_uses_the_registry_it_is_given_even_when_empty(demo_dir: Path) 
         # A thread of its own: binding is per thread and must not leak into other tests.
         worker.init_device()
         worker.load_model()
-        worker.runner.model.norm(torch.randn(2, worker.model_config.hidden_size))
+        runner = worker.runner
+        assert isinstance(runner, ModelRunner)
+        runner.model.norm(torch.randn(2, model_config.hidden_size))
 
     thread = threading.Thread(target=on_a_worker_thread)
     thread.start()

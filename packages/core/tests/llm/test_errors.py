@@ -18,6 +18,7 @@ from tandem.core import (
 )
 from tandem.core.executor.thread_executor import ThreadExecutor
 from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
+from tandem.core.worker.step_runner import LaneState
 
 
 def _copy_model(src: Path, dst: Path) -> Path:
@@ -125,11 +126,11 @@ def test_a_failing_step_fails_its_requests_only(
     real = runner.execute
     calls = {"n": 0}
 
-    def flaky(fi: ForwardInput) -> SamplerOutput | None:
+    def flaky(fi: ForwardInput, state: LaneState) -> SamplerOutput | None:
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("device fault injected by the test")
-        result: SamplerOutput | None = real(fi)
+        result: SamplerOutput | None = real(fi, state)
         return result
 
     monkeypatch.setattr(runner, "execute", flaky)

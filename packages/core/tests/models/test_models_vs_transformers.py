@@ -17,6 +17,8 @@ from tandem.core.llm.engine import LLMEngine
 from tandem.core.llm.input_builder import build_forward_input
 from tandem.core.llm.scheduler import ScheduledSequence, SchedulerOutput
 
+from ..conftest import model_runner
+
 CASES: dict[str, tuple[str, dict[str, Any], str | None]] = {
     # GQA, untied, head_dim != hidden / heads, rope_theta in rope_parameters (transformers 5).
     "llama-gqa-untied": ("LlamaForCausalLM", {"head_dim": 32}, None),
@@ -44,7 +46,7 @@ def _prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     fi = build_forward_input(out, block_size=16)
     executor = engine.executor
     assert isinstance(executor, ThreadExecutor)
-    return executor.call(0, lambda worker: worker.runner.prompt_logits(fi))
+    return executor.call(0, lambda worker: model_runner(worker).prompt_logits(fi))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

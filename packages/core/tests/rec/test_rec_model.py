@@ -178,7 +178,7 @@ def test_each_lane_shares_one_copy_of_the_weights(rec_dir: Path) -> None:
     try:
         worker = service.executor.workers[0]  # type: ignore[attr-defined]
         assert len(worker.lanes) == 4
-        params = list(worker.rec_runner.model.parameters())
+        params = list(worker.runner.model.parameters())
         # One model object for every lane: lanes differ in threads and state only.
         assert len({id(p) for p in params}) == len(params)
         assert len({id(s.state) for s in worker.lanes}) == 4

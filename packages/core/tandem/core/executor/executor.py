@@ -1,32 +1,34 @@
-"""The executor interface between the engine and its workers, and the by-name factory."""
+"""The executor interface between a product's engine and the workers, and the factories that
+pick an implementation by topology. Executors move opaque steps: a product makes its steps,
+the runner factory it passes in knows how to run them."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from tandem.core.config import EngineConfig
-from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
-from tandem.core.rec.step import RecStep, RecStepOutput
-from tandem.core.worker.worker import AnyModelConfig
+from tandem.core.errors import ConfigError
+from tandem.core.parallel.topology import Mode, Topology, resolve_topology
+from tandem.core.worker.step_runner import MemoryFootprint, OutT, RunnerFactory, StepT
 from tandem.device.sync import Promise
 
+StepT_contra = TypeVar("StepT_contra", contravariant=True)
+OutT_co = TypeVar("OutT_co", covariant=True)
 
-class Executor(Protocol):
+
+class Executor(Protocol[StepT_contra, OutT_co]):
     @property
     def num_blocks(self) -> int:
         """KV blocks every worker has room for (the smallest over workers)."""
         ...
 
-    def execute_model(self, fi: ForwardInput) -> SamplerOutput:
-        """Run one step on every worker; rank 0's sampled tokens."""
+    @property
+    def memory(self) -> MemoryFootprint:
+        """What rank 0's weights and KV cache take."""
         ...
 
-    def submit_model(self, lane: int, fi: ForwardInput) -> Promise[SamplerOutput]:
-        """Run one step on pipeline lane ``lane`` of every worker, without waiting."""
-        ...
-
-    def submit_rec(self, lane: int, step: RecStep) -> Promise[RecStepOutput]:
-        """Run one recommendation step on pipeline lane ``lane``, without waiting."""
+    def execute(self, step: StepT_contra) -> OutT_co:
+        """Run one step on every worker; rank 0's output."""
         ...
 
     def follow(self) -> None:
@@ -40,16 +42,50 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
-def create_executor(config: EngineConfig, model_config: AnyModelConfig) -> Executor:
+class LaneExecutor(Executor[StepT_contra, OutT], Protocol[StepT_contra, OutT]):
+    """An executor whose workers have pipeline lanes: several steps in flight at once."""
+
+    def submit(self, lane: int, step: StepT_contra) -> Promise[OutT]:
+        """Run one step on pipeline lane ``lane`` of every worker, without waiting."""
+        ...
+
+
+def create_executor(
+    config: EngineConfig, runner_factory: RunnerFactory[StepT, OutT]
+) -> Executor[StepT, OutT]:
     """The executor the topology calls for; layouts that cannot work fail here, before any
     worker starts."""
-    from tandem.core.parallel.topology import Mode, resolve_topology
-
     topology = resolve_topology(config.parallel)
     if topology.mode is Mode.SINGLE_PROCESS:
         from tandem.core.executor.thread_executor import ThreadExecutor
 
-        return ThreadExecutor(config, model_config, topology)
+        return ThreadExecutor(config, runner_factory, topology)
     from tandem.core.executor.process_executor import ProcessExecutor
 
-    return ProcessExecutor(config, model_config, topology)
+    return ProcessExecutor(config, runner_factory, topology)
+
+
+def create_lane_executor(
+    config: EngineConfig, runner_factory: RunnerFactory[StepT, OutT]
+) -> LaneExecutor[StepT, OutT]:
+    """An executor with ``--max-concurrency`` pipeline lanes per worker. Lanes are threads of
+    the process that drives the devices, so only single-process mode on one node has them."""
+    topology = resolve_topology(config.parallel)
+    check_lanes_fit(topology)
+    from tandem.core.executor.thread_executor import ThreadExecutor
+
+    return ThreadExecutor(config, runner_factory, topology, lanes=True)
+
+
+def check_lanes_fit(topology: Topology) -> None:
+    if topology.mode is not Mode.SINGLE_PROCESS:
+        raise ConfigError(
+            "pipeline lanes (--max-concurrency > 1, or serving a recommender) run in "
+            "single-process mode: TANDEM_ENABLE_SINGLE_PROCESS=1 instead of "
+            "--master-node-addr"
+        )
+    if topology.nnodes > 1:
+        raise ConfigError(
+            "pipeline lanes (--max-concurrency > 1, or a recommender) serve one node; "
+            "drop --nnodes or use --max-concurrency 1 with an LLM"
+        )

@@ -4,20 +4,16 @@ engine, scheduler or server of its own."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from tandem.core.config import EngineConfig
 from tandem.core.executor.executor import create_executor
-from tandem.core.models.model_config import ModelConfig
-from tandem.core.models.registry import model_class
+from tandem.core.worker.step_runner import OutT, RunnerFactory, StepT
 
 logger = logging.getLogger(__name__)
 
 
-def run_follower(config: EngineConfig) -> None:
-    model_config = ModelConfig.from_folder(Path(config.model.model))
-    model_class(model_config.architecture)
-    executor = create_executor(config, model_config)
+def run_follower(config: EngineConfig, runner_factory: RunnerFactory[StepT, OutT]) -> None:
+    executor = create_executor(config, runner_factory)
     logger.info(
         "node %d of %d is following node 0", config.parallel.node_rank, config.parallel.nnodes
     )

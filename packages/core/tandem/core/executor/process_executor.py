@@ -15,19 +15,15 @@ import pickle
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, Generic
 
 from tandem.core.config import EngineConfig
 from tandem.core.errors import ConfigError, EngineDeadError
 from tandem.core.executor.transport import ShmBroadcastWriter
 from tandem.core.executor.worker_process import STOP, WorkerSpec, worker_main
-from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
-from tandem.core.models.rec_config import RecModelConfig
 from tandem.core.parallel.collective_choice import resolve_collectives
 from tandem.core.parallel.topology import Topology
-from tandem.core.rec.step import RecStep, RecStepOutput
-from tandem.core.worker.worker import AnyModelConfig
-from tandem.device.sync import Promise
+from tandem.core.worker.step_runner import MemoryFootprint, OutT, RunnerFactory, StepT
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +31,15 @@ SHM_CAPACITY = 64 << 20
 _POLL_S = 0.2
 
 
-class ProcessExecutor:
-    def __init__(self, config: EngineConfig, model_config: AnyModelConfig, topology: Topology):
+class ProcessExecutor(Generic[StepT, OutT]):
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner_factory: RunnerFactory[StepT, OutT],
+        topology: Topology,
+    ):
         if topology.master_node_addr is None:
             raise ConfigError("multi-process mode needs --master-node-addr HOST:PORT")
-        if config.pipeline.max_concurrency > 1 or isinstance(model_config, RecModelConfig):
-            raise ConfigError(
-                "pipeline lanes (--max-concurrency > 1, or serving a recommender) run in "
-                "single-process mode: TANDEM_ENABLE_SINGLE_PROCESS=1 instead of "
-                "--master-node-addr"
-            )
         # Before any process starts: the collectives exist and serve this device kind.
         resolve_collectives(
             config.parallel,
@@ -77,7 +72,7 @@ class ProcessExecutor:
                 )
                 proc = ctx.Process(
                     target=worker_main,
-                    args=(spec, config, model_config, notes_r, results_w),
+                    args=(spec, config, runner_factory, notes_r, results_w),
                     name=f"tandem-worker-rank{rank}",
                     daemon=True,
                 )
@@ -89,7 +84,9 @@ class ProcessExecutor:
         except BaseException:
             self.shutdown()
             raise
-        self._num_blocks = int(ready[0])
+        num_blocks, memory = ready[0]
+        self._num_blocks = int(num_blocks)
+        self._memory: MemoryFootprint = memory
         logger.info(
             "multi-process executor: ranks %d..%d of %d on %s",
             topology.first_rank,
@@ -138,18 +135,22 @@ class ProcessExecutor:
     def num_blocks(self) -> int:
         return self._num_blocks
 
-    def execute_model(self, fi: ForwardInput) -> SamplerOutput:
+    @property
+    def memory(self) -> MemoryFootprint:
+        return self._memory
+
+    def execute(self, step: StepT) -> OutT:
         if self._closed:
             raise EngineDeadError("the executor is shut down")
         self._check_alive()
-        seq, length = self._writer.write(pickle.dumps(fi, protocol=pickle.HIGHEST_PROTOCOL))
+        seq, length = self._writer.write(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
         try:
             for conn in self._notes:
                 conn.send(("step", seq, length))
         except OSError:
             self._check_alive()
             raise
-        out: SamplerOutput = self._receive(0, "out", self._timeout)
+        out: OutT = self._receive(0, "out", self._timeout)
         return out
 
     def follow(self) -> None:
@@ -160,12 +161,6 @@ class ProcessExecutor:
             for proc in self._procs:
                 if proc.exitcode not in (None, 0):
                     raise EngineDeadError(f"worker {proc.name} exited with {proc.exitcode}")
-
-    def submit_model(self, lane: int, fi: ForwardInput) -> Promise[SamplerOutput]:
-        raise ConfigError("one process per device runs one step at a time (no pipeline lanes)")
-
-    def submit_rec(self, lane: int, step: RecStep) -> Promise[RecStepOutput]:
-        raise ConfigError("recommenders are served in single-process mode")
 
     def check_health(self) -> None:
         if self._closed:

@@ -1,7 +1,7 @@
 """Single-process execution: one worker thread per local device, in the engine's process.
 
-The ForwardInput object itself goes to every worker and rank 0's sampled tokens come back as
-Python objects: nothing on this path is serialized. The local ranks share one in-process
+The step object itself goes to every worker and rank 0's output comes back as a Python
+object: nothing on this path is serialized. The local ranks share one in-process
 communicator set created for all of them at once; with several nodes, each node runs one such
 process and node leaders meet over torch.distributed (two-level groups), node 0 sending each
 step's input to the other nodes.
@@ -11,34 +11,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
 
-from tandem.collectives import (
-    ProcessGroup,
-    Rendezvous,
-    SingleRankGroup,
-    TorchDistributedGroup,
-    TwoLevelGroup,
-    create_inprocess_groups,
-    init_distributed,
-)
-from tandem.collectives.backends import CommunicatorSet, get_collective_backend
+from tandem.collectives import ProcessGroup, SingleRankGroup, TwoLevelGroup
 from tandem.core.config import EngineConfig
 from tandem.core.errors import ConfigError, EngineDeadError
-from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
-from tandem.core.models.rec_config import RecModelConfig
-from tandem.core.parallel.collective_choice import (
-    INPROCESS,
-    TORCH,
-    CollectiveChoice,
-    resolve_collectives,
+from tandem.core.parallel.collective_choice import CollectiveChoice, resolve_collectives
+from tandem.core.parallel.groups import (
+    NO_COMMUNICATOR,
+    Abortable,
+    CommunicatorHandles,
+    join_process_world,
+    make_local_groups,
+    make_process_group,
 )
 from tandem.core.parallel.topology import Topology
-from tandem.core.rec.step import RecStep, RecStepOutput
-from tandem.core.worker.worker import AnyModelConfig, Worker
+from tandem.core.worker.step_runner import MemoryFootprint, OutT, RunnerFactory, StepT
+from tandem.core.worker.worker import Worker
 from tandem.core.worker.worker_thread import WorkerThread
 from tandem.device import DeviceRuntime, KernelRegistry, get_runtime
 from tandem.device.sync import REAL_SYNC, Promise, Sync
@@ -47,63 +38,48 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-
-class Abortable(Protocol):
-    def abort(self, reason: str) -> None: ...
-
-
 # Builds the local ranks' groups and the handle that aborts them (the simulator's fake backend).
 LocalGroupFactory = Callable[[int], tuple[list[ProcessGroup], Abortable]]
 
-
-@dataclass(frozen=True)
-class _Comms:
-    """One communicator set of this process: how to release ranks blocked in it, and (for
-    hardware libraries) how to free it once no thread uses it."""
-
-    abortable: Abortable | None
-    closeable: CommunicatorSet | None
-
-
-# What node 0 sends the other nodes instead of a ForwardInput when it shuts down.
+# What node 0 sends the other nodes instead of a step when it shuts down.
 _STOP = "stop"
 
 
-class ThreadExecutor:
+class ThreadExecutor(Generic[StepT, OutT]):
     def __init__(
         self,
         config: EngineConfig,
-        model_config: AnyModelConfig,
+        runner_factory: RunnerFactory[StepT, OutT],
         topology: Topology,
+        lanes: bool = False,
         sync: Sync = REAL_SYNC,
         local_groups: LocalGroupFactory | None = None,
         runtime: DeviceRuntime | None = None,
         kernel_registry: KernelRegistry[Any] | None = None,
     ):
+        """``lanes``: give every worker ``max_concurrency`` pipeline lanes (``submit``)."""
         self.topology = topology
         self._sync = sync
         self._local_groups = local_groups
         self._closed = False
         # Per pipeline lane (lane 0 = the worker threads'), its communicator set.
-        self._comms: list[_Comms] = []
+        self._comms: list[CommunicatorHandles] = []
         self._runtime = runtime
         self._control: dist.ProcessGroup | None = None
-        self.uses_lanes = config.pipeline.max_concurrency > 1 or isinstance(
-            model_config, RecModelConfig
-        )
-        if self.uses_lanes and topology.nnodes > 1:
+        self.uses_lanes = lanes
+        if lanes and topology.nnodes > 1:
             raise ConfigError(
                 "pipeline lanes (--max-concurrency > 1, or a recommender) serve one node; "
                 "drop --nnodes or use --max-concurrency 1 with an LLM"
             )
         groups = self._make_groups(config, topology)
-        per_lane = self._make_lane_groups(config, topology, groups) if self.uses_lanes else None
+        per_lane = self._make_lane_groups(config, topology, groups) if lanes else None
         self._workers = [
             Worker(
                 device,
                 group,
                 config,
-                model_config,
+                runner_factory,
                 runtime,
                 kernel_registry,
                 lane_groups=[s[rank] for s in per_lane] if per_lane else None,
@@ -120,7 +96,7 @@ class ThreadExecutor:
             agreed = self.on_all(lambda w: w.agree_num_blocks(blocks[self._workers.index(w)]))
             self._num_blocks = agreed[0]
             self.on_all(lambda w: w.init_kv_cache(self._num_blocks))
-            if self.uses_lanes:
+            if lanes:
                 self.on_all(lambda w: w.init_lanes())
         except BaseException:
             self.shutdown()
@@ -136,7 +112,7 @@ class ThreadExecutor:
     def _make_groups(self, config: EngineConfig, topology: Topology) -> list[ProcessGroup]:
         """The local ranks' groups of lane 0 (the worker threads'), reaching across nodes."""
         if topology.world_size == 1:
-            self._comms.append(_Comms(None, None))
+            self._comms.append(NO_COMMUNICATOR)
             return [SingleRankGroup()]
         if self._local_groups is not None and topology.nnodes != 1:
             raise ConfigError("injected local groups serve one node only")
@@ -157,22 +133,14 @@ class ThreadExecutor:
         assert choice is not None
         assert topology.master_node_addr is not None
         timeout = config.parallel.timeout_s
-        try:
-            rdzv = Rendezvous.parse(topology.master_node_addr, topology.nnodes, topology.node_rank)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        init_distributed(rdzv, choice.dist_backend, timeout_s=timeout)
-        inter: ProcessGroup
-        if choice.process == TORCH:
-            inter = TorchDistributedGroup(choice.dist_backend)
-        else:
-            inter = get_collective_backend(choice.process).process_group(
-                topology.devices[0],
-                self._group_runtime(topology.devices[0].kind),
-                topology.node_rank,
-                topology.nnodes,
-                timeout,
-            )
+        join_process_world(
+            topology.master_node_addr, topology.nnodes, topology.node_rank, choice, timeout
+        )
+        first = topology.devices[0]
+        inter = make_process_group(
+            choice, first, self._group_runtime(first.kind), topology.node_rank, topology.nnodes,
+            timeout,
+        )  # fmt: skip
         # A second group for node 0's step inputs, used only from the engine thread.
         self._control = dist.new_group(backend="gloo")
         return [
@@ -182,33 +150,26 @@ class ThreadExecutor:
 
     def _local_set(
         self, config: EngineConfig, topology: Topology, choice: CollectiveChoice | None
-    ) -> tuple[list[ProcessGroup], _Comms]:
+    ) -> tuple[list[ProcessGroup], CommunicatorHandles]:
         """One communicator set for every local device, created at once (by the injected
         factory when there is one: the simulator's fake backend)."""
         if self._local_groups is not None:
             groups, abortable = self._local_groups(topology.local_size)
-            return groups, _Comms(abortable, None)
+            return groups, CommunicatorHandles(abortable, None)
         assert choice is not None
-        timeout = config.parallel.timeout_s
-        if choice.local == INPROCESS:
-            inprocess = create_inprocess_groups(
-                topology.local_size, timeout_s=timeout, sync=self._sync
-            )
-            return list(inprocess), _Comms(inprocess[0].communicator, None)
-        kind = topology.devices[0].kind
-        made = get_collective_backend(choice.local).local_groups(
-            topology.devices, self._group_runtime(kind), timeout
+        runtime = self._group_runtime(topology.devices[0].kind)
+        return make_local_groups(
+            choice, topology.devices, runtime, config.parallel.timeout_s, self._sync
         )
-        return made.groups, _Comms(made.communicators, made.communicators)
 
     def _make_lane_groups(
-        self, config: EngineConfig, topology: Topology, slot0: list[ProcessGroup]
+        self, config: EngineConfig, topology: Topology, lane0: list[ProcessGroup]
     ) -> list[list[ProcessGroup]]:
         """Per pipeline lane, per local rank: a communicator set for each lane, so that lanes'
         collectives never share (and interleave on) one communicator."""
         count = config.pipeline.max_concurrency
         if topology.world_size == 1:
-            self._comms.extend(_Comms(None, None) for _ in range(1, count))
+            self._comms.extend(NO_COMMUNICATOR for _ in range(1, count))
             return [[SingleRankGroup()] for _ in range(count)]
         choice = (
             resolve_collectives(
@@ -217,7 +178,7 @@ class ThreadExecutor:
             if self._local_groups is None
             else None
         )
-        sets = [slot0]
+        sets = [lane0]
         for _ in range(1, count):
             groups, comms = self._local_set(config, topology, choice)
             sets.append(groups)
@@ -232,7 +193,7 @@ class ThreadExecutor:
     def _group_runtime(self, kind: str) -> DeviceRuntime:
         return self._runtime if self._runtime is not None else get_runtime(kind)
 
-    def on_all(self, fn: Callable[[Worker], T]) -> list[T]:
+    def on_all(self, fn: Callable[[Worker[StepT, OutT]], T]) -> list[T]:
         """Run ``fn`` on every worker's thread at once; results in rank order. The first
         failure aborts the communicator, so ranks blocked in a collective with the failed
         one are released instead of waiting out the timeout."""
@@ -269,10 +230,10 @@ class ThreadExecutor:
         return [p.result() for p in promises]
 
     @property
-    def workers(self) -> list[Worker]:
+    def workers(self) -> list[Worker[StepT, OutT]]:
         return list(self._workers)
 
-    def call(self, rank: int, fn: Callable[[Worker], T]) -> T:
+    def call(self, rank: int, fn: Callable[[Worker[StepT, OutT]], T]) -> T:
         """Run ``fn`` on local rank ``rank``'s own thread."""
         thread, worker = self._threads[rank], self._workers[rank]
         return thread.wait(thread.submit(lambda: fn(worker)))
@@ -285,14 +246,17 @@ class ThreadExecutor:
     def is_leader(self) -> bool:
         return self.topology.node_rank == 0
 
-    def execute_model(self, fi: ForwardInput) -> SamplerOutput:
+    @property
+    def memory(self) -> MemoryFootprint:
+        return self._workers[0].memory
+
+    def execute(self, step: StepT) -> OutT:
         if self._control is not None:
             # Other nodes get the step over the network; local workers get the object itself.
-            dist.broadcast_object_list([fi], src=0, group=self._control)
-        outputs = self.on_all(lambda w: w.execute_model(fi))
-        out = outputs[0]
+            dist.broadcast_object_list([step], src=0, group=self._control)
+        out = self.on_all(lambda w: w.execute(step))[0]
         if out is None:
-            raise RuntimeError("rank 0 returned no sampler output")
+            raise RuntimeError("rank 0 returned no output")
         return out
 
     def follow(self) -> None:
@@ -301,37 +265,24 @@ class ThreadExecutor:
         while True:
             box: list[object] = [None]
             dist.broadcast_object_list(box, src=0, group=self._control)
-            step = box[0]
-            if step == _STOP:
+            received = box[0]
+            if isinstance(received, str) and received == _STOP:
                 logger.info("node 0 stopped; leaving")
                 return
-            assert isinstance(step, ForwardInput)
-            self.on_all(lambda w, fi=step: w.execute_model(fi))  # type: ignore[misc]
+            step: StepT = received  # type: ignore[assignment]
+            self.on_all(lambda w, step=step: w.execute(step))  # type: ignore[misc]
 
-    def submit_model(self, lane: int, fi: ForwardInput) -> Promise[SamplerOutput]:
-        """Run ``fi`` on pipeline lane ``lane`` of every worker; rank 0's sampled tokens once
-        every rank is done. Steps on different lanes run at once."""
-
-        def call(w: Worker) -> Promise[Any]:
-            return w.submit_model(lane, fi)
-
-        return self._submit(lane, call)
-
-    def submit_rec(self, lane: int, step: RecStep) -> Promise[RecStepOutput]:
-        def call(w: Worker) -> Promise[Any]:
-            return w.submit_rec(lane, step)
-
-        return self._submit(lane, call)
-
-    def _submit(self, lane: int, call: Callable[[Worker], Promise[Any]]) -> Promise[Any]:
+    def submit(self, lane: int, step: StepT) -> Promise[OutT]:
+        """Run ``step`` on pipeline lane ``lane`` of every worker; rank 0's output once every
+        rank is done. Steps on different lanes run at once."""
         if not self.uses_lanes:
             raise ConfigError("this executor has no pipeline lanes (--max-concurrency 1)")
-        combined: Promise[Any] = Promise(self._sync)
-        ranks = [call(w) for w in self._workers]
+        combined: Promise[OutT] = Promise(self._sync)
+        ranks = [w.submit(lane, step) for w in self._workers]
         lock = self._sync.lock()
         remaining = [len(ranks)]
 
-        def on_done(done: Promise[Any]) -> None:
+        def on_done(done: Promise[OutT | None]) -> None:
             error = done.exception()
             if error is not None:
                 # Ranks of this lane blocked in a collective with the failed one get released.
@@ -342,8 +293,12 @@ class ThreadExecutor:
             if not last:
                 return
             failure = next((p.exception() for p in ranks if p.exception()), None)
+            out = ranks[0].result() if failure is None else None
+            if failure is None and out is None:
+                failure = RuntimeError("rank 0 returned no output")
             if failure is None:
-                combined.set_result(ranks[0].result())
+                assert out is not None
+                combined.set_result(out)
             elif len(ranks) > 1:
                 combined.set_exception(EngineDeadError(f"a worker failed: {failure}"))
             else:

@@ -9,16 +9,15 @@ import pickle
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch.distributed as dist
 
-from tandem.collectives import ProcessGroup, Rendezvous, TorchDistributedGroup, init_distributed
-from tandem.collectives.backends import get_collective_backend
 from tandem.core.config import EngineConfig
 from tandem.core.executor.transport import ShmBroadcastReader
-from tandem.core.llm.forward_input import ForwardInput
-from tandem.core.models.model_config import ModelConfig
-from tandem.core.parallel.collective_choice import TORCH, resolve_collectives
+from tandem.core.parallel.collective_choice import resolve_collectives
+from tandem.core.parallel.groups import join_process_world, make_process_group
+from tandem.core.worker.step_runner import RunnerFactory
 from tandem.core.worker.worker import Worker
 from tandem.device import Device, get_runtime
 
@@ -43,7 +42,7 @@ class WorkerSpec:
 def worker_main(
     spec: WorkerSpec,
     config: EngineConfig,
-    model_config: ModelConfig,
+    runner_factory: RunnerFactory[Any, Any],
     notes: Connection | None,
     results: Connection | None,
 ) -> None:
@@ -52,7 +51,7 @@ def worker_main(
         format=f"%(asctime)s %(levelname)s rank{spec.rank} %(name)s: %(message)s",
     )
     try:
-        _run(spec, config, model_config, notes, results)
+        _run(spec, config, runner_factory, notes, results)
     except Exception as exc:  # noqa: BLE001 - reported to the engine, then the process exits
         logger.error("worker rank %d failed: %s", spec.rank, exc)
         if results is not None:
@@ -64,7 +63,7 @@ def worker_main(
 def _run(
     spec: WorkerSpec,
     config: EngineConfig,
-    model_config: ModelConfig,
+    runner_factory: RunnerFactory[Any, Any],
     notes: Connection | None,
     results: Connection | None,
 ) -> None:
@@ -72,24 +71,18 @@ def _run(
     choice = resolve_collectives(
         config.parallel, spec.device.kind, uses_local=False, uses_process=True
     )
-    rdzv = Rendezvous.parse(spec.master_node_addr, spec.world_size, spec.rank)
-    init_distributed(rdzv, choice.dist_backend, timeout_s=timeout)
-    group: ProcessGroup
-    if choice.process == TORCH:
-        group = TorchDistributedGroup(choice.dist_backend)
-    else:
-        runtime = get_runtime(spec.device.kind)
-        group = get_collective_backend(choice.process).process_group(
-            spec.device, runtime, spec.rank, spec.world_size, timeout
-        )
+    join_process_world(spec.master_node_addr, spec.world_size, spec.rank, choice, timeout)
+    group = make_process_group(
+        choice, spec.device, get_runtime(spec.device.kind), spec.rank, spec.world_size, timeout
+    )
     control = dist.new_group(backend="gloo") if spec.multi_node else None
-    worker = Worker(spec.device, group, config, model_config)
+    worker: Worker[Any, Any] = Worker(spec.device, group, config, runner_factory)
     worker.init_device(spec.cpu_threads)
     worker.load_model()
     num_blocks = worker.agree_num_blocks(worker.determine_num_blocks())
     worker.init_kv_cache(num_blocks)
     if results is not None:
-        results.send(("ready", num_blocks))
+        results.send(("ready", (num_blocks, worker.memory)))
     reader = ShmBroadcastReader(spec.shm_name) if spec.shm_name is not None else None
     while True:
         step: object
@@ -101,10 +94,9 @@ def _run(
             box = [step if spec.rank == 0 else None]
             dist.broadcast_object_list(box, src=0, group=control)
             step = box[0]
-        if step == STOP:
+        if isinstance(step, str) and step == STOP:
             break
-        assert isinstance(step, ForwardInput)
-        out = worker.execute_model(step)
+        out = worker.execute(step)
         if spec.rank == 0 and results is not None:
             results.send(("out", out))
     if reader is not None:

@@ -1,9 +1,5 @@
-"""Paged KV-cache block accounting with reference counts and prefix caching of full blocks.
-
-Block 0 is the null block: it is never handed out, and padded block tables point at it, so
-attention never reads uninitialised memory. A full block is identified by a hash chain over
-its tokens and every token before it; freed blocks that carry a hash stay findable until
-they are reused (least recently freed first).
+"""Per-sequence KV block accounting on top of the block pool and the prefix cache: which
+blocks a sequence holds, what it can get next, and publishing its full blocks for reuse.
 
 Thread-safe: with several steps in flight, the scheduler allocates while step completions
 free, from different threads. Every public method holds one lock (from the sync facade).
@@ -11,16 +7,24 @@ free, from different threads. Every public method holds one lock (from the sync 
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from typing import Protocol
 
-from tandem.core.llm.sequence import TokenSequence
+from tandem.core.kv.block_pool import BlockPool
+from tandem.core.kv.prefix_cache import PrefixCache, chain_hashes
 from tandem.device.sync import REAL_SYNC, Sync
 
-NULL_BLOCK = 0
 
+class BlockOwner(Protocol):
+    """What the manager needs of a sequence (the products above define theirs)."""
 
-def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((parent, tokens))
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    # Prefix-cache hash of each full block of token_ids, filled as blocks become full.
+    block_hashes: list[int]
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 class BlockManager:
@@ -31,143 +35,105 @@ class BlockManager:
         enable_prefix_cache: bool,
         sync: Sync = REAL_SYNC,
     ) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
-        # Physical ids 1..num_blocks; id 0 is the null block.
-        self._ref_counts = [0] * (num_blocks + 1)
-        self._free: OrderedDict[int, None] = OrderedDict(
-            (b, None) for b in range(1, num_blocks + 1)
-        )
-        self._hash_to_block: dict[int, int] = {}
-        self._block_to_hash: dict[int, int] = {}
+        self._cache = PrefixCache() if enable_prefix_cache else None
+        self._pool = BlockPool(num_blocks, self._cache.forget if self._cache else None)
         self._lock = sync.lock()
 
     @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._pool.num_free
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self._pool.num_free / self._pool.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _hashes_of_full_prompt_blocks(self, seq: TokenSequence) -> list[int]:
-        hashes: list[int] = []
-        parent: int | None = None
-        bs = self.block_size
-        for i in range(seq.num_tokens // bs):
-            parent = block_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
-            hashes.append(parent)
-        return hashes
-
-    def find_cached_prefix(self, seq: TokenSequence) -> list[int]:
+    def find_cached_prefix(self, seq: BlockOwner) -> list[int]:
         """Blocks already holding a prefix of ``seq``; at least one token is left to compute."""
-        if not self.enable_prefix_cache:
+        if self._cache is None:
             return []
         # The last token must run through the model to give the logits to sample from.
         usable = (seq.num_tokens - 1) // self.block_size
-        hits: list[int] = []
+        hashes = chain_hashes(seq.token_ids, self.block_size, None, 0, usable)
         with self._lock:
-            for h in self._hashes_of_full_prompt_blocks(seq)[:usable]:
-                block = self._hash_to_block.get(h)
-                if block is None:
-                    break
-                hits.append(block)
-        return hits
+            return self._cache.lookup(hashes)
 
-    def can_allocate(self, seq: TokenSequence, num_new_tokens: int, cached: list[int]) -> bool:
+    def can_allocate(self, seq: BlockOwner, num_new_tokens: int, cached: list[int]) -> bool:
         """Whether a waiting ``seq`` can start with ``cached`` blocks and ``num_new_tokens``."""
         needed = self.blocks_for(len(cached) * self.block_size + num_new_tokens) - len(cached)
         with self._lock:
-            reclaimed = sum(1 for b in cached if self._ref_counts[b] == 0)
-            return needed <= len(self._free) - reclaimed
+            # Cache hits on freed blocks take those blocks off the free list.
+            reclaimed = sum(1 for b in cached if self._pool.ref_count(b) == 0)
+            return needed <= self._pool.num_free - reclaimed
 
-    def allocate(self, seq: TokenSequence, num_new_tokens: int, cached: list[int]) -> None:
+    def allocate(self, seq: BlockOwner, num_new_tokens: int, cached: list[int]) -> None:
         """Give a waiting ``seq`` its prefix-cache hits plus blocks for ``num_new_tokens``."""
         assert not seq.block_table, "allocate() is for sequences without blocks"
         with self._lock:
             for block in cached:
-                if self._ref_counts[block] == 0:
-                    del self._free[block]
-                self._ref_counts[block] += 1
+                self._pool.share(block)
             seq.block_table = list(cached)
             seq.num_computed_tokens = len(cached) * self.block_size
-            seq.block_hashes = [self._block_to_hash[b] for b in cached]
+            cache = self._cache
+            seq.block_hashes = [cache.hash_of(b) for b in cached] if cache is not None else []
             self._append(seq, num_new_tokens)
 
-    def can_append(self, seq: TokenSequence, num_new_tokens: int) -> bool:
+    def can_append(self, seq: BlockOwner, num_new_tokens: int) -> bool:
         needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         with self._lock:
-            return needed <= len(self._free)
+            return needed <= self._pool.num_free
 
-    def append_slots(self, seq: TokenSequence, num_new_tokens: int) -> None:
+    def append_slots(self, seq: BlockOwner, num_new_tokens: int) -> None:
         with self._lock:
             self._append(seq, num_new_tokens)
 
-    def _append(self, seq: TokenSequence, num_new_tokens: int) -> None:
+    def _append(self, seq: BlockOwner, num_new_tokens: int) -> None:
         needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        if needed > len(self._free):
+        if needed > self._pool.num_free:
             raise RuntimeError("append_slots() without room; call can_append() first")
         for _ in range(needed):
-            seq.block_table.append(self._take_free_block())
+            seq.block_table.append(self._pool.take())
 
     def reserve(self, num_blocks: int) -> list[int] | None:
         """``num_blocks`` blocks at once, or None (and nothing taken) if there are fewer free:
         for requests whose whole footprint is known up front."""
         with self._lock:
-            if num_blocks > len(self._free):
+            if num_blocks > self._pool.num_free:
                 return None
-            return [self._take_free_block() for _ in range(num_blocks)]
+            return [self._pool.take() for _ in range(num_blocks)]
 
     def release(self, blocks: list[int]) -> None:
         """Give back blocks from ``reserve``."""
         with self._lock:
             for block in reversed(blocks):
-                self._ref_counts[block] -= 1
-                if self._ref_counts[block] == 0:
-                    self._free[block] = None
+                self._pool.release(block)
 
-    def _take_free_block(self) -> int:
-        block, _ = self._free.popitem(last=False)
-        old = self._block_to_hash.pop(block, None)
-        if old is not None and self._hash_to_block.get(old) == block:
-            del self._hash_to_block[old]
-        self._ref_counts[block] = 1
-        return block
-
-    def cache_computed_blocks(self, seq: TokenSequence) -> None:
+    def cache_computed_blocks(self, seq: BlockOwner) -> None:
         """Publish the hashes of blocks that became full of computed tokens."""
-        if not self.enable_prefix_cache:
+        if self._cache is None:
             return
-        bs = self.block_size
         with self._lock:
-            num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+            num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+            start = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            for i in range(len(seq.block_hashes), num_full):
-                parent = block_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
-                seq.block_hashes.append(parent)
-                block = seq.block_table[i]
-                if parent not in self._hash_to_block and block not in self._block_to_hash:
-                    self._hash_to_block[parent] = block
-                    self._block_to_hash[block] = parent
+            hashes = chain_hashes(seq.token_ids, self.block_size, parent, start, num_full)
+            for i, h in enumerate(hashes, start):
+                seq.block_hashes.append(h)
+                self._cache.publish(h, seq.block_table[i])
 
-    def free(self, seq: TokenSequence) -> None:
+    def free(self, seq: BlockOwner) -> None:
         # Reverse order: a sequence's tail blocks are the least likely to be shared, so
         # they are reused first and the shared prefix stays cached longest.
         with self._lock:
             for block in reversed(seq.block_table):
-                self._ref_counts[block] -= 1
-                if self._ref_counts[block] == 0:
-                    self._free[block] = None
+                self._pool.release(block)
             seq.block_table = []
             seq.block_hashes = []
-
-    def reset_prefix_cache(self) -> None:
-        with self._lock:
-            self._hash_to_block.clear()
-            self._block_to_hash.clear()

@@ -1,10 +1,12 @@
-"""Lazy checkpoint tensors and the shard arithmetic the parallel layers load with."""
+"""Lazy checkpoint tensors, the shard arithmetic the parallel layers load with, and what a
+module's weights take in memory."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
 import torch
+from torch import nn
 
 
 class LazyTensor(Protocol):
@@ -32,3 +34,14 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
             f"{tuple(dst.shape)}; the config.json does not match the weights"
         )
     dst.copy_(src)
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes ``module``'s parameters take; a tensor shared by several (tied embeddings) once."""
+    seen: set[int] = set()
+    total = 0
+    for p in module.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total

@@ -15,18 +15,22 @@ from pathlib import Path
 
 from tandem.core.config import EngineConfig
 from tandem.core.errors import EngineDeadError, InvalidRequestError
-from tandem.core.executor.executor import Executor, create_executor
+from tandem.core.executor.executor import (
+    Executor,
+    LaneExecutor,
+    create_executor,
+    create_lane_executor,
+)
 from tandem.core.kv.block_manager import BlockManager
-from tandem.core.llm.forward_input import SamplerOutput
+from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
 from tandem.core.llm.input_builder import build_forward_input
+from tandem.core.llm.model_runner import LLMRunnerFactory
 from tandem.core.llm.output_processor import OutputProcessor
 from tandem.core.llm.outputs import RequestOutput
 from tandem.core.llm.sampling_params import SamplingParams
 from tandem.core.llm.scheduler import Scheduler, SchedulerOutput
 from tandem.core.llm.sequence import SequenceStatus, TokenLogprobs, TokenSequence
 from tandem.core.llm.tokenizer import Tokenizer
-from tandem.core.models.model_config import ModelConfig
-from tandem.core.models.registry import model_class
 from tandem.device.sync import REAL_SYNC, Promise, Sync
 
 logger = logging.getLogger(__name__)
@@ -48,7 +52,7 @@ class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
-        executor: Executor | None = None,
+        executor: LaneExecutor[ForwardInput, SamplerOutput] | None = None,
         sync: Sync = REAL_SYNC,
     ) -> None:
         """``executor``: one built by the caller (the simulator's, on fake devices); by
@@ -56,8 +60,9 @@ class LLMEngine:
         self.config = config
         self._sync = sync
         folder = Path(config.model.model)
-        self.model_config = ModelConfig.from_folder(folder)
-        model_class(self.model_config.architecture)  # unknown architectures fail before workers
+        # Unknown architectures fail here, before any worker starts.
+        factory = LLMRunnerFactory.from_folder(folder)
+        self.model_config = factory.model_config
         self.tokenizer = Tokenizer(folder)
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.model.max_model_len or limit, limit)
@@ -65,9 +70,17 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.executor: Executor = (
-            executor if executor is not None else create_executor(config, self.model_config)
-        )
+        # Pipelined stepping (--max-concurrency > 1): steps in flight on the workers' lanes.
+        self._pipelined = config.pipeline.max_concurrency > 1
+        self.executor: Executor[ForwardInput, SamplerOutput]
+        self._lanes: LaneExecutor[ForwardInput, SamplerOutput] | None = None
+        if executor is not None:
+            self.executor = executor
+            self._lanes = executor if self._pipelined else None
+        elif self._pipelined:
+            self.executor = self._lanes = create_lane_executor(config, factory)
+        else:
+            self.executor = create_executor(config, factory)
         self.block_manager = BlockManager(
             num_blocks=self.executor.num_blocks,
             block_size=config.cache.block_size,
@@ -79,8 +92,6 @@ class LLMEngine:
         self.sequences: dict[str, TokenSequence] = {}
         self._ids = itertools.count()
         self.dead: str | None = None
-        # Pipelined stepping (--max-concurrency > 1): steps in flight on the workers' lanes.
-        self._pipelined = config.pipeline.max_concurrency > 1
         self._free_lanes = list(range(config.pipeline.max_concurrency))
         self._in_flight: deque[_InFlight] = deque()
         self._deferred_free: list[TokenSequence] = []
@@ -199,7 +210,7 @@ class LLMEngine:
             self._mark_idle()
             return []
         fi = build_forward_input(sched_out, self.config.cache.block_size)
-        return self._run_step(sched_out, lambda: self.executor.execute_model(fi))
+        return self._run_step(sched_out, lambda: self.executor.execute(fi))
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """Keep up to ``max_concurrency`` steps in flight on the pipeline lanes, then complete
@@ -283,7 +294,8 @@ class LLMEngine:
             lane = self._free_lanes.pop(0)
             fi = build_forward_input(out, self.config.cache.block_size)
             try:
-                promise = self.executor.submit_model(lane, fi)
+                assert self._lanes is not None
+                promise = self._lanes.submit(lane, fi)
             except Exception as exc:  # noqa: BLE001 - becomes a failed step below
                 promise = Promise(self._sync)
                 promise.set_exception(exc)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.core.kv.block_manager import NULL_BLOCK
+from tandem.core.kv.block_pool import NULL_BLOCK
 from tandem.core.llm.forward_input import ForwardInput, SamplingBatch
 from tandem.core.llm.scheduler import SchedulerOutput
 

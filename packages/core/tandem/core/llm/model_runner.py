@@ -1,15 +1,24 @@
-"""Runs the model for one step on the worker's device: attention metadata, forward, logits,
-sampling. The KV cache and the sampler live here, built once."""
+"""The LLM's step runner: attention metadata, forward, logits, sampling, on the worker's
+device. The KV cache and the sampler live here, built once."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from pathlib import Path
+
 import torch
 
-from tandem.core.kv.kv_cache import allocate_kv_cache
+from tandem.core.kv.kv_cache import allocate_kv_cache, bytes_per_block
+from tandem.core.layers.weights import parameter_bytes
 from tandem.core.llm.attention_metadata import build_attention_metadata
 from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
 from tandem.core.llm.sampler import Sampler
 from tandem.core.models.decoder import DecoderForCausalLM
+from tandem.core.models.loader import load_model, resolve_dtype
+from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.registry import model_class
+from tandem.core.worker.lane_stager import LaneStager, Staged
+from tandem.core.worker.step_runner import LaneState, RunnerContext
 
 
 class ModelRunner:
@@ -29,13 +38,13 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def weight_bytes(self) -> int:
-        seen: set[int] = set()
-        total = 0
-        for p in self.model.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel() * p.element_size()
-        return total
+        return parameter_bytes(self.model)
+
+    def block_bytes(self, block_size: int) -> int:
+        layers = self.model.attention_layers()
+        return bytes_per_block(
+            len(layers), layers[0].num_kv_heads, layers[0].head_dim, block_size, self.dtype
+        )
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         layers = self.model.attention_layers()
@@ -52,8 +61,20 @@ class ModelRunner:
         for layer, (k, v) in zip(layers, self.kv_caches, strict=True):
             layer.bind_cache(k, v)
 
+    def stage(self, fi: ForwardInput, stager: LaneStager) -> tuple[ForwardInput, Staged]:
+        staged = stager.stage(
+            [fi.input_ids, fi.positions, fi.slot_mapping, fi.query_lens, fi.context_lens,
+             fi.block_tables, fi.sample_indices]
+        )  # fmt: skip
+        ids, positions, kv_slots, qlens, clens, tables, samples = staged.tensors
+        own = replace(
+            fi, input_ids=ids, positions=positions, slot_mapping=kv_slots, query_lens=qlens,
+            context_lens=clens, block_tables=tables, sample_indices=samples,
+        )  # fmt: skip
+        return own, staged
+
     @torch.inference_mode()
-    def execute(self, fi: ForwardInput) -> SamplerOutput | None:
+    def execute(self, fi: ForwardInput, state: LaneState | None = None) -> SamplerOutput | None:
         meta = build_attention_metadata(fi, self.device)
         hidden = self.model(fi.input_ids.to(self.device), fi.positions.to(self.device), meta)
         if fi.sample_indices.numel() == 0:
@@ -69,3 +90,34 @@ class ModelRunner:
         meta = build_attention_metadata(fi, self.device)
         hidden = self.model(fi.input_ids.to(self.device), fi.positions.to(self.device), meta)
         return self.model.compute_logits(hidden).float().cpu()
+
+
+@dataclass(frozen=True)
+class LLMRunnerFactory:
+    """Loads a decoder model's shard into a ``ModelRunner`` (picklable: it crosses into
+    worker processes)."""
+
+    model_config: ModelConfig
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> LLMRunnerFactory:
+        """For the model folder's config; an architecture we cannot serve fails here."""
+        model_config = ModelConfig.from_folder(folder)
+        model_class(model_config.architecture)
+        return cls(model_config)
+
+    def __call__(self, context: RunnerContext) -> ModelRunner:
+        config = context.config
+        dtype = resolve_dtype(
+            config.model.dtype, self.model_config.checkpoint_dtype, context.device.kind
+        )
+        model = load_model(
+            Path(config.model.model), self.model_config, context.group, dtype, context.torch_device
+        )
+        return ModelRunner(
+            model,
+            context.torch_device,
+            dtype,
+            seed=config.model.seed,
+            samples=context.group.rank == 0,
+        )

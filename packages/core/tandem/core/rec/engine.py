@@ -24,8 +24,10 @@ from tandem.device.sync import REAL_SYNC, Promise, Sync
 logger = logging.getLogger(__name__)
 
 
-class RecStepRunner(Protocol):
-    def submit_rec(self, lane: int, step: RecStep) -> Promise[RecStepOutput]: ...
+class RecStepSubmitter(Protocol):
+    """Where batches' steps go: the executor's lanes (or the simulator's fake engine)."""
+
+    def submit(self, lane: int, step: RecStep) -> Promise[RecStepOutput]: ...
 
 
 def prefill_step(batch: RecBatch) -> RecStep:
@@ -49,11 +51,11 @@ def prefill_step(batch: RecBatch) -> RecStep:
 class RecEngine:
     def __init__(
         self,
-        runner: RecStepRunner,
+        steps: RecStepSubmitter,
         scheduler: FixedStepsScheduler,
         sync: Sync = REAL_SYNC,
     ) -> None:
-        self.runner = runner
+        self.steps = steps
         self.scheduler = scheduler
         self._sync = sync
         self._cond = sync.condition()
@@ -110,7 +112,7 @@ class RecEngine:
         self._in_flight[batch.batch_id] = batch
         batch.round = step.round
         try:
-            promise = self.runner.submit_rec(batch.lane, step)
+            promise = self.steps.submit(batch.lane, step)
         except BaseException as exc:  # noqa: BLE001 - the batch fails, the engine goes on
             failed: Promise[RecStepOutput] = Promise(self._sync)
             failed.set_exception(exc)

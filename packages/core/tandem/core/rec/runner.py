@@ -3,15 +3,23 @@ cross-attention cache, with each batch's beams in the state of the lane that run
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
-from tandem.core.kv.block_manager import NULL_BLOCK
+from tandem.core.kv.block_pool import NULL_BLOCK
+from tandem.core.kv.kv_cache import allocate_kv_cache, bytes_per_block
+from tandem.core.layers.weights import parameter_bytes
+from tandem.core.models.loader import resolve_dtype
+from tandem.core.models.rec_config import RecModelConfig
+from tandem.core.models.rec_loader import load_rec_model
 from tandem.core.models.rec_model import GenerativeRecommender
 from tandem.core.rec.beam_search import Beams, beam_step, best_candidates, initial_beams
-from tandem.core.rec.catalog import Catalog
+from tandem.core.rec.catalog import Catalog, load_catalog
 from tandem.core.rec.step import RecPrefill, RecStep, RecStepOutput
+from tandem.core.worker.lane_stager import LaneStager, Staged
+from tandem.core.worker.step_runner import LaneState, RunnerContext
 
 
 @dataclass
@@ -25,9 +33,6 @@ class BatchState:
     # which of them each request attends.
     slots: torch.Tensor  # [R, blocks * block_size]
     mask: torch.Tensor  # [R, blocks * block_size]
-
-
-LaneState = dict[int, BatchState]
 
 
 class RecModelRunner:
@@ -47,24 +52,38 @@ class RecModelRunner:
         self.v_caches: list[torch.Tensor] = []
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return parameter_bytes(self.model)
 
     def block_bytes(self, block_size: int) -> int:
         heads, head_dim = self.model.cross_heads()
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * len(self.model.decoder.layers) * block_size * heads * head_dim * elem
+        return bytes_per_block(
+            len(self.model.decoder.layers), heads, head_dim, block_size, self.dtype
+        )
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         heads, head_dim = self.model.cross_heads()
-        shape = (num_blocks + 1, block_size, heads, head_dim)
         self.block_size = block_size
-        layers = len(self.model.decoder.layers)
-        self.k_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)
-        ]
-        self.v_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)
-        ]
+        caches = allocate_kv_cache(
+            num_layers=len(self.model.decoder.layers),
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=heads,
+            head_dim=head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.k_caches = [k for k, _ in caches]
+        self.v_caches = [v for _, v in caches]
+
+    def stage(self, step: RecStep, stager: LaneStager) -> tuple[RecStep, Staged | None]:
+        """A prefill's tensors go through the lane's stager; decode rounds carry none."""
+        p = step.prefill
+        if p is None:
+            return step, None
+        staged = stager.stage([p.histories, p.lengths, p.block_tables, p.beam_widths])
+        h, lengths, tables, widths = staged.tensors
+        own = RecPrefill(h, lengths, tables, widths, p.num_candidates)
+        return replace(step, prefill=own), staged
 
     def _slots(self, tables: torch.Tensor, length: int) -> torch.Tensor:
         """[R, length] cache slot of every history position."""
@@ -73,6 +92,7 @@ class RecModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: RecStep, state: LaneState) -> RecStepOutput:
+        """One round of a batch; the batch's beams live in the running lane's ``state``."""
         if step.round == 0:
             assert step.prefill is not None, "round 0 carries the prefill"
             batch = self._prefill(step.prefill)
@@ -119,3 +139,22 @@ class RecModelRunner:
 def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
     width = max(len(t) for t in tables)
     return torch.tensor([t + [NULL_BLOCK] * (width - len(t)) for t in tables], dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class RecRunnerFactory:
+    """Loads a recommender's shard and its catalog into a ``RecModelRunner``."""
+
+    model_config: RecModelConfig
+
+    def __call__(self, context: RunnerContext) -> RecModelRunner:
+        config = context.config
+        folder = Path(config.model.model)
+        dtype = resolve_dtype(
+            config.model.dtype, self.model_config.torch_dtype, context.device.kind
+        )
+        model = load_rec_model(
+            folder, self.model_config, context.group, dtype, context.torch_device
+        )
+        catalog = load_catalog(folder, self.model_config.codebook_size)
+        return RecModelRunner(model, catalog, context.torch_device, dtype)

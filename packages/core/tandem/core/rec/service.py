@@ -9,12 +9,13 @@ from pathlib import Path
 
 from tandem.core.config import EngineConfig
 from tandem.core.errors import ConfigError, EngineDeadError
-from tandem.core.executor.executor import create_executor
+from tandem.core.executor.executor import create_lane_executor
 from tandem.core.kv.block_manager import BlockManager
 from tandem.core.models.rec_config import RecModelConfig, load_rec_config
 from tandem.core.rec.engine import RecEngine
 from tandem.core.rec.fixed_steps_scheduler import FixedStepsScheduler
 from tandem.core.rec.request import RecResult, make_rec_request
+from tandem.core.rec.runner import RecRunnerFactory
 from tandem.device.sync import Promise
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class RecService:
         self.model_config = load_rec_config(Path(config.model.model))
         check_rec_config(config, self.model_config)
         self.beam_width = config.rec.beam_width or self.model_config.beam_width
-        self.executor = create_executor(config, self.model_config)
+        self.executor = create_lane_executor(config, RecRunnerFactory(self.model_config))
         try:
             self.blocks = BlockManager(
                 self.executor.num_blocks, config.cache.block_size, enable_prefix_cache=False

@@ -116,9 +116,8 @@ def run_one(model: Path, setting: Setting, workload: Workload) -> dict[str, Any]
             service.submit(history, workload.num_candidates).add_done_callback(finished)
         done.wait(timeout=3600)
         duration = time.perf_counter() - start
-        runner = service.executor.workers[0].rec_runner  # type: ignore[attr-defined]
-        weights = runner.weight_bytes()
-        kv = workload.num_blocks * runner.block_bytes(config.cache.block_size)
+        memory = service.executor.memory
+        weights, kv = memory.weight_bytes, memory.kv_cache_bytes
     finally:
         service.shutdown()
     ordered = sorted(latencies)

@@ -17,6 +17,7 @@ from typing import Any
 from tandem.core import LLMEngine, SamplingParams
 from tandem.core.executor.follower import run_follower
 from tandem.core.llm.engine import Prompt
+from tandem.core.llm.model_runner import LLMRunnerFactory
 from tandem.core.models.rec_config import is_rec_folder
 from tandem.server.cli.engine_args import add_engine_args, engine_config_from_args
 
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     config = engine_config_from_args(args)
     if config.parallel.node_rank > 0:
-        run_follower(config)
+        run_follower(config, LLMRunnerFactory.from_folder(Path(config.model.model)))
         return 0
     engine = LLMEngine(config)
     try:

@@ -12,6 +12,7 @@ import uvicorn
 
 from tandem.core import EngineConfig, EngineLoop, LLMEngine
 from tandem.core.executor.follower import run_follower
+from tandem.core.llm.model_runner import LLMRunnerFactory
 from tandem.core.models.rec_config import is_rec_folder
 from tandem.core.rec.service import RecService
 from tandem.server.app import create_app
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         return _serve_rec(args, config, name)
     if config.parallel.node_rank > 0:
         # Node 0 serves HTTP; this node only lends its devices.
-        run_follower(config)
+        run_follower(config, LLMRunnerFactory.from_folder(Path(config.model.model)))
         return 0
     engine = LLMEngine(config)
     metrics = ServerMetrics(engine, name)

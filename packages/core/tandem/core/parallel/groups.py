@@ -1,0 +1,82 @@
+"""Group construction, written once for both executors: joining the process world, the group
+among processes (one per device, or one per node), and one communicator set for every device
+of a process, created at once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from tandem.collectives import (
+    ProcessGroup,
+    Rendezvous,
+    TorchDistributedGroup,
+    create_inprocess_groups,
+    init_distributed,
+)
+from tandem.collectives.backends import CommunicatorSet, get_collective_backend
+from tandem.core.errors import ConfigError
+from tandem.core.parallel.collective_choice import INPROCESS, TORCH, CollectiveChoice
+from tandem.device import Device, DeviceRuntime
+from tandem.device.sync import Sync
+
+
+class Abortable(Protocol):
+    def abort(self, reason: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class CommunicatorHandles:
+    """One communicator set of this process: how to release ranks blocked in it, and (for
+    hardware libraries) how to free it once no thread uses it."""
+
+    abortable: Abortable | None
+    closeable: CommunicatorSet | None
+
+
+NO_COMMUNICATOR = CommunicatorHandles(abortable=None, closeable=None)
+
+
+def join_process_world(
+    address: str, world_size: int, rank: int, choice: CollectiveChoice, timeout_s: float
+) -> None:
+    """Meet the other processes at ``address`` (HOST:PORT or torchrun's env://)."""
+    try:
+        rdzv = Rendezvous.parse(address, world_size, rank)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    init_distributed(rdzv, choice.dist_backend, timeout_s=timeout_s)
+
+
+def make_process_group(
+    choice: CollectiveChoice,
+    device: Device,
+    runtime: DeviceRuntime,
+    rank: int,
+    size: int,
+    timeout_s: float,
+) -> ProcessGroup:
+    """The group among processes: torch.distributed's, or the library's communicator made
+    from an id rank 0 shares over the world group."""
+    if choice.process == TORCH:
+        return TorchDistributedGroup(choice.dist_backend)
+    return get_collective_backend(choice.process).process_group(
+        device, runtime, rank, size, timeout_s
+    )
+
+
+def make_local_groups(
+    choice: CollectiveChoice,
+    devices: Sequence[Device],
+    runtime: DeviceRuntime,
+    timeout_s: float,
+    sync: Sync,
+) -> tuple[list[ProcessGroup], CommunicatorHandles]:
+    """One communicator set for every device of this process, created at once: in host
+    memory (inprocess), or the library's ``*CommInitAll``."""
+    if choice.local == INPROCESS:
+        inprocess = create_inprocess_groups(len(devices), timeout_s=timeout_s, sync=sync)
+        return list(inprocess), CommunicatorHandles(inprocess[0].communicator, None)
+    made = get_collective_backend(choice.local).local_groups(list(devices), runtime, timeout_s)
+    return made.groups, CommunicatorHandles(made.communicators, made.communicators)
