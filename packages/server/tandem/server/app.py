@@ -96,13 +96,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Tandem", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
 
-    def check_health() -> None:
-        if not state.loop.is_alive:
-            raise EngineDeadError(state.engine.dead or "stopped")
-        # Also while idle: a worker that died between requests shows here.
-        state.engine.executor.check_health()
-
-    add_health_and_metrics(app, check_health, state.metrics.render)
+    add_health_and_metrics(app, state.loop.check_health, state.metrics.render)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

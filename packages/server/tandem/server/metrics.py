@@ -39,21 +39,21 @@ class ServerMetrics:
             ["model_name"],
             registry=self.registry,
         )
-        running.labels(**labels).set_function(lambda: engine.scheduler.num_running)
+        running.labels(**labels).set_function(lambda: engine.stats.num_running)
         waiting = Gauge(
             "tandem:num_requests_waiting",
             "Requests in the waiting queue.",
             ["model_name"],
             registry=self.registry,
         )
-        waiting.labels(**labels).set_function(lambda: engine.scheduler.num_waiting)
+        waiting.labels(**labels).set_function(lambda: engine.stats.num_waiting)
         usage = Gauge(
             "tandem:kv_cache_usage_perc",
             "Fraction of KV-cache blocks in use (1 = full).",
             ["model_name"],
             registry=self.registry,
         )
-        usage.labels(**labels).set_function(lambda: engine.block_manager.usage)
+        usage.labels(**labels).set_function(lambda: engine.stats.kv_cache_usage)
         self._prompt_tokens = Counter(
             "tandem:prompt_tokens",
             "Prompt tokens of finished requests.",

@@ -53,9 +53,9 @@ class RecMetrics:
                           registry=self.registry)  # fmt: skip
         usage = Gauge("tandem:kv_cache_usage_perc", "Fraction of KV blocks reserved.", labels,
                       registry=self.registry)  # fmt: skip
-        waiting.labels(model_name).set_function(lambda: service.scheduler.num_waiting)
-        in_flight.labels(model_name).set_function(lambda: service.scheduler.num_in_flight)
-        usage.labels(model_name).set_function(lambda: service.blocks.usage)
+        waiting.labels(model_name).set_function(lambda: service.stats().num_waiting)
+        in_flight.labels(model_name).set_function(lambda: service.stats().num_batches_in_flight)
+        usage.labels(model_name).set_function(lambda: service.stats().kv_cache_usage)
         self.model_name = model_name
 
     def render(self) -> bytes:

@@ -30,6 +30,7 @@ from tandem.core.llm.outputs import RequestOutput
 from tandem.core.llm.sampling_params import SamplingParams
 from tandem.core.llm.scheduler import Scheduler, SchedulerOutput
 from tandem.core.llm.sequence import SequenceStatus, TokenLogprobs, TokenSequence
+from tandem.core.llm.stats import EngineStats
 from tandem.core.llm.tokenizer import Tokenizer
 from tandem.device.sync import REAL_SYNC, Promise, Sync
 
@@ -100,6 +101,8 @@ class LLMEngine:
         self._draining = False
         self.idle = False
         self._last_progress = self._sync.monotonic()
+        self.stats = EngineStats()
+        self._publish_stats()
         logger.info(
             "engine ready: %s, context %d, %d KV blocks of %d tokens",
             self.model_config.architecture,
@@ -171,6 +174,7 @@ class LLMEngine:
         self.sequences[seq.request_id] = seq
         self.outputs.add(seq)
         self.scheduler.add(seq)
+        self._publish_stats()
 
     def add_request(
         self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None
@@ -188,10 +192,28 @@ class LLMEngine:
         if in_flight:
             # Its step still writes the sequence's KV blocks: free them when it completes.
             self._deferred_free.append(seq)
-        return self._finish_output(seq)
+        out = self._finish_output(seq)
+        self._publish_stats()
+        return out
 
     def has_unfinished(self) -> bool:
         return bool(self.sequences)
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the engine died or a worker is gone (also while idle)."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        self.executor.check_health()
+
+    def _publish_stats(self) -> None:
+        self.stats = EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_steps_in_flight=len(self._in_flight),
+            num_blocks=self.block_manager.num_blocks,
+            num_free_blocks=self.block_manager.num_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
 
     # -- stepping -------------------------------------------------------------------------
 
@@ -203,11 +225,14 @@ class LLMEngine:
         self.idle = False
         if self.dead is not None:
             return []
-        if self._pipelined:
-            return self._step_pipelined()
+        outputs = self._step_pipelined() if self._pipelined else self._step_one()
+        self._publish_stats()
+        return outputs
+
+    def _step_one(self) -> list[RequestOutput]:
         sched_out = self._schedule_full()
         if sched_out.is_empty():
-            self._mark_idle()
+            self.idle = True
             return []
         fi = build_forward_input(sched_out, self.config.cache.block_size)
         return self._run_step(sched_out, lambda: self.executor.execute(fi))
@@ -219,7 +244,7 @@ class LLMEngine:
         time)."""
         self._launch()
         if not self._in_flight:
-            self._mark_idle()
+            self.idle = True
             return []
         flight = self._in_flight.popleft()
         timeout = self.config.parallel.timeout_s
@@ -303,9 +328,6 @@ class LLMEngine:
             self._in_flight.append(_InFlight(lane, out, promise, ids, exclusive))
             self._last_progress = self._sync.monotonic()
 
-    def _mark_idle(self) -> None:
-        self.idle = True
-
     def stalled_for(self) -> float:
         """Seconds since a step was last launched or completed (or a sequence preempted)."""
         return self._sync.monotonic() - self._last_progress
@@ -327,6 +349,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, "error", error=message)
                 outputs.append(self._finish_output(seq))
         self._last_progress = self._sync.monotonic()
+        self._publish_stats()
         return outputs
 
     def scheduler_state(self) -> str:

@@ -58,6 +58,15 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.engine.dead is None
 
+    def check_health(self) -> None:
+        """Raise EngineDeadError once the loop or the engine is gone (a worker that died
+        between requests shows here too)."""
+        if not self._thread.is_alive():
+            raise EngineDeadError(
+                f"the engine loop is not running: {self.engine.dead or 'stopped'}"
+            )
+        self.engine.check_health()
+
     def submit(
         self,
         prompt: Prompt,

@@ -5,6 +5,7 @@ work stop here, before anything is loaded."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.core.config import EngineConfig
@@ -16,6 +17,7 @@ from tandem.core.rec.engine import RecEngine
 from tandem.core.rec.fixed_steps_scheduler import FixedStepsScheduler
 from tandem.core.rec.request import RecResult, make_rec_request
 from tandem.core.rec.runner import RecRunnerFactory
+from tandem.core.worker.step_runner import MemoryFootprint
 from tandem.device.sync import Promise
 
 logger = logging.getLogger(__name__)
@@ -32,6 +34,16 @@ def check_rec_config(config: EngineConfig, model: RecModelConfig) -> None:
     if config.cache.enable_prefix_cache and config.cache.num_blocks is None:
         # Not an error: nothing to share between histories; say so once.
         logger.info("prefix caching does not apply to a recommender; ignoring it")
+
+
+@dataclass(frozen=True)
+class RecStats:
+    num_waiting: int
+    num_batches_in_flight: int
+    # Fraction of KV blocks reserved by batches (1 = full).
+    kv_cache_usage: float
+    # What rank 0's weights and KV cache take.
+    memory: MemoryFootprint
 
 
 class RecService:
@@ -79,6 +91,15 @@ class RecService:
         on the pipeline width)."""
         made = [make_rec_request(h, k, self.model_config, self.beam_width) for h, k in requests]
         return self.engine.submit(*made)
+
+    def stats(self) -> RecStats:
+        """A snapshot of the service's state, for the server's metrics."""
+        return RecStats(
+            num_waiting=self.scheduler.num_waiting,
+            num_batches_in_flight=self.scheduler.num_in_flight,
+            kv_cache_usage=self.blocks.usage,
+            memory=self.executor.memory,
+        )
 
     def check_health(self) -> None:
         if not self.engine.is_running:

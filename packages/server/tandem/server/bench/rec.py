@@ -116,7 +116,7 @@ def run_one(model: Path, setting: Setting, workload: Workload) -> dict[str, Any]
             service.submit(history, workload.num_candidates).add_done_callback(finished)
         done.wait(timeout=3600)
         duration = time.perf_counter() - start
-        memory = service.executor.memory
+        memory = service.stats().memory
         weights, kv = memory.weight_bytes, memory.kv_cache_bytes
     finally:
         service.shutdown()

@@ -1,0 +1,24 @@
+"""What the LLM engine publishes about itself: a snapshot, replaced (never mutated) after
+every step and every request it takes in or gives up, so other threads (the server's
+metrics and health routes) read a consistent view without touching the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    # Steps launched on pipeline lanes and not completed yet.
+    num_steps_in_flight: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    # Preemptions since start (each one recomputes a sequence later).
+    num_preemptions: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use (1 = full)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
