@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.core.layers.linear_attention_metadata import LinearAttentionMetadata
+
 
 @dataclass
 class AttentionGroup:
@@ -36,6 +38,8 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode: AttentionGroup | None
     prefill: AttentionGroup | None
+    # For models with linear-attention (Gated DeltaNet) layers: their per-sequence state slots.
+    linear: LinearAttentionMetadata | None = None
 
 
 class PagedAttention(nn.Module):

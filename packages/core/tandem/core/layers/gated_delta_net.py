@@ -1,0 +1,186 @@
+"""Gated DeltaNet, the linear-attention token mixer of Qwen3.5, with tensor parallelism.
+
+    [q | k | v | z | b | a] = x W_in          (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)
+    q, k, v = silu(causal_conv1d([q | k | v]))
+    beta = sigmoid(b),  g = -exp(A_log) * softplus(a + dt_bias)
+    o = gated_delta_rule(q, k, v, g, beta);  out = W_out gated_rms_norm(o, z)
+
+Tensor parallelism splits the heads: rank r owns key heads ``[r Hk/tp, (r+1) Hk/tp)`` and the
+value heads they serve, with their conv channels, z/b/a rows, A_log/dt_bias entries and state;
+``out_proj`` is row-parallel (one all-reduce per layer).
+
+State, per sequence in its slot (bound once with ``bind_state``, like ``bind_cache``):
+conv state ``[num_slots + 1, conv_channels, K - 1]`` in the model dtype (it holds raw projected
+inputs, exactly representable in that dtype) and recurrent state
+``[num_slots + 1, value_heads, k_head_dim, v_head_dim]`` in float32 (it accumulates over the
+whole sequence; rounding it to half precision at every token would drift, and the reference
+keeps it in float32 as well). Shapes are per rank. Slot 0 is the null slot.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.collectives import ProcessGroup
+from tandem.core.layers.attention import AttentionMetadata
+from tandem.core.layers.causal_conv1d import (
+    causal_conv1d_prefill,
+    causal_conv1d_update,
+    check_activation,
+)
+from tandem.core.layers.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from tandem.core.layers.gated_rms_norm import GatedRMSNorm
+from tandem.core.layers.kernels import KernelHandle
+from tandem.core.layers.linear import RowParallelLinear, _divide
+from tandem.core.layers.linear_attention_metadata import LinearAttentionMetadata
+from tandem.core.layers.sectioned_linear import SectionedColumnParallelLinear, load_sections
+from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
+
+RECURRENT_STATE_DTYPE = torch.float32
+
+# Checkpoint tensor -> the in_proj sections it holds (q, k, v, z, b, a).
+IN_PROJ_TENSORS = {"in_proj_qkv": [0, 1, 2], "in_proj_z": [3], "in_proj_b": [4], "in_proj_a": [5]}
+
+
+class DepthwiseConvWeight(nn.Module):
+    """The conv taps ``[channels, K]`` of this rank's q/k/v channels (``[C, 1, K]`` in
+    checkpoints), split as the q/k/v sections of ``in_proj``."""
+
+    def __init__(self, in_proj: SectionedColumnParallelLinear, kernel_size: int):
+        super().__init__()
+        self.in_proj = [in_proj]  # a list: a reference, not a second registered submodule
+        channels = sum(in_proj.local_sizes[:3])
+        self.weight = nn.Parameter(torch.empty(channels, kernel_size), requires_grad=False)
+
+    def load_weight(self, param: nn.Parameter, loaded: LazyTensor, name: str) -> None:
+        load_sections(param.data, loaded, [0, 1, 2], self.in_proj[0], name)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        k_head_dim: int,
+        v_head_dim: int,
+        conv_kernel_size: int,
+        activation: str,
+        eps: float,
+        group: ProcessGroup,
+    ):
+        super().__init__()
+        check_activation(activation)
+        if num_v_heads % num_k_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({num_v_heads}) is not a multiple of "
+                f"linear_num_key_heads ({num_k_heads})"
+            )
+        self.group = group
+        self.activation = activation
+        self.num_k_heads = _divide(num_k_heads, group.size, "linear_num_key_heads")
+        self.num_v_heads = _divide(num_v_heads, group.size, "linear_num_value_heads")
+        self.k_head_dim = k_head_dim
+        self.v_head_dim = v_head_dim
+        self.conv_kernel_size = conv_kernel_size
+        key_dim = num_k_heads * k_head_dim
+        value_dim = num_v_heads * v_head_dim
+        self.in_proj = SectionedColumnParallelLinear(
+            hidden_size,
+            [key_dim, key_dim, value_dim, value_dim, num_v_heads, num_v_heads],
+            IN_PROJ_TENSORS,
+            group,
+        )
+        self.key_size = self.num_k_heads * k_head_dim
+        self.value_size = self.num_v_heads * v_head_dim
+        self.conv_channels = 2 * self.key_size + self.value_size
+        self.conv1d = DepthwiseConvWeight(self.in_proj, conv_kernel_size)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.norm = GatedRMSNorm(v_head_dim, eps)
+        self.out_proj = RowParallelLinear(value_dim, hidden_size, bias=False, group=group)
+        self.conv_state = torch.empty(0)
+        self.recurrent_state = torch.empty(0)
+        self._conv_prefill = KernelHandle("causal_conv1d_prefill", causal_conv1d_prefill)
+        self._conv_update = KernelHandle("causal_conv1d_update", causal_conv1d_update)
+        self._delta_chunked = KernelHandle("chunk_gated_delta_rule", chunk_gated_delta_rule)
+        self._delta_step = KernelHandle("recurrent_gated_delta_rule", recurrent_gated_delta_rule)
+
+    def load_weight(self, param: nn.Parameter, loaded: LazyTensor, name: str) -> None:
+        """A_log and dt_bias: this rank's value heads."""
+        start = self.group.rank * self.num_v_heads
+        copy_checked(param.data, read_shard(loaded, 0, start, self.num_v_heads), name)
+
+    def conv_state_shape(self, num_slots: int) -> tuple[int, ...]:
+        return (num_slots + 1, self.conv_channels, self.conv_kernel_size - 1)
+
+    def recurrent_state_shape(self, num_slots: int) -> tuple[int, ...]:
+        return (num_slots + 1, self.num_v_heads, self.k_head_dim, self.v_head_dim)
+
+    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
+        """Bytes one sequence's state takes in this layer on this rank (conv state in
+        ``dtype``, the model's)."""
+        conv = self.conv_channels * (self.conv_kernel_size - 1) * dtype.itemsize
+        recurrent = self.num_v_heads * self.k_head_dim * self.v_head_dim
+        return conv + recurrent * RECURRENT_STATE_DTYPE.itemsize
+
+    def bind_state(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
+        """Attach this layer's state pools (shapes from ``conv_state_shape`` and
+        ``recurrent_state_shape``; recurrent state in ``RECURRENT_STATE_DTYPE``)."""
+        self.conv_state = conv_state
+        self.recurrent_state = recurrent_state
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        lin = meta.linear
+        if lin is None:
+            raise ValueError("a linear-attention layer needs AttentionMetadata.linear")
+        mixed, z, b, a = self.in_proj(x).split(
+            [self.conv_channels, self.value_size, self.num_v_heads, self.num_v_heads], dim=-1
+        )
+        mixed = self._conv(mixed, lin)
+        q, k, v = torch.split(mixed, [self.key_size, self.key_size, self.value_size], dim=-1)
+        num_tokens = x.shape[0]
+        q = q.view(num_tokens, self.num_k_heads, self.k_head_dim)
+        k = k.view(num_tokens, self.num_k_heads, self.k_head_dim)
+        v = v.view(num_tokens, self.num_v_heads, self.v_head_dim)
+        beta = b.sigmoid()
+        # In float32 whatever the model dtype: exp(A_log) overflows half precision.
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        core = self._delta(q, k, v, g, beta, lin)
+        out = self.norm(core.view(-1, self.v_head_dim), z.reshape(-1, self.v_head_dim))
+        result: torch.Tensor = self.out_proj(out.view(num_tokens, self.value_size))
+        return result
+
+    def _conv(self, mixed: torch.Tensor, lin: LinearAttentionMetadata) -> torch.Tensor:
+        nd = lin.num_decodes
+        weight = self.conv1d.weight
+        parts = []
+        if nd:
+            parts.append(
+                self._conv_update(mixed[:nd], weight, self.conv_state, lin, self.activation)
+            )
+        if lin.prefill is not None:
+            parts.append(
+                self._conv_prefill(mixed[nd:], weight, self.conv_state, lin, self.activation)
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _delta(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        lin: LinearAttentionMetadata,
+    ) -> torch.Tensor:
+        nd = lin.num_decodes
+        state = self.recurrent_state
+        parts = []
+        if nd:
+            parts.append(self._delta_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], state, lin))
+        if lin.prefill is not None:
+            parts.append(self._delta_chunked(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], state, lin))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,0 +1,159 @@
+"""What linear-attention (Gated DeltaNet) layers need to know about a step, built once per step
+and shared by every such layer, like ``AttentionMetadata`` for paged attention.
+
+The step's tokens are laid out as for paged attention: the first ``num_decodes`` sequences
+have one new token each, then come the prefill chunks, each sequence's tokens contiguous.
+Every running sequence owns one *state slot*: row ``slot`` of each linear-attention layer's
+conv-state and recurrent-state pools (slot 0 is the null slot, like the null KV block: padding
+may point there, nothing real lives in it). A sequence's first chunk starts from a zero state
+(``has_initial_state`` False), whatever the slot held before; every later chunk and decode
+continues from the slot, so chunked prefill and decoding carry the state across steps.
+
+The engine builds it with ``build_linear_attention_metadata`` from the step's per-sequence
+``query_lens``, ``context_lens`` (cached tokens after the step) and state slots, and hands it
+to the model on ``AttentionMetadata.linear``. Beside those, it precomputes the gather indices
+the CPU kernels use (conv windows, chunk layout) with batched tensor ops, so no layer
+rebuilds them and no kernel loops over tokens in Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Chunk length of the chunked gated delta rule (flash-linear-attention and transformers use 64).
+DEFAULT_CHUNK_SIZE = 64
+
+
+@dataclass
+class LinearPrefillIndices:
+    """Gather indices over the prefill part of a step (its tokens counted from 0)."""
+
+    num_tokens: int
+    # Per prefill sequence (B = number of prefill sequences).
+    state_slots: torch.Tensor  # [B] int64
+    has_initial_state: torch.Tensor  # [B] bool
+    # Causal conv: tap j of token t reads row conv_window_index[j, t] of
+    # cat(prefill inputs [N, C], initial conv states as rows [B * (K - 1), C]).
+    conv_window_index: torch.Tensor  # [K, N] int64
+    # The K - 1 rows of the same source that form each sequence's next conv state.
+    conv_state_index: torch.Tensor  # [K - 1, B] int64
+    # Chunked delta rule: each sequence padded to whole chunks of chunk_size tokens, chunks of
+    # all sequences stacked ([num_chunks, chunk_size]) plus one all-zero chunk at the end.
+    chunk_size: int
+    num_chunks: int
+    chunk_token_index: torch.Tensor  # [N] int64: row (chunk * chunk_size + offset) of token t
+    # Chunk id of each sequence's i-th chunk; sequences with fewer chunks point at the zero
+    # chunk (num_chunks), which leaves their state unchanged.
+    chunk_table: torch.Tensor  # [B, max chunks per sequence] int64
+
+
+@dataclass
+class LinearAttentionMetadata:
+    state_slots: torch.Tensor  # [S] int64, per sequence of the step, decodes first
+    query_start_loc: torch.Tensor  # [S + 1] int64, first token of each sequence in the step
+    has_initial_state: torch.Tensor  # [S] bool: False on a sequence's first chunk
+    num_decodes: int  # the first num_decodes sequences (and tokens) are single-token decodes
+    prefill: LinearPrefillIndices | None  # None when the step has no prefill
+
+    @property
+    def decode_slots(self) -> torch.Tensor:
+        return self.state_slots[: self.num_decodes]
+
+    @property
+    def decode_has_initial_state(self) -> torch.Tensor:
+        return self.has_initial_state[: self.num_decodes]
+
+
+def build_linear_attention_metadata(
+    query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    state_slots: torch.Tensor,
+    num_decodes: int,
+    conv_kernel_size: int,
+    device: torch.device,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> LinearAttentionMetadata:
+    """``query_lens``, ``context_lens``, ``state_slots``: [S] int64 on the host, decodes first.
+
+    A sequence has an initial state when tokens were cached before this step
+    (``context_len > query_len``). Prefix caching must be off for these models: a cached prefix
+    has KV but no recurrent state.
+    """
+    query_lens = query_lens.to(torch.int64).cpu()
+    context_lens = context_lens.to(torch.int64).cpu()
+    slots = state_slots.to(torch.int64).cpu()
+    starts = torch.zeros(query_lens.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(query_lens, 0, out=starts[1:])
+    has_initial = context_lens > query_lens
+    prefill = None
+    if query_lens.shape[0] > num_decodes:
+        prefill = _prefill_indices(
+            query_lens[num_decodes:],
+            slots[num_decodes:],
+            has_initial[num_decodes:],
+            conv_kernel_size,
+            chunk_size,
+            device,
+        )
+    return LinearAttentionMetadata(
+        state_slots=slots.to(device),
+        query_start_loc=starts.to(device),
+        has_initial_state=has_initial.to(device),
+        num_decodes=num_decodes,
+        prefill=prefill,
+    )
+
+
+def _prefill_indices(
+    lens: torch.Tensor,
+    slots: torch.Tensor,
+    has_initial: torch.Tensor,
+    kernel_size: int,
+    max_chunk_size: int,
+    device: torch.device,
+) -> LinearPrefillIndices:
+    num_seqs = lens.shape[0]
+    num_tokens = int(lens.sum())
+    starts = torch.cumsum(lens, 0) - lens
+    token = torch.arange(num_tokens)
+    seq = torch.repeat_interleave(torch.arange(num_seqs), lens, output_size=num_tokens)
+    pos = token - starts[seq]  # position of each token within its sequence's new tokens
+
+    # Conv source rows: the N inputs, then each sequence's K - 1 previous inputs (its state).
+    # In a sequence's own coordinates s (state first), row s < K - 1 is a state row.
+    history = kernel_size - 1
+
+    def source_row(s: torch.Tensor, seq_of: torch.Tensor) -> torch.Tensor:
+        from_input = starts[seq_of] + s - history
+        from_state = num_tokens + seq_of * history + s
+        return torch.where(s >= history, from_input, from_state)
+
+    taps = torch.arange(kernel_size).unsqueeze(1)  # [K, 1]
+    window = source_row(pos.unsqueeze(0) + taps, seq.expand(kernel_size, -1))
+    keep = lens.unsqueeze(0) + torch.arange(history).unsqueeze(1)  # [K - 1, B]
+    state_rows = source_row(keep, torch.arange(num_seqs).expand(history, -1))
+
+    # Short prefills get short chunks: the arithmetic is the same, the padding is not.
+    longest = int(lens.max())
+    chunk = min(max_chunk_size, 1 << max(longest - 1, 0).bit_length())
+    seq_chunks = (lens + chunk - 1) // chunk
+    chunk_start = torch.cumsum(seq_chunks, 0) - seq_chunks
+    num_chunks = int(seq_chunks.sum())
+    chunk_token_index = (chunk_start[seq] + pos // chunk) * chunk + pos % chunk
+    ith = torch.arange(int(seq_chunks.max())).unsqueeze(0)
+    chunk_table = torch.where(
+        ith < seq_chunks.unsqueeze(1), chunk_start.unsqueeze(1) + ith, num_chunks
+    )
+    return LinearPrefillIndices(
+        num_tokens=num_tokens,
+        state_slots=slots.to(device),
+        has_initial_state=has_initial.to(device),
+        conv_window_index=window.to(device),
+        conv_state_index=state_rows.to(device),
+        chunk_size=chunk,
+        num_chunks=num_chunks,
+        chunk_token_index=chunk_token_index.to(device),
+        chunk_table=chunk_table.to(device),
+    )

@@ -1,0 +1,31 @@
+"""Zero-centred RMSNorm (Qwen3.5): the weight is stored as an offset from one, so the scale is
+``1 + weight``; normalised and scaled in float32, rounded once to the input dtype."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem.core.layers.kernels import KernelHandle
+from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
+
+
+def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Unlike Llama's RMSNorm, the scale multiplies before rounding: (x * w).to(dtype).
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        self._kernel = KernelHandle("rms_norm_zero_centered", rms_norm_zero_centered)
+
+    def load_weight(self, param: nn.Parameter, loaded: LazyTensor, name: str) -> None:
+        copy_checked(param.data, read_shard(loaded, 0, 0, param.shape[0]), name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x, self.weight, self.eps)
