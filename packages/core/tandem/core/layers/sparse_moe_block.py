@@ -1,0 +1,94 @@
+"""The sparse mixture-of-experts MLP of Qwen3-MoE and Qwen3.5-MoE.
+
+Routing: softmax over the router logits in float32, top-k, optionally renormalised to sum to
+one, rounded to the model dtype. Qwen3.5-MoE adds a shared expert (a gated MLP every token
+goes through) scaled by ``sigmoid(shared_expert_gate(x))``.
+
+Tensor parallelism: the router and the shared-expert gate are replicated; routed and shared
+experts split their intermediate dimension, and their partial sums meet in one all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.collectives import ProcessGroup
+from tandem.core.layers.fused_moe import FusedMoeExperts
+from tandem.core.layers.kernels import GATED_ACTIVATIONS
+from tandem.core.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from tandem.core.layers.replicated_linear import ReplicatedLinear
+
+
+class TopKRouter(ReplicatedLinear):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, normalize: bool):
+        super().__init__(hidden_size, num_experts)
+        self.top_k = top_k
+        self.normalize = normalize
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights (model dtype) and expert ids, each [T, top_k]."""
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), ids
+
+
+class SharedExpert(nn.Module):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, activation: str, group: ProcessGroup
+    ):
+        super().__init__()
+        self.act = GATED_ACTIVATIONS[activation]
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=False, group=group
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, group=group)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum; the block reduces it together with the routed experts'."""
+        return F.linear(self.act(self.gate_up_proj(x)), self.down_proj.weight)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        normalize_topk: bool,
+        shared_intermediate_size: int,
+        activation: str,
+        group: ProcessGroup,
+    ):
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) must be in [1, {num_experts}]")
+        self.group = group
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, normalize_topk)
+        self.experts = FusedMoeExperts(
+            num_experts, hidden_size, intermediate_size, activation, group
+        )
+        self.shared_expert: SharedExpert | None = None
+        self.shared_expert_gate: ReplicatedLinear | None = None
+        if shared_intermediate_size > 0:
+            self.shared_expert = SharedExpert(
+                hidden_size, shared_intermediate_size, activation, group
+            )
+            self.shared_expert_gate = ReplicatedLinear(hidden_size, out_features=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate.route(x)
+        out: torch.Tensor = self.experts(x, weights, ids)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            # The gate is one scalar per token, identical on every rank: scaling the partial
+            # sums scales their total.
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial(x)
+            out = out + shared
+        if self.group.size > 1:
+            out = self.group.all_reduce(out)
+        return out
