@@ -52,7 +52,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection; query heads split across ranks, KV heads split or replicated
-    (when there are fewer KV heads than ranks, each rank keeps the one its query heads use)."""
+    (when there are fewer KV heads than ranks, each rank keeps the one its query heads use).
+    With ``gated_query`` each query head is followed by its output gate (Qwen3.5's q_proj)."""
 
     def __init__(
         self,
@@ -62,6 +63,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_kv_heads: int,
         bias: bool,
         group: ProcessGroup,
+        gated_query: bool = False,
     ):
         tp = group.size
         self.num_heads = _divide(num_heads, tp, "number of attention heads")
@@ -73,7 +75,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
             kv_start = group.rank * num_kv_heads // tp
         self.head_dim = head_dim
-        q_size = self.num_heads * head_dim
+        q_size = self.num_heads * head_dim * (2 if gated_query else 1)
         kv_size = self.num_kv_heads * head_dim
         super().__init__(hidden_size, (q_size + 2 * kv_size) * tp, bias, group)
         # (offset in this rank's fused output, size, start row in the checkpoint tensor)

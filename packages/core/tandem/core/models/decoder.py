@@ -13,6 +13,7 @@ from tandem.collectives import ProcessGroup
 from tandem.core.layers.activation import gated_activation_kernel
 from tandem.core.layers.attention import AttentionMetadata, PagedAttention
 from tandem.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tandem.core.layers.gated_delta_net import GatedDeltaNet
 from tandem.core.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -89,10 +90,12 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, group: ProcessGroup, dtype: torch.dtype):
+    def __init__(
+        self, config: ModelConfig, group: ProcessGroup, dtype: torch.dtype, mlp: nn.Module
+    ):
         super().__init__()
         self.self_attn = DecoderAttention(config, group, dtype)
-        self.mlp = DecoderMLP(config, group)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -110,15 +113,24 @@ class DecoderForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, group, dtype) for _ in range(config.num_layers)
+            DecoderLayer(config, group, dtype, self.build_mlp(i, group))
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def build_mlp(self, layer_index: int, group: ProcessGroup) -> nn.Module:
+        """The feed-forward block of layer ``layer_index``; MoE families override it."""
+        return DecoderMLP(self.config, group)
+
     def attention_layers(self) -> list[PagedAttention]:
         return [cast(DecoderLayer, layer).self_attn.attn for layer in self.layers]
+
+    def linear_attention_layers(self) -> list[GatedDeltaNet]:
+        """None here: a dense decoder needs no per-sequence state slots."""
+        return []
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

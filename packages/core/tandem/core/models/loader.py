@@ -18,7 +18,7 @@ from tandem.core.errors import ModelLoadError
 from tandem.core.layers.weights import LazyTensor
 from tandem.core.models.decoder import DecoderForCausalLM
 from tandem.core.models.model_config import ModelConfig
-from tandem.core.models.registry import model_class
+from tandem.core.models.registry import CausalLM, causal_lm_class, model_class
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,31 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
 ) -> DecoderForCausalLM:
-    cls = model_class(config.architecture)
+    """The model the engine serves (dense and MoE decoders; paged KV cache only)."""
+    model = _load(model_class(config.architecture), folder, config, group, dtype, device)
+    assert isinstance(model, DecoderForCausalLM)
+    return model
+
+
+def load_causal_lm(
+    folder: Path,
+    config: ModelConfig,
+    group: ProcessGroup,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> CausalLM:
+    """Any model of the models package, hybrid (linear-attention) ones included."""
+    return _load(causal_lm_class(config.architecture), folder, config, group, dtype, device)
+
+
+def _load(
+    cls: type[CausalLM],
+    folder: Path,
+    config: ModelConfig,
+    group: ProcessGroup,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> CausalLM:
     files = weight_files(folder)
     # Built on meta, then materialised in place: no float32 detour, no second copy.
     try:

@@ -42,6 +42,14 @@ class ModelConfig:
         if not archs:
             raise ModelLoadError("config.json has no 'architectures' entry")
         arch = str(archs[0])
+        # Imported here: the family config subclasses this one.
+        from tandem.core.models.qwen3_family_config import (
+            FAMILY_ARCHITECTURES,
+            parse_family_config,
+        )
+
+        if arch in FAMILY_ARCHITECTURES:
+            return parse_family_config(raw, arch)
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])

@@ -1,0 +1,257 @@
+"""Qwen3.5 and Qwen3.5-MoE (``*ForCausalLM``, and the text model of
+``*ForConditionalGeneration``): hybrid decoders whose layers are either Gated DeltaNet linear
+attention or gated full attention (``layer_types``), each followed by a dense gated MLP
+(Qwen3.5) or a sparse MoE block with a shared expert (Qwen3.5-MoE). All RMSNorms but the
+DeltaNet's gated one are zero-centred; rotary covers ``partial_rotary_factor`` of each head.
+
+Driving it (the engine's side of the contract):
+
+* ``model(input_ids, positions, meta)`` exactly as the dense decoder: tokens laid out decodes
+  first, then prefill chunks; ``meta`` the step's ``AttentionMetadata``, whose ``linear`` field
+  carries the ``LinearAttentionMetadata`` of the step (``build_linear_attention_metadata``).
+* Full-attention layers use the paged KV cache: ``attention_layers()`` lists their
+  ``PagedAttention`` modules, sized and bound as for the dense models (``bind_cache``).
+* Linear-attention layers keep one state slot per running sequence:
+  ``linear_attention_layers()`` lists them; ``state_bytes_per_slot(dtype)`` is what one slot
+  costs on this rank across all of them (size the slot pool with the KV blocks from the same
+  budget); ``allocate_linear_attention_state`` (layers/linear_attention_state.py) allocates and
+  binds the pools, or bind your own with ``GatedDeltaNet.bind_state``. A slot must stay with its
+  sequence from its first chunk to its end; a sequence preempted by recompute starts over with
+  ``has_initial_state`` False, which needs no clearing of the slot.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import cast
+
+import torch
+from torch import nn
+
+from tandem.collectives import ProcessGroup
+from tandem.core.layers.attention import AttentionMetadata, PagedAttention
+from tandem.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tandem.core.layers.gated_attention import GatedAttention
+from tandem.core.layers.gated_delta_net import GatedDeltaNet
+from tandem.core.layers.linear_attention_metadata import (
+    LinearAttentionMetadata,
+    build_linear_attention_metadata,
+)
+from tandem.core.layers.linear_attention_state import state_bytes_per_slot
+from tandem.core.layers.partial_rotary import PartialRotaryEmbedding
+from tandem.core.layers.weights import LazyTensor
+from tandem.core.layers.zero_centered_rms_norm import ZeroCenteredRMSNorm
+from tandem.core.models.decoder import DecoderMLP
+from tandem.core.models.expert_weights import ExpertWeights
+from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.qwen3_family_config import (
+    LINEAR_ATTENTION,
+    Qwen3FamilyConfig,
+    family_config,
+)
+from tandem.core.models.qwen3_moe import sparse_moe_block
+
+logger = logging.getLogger(__name__)
+
+# Where the text model's tensors live: under the language model of a composite checkpoint,
+# else under ``model.`` (transformers loads both into either class).
+_TEXT_PREFIXES = ("model.language_model.", "model.")
+# Tensors a text-only model does not use: the vision tower, the multi-token-prediction head.
+_SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+
+# Hugging Face tensor -> (our fused module, shard id).
+_FUSED: list[tuple[str, str, str | int]] = [
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+    ("in_proj_qkv", "in_proj", "in_proj_qkv"),
+    ("in_proj_z", "in_proj", "in_proj_z"),
+    ("in_proj_b", "in_proj", "in_proj_b"),
+    ("in_proj_a", "in_proj", "in_proj_a"),
+]
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3FamilyConfig, index: int, group: ProcessGroup):
+        super().__init__()
+        self.linear_attn: GatedDeltaNet | None = None
+        self.self_attn: GatedAttention | None = None
+        if config.layer_types[index] == LINEAR_ATTENTION:
+            self.linear_attn = GatedDeltaNet(
+                config.hidden_size,
+                num_k_heads=config.linear_num_key_heads,
+                num_v_heads=config.linear_num_value_heads,
+                k_head_dim=config.linear_key_head_dim,
+                v_head_dim=config.linear_value_head_dim,
+                conv_kernel_size=config.linear_conv_kernel_dim,
+                activation=config.hidden_act,
+                eps=config.rms_norm_eps,
+                group=group,
+            )
+        else:
+            self.self_attn = GatedAttention(
+                config.hidden_size,
+                num_heads=config.num_heads,
+                num_kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim,
+                bias=config.qkv_bias,
+                eps=config.rms_norm_eps,
+                group=group,
+            )
+        self.mlp: nn.Module = (
+            sparse_moe_block(config, group)
+            if config.moe_layers[index]
+            else DecoderMLP(config, group)
+        )
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: PartialRotaryEmbedding,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.linear_attn is not None:
+            h = self.linear_attn(h, meta)
+        else:
+            assert self.self_attn is not None
+            h = self.self_attn(h, rotary, cos, sin, meta)
+        x = x + h
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, group: ProcessGroup, dtype: torch.dtype):
+        super().__init__()
+        family = family_config(config)
+        self.config = family
+        self.embed_tokens = VocabParallelEmbedding(family.vocab_size, family.hidden_size, group)
+        self.rotary = PartialRotaryEmbedding(
+            family.rotary_dim,
+            family.max_position_embeddings,
+            family.rope_theta,
+            family.rope_scaling,
+            dtype,
+        )
+        self.layers = nn.ModuleList(
+            Qwen3_5DecoderLayer(family, i, group) for i in range(family.num_layers)
+        )
+        self.norm = ZeroCenteredRMSNorm(family.hidden_size, family.rms_norm_eps)
+        self.lm_head = ParallelLMHead(family.vocab_size, family.hidden_size, group)
+        if family.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def _decoder_layers(self) -> list[Qwen3_5DecoderLayer]:
+        return [cast(Qwen3_5DecoderLayer, layer) for layer in self.layers]
+
+    def attention_layers(self) -> list[PagedAttention]:
+        """The full-attention layers' paged attention, in layer order (for the KV cache)."""
+        return [
+            layer.self_attn.attn for layer in self._decoder_layers() if layer.self_attn is not None
+        ]
+
+    def linear_attention_layers(self) -> list[GatedDeltaNet]:
+        """The linear-attention layers, in layer order (for the state-slot pools)."""
+        return [
+            layer.linear_attn for layer in self._decoder_layers() if layer.linear_attn is not None
+        ]
+
+    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
+        """Bytes one sequence's state slot takes on this rank over all linear-attention layers
+        (``dtype``: the model's, which the conv state uses)."""
+        return state_bytes_per_slot(self.linear_attention_layers(), dtype)
+
+    def build_linear_attention_metadata(
+        self,
+        query_lens: torch.Tensor,
+        context_lens: torch.Tensor,
+        state_slots: torch.Tensor,
+        num_decodes: int,
+        device: torch.device,
+    ) -> LinearAttentionMetadata:
+        """The step's ``AttentionMetadata.linear`` from per-sequence host tensors (decodes
+        first): new tokens, cached tokens after the step, state slot."""
+        return build_linear_attention_metadata(
+            query_lens,
+            context_lens,
+            state_slots,
+            num_decodes=num_decodes,
+            conv_kernel_size=self.config.linear_conv_kernel_dim,
+            device=device,
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.lookup(positions)
+        for layer in self._decoder_layers():
+            x = layer(x, self.rotary, cos, sin, meta)
+        out: torch.Tensor = self.norm(x)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> set[str]:
+        """Load checkpoint tensors by their Hugging Face names; returns the parameters loaded.
+        Vision-tower and multi-token-prediction tensors are skipped (one log line)."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        experts = ExpertWeights(self)
+        loaded: set[str] = set()
+        skipped = 0
+        for name, tensor in weights:
+            if name.startswith(_SKIPPED_PREFIXES):
+                skipped += 1
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target = _strip_prefix(name)
+            if experts.take(target, tensor, name):
+                continue
+            shard: str | int | None = None
+            for hf, fused, sid in _FUSED:
+                if f".{hf}." in target:
+                    target, shard = target.replace(f".{hf}.", f".{fused}."), sid
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(
+                    f"checkpoint tensor {name} matches no parameter of "
+                    f"{self.config.architecture}; the config.json does not match the weights"
+                )
+            owner = self.get_submodule(target.rsplit(".", 1)[0])
+            if shard is None:
+                owner.load_weight(param, tensor, name)  # type: ignore[operator]
+            else:
+                owner.load_shard(param, tensor, shard, name)  # type: ignore[operator]
+            loaded.add(target)
+        if skipped:
+            logger.info(
+                "%s: skipped %d checkpoint tensors of the vision tower and multi-token "
+                "prediction (%s*); serving text only",
+                self.config.architecture,
+                skipped,
+                "*, ".join(_SKIPPED_PREFIXES),
+            )
+        if self.config.tie_word_embeddings and "embed_tokens.weight" in loaded:
+            loaded.add("lm_head.weight")
+        return loaded | experts.loaded_parameters()
+
+    def expected_parameters(self) -> set[str]:
+        return {name for name, _ in self.named_parameters(remove_duplicate=False)}
+
+
+def _strip_prefix(name: str) -> str:
+    for prefix in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name

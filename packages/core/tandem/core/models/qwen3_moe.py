@@ -1,0 +1,57 @@
+"""Qwen3-MoE: the Qwen3 decoder (q/k norm, grouped-query attention) whose MLP is a sparse
+mixture of experts on every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``.
+
+It is a ``DecoderForCausalLM`` with a different feed-forward block, so the engine serves it
+exactly like the dense models (paged KV cache, no per-sequence state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from tandem.collectives import ProcessGroup
+from tandem.core.layers.sparse_moe_block import SparseMoeBlock
+from tandem.core.layers.weights import LazyTensor
+from tandem.core.models.decoder import DecoderForCausalLM
+from tandem.core.models.expert_weights import ExpertWeights
+from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.qwen3_family_config import Qwen3FamilyConfig, family_config
+
+
+class Qwen3MoeForCausalLM(DecoderForCausalLM):
+    def __init__(self, config: ModelConfig, group: ProcessGroup, dtype: torch.dtype):
+        family_config(config)  # fail before building anything
+        super().__init__(config, group, dtype)
+
+    def build_mlp(self, layer_index: int, group: ProcessGroup) -> nn.Module:
+        config = family_config(self.config)
+        if not config.moe_layers[layer_index]:
+            return super().build_mlp(layer_index, group)
+        return sparse_moe_block(config, group)
+
+    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> set[str]:
+        experts = ExpertWeights(self)
+
+        def dense(items: Iterable[tuple[str, LazyTensor]]) -> Iterator[tuple[str, LazyTensor]]:
+            for name, tensor in items:
+                if not experts.take(name.removeprefix("model."), tensor, name):
+                    yield name, tensor
+
+        loaded = super().load_weights(dense(weights))
+        return loaded | experts.loaded_parameters()
+
+
+def sparse_moe_block(config: Qwen3FamilyConfig, group: ProcessGroup) -> SparseMoeBlock:
+    return SparseMoeBlock(
+        config.hidden_size,
+        num_experts=config.num_experts,
+        top_k=config.num_experts_per_tok,
+        intermediate_size=config.moe_intermediate_size,
+        normalize_topk=config.norm_topk_prob,
+        shared_intermediate_size=config.shared_expert_intermediate_size,
+        activation=config.hidden_act,
+        group=group,
+    )
