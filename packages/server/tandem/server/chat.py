@@ -2,34 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
-
-from tandem.core import InvalidRequestError
-from tandem.core.llm.engine_loop import RequestStream
+from tandem.core import RequestOutput
 from tandem.core.llm.sequence import TokenLogprobs
 from tandem.core.llm.tokenizer import Tokenizer
-from tandem.server.common import (
-    check_request,
-    chunk_base,
-    failure,
-    new_id,
-    now,
-    stream_failure,
-    usage,
-)
+from tandem.server.common import check_request, new_id, usage
+from tandem.server.endpoint import StreamShape, respond
 from tandem.server.errors import ApiError
-from tandem.server.generation import (
-    Job,
-    final_outputs,
-    merge_outputs,
-    sampling_params,
-    submit_jobs,
-)
+from tandem.server.generation import Job, sampling_params
 from tandem.server.protocol import ChatCompletionRequest
-from tandem.server.sse import DONE, event
 from tandem.server.state import ServerState
 
 
@@ -67,13 +49,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs=true.", param="top_logprobs")
     prompt_ids = _prompt_ids(state, body)
+    state.engine.check_prompt_length(len(prompt_ids), param="messages")
     max_model_len = state.engine.max_model_len
-    if len(prompt_ids) >= max_model_len:
-        raise InvalidRequestError(
-            f"This model's maximum context length is {max_model_len} tokens, but the messages "
-            f"take {len(prompt_ids)} tokens; shorten them.",
-            param="messages",
-        )
     max_tokens = body.max_completion_tokens or body.max_tokens or max_model_len - len(prompt_ids)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     jobs = [
@@ -81,86 +58,74 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         for c in range(body.n)
     ]
     request_id = new_id("chatcmpl")
-    streams = submit_jobs(state, jobs, request_id)
-    created = now()
-    if body.stream:
-        return StreamingResponse(
-            _stream(state, body, jobs, streams, request_id, created),
-            media_type="text/event-stream",
-        )
-    outputs = await final_outputs(state, jobs, streams)
-    failed = failure(outputs)
-    if failed is not None:
-        return JSONResponse(failed[1], status_code=failed[0])
     tokenizer = state.engine.tokenizer
-    choices = [
-        {
-            "index": job.index,
-            "message": {"role": "assistant", "content": out.text},
-            "logprobs": chat_logprobs(tokenizer, out.logprobs or []) if body.logprobs else None,
-            "finish_reason": out.finish_reason,
-            "stop_reason": out.stop_reason,
+
+    def complete(outputs: list[RequestOutput], created: int) -> dict[str, Any]:
+        choices = [
+            {
+                "index": job.index,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": chat_logprobs(tokenizer, out.logprobs or []) if body.logprobs else None,
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+            }
+            for job, out in zip(jobs, outputs, strict=True)
+        ]
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": state.served_model_name,
+            "choices": choices,
+            "usage": usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)),
         }
-        for job, out in zip(jobs, outputs, strict=True)
-    ]
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": state.served_model_name,
-        "choices": choices,
-        "usage": usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)),
-    }
+
+    stream = _stream_shape(body, jobs, tokenizer) if body.stream else None
+    return await respond(state, jobs, request_id, stream, complete)
 
 
-async def _stream(
-    state: ServerState,
-    body: ChatCompletionRequest,
-    jobs: list[Job],
-    streams: list[RequestStream],
-    request_id: str,
-    created: int,
-) -> AsyncGenerator[str, None]:
-    tokenizer = state.engine.tokenizer
-    base = chunk_base(state, request_id, "chat.completion.chunk", created)
-    for job in jobs:
-        first = {
+def _stream_shape(
+    body: ChatCompletionRequest, jobs: list[Job], tokenizer: Tokenizer
+) -> StreamShape:
+    def chunks(index: int, out: RequestOutput) -> list[dict[str, Any]]:
+        choices: list[dict[str, Any]] = []
+        logprobs = None
+        if body.logprobs and out.new_logprobs:
+            logprobs = chat_logprobs(tokenizer, out.new_logprobs)
+        if out.delta_text or logprobs is not None:
+            choices.append(
+                {
+                    "index": index,
+                    "delta": {"content": out.delta_text},
+                    "logprobs": logprobs,
+                    "finish_reason": None,
+                }
+            )
+        if out.finished:
+            choices.append(
+                {
+                    "index": index,
+                    "delta": {},
+                    "logprobs": None,
+                    "finish_reason": out.finish_reason,
+                    "stop_reason": out.stop_reason,
+                }
+            )
+        return choices
+
+    opening = [
+        {
             "index": job.index,
             "delta": {"role": "assistant", "content": ""},
             "logprobs": None,
             "finish_reason": None,
         }
-        yield event({**base, "choices": [first]})
-    prompt_tokens = 0
-    completion_tokens = 0
-    async for index, out in merge_outputs(state, jobs, streams):
-        failed = stream_failure(out)
-        if failed is not None:
-            yield event(failed)
-            break
-        logprobs = None
-        if body.logprobs and out.new_logprobs:
-            logprobs = chat_logprobs(tokenizer, out.new_logprobs)
-        if out.delta_text or logprobs is not None:
-            choice = {
-                "index": index,
-                "delta": {"content": out.delta_text},
-                "logprobs": logprobs,
-                "finish_reason": None,
-            }
-            yield event({**base, "choices": [choice]})
-        if out.finished:
-            final = {
-                "index": index,
-                "delta": {},
-                "logprobs": None,
-                "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason,
-            }
-            yield event({**base, "choices": [final]})
-            prompt_tokens = len(out.prompt_token_ids)
-            completion_tokens += len(out.token_ids)
-    else:
-        if body.stream_options is not None and body.stream_options.include_usage:
-            yield event({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
-    yield DONE
+        for job in jobs
+    ]
+    return StreamShape(
+        obj="chat.completion.chunk",
+        opening=opening,
+        chunks=chunks,
+        prompt_of=lambda index: 0,
+        include_usage=body.stream_options is not None and body.stream_options.include_usage,
+    )

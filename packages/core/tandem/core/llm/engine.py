@@ -132,13 +132,7 @@ class LLMEngine:
                 )
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt_ids)} tokens, but this model's maximum context "
-                f"length is {self.max_model_len} tokens (prompt plus at least one generated "
-                "token); shorten the prompt",
-                param="prompt",
-            )
+        self.check_prompt_length(len(prompt_ids))
         total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         # The last sampled token is never fed back, so its KV is never stored.
         blocks = self.block_manager.blocks_for(total - 1)
@@ -165,6 +159,17 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_total_tokens=self.max_model_len,
         )
+
+    def check_prompt_length(self, num_tokens: int, param: str = "prompt") -> None:
+        """InvalidRequestError unless a prompt of ``num_tokens`` leaves room for at least one
+        generated token; ``param`` names the request field the prompt came from."""
+        if num_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                f"{num_tokens} tokens of {param}, but this model's maximum context "
+                f"length is {self.max_model_len} tokens (prompt plus at least one generated "
+                f"token); shorten the {param}",
+                param=param,
+            )
 
     def add_sequence(self, seq: TokenSequence) -> None:
         if self.dead is not None:

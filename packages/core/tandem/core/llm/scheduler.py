@@ -46,20 +46,16 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         block_manager: BlockManager,
-        policy: SchedulingPolicy | None = None,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.policy: SchedulingPolicy = policy or FcfsPolicy()
+        self.policy: SchedulingPolicy = FcfsPolicy()
         self.waiting: deque[TokenSequence] = deque()
         self.running: list[TokenSequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: TokenSequence) -> None:
         self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     @property
     def num_waiting(self) -> int:

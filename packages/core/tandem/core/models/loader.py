@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 
 from tandem.collectives import ProcessGroup
@@ -133,25 +134,36 @@ def _load(
     dtype: torch.dtype,
     device: torch.device,
 ) -> CausalLM:
-    files = weight_files(folder)
-    # Built on meta, then materialised in place: no float32 detour, no second copy.
+    model = materialize(lambda: cls(config, group, dtype), folder, dtype, device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    # Padding rows of a vocab-parallel shard must stay zero.
+    model.embed_tokens.weight.data.zero_()
+    model.lm_head.weight.data.zero_()
+    fill_from_checkpoint(model, weight_files(folder), f"loading {folder.name} (rank {group.rank})")
+    logger.info(
+        "loaded %s (%s, %d layers) in %s", folder, config.architecture, config.num_layers, dtype
+    )
+    return model
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def materialize(
+    build: Callable[[], M], folder: Path, dtype: torch.dtype, device: torch.device
+) -> M:
+    """``build()`` on the meta device, then its storage made in place on ``device`` in
+    ``dtype``: no float32 detour, no second copy. Buffers computed at construction (rotary
+    tables) are computed again; a config the layers cannot build is a ModelLoadError."""
     try:
         with torch.device("meta"):
-            model = cls(config, group, dtype)
-    except ValueError as exc:  # a config the layers cannot build (activation, rope, TP split)
+            model = build()
+    except ValueError as exc:  # activation, rope or tensor-parallel split not buildable
         raise ModelLoadError(f"{folder}: {exc}") from None
     model = model.to(dtype).to_empty(device=device)
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):
             reset()
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    # Padding rows of a vocab-parallel shard must stay zero.
-    model.embed_tokens.weight.data.zero_()
-    model.lm_head.weight.data.zero_()
-    fill_from_checkpoint(model, files, f"loading {folder.name} (rank {group.rank})")
-    logger.info(
-        "loaded %s (%s, %d layers) in %s", folder, config.architecture, config.num_layers, dtype
-    )
     return model

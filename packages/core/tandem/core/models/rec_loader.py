@@ -10,7 +10,7 @@ import torch
 
 from tandem.collectives import ProcessGroup
 from tandem.core.errors import ModelLoadError
-from tandem.core.models.loader import fill_from_checkpoint, weight_files
+from tandem.core.models.loader import fill_from_checkpoint, materialize, weight_files
 from tandem.core.models.rec_config import RecModelConfig
 from tandem.core.models.rec_model import GenerativeRecommender
 
@@ -27,12 +27,7 @@ def load_rec_model(
     files = [f for f in weight_files(folder) if f.name != "catalog.safetensors"]
     if not files:
         raise ModelLoadError(f"{folder} has no weight files besides the catalog")
-    try:
-        with torch.device("meta"):
-            model = GenerativeRecommender(config, group)
-    except ValueError as exc:
-        raise ModelLoadError(f"{folder}: {exc}") from None
-    model = model.to(dtype).to_empty(device=device)
+    model = materialize(lambda: GenerativeRecommender(config, group), folder, dtype, device)
     fill_from_checkpoint(model, files, f"loading {folder.name} (rank {group.rank})")
     logger.info(
         "loaded recommender %s (%d codebooks of %d, %d+%d layers) in %s",
