@@ -71,13 +71,14 @@ def create_lane_executor(
     """An executor with ``--max-concurrency`` pipeline lanes per worker. Lanes are threads of
     the process that drives the devices, so only single-process mode on one node has them."""
     topology = resolve_topology(config.parallel)
-    check_lanes_fit(topology)
+    check_lanes_fit(topology)  # before anything loads
     from tandem.core.executor.thread_executor import ThreadExecutor
 
     return ThreadExecutor(config, runner_factory, topology, lanes=True)
 
 
 def check_lanes_fit(topology: Topology) -> None:
+    """ConfigError unless ``topology`` can have pipeline lanes."""
     if topology.mode is not Mode.SINGLE_PROCESS:
         raise ConfigError(
             "pipeline lanes (--max-concurrency > 1, or serving a recommender) run in "

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from tandem.collectives import ProcessGroup, SingleRankGroup, TwoLevelGroup
 from tandem.core.config import EngineConfig
 from tandem.core.errors import ConfigError, EngineDeadError
+from tandem.core.executor.executor import check_lanes_fit
 from tandem.core.parallel.collective_choice import CollectiveChoice, resolve_collectives
 from tandem.core.parallel.groups import (
     NO_COMMUNICATOR,
@@ -67,11 +68,8 @@ class ThreadExecutor(Generic[StepT, OutT]):
         self._runtime = runtime
         self._control: dist.ProcessGroup | None = None
         self.uses_lanes = lanes
-        if lanes and topology.nnodes > 1:
-            raise ConfigError(
-                "pipeline lanes (--max-concurrency > 1, or a recommender) serve one node; "
-                "drop --nnodes or use --max-concurrency 1 with an LLM"
-            )
+        if lanes:
+            check_lanes_fit(topology)
         groups = self._make_groups(config, topology)
         per_lane = self._make_lane_groups(config, topology, groups) if lanes else None
         self._workers = [
