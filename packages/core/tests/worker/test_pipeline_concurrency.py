@@ -92,3 +92,16 @@ def test_pipeline_lanes_refuse_one_process_per_device(demo_dir: Path) -> None:
         LLMEngine(config)
     with pytest.raises(ConfigError, match="--max-concurrency must be >= 1"):
         PipelineConfig(max_concurrency=0)
+
+
+def test_serialized_forwards_are_refused_with_tensor_parallelism(demo_dir: Path) -> None:
+    """Each rank's forward lock would be taken in its own lane order: a deadlock."""
+    from ..conftest import engine_config
+
+    config = engine_config(
+        demo_dir,
+        pipeline=PipelineConfig(max_concurrency=2, serialize_forward=True),
+        parallel=ParallelConfig(devices="cpu:0,cpu:1", single_process=True),
+    )
+    with pytest.raises(ConfigError, match=r"--serialize-forward .* tensor parallelism"):
+        LLMEngine(config)

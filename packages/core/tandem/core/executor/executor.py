@@ -71,14 +71,23 @@ def create_lane_executor(
     """An executor with ``--max-concurrency`` pipeline lanes per worker. Lanes are threads of
     the process that drives the devices, so only single-process mode on one node has them."""
     topology = resolve_topology(config.parallel)
-    check_lanes_fit(topology)  # before anything loads
+    check_lanes_fit(config, topology)  # before anything loads
     from tandem.core.executor.thread_executor import ThreadExecutor
 
     return ThreadExecutor(config, runner_factory, topology, lanes=True)
 
 
-def check_lanes_fit(topology: Topology) -> None:
+def check_lanes_fit(config: EngineConfig, topology: Topology) -> None:
     """ConfigError unless ``topology`` can have pipeline lanes."""
+    if config.pipeline.serialize_forward and topology.world_size > 1:
+        # Each rank's lock would be taken by its lanes in whatever order they arrive: rank 0
+        # running lane A's forward waits in a collective for rank 1, whose lock lane B holds
+        # while it waits for rank 0's lane B. A deadlock, not a measurement.
+        raise ConfigError(
+            "--serialize-forward serializes one worker's lanes and cannot be used with "
+            "tensor parallelism (ranks would take the lock in different lane orders and "
+            "deadlock); drop it, or measure with one device"
+        )
     if topology.mode is not Mode.SINGLE_PROCESS:
         raise ConfigError(
             "pipeline lanes (--max-concurrency > 1, or serving a recommender) run in "

@@ -69,7 +69,7 @@ class ThreadExecutor(Generic[StepT, OutT]):
         self._control: dist.ProcessGroup | None = None
         self.uses_lanes = lanes
         if lanes:
-            check_lanes_fit(topology)
+            check_lanes_fit(config, topology)
         groups = self._make_groups(config, topology)
         per_lane = self._make_lane_groups(config, topology, groups) if lanes else None
         self._workers = [
