@@ -3,6 +3,13 @@
 Every collective goes out on the calling thread's current stream of its device, which is the
 worker thread that owns the device (concurrency rule 2). Buffers are the tensors' own device
 memory; outputs are allocated on the same device.
+
+Order of a call: every framework op that makes a buffer (a contiguous copy, an output) first,
+then the stream handle, then the library. On NPU the handle is read through torch_npu's
+``Stream.npu_stream``, which returns ``NPUStream::stream()``, and that drains torch_npu's task
+queue onto the device stream (``MakeSureQueueEmpty``, torch_npu/csrc/core/npu/NPUStream.cpp).
+Ops issued after the read wait in the task queue while the library enqueues straight onto the
+raw stream, so a copy made after the read could land after the collective that reads it.
 """
 
 from __future__ import annotations
@@ -100,59 +107,73 @@ class CommGroup:
         """The library's communicator handle."""
         return self._comm
 
-    def _begin(self) -> int:
+    def _check_open(self) -> None:
         reason = self._communicators.aborted
         if reason is not None:
             raise CollectiveAborted(reason)
+
+    def _launch(self, call: Callable[[int], None]) -> None:
+        """``call(stream)``, the stream handle read last (see the module docstring): every
+        buffer the call reads or writes exists before this."""
         self._sequence += 1
-        return self._stream()
+        call(self._stream())
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-        stream = self._begin()
+        self._check_open()
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-        self._library.all_reduce(
-            buf.data_ptr(), buf.data_ptr(), buf.numel(), buf.dtype, op, self._comm, stream
+        self._launch(
+            lambda stream: self._library.all_reduce(
+                buf.data_ptr(), buf.data_ptr(), buf.numel(), buf.dtype, op, self._comm, stream
+            )
         )
         if buf is not tensor:
             tensor.copy_(buf)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        stream = self._begin()
+        self._check_open()
         src = tensor.contiguous()
         out = torch.empty((self._size, *src.shape), dtype=src.dtype, device=src.device)
-        self._library.all_gather(
-            src.data_ptr(), out.data_ptr(), src.numel(), src.dtype, self._comm, stream
+        self._launch(
+            lambda stream: self._library.all_gather(
+                src.data_ptr(), out.data_ptr(), src.numel(), src.dtype, self._comm, stream
+            )
         )
         # [size, *shape] -> concatenation along ``dim``, in rank order.
         return torch.cat(out.unbind(0), dim=dim)
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         check_scatterable(tensor, self._size)
-        stream = self._begin()
+        self._check_open()
         src = tensor.contiguous()
         out = torch.empty(
             (src.shape[0] // self._size, *src.shape[1:]), dtype=src.dtype, device=src.device
         )
-        self._library.reduce_scatter(
-            src.data_ptr(), out.data_ptr(), out.numel(), src.dtype, op, self._comm, stream
+        self._launch(
+            lambda stream: self._library.reduce_scatter(
+                src.data_ptr(), out.data_ptr(), out.numel(), src.dtype, op, self._comm, stream
+            )
         )
         return out
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         if not 0 <= root < self._size:
             raise ValueError(f"broadcast root {root} is outside a group of {self._size}")
-        stream = self._begin()
+        self._check_open()
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-        self._library.broadcast(buf.data_ptr(), buf.numel(), buf.dtype, root, self._comm, stream)
+        self._launch(
+            lambda stream: self._library.broadcast(
+                buf.data_ptr(), buf.numel(), buf.dtype, root, self._comm, stream
+            )
+        )
         if buf is not tensor:
             tensor.copy_(buf)
         return tensor
 
     def barrier(self) -> None:
         if self._library.has_barrier:
-            stream = self._begin()
-            self._library.barrier(self._comm, stream)
+            self._check_open()
+            self._launch(lambda stream: self._library.barrier(self._comm, stream))
             return
         # NCCL has no barrier: one element reduced across ranks is one.
         token = torch.zeros(1, dtype=torch.float32, device=self._device)
