@@ -17,9 +17,10 @@ import torch.distributed as dist
 from tandem.collectives import CollectiveTimeout, ProcessGroup
 from tandem.collectives.backends import LocalGroups
 from tandem.device import Device, DeviceRuntime
+from tandem.device.sync import Promise
 from tandem.device.task_thread import TaskThread
 from tandem_hw.accelerator_runtime import AcceleratorRuntime
-from tandem_hw.comm_group import CommGroup, Communicators, StreamHandle
+from tandem_hw.comm_group import CommGroup, Communicators, DeviceBinder, StreamHandle
 from tandem_hw.comm_library import CommLibrary
 from tandem_hw.ctypes_library import LibraryNotFound
 from tandem_hw.hccl import HcclLibrary
@@ -38,6 +39,23 @@ def stream_handle_for(runtime: DeviceRuntime, device: Device) -> StreamHandle:
         return runtime.stream_handle
     handle = STANDIN_STREAM_BASE + device.index
     return lambda: handle
+
+
+def thread_binder(runtime: DeviceRuntime, library: CommLibrary) -> DeviceBinder:
+    """How the backend's own threads (creating and destroying communicators) take a device:
+    the runtime's bind, which on a card is the framework's set_device (torch.npu.set_device
+    reaches aclrtSetDevice, whose per-thread device HCCL reads back). Host devices under the
+    CPU stand-in have no such runtime beneath the CPU one, so the stand-in's own
+    aclrtSetDevice follows the runtime's bind, as torch_npu's follows torch's."""
+    set_device = None if isinstance(runtime, AcceleratorRuntime) else library.host_set_device
+    if set_device is None:
+        return runtime.bind
+
+    def bind(device: Device) -> None:
+        runtime.bind(device)
+        set_device(device.index)
+
+    return bind
 
 
 class LibraryBackend:
@@ -80,22 +98,27 @@ class LibraryBackend:
         self, devices: Sequence[Device], runtime: DeviceRuntime, timeout_s: float
     ) -> LocalGroups:
         library = self.library()
+        bind = thread_binder(runtime, library)
 
         def init() -> list[int]:
-            runtime.bind(devices[0])
+            bind(devices[0])
             return library.init_all([d.index for d in devices])
 
         # A thread of its own, so the caller's thread keeps its device binding.
         thread = TaskThread(f"tandem-{self.name}-init")
+        created = thread.submit(init)
         try:
-            comms = thread.submit(init).result(timeout=timeout_s)
+            comms = created.result(timeout=timeout_s)
         except TimeoutError:
+            self._destroy_when_created(created, devices, bind)
             raise CollectiveTimeout(
-                f"{self.name} communicator creation took over {timeout_s} s"
+                f"{self.name} communicator creation took over {timeout_s} s; the native call "
+                "cannot be interrupted and keeps running on its own thread until the library "
+                "gives up (HCCL_CONNECT_TIMEOUT for HCCL); whatever it creates is destroyed"
             ) from None
         finally:
             thread.stop(timeout=0)
-        communicators = Communicators(library, comms)
+        communicators = Communicators(library, comms, devices, bind)
         groups: list[ProcessGroup] = [
             CommGroup(
                 library,
@@ -111,11 +134,38 @@ class LibraryBackend:
         logger.info("%s: one communicator set for %d local devices", self.name, len(devices))
         return LocalGroups(groups, communicators)
 
+    def _destroy_when_created(
+        self,
+        created: Promise[list[int]],
+        devices: Sequence[Device],
+        bind: DeviceBinder,
+    ) -> None:
+        """After a timed-out creation: destroy the communicators if the call still returns."""
+        library = self.library()
+
+        def on_done(done: Promise[list[int]]) -> None:
+            if done.exception() is not None:
+                logger.warning(
+                    "%s: the timed-out communicator creation failed late: %s",
+                    self.name,
+                    done.exception(),
+                )
+                return
+            logger.warning(
+                "%s: the timed-out communicator creation returned late; destroying its "
+                "communicators",
+                self.name,
+            )
+            Communicators(library, done.result(), devices, bind).close()
+
+        created.add_done_callback(on_done)
+
     def process_group(
         self, device: Device, runtime: DeviceRuntime, rank: int, size: int, timeout_s: float
     ) -> ProcessGroup:
         library = self.library()
-        runtime.bind(device)
+        bind = thread_binder(runtime, library)
+        bind(device)
         box: list[object] = [library.unique_id() if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         unique_id = box[0]
@@ -128,7 +178,7 @@ class LibraryBackend:
             rank,
             size,
             stream_handle_for(runtime, device),
-            Communicators(library, [comm]),
+            Communicators(library, [comm], [device], bind),
             runtime.torch_device(device),
         )
 

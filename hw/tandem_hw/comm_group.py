@@ -17,11 +17,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from tandem.collectives import CollectiveAborted, ReduceOp
 from tandem.collectives.process_group import check_scatterable
+from tandem.device import Device
 from tandem_hw.comm_library import CommLibrary
 
 logger = logging.getLogger(__name__)
@@ -29,16 +31,41 @@ logger = logging.getLogger(__name__)
 # The raw handle of the calling thread's current stream (aclrtStream / cudaStream_t).
 StreamHandle = Callable[[], int]
 
+# Makes a device the calling thread's current one, the way the backend's runtime binds.
+DeviceBinder = Callable[[Device], None]
+
+
+# How long teardown waits for one communicator's destroy call.
+DESTROY_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class CloseFailure:
+    device: Device
+    error: str
+
 
 class Communicators:
-    """The communicators of one clique that live in this process: abort and close them once."""
+    """The communicators of one clique that live in this process, one per device: abort and
+    close them once."""
 
-    def __init__(self, library: CommLibrary, comms: Sequence[int]) -> None:
+    def __init__(
+        self,
+        library: CommLibrary,
+        comms: Sequence[int],
+        devices: Sequence[Device],
+        bind: DeviceBinder,
+    ) -> None:
+        if len(comms) != len(devices):
+            raise ValueError(f"{len(comms)} communicators for {len(devices)} devices")
         self._library = library
         self._comms = list(comms)
+        self._devices = list(devices)
+        self._bind = bind
         self._lock = threading.Lock()
         self._aborted: str | None = None
         self._closed = False
+        self.close_failures: list[CloseFailure] = []
 
     @property
     def aborted(self) -> str | None:
@@ -59,15 +86,56 @@ class Communicators:
             )
 
     def close(self) -> None:
+        """Destroy every communicator, each on a thread bound to its device: HCCL reads the
+        calling thread's device first in ``HcclCommDestroy`` (op_base.cc) and fails without one,
+        and the executor's thread never binds one. A failure is reported and the rest are
+        still destroyed."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             # An aborted NCCL communicator is already released; destroying it again is invalid.
-            if self._aborted is not None and self._library.name == "nccl":
-                return
-        for comm in self._comms:
-            self._library.destroy(comm)
+            skip = self._aborted is not None and self._library.name == "nccl"
+        if skip:
+            return
+        for comm, device in zip(self._comms, self._devices, strict=True):
+            error = self._destroy_on_bound_thread(comm, device)
+            if error is not None:
+                self.close_failures.append(CloseFailure(device, error))
+                logger.error(
+                    "%s: the communicator of %s was not destroyed: %s",
+                    self._library.name,
+                    device,
+                    error,
+                )
+        if self.close_failures:
+            logger.error(
+                "%s: %d of %d communicators could not be destroyed",
+                self._library.name,
+                len(self.close_failures),
+                len(self._comms),
+            )
+
+    def _destroy_on_bound_thread(self, comm: int, device: Device) -> str | None:
+        outcome: list[str | None] = []
+
+        def body() -> None:
+            try:
+                self._bind(device)
+                self._library.destroy(comm)
+            except Exception as exc:  # noqa: BLE001 - reported by the caller, the rest go on
+                outcome.append(f"{type(exc).__name__}: {exc}")
+            else:
+                outcome.append(None)
+
+        thread = threading.Thread(
+            target=body, name=f"tandem-{self._library.name}-destroy-{device}", daemon=True
+        )
+        thread.start()
+        thread.join(DESTROY_TIMEOUT_S)
+        if thread.is_alive():
+            return f"the destroy call did not return within {DESTROY_TIMEOUT_S} s"
+        return outcome[0]
 
 
 class CommGroup:

@@ -6,7 +6,7 @@ tensors; every call is queued on the stream handle it is given.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -34,6 +34,10 @@ class CommLibrary(Protocol):
     is_standin: bool
     # HcclBarrier exists; NCCL has none (the group reduces one element instead).
     has_barrier: bool
+    # The CPU stand-in's copy of the device runtime's per-thread setter (aclrtSetDevice) for
+    # libraries that read the calling thread's device; None for a real library, whose runtime
+    # the framework's own set_device reaches.
+    host_set_device: Callable[[int], None] | None
 
     def init_all(self, devices: Sequence[int]) -> list[int]:
         """One communicator per device, created by one call (all ranks in this process)."""
@@ -110,6 +114,7 @@ class CheckedLibrary:
         self.path = str(path)
         self._lib: BoundLibrary = bind_library(path, self.name, functions)
         self.is_standin = self._lib.has_symbol("TandemStandinVersion")
+        self.host_set_device: Callable[[int], None] | None = None
 
     def error_string(self, code: int) -> str:
         text: bytes | None = self._lib[self.error_function](code)

@@ -16,7 +16,7 @@ import torch
 
 from tandem.collectives import ReduceOp
 from tandem_hw.comm_library import CheckedLibrary
-from tandem_hw.ctypes_library import CFunction, LibraryNotFound
+from tandem_hw.ctypes_library import CFunction, LibraryNotFound, bind_library
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,9 @@ FUNCTIONS = (
     CFunction("HcclCommDestroy", HcclResult, (HcclComm,)),
 )
 
+# The stand-in's copy of acl_rt.h's  aclError aclrtSetDevice(int32_t deviceId);
+_STANDIN_ACL = (CFunction("aclrtSetDevice", ctypes.c_int, (ctypes.c_int32,)),)
+
 # Where CANN puts libhccl.so, relative to its install root.
 _CANN_LIB = Path("lib64") / "libhccl.so"
 _DEFAULT_CANN_ROOT = Path("/usr/local/Ascend/ascend-toolkit/latest")
@@ -165,6 +168,17 @@ class HcclLibrary(CheckedLibrary):
     def __init__(self, path: Path | str | None = None) -> None:
         super().__init__(path if path is not None else find_hccl_library(), FUNCTIONS)
         logger.info("HCCL from %s%s", self.path, " (CPU stand-in)" if self.is_standin else "")
+        if self.is_standin:
+            # HCCL reads the calling thread's device back from the ACL runtime; on host
+            # devices nothing but the stand-in's own aclrtSetDevice can set it.
+            acl = bind_library(self.path, "acl", _STANDIN_ACL)
+
+            def set_device(index: int) -> None:
+                code = int(acl["aclrtSetDevice"](index))
+                if code != 0:
+                    raise RuntimeError(f"aclrtSetDevice({index}) failed with {code}")
+
+            self.host_set_device = set_device
 
     def init_all(self, devices: Sequence[int]) -> list[int]:
         ids = (ctypes.c_int32 * len(devices))(*devices)

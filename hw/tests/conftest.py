@@ -1,18 +1,26 @@
 """Fixtures for the hardware package's tests: the CPU stand-in library (built with the system C
-compiler; the tests that need it skip with the reason where it cannot be built) and the
-accelerator a device-marked test runs on (skipped with the reason where there is none)."""
+compiler; the tests that need it skip with the reason where it cannot be built), how a test
+thread binds a host device the way the backend does, and the accelerator a device-marked test
+runs on (skipped with the reason where there is none)."""
 
 from __future__ import annotations
 
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from tandem_hw.comm_backend import thread_binder
+from tandem_hw.comm_group import DeviceBinder
 from tandem_hw.comm_library import CommLibrary
 from tandem_hw.hccl import HcclLibrary
 from tandem_hw.nccl import NcclLibrary
-from tandem_sim.standin_library import StandinUnavailable, build_standin_library
+from tandem_sim.standin_library import StandinProbe, StandinUnavailable, build_standin_library
+
+from tandem.device import get_runtime
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +38,49 @@ def library(request: pytest.FixtureRequest, standin_path: Path) -> CommLibrary:
     if request.param == "hccl":
         return HcclLibrary(standin_path)
     return NcclLibrary(standin_path)
+
+
+RunRanks = Callable[[int, Callable[[int], Any]], list[Any]]
+
+
+@pytest.fixture
+def bind(library: CommLibrary) -> DeviceBinder:
+    """Binds the calling thread to a CPU device through the CPU runtime, and (HCCL) through the
+    stand-in's aclrtSetDevice after it, as torch.npu.set_device reaches the ACL runtime."""
+    return thread_binder(get_runtime("cpu"), library)
+
+
+@pytest.fixture
+def probe(standin_path: Path) -> StandinProbe:
+    return StandinProbe(standin_path)
+
+
+def _run_ranks(n: int, fn: Callable[[int], Any], timeout_s: float = 60.0) -> list[Any]:
+    results: list[Any] = [None] * n
+    errors: list[BaseException] = []
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+        assert not thread.is_alive(), "a rank is still running"
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.fixture
+def run_ranks() -> RunRanks:
+    """``run_ranks(n, fn)``: ``fn(rank)`` on one thread per rank, all at once; results in rank
+    order, the first error re-raised."""
+    return _run_ranks
 
 
 def accelerator_unavailable(kind: str, needed: int = 2) -> str | None:

@@ -10,64 +10,44 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import Any
 
 import pytest
 import torch
 from tandem_hw import hccl, nccl
-from tandem_hw.comm_group import CommGroup, Communicators
+from tandem_hw.comm_group import CommGroup, Communicators, DeviceBinder
 from tandem_hw.comm_library import CommLibrary, CommLibraryError
 from tandem_hw.ctypes_library import BoundLibrary, LibraryNotFound
+from tandem_sim.standin_library import StandinProbe
 
 from tandem.collectives import CollectiveAborted, ReduceOp
+from tandem.device import Device
 
 STREAM_BASE = 0x7000
 
-T = TypeVar("T")
-
-
-def run_ranks(n: int, fn: Callable[[int], T], timeout_s: float = 60.0) -> list[T]:
-    """``fn(rank)`` on one thread per rank, all at once; results in rank order, the first
-    error re-raised."""
-    results: list[T | None] = [None] * n
-    errors: list[BaseException] = []
-
-    def body(rank: int) -> None:
-        try:
-            results[rank] = fn(rank)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the test thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout_s)
-        assert not thread.is_alive(), "a rank is still running"
-    if errors:
-        raise errors[0]
-    return [cast(T, r) for r in results]
-
-
-def _standin(library: CommLibrary) -> ctypes.CDLL:
-    lib = ctypes.CDLL(library.path)
-    lib.TandemStandinLastStream.restype = ctypes.c_size_t
-    lib.TandemStandinLastStream.argtypes = [ctypes.c_void_p]
-    lib.TandemStandinCommDevice.argtypes = [ctypes.c_void_p]
-    lib.TandemStandinCommRank.argtypes = [ctypes.c_void_p]
-    return lib
+RunRanks = Callable[[int, Callable[[int], Any]], list[Any]]
 
 
 def _stream(rank: int) -> Callable[[], int]:
     return lambda: STREAM_BASE + rank
 
 
-def _groups(library: CommLibrary, comms: list[int]) -> list[CommGroup]:
-    shared = Communicators(library, comms)
+def make_groups(
+    library: CommLibrary, comms: list[int], indices: list[int], bind: DeviceBinder
+) -> list[CommGroup]:
+    devices = [Device("cpu", i) for i in indices]
+    shared = Communicators(library, comms, devices, bind)
     return [
         CommGroup(library, comm, rank, len(comms), _stream(rank), shared, torch.device("cpu"))
         for rank, comm in enumerate(comms)
     ]
+
+
+def init_all(library: CommLibrary, bind: DeviceBinder, indices: list[int]) -> list[int]:
+    """HcclCommInitAll reads the calling thread's device first, like the backend's init thread
+    has it bound."""
+    bind(Device("cpu", indices[0]))
+    return library.init_all(indices)
 
 
 @pytest.mark.parametrize(
@@ -88,13 +68,18 @@ def test_root_info_and_unique_id_have_the_c_sizes() -> None:
 
 
 @pytest.mark.parametrize("nranks", [2, 4])
-def test_init_all_collectives_match_torch(library: CommLibrary, nranks: int) -> None:
+def test_init_all_collectives_match_torch(
+    library: CommLibrary,
+    bind: DeviceBinder,
+    probe: StandinProbe,
+    run_ranks: RunRanks,
+    nranks: int,
+) -> None:
     devices = [3 + 2 * r for r in range(nranks)]
-    comms = library.init_all(devices)
-    standin = _standin(library)
-    assert [standin.TandemStandinCommDevice(c) for c in comms] == devices
-    assert [standin.TandemStandinCommRank(c) for c in comms] == list(range(nranks))
-    groups = _groups(library, comms)
+    comms = init_all(library, bind, devices)
+    assert [probe.comm_device(c) for c in comms] == devices
+    assert [probe.comm_rank(c) for c in comms] == list(range(nranks))
+    groups = make_groups(library, comms, devices, bind)
     inputs = [torch.randn(6, 4, generator=torch.Generator().manual_seed(r)) for r in range(nranks)]
 
     def body(rank: int) -> dict[str, torch.Tensor]:
@@ -133,30 +118,48 @@ def test_init_all_collectives_match_torch(library: CommLibrary, nranks: int) -> 
         assert out["bcast"].tolist() == [float(nranks - 1)] * 5
         assert out["bf16_bcast"].tolist() == [1.0, 1.0]
         # Each rank issued on its own stream, and the handle reached the library.
-        assert standin.TandemStandinLastStream(comms[rank]) == STREAM_BASE + rank
+        assert probe.last_stream(comms[rank]) == STREAM_BASE + rank
     assert all(g.sequence == 11 for g in groups)
     groups[0]._communicators.close()
+    assert not groups[0]._communicators.close_failures
 
 
-def test_sums_are_added_in_rank_order(library: CommLibrary) -> None:
+def test_sums_are_added_in_rank_order(
+    library: CommLibrary, bind: DeviceBinder, run_ranks: RunRanks
+) -> None:
     """Rounding shows the order: (1e8 + 1) - 1e8 differs from 1e8 + (1 - 1e8) in float32."""
-    groups = _groups(library, library.init_all([0, 1, 2]))
+    groups = make_groups(library, init_all(library, bind, [0, 1, 2]), [0, 1, 2], bind)
     values = [1e8, 1.0, -1e8]
     out = run_ranks(3, lambda r: groups[r].all_reduce(torch.tensor([values[r]])))
     expected = (torch.tensor([1e8]) + torch.tensor([1.0])) + torch.tensor([-1e8])
     assert all(torch.equal(o, expected) for o in out)
+    groups[0]._communicators.close()
 
 
-def test_root_info_path_joins_ranks_of_one_clique(library: CommLibrary) -> None:
+def test_root_info_path_joins_ranks_of_one_clique(
+    library: CommLibrary, bind: DeviceBinder, probe: StandinProbe, run_ranks: RunRanks
+) -> None:
+    bind(Device("cpu", 0))
     unique_id = library.unique_id()
-    comms = run_ranks(2, lambda r: library.init_rank(2, unique_id, r))
-    groups = _groups(library, comms)
+
+    def join(rank: int) -> int:
+        # Each rank's communicator lives on its thread's device, as HcclCommInitRootInfo's does.
+        bind(Device("cpu", 4 + rank))
+        return library.init_rank(2, unique_id, rank)
+
+    comms = run_ranks(2, join)
+    if library.name == "hccl":
+        assert [probe.comm_device(c) for c in comms] == [4, 5]
+    groups = make_groups(library, comms, [4, 5], bind)
     out = run_ranks(2, lambda r: groups[r].all_gather(torch.tensor([r + 10])))
     assert [o.tolist() for o in out] == [[10, 11], [10, 11]]
+    groups[0]._communicators.close()
 
 
-def test_a_failing_call_raises_with_the_library_message(library: CommLibrary) -> None:
-    comm = library.init_all([0])[0]
+def test_a_failing_call_raises_with_the_library_message(
+    library: CommLibrary, bind: DeviceBinder
+) -> None:
+    comm = init_all(library, bind, [0])[0]
     buf = torch.zeros(4)
     with pytest.raises(CommLibraryError) as err:
         # A null stream: the real libraries refuse it too.
@@ -172,8 +175,10 @@ def test_a_failing_call_raises_with_the_library_message(library: CommLibrary) ->
     library.destroy(comm)
 
 
-def test_unsupported_reduction_type_is_refused_by_the_library(library: CommLibrary) -> None:
-    comm = library.init_all([0])[0]
+def test_unsupported_reduction_type_is_refused_by_the_library(
+    library: CommLibrary, bind: DeviceBinder
+) -> None:
+    comm = init_all(library, bind, [0])[0]
     half = torch.zeros(2, dtype=torch.float16)
     with pytest.raises(CommLibraryError) as err:
         library.all_reduce(half.data_ptr(), half.data_ptr(), 2, torch.float16, ReduceOp.SUM,
@@ -184,17 +189,19 @@ def test_unsupported_reduction_type_is_refused_by_the_library(library: CommLibra
 
 
 def test_a_missing_rank_times_out_instead_of_hanging(
-    library: CommLibrary, monkeypatch: pytest.MonkeyPatch
+    library: CommLibrary, bind: DeviceBinder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TANDEM_STANDIN_TIMEOUT_S", "1")
-    groups = _groups(library, library.init_all([0, 1]))
+    groups = make_groups(library, init_all(library, bind, [0, 1]), [0, 1], bind)
     with pytest.raises(CommLibraryError, match=r"TIMEOUT|remote process"):
         groups[0].all_reduce(torch.ones(3))
 
 
-def test_abort_fails_later_collectives_and_releases_blocked_ranks(library: CommLibrary) -> None:
-    comms = library.init_all([0, 1])
-    groups = _groups(library, comms)
+def test_abort_fails_later_collectives_and_releases_blocked_ranks(
+    library: CommLibrary, bind: DeviceBinder
+) -> None:
+    comms = init_all(library, bind, [0, 1])
+    groups = make_groups(library, comms, [0, 1], bind)
     shared = groups[0]._communicators
     if library.name == "nccl":
         # ncclCommAbort releases a rank blocked in a collective.

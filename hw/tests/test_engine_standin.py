@@ -5,8 +5,9 @@ What this exercises: backend selection by name, HcclCommInitAll / ncclCommInitAl
 thread with the first device bound, each worker issuing on its own stream handle, root info
 made on rank 0 and broadcast over the gloo world then HcclCommInitRootInfo / ncclCommInitRank
 in separate processes, two-level groups whose inter-node level is the library, the pointer
-and enum passing of every collective the model uses. What it cannot: device memory, real
-streams and their ordering, the library's own transport.
+and enum passing of every collective the model uses, and shutdown destroying every
+communicator on a thread bound to its device (the stand-in reports any left at exit). What it
+cannot: device memory, real streams, the library's own transport.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ from harness import generate_token_ids
 from reference_models import write_reference_model
 
 NEW_TOKENS = 32
+# The stand-in names communicators still alive when the process exits.
+LEAK_REPORT = {"TANDEM_STANDIN_REPORT_LEAKS": "1"}
+
+
+def assert_torn_down(log: str) -> None:
+    assert "never destroyed" not in log, log[-3000:]
+    assert "was not destroyed" not in log, log[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +46,16 @@ def test_tp2_with_library_collectives_matches_tp1(
 ) -> None:
     env = {"HCCL_SO_PATH": str(standin_path), "NCCL_SO_PATH": str(standin_path)}
     single = generate_token_ids(
-        model, "tp2-single-process", NEW_TOKENS, ("--local-collectives", name), env, "INFO"
+        model,
+        "tp2-single-process",
+        NEW_TOKENS,
+        ("--local-collectives", name),
+        {**env, **LEAK_REPORT},
+        "INFO",
     )
     assert single.token_ids == reference
     assert f"{name}: one communicator set for 2 local devices" in single.logs[0]
+    assert_torn_down(single.logs[0])
     multi = generate_token_ids(
         model, "tp2-multi-process", NEW_TOKENS, ("--process-collectives", name), env, "INFO"
     )

@@ -18,11 +18,12 @@ from typing import Any, cast
 
 import pytest
 import torch
-from tandem_hw.comm_group import CommGroup, Communicators
+from tandem_hw.comm_group import CommGroup, Communicators, DeviceBinder
 from tandem_hw.comm_library import CommLibrary
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.collectives import ReduceOp
+from tandem.device import Device
 
 RunRanks = Callable[[int, Callable[[int], Any]], list[Any]]
 
@@ -93,26 +94,6 @@ def _read_stream(rank: int) -> Callable[[], int]:
     return read
 
 
-def _run_ranks(n: int, fn: Callable[[int], Any]) -> list[Any]:
-    results: list[Any] = [None] * n
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = fn(rank)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the test thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    if errors:
-        raise errors[0]
-    return results
-
-
 def launches(log: list[str]) -> list[tuple[list[str], list[str]]]:
     """Per library call: the ops since the previous call up to the handle read, and the ops
     between the handle read and the call."""
@@ -131,11 +112,14 @@ def launches(log: list[str]) -> list[tuple[list[str], list[str]]]:
 
 @pytest.mark.parametrize("nranks", [2])
 def test_buffers_are_made_before_the_stream_handle_is_read(
-    library: CommLibrary, nranks: int
+    library: CommLibrary, bind: DeviceBinder, run_ranks: RunRanks, nranks: int
 ) -> None:
-    comms = library.init_all(list(range(nranks)))
+    indices = list(range(nranks))
+    bind(Device("cpu", 0))
+    comms = library.init_all(indices)
+    devices = [Device("cpu", i) for i in indices]
     logged = cast(CommLibrary, LoggingLibrary(library))
-    shared = Communicators(logged, comms)
+    shared = Communicators(logged, comms, devices, bind)
     groups = [
         CommGroup(logged, c, r, nranks, _read_stream(r), shared, torch.device("cpu"))
         for r, c in enumerate(comms)
@@ -155,7 +139,7 @@ def test_buffers_are_made_before_the_stream_handle_is_read(
             g.barrier()
         return _log(), out
 
-    results = _run_ranks(nranks, body)
+    results = run_ranks(nranks, body)
     bases = [torch.arange(24.0).reshape(4, 6) + r for r in range(nranks)]
     for rank, (log, out) in enumerate(results):
         calls = launches(log)

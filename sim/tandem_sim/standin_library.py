@@ -3,6 +3,7 @@ system C compiler, once per source version, so the hardware bindings run in CI."
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
@@ -49,3 +50,40 @@ def build_standin_library(build_dir: Path) -> Path:
         )
     os.replace(scratch, target)
     return target
+
+
+class StandinProbe:
+    """The stand-in's test-only exports (what each communicator recorded, counters) and its
+    copy of the ACL runtime's per-thread device."""
+
+    def __init__(self, path: Path | str) -> None:
+        self._lib = ctypes.CDLL(str(path))
+        self._lib.TandemStandinLastStream.restype = ctypes.c_size_t
+        for name in ("TandemStandinLastStream", "TandemStandinCommDevice", "TandemStandinCommRank"):
+            getattr(self._lib, name).argtypes = [ctypes.c_void_p]
+        self._lib.TandemStandinLiveComms.argtypes = []
+        self._lib.aclrtSetDevice.argtypes = [ctypes.c_int32]
+        self._lib.aclrtGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int32)]
+
+    def last_stream(self, comm: int) -> int:
+        return int(self._lib.TandemStandinLastStream(comm))
+
+    def comm_device(self, comm: int) -> int:
+        return int(self._lib.TandemStandinCommDevice(comm))
+
+    def comm_rank(self, comm: int) -> int:
+        return int(self._lib.TandemStandinCommRank(comm))
+
+    def live_comms(self) -> int:
+        """Communicators created and neither destroyed nor aborted, in this process."""
+        return int(self._lib.TandemStandinLiveComms())
+
+    def set_device(self, device: int) -> int:
+        """``aclrtSetDevice``: the ACL result code."""
+        return int(self._lib.aclrtSetDevice(device))
+
+    def get_device(self) -> tuple[int, int]:
+        """``aclrtGetDevice``: (ACL result code, the calling thread's device)."""
+        value = ctypes.c_int32(-1)
+        code = int(self._lib.aclrtGetDevice(ctypes.byref(value)))
+        return code, value.value

@@ -1,14 +1,24 @@
 """The stand-in communicator library is built once per source version and fails to build with
-the compiler's own message (its behaviour is tested through the bindings in hw/tests)."""
+the compiler's own message; the ACL runtime's per-thread device it carries, the HCCL entry
+points that need one, and its report of communicators left at exit. (Its collectives are
+tested through the bindings in hw/tests.)"""
 
 from __future__ import annotations
 
 import ctypes
 import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
-from tandem_sim.standin_library import StandinUnavailable, build_standin_library
+from tandem_sim.standin_library import StandinProbe, StandinUnavailable, build_standin_library
+
+T = TypeVar("T")
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
@@ -37,3 +47,74 @@ def test_a_failing_compiler_is_reported(tmp_path: Path, monkeypatch: pytest.Monk
     with pytest.raises(StandinUnavailable, match="no toolchain here"):
         build_standin_library(tmp_path / "build")
     assert not list((tmp_path / "build").glob("*.so"))
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler on this machine")
+    return build_standin_library(tmp_path_factory.mktemp("standin"))
+
+
+def _on_new_thread(fn: Callable[[], T]) -> T:
+    box: list[T] = []
+    thread = threading.Thread(target=lambda: box.append(fn()))
+    thread.start()
+    thread.join(30)
+    return box[0]
+
+
+def test_the_acl_device_is_per_thread(standin: Path) -> None:
+    """aclrtSetDevice sets the calling thread's device (CANN aclrtSetDevice reference); codes
+    from acl_base.h."""
+    probe = StandinProbe(standin)
+    assert _on_new_thread(probe.get_device)[0] == 107002  # ACL_ERROR_RT_CONTEXT_NULL
+    assert _on_new_thread(lambda: (probe.set_device(5), probe.get_device())[1]) == (0, 5)
+    assert _on_new_thread(lambda: probe.set_device(-1)) == 107001  # invalid device id
+    assert _on_new_thread(probe.get_device)[0] == 107002
+
+
+def test_hccl_entry_points_need_a_device_on_the_calling_thread(standin: Path) -> None:
+    """op_base.cc reads the thread's device first (hrtGetDeviceRefresh): HCCL_E_RUNTIME."""
+    lib = ctypes.CDLL(str(standin))
+    lib.HcclCommDestroy.argtypes = [ctypes.c_void_p]
+    probe = StandinProbe(standin)
+
+    def init_all() -> tuple[int, list[int]]:
+        devices = (ctypes.c_int32 * 2)(0, 1)
+        comms = (ctypes.c_void_p * 2)()
+        code = int(lib.HcclCommInitAll(ctypes.c_uint32(2), devices, comms))
+        return code, [int(c or 0) for c in comms]
+
+    assert _on_new_thread(init_all)[0] == 15
+
+    def bound_init_all() -> tuple[int, list[int]]:
+        probe.set_device(0)
+        return init_all()
+
+    def destroy(comm: int, device: int | None) -> int:
+        if device is not None:
+            probe.set_device(device)
+        return int(lib.HcclCommDestroy(comm))
+
+    code, comms = _on_new_thread(bound_init_all)
+    assert code == 0 and probe.live_comms() == 2
+    assert [_on_new_thread(partial(destroy, c, None)) for c in comms] == [15, 15]
+    assert [_on_new_thread(partial(destroy, c, 1)) for c in comms] == [0, 0]
+    assert probe.live_comms() == 0
+
+
+def test_communicators_alive_at_exit_are_reported_on_request(standin: Path) -> None:
+    script = (
+        "import ctypes\n"
+        f"lib = ctypes.CDLL({str(standin)!r})\n"
+        "lib.aclrtSetDevice(0)\n"
+        "lib.HcclCommInitAll(1, (ctypes.c_int32 * 1)(0), (ctypes.c_void_p * 1)())\n"
+    )
+    for env, expected in (({"TANDEM_STANDIN_REPORT_LEAKS": "1"}, True), ({}, False)):
+        done = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        reported = "1 communicator(s) never destroyed" in done.stderr
+        assert reported is expected

@@ -9,6 +9,12 @@
  * last one each communicator saw is kept so tests can check which stream a call went out on.
  * Reductions run in rank order, so results are deterministic. Every wait has a deadline
  * (TANDEM_STANDIN_TIMEOUT_S, default 60 s): a missing rank fails the call, it never hangs.
+ *
+ * It keeps the ACL runtime's per-thread device (aclrtSetDevice: "sets the compute device in the
+ * calling thread", CANN aclrtSetDevice reference; torch.npu.set_device reaches it on a card)
+ * and refuses, as HCCL does, the entry points that read it on a thread without one (CANN HCCL
+ * open source (2024) op_base.cc: hrtGetDeviceRefresh -> aclrtGetDevice -> HCCL_E_RUNTIME).
+ * For tests only (TandemStandin*): what each communicator recorded and how many are alive.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -22,7 +28,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#define STANDIN_VERSION 1
+#define STANDIN_VERSION 2
+#define MAX_DEVICES 64
 #define MAX_RANKS 16
 #define NAME_BYTES 64
 #define MAGIC "TNDMSTND"
@@ -48,6 +55,7 @@ typedef struct {
     int rank;
     int nranks;
     int device;
+    int aborted;
     uintptr_t last_stream;
 } comm_t;
 
@@ -57,6 +65,8 @@ typedef struct {
 } unique_id_t;
 
 enum { ST_OK = 0, ST_PARA, ST_PTR, ST_MEMORY, ST_INTERNAL, ST_NOT_SUPPORT, ST_TIMEOUT, ST_SYSCALL };
+
+static int live_comms = 0;
 
 static uint64_t slot_bytes_from_env(void) {
     const char *text = getenv("TANDEM_STANDIN_SLOT_BYTES");
@@ -201,6 +211,19 @@ static int collective(comm_t *c, kind_t kind, const void *send, void *recv, uint
 
 /* ---- communicator creation ---- */
 
+static comm_t *new_comm(header_t *h, size_t bytes, int shared, int rank, int nranks, int device) {
+    comm_t *c = calloc(1, sizeof(comm_t));
+    if (c == NULL) return NULL;
+    c->h = h;
+    c->map_bytes = bytes;
+    c->shared_mapping = shared;
+    c->rank = rank;
+    c->nranks = nranks;
+    c->device = device;
+    __atomic_add_fetch(&live_comms, 1, __ATOMIC_SEQ_CST);
+    return c;
+}
+
 static int init_all(int ndev, const int32_t *devices, comm_t **out) {
     if (ndev <= 0 || ndev > MAX_RANKS) return ST_PARA;
     if (out == NULL) return ST_PTR;
@@ -216,16 +239,7 @@ static int init_all(int ndev, const int32_t *devices, comm_t **out) {
     h->nranks = ndev;
     h->joined = ndev;
     h->attached = ndev;
-    for (int i = 0; i < ndev; i++) {
-        comm_t *c = calloc(1, sizeof(comm_t));
-        c->h = h;
-        c->map_bytes = bytes;
-        c->shared_mapping = 1;
-        c->rank = i;
-        c->nranks = ndev;
-        c->device = devices ? devices[i] : i;
-        out[i] = c;
-    }
+    for (int i = 0; i < ndev; i++) out[i] = new_comm(h, bytes, 1, i, ndev, devices ? devices[i] : i);
     return ST_OK;
 }
 
@@ -260,7 +274,7 @@ static int new_unique_id(unique_id_t *id) {
     return ST_OK;
 }
 
-static int init_rank(int nranks, const unique_id_t *id, int rank, comm_t **out) {
+static int init_rank(int nranks, const unique_id_t *id, int rank, int device, comm_t **out) {
     if (out == NULL || id == NULL) return ST_PTR;
     if (memcmp(id->magic, MAGIC, 8) != 0) return ST_PARA;
     if (nranks <= 0 || nranks > MAX_RANKS || rank < 0 || rank >= nranks) {
@@ -292,13 +306,7 @@ static int init_rank(int nranks, const unique_id_t *id, int rank, comm_t **out) 
         munmap(map, bytes);
         return rc;
     }
-    comm_t *c = calloc(1, sizeof(comm_t));
-    c->h = h;
-    c->map_bytes = bytes;
-    c->rank = rank;
-    c->nranks = nranks;
-    c->device = rank;
-    *out = c;
+    *out = new_comm(h, bytes, 0, rank, nranks, device);
     return ST_OK;
 }
 
@@ -312,16 +320,44 @@ static int destroy(comm_t *c) {
     } else {
         munmap(c->h, c->map_bytes);
     }
+    if (!c->aborted) __atomic_sub_fetch(&live_comms, 1, __ATOMIC_SEQ_CST);
     free(c);
     return ST_OK;
 }
 
+/* An aborted communicator is gone as far as its owner is concerned (ncclCommAbort "frees
+   resources associated with communicator object"), so it stops counting as alive. */
 static void abort_comm(comm_t *c) {
     if (c == NULL || c->h == NULL) return;
     pthread_mutex_lock(&c->h->mu);
     c->h->broken = 1;
     pthread_cond_broadcast(&c->h->cv);
     pthread_mutex_unlock(&c->h->mu);
+    if (!__atomic_exchange_n(&c->aborted, 1, __ATOMIC_SEQ_CST))
+        __atomic_sub_fetch(&live_comms, 1, __ATOMIC_SEQ_CST);
+}
+
+/* ================================ ACL ================================ */
+
+/* The runtime's per-thread device, and the two calls HCCL relies on. Codes from acl_base.h. */
+#define ACL_SUCCESS 0
+#define ACL_ERROR_INVALID_PARAM 100000
+#define ACL_ERROR_RT_INVALID_DEVICEID 107001
+#define ACL_ERROR_RT_CONTEXT_NULL 107002
+
+static __thread int32_t thread_device = -1;
+
+int aclrtSetDevice(int32_t deviceId) {
+    if (deviceId < 0 || deviceId >= MAX_DEVICES) return ACL_ERROR_RT_INVALID_DEVICEID;
+    thread_device = deviceId;
+    return ACL_SUCCESS;
+}
+
+int aclrtGetDevice(int32_t *deviceId) {
+    if (deviceId == NULL) return ACL_ERROR_INVALID_PARAM;
+    if (thread_device < 0) return ACL_ERROR_RT_CONTEXT_NULL;
+    *deviceId = thread_device;
+    return ACL_SUCCESS;
 }
 
 /* ---- helpers only the stand-in has: tests read what the binding passed ---- */
@@ -330,6 +366,15 @@ int TandemStandinVersion(void) { return STANDIN_VERSION; }
 uintptr_t TandemStandinLastStream(void *comm) { return comm ? ((comm_t *)comm)->last_stream : 0; }
 int TandemStandinCommDevice(void *comm) { return comm ? ((comm_t *)comm)->device : -1; }
 int TandemStandinCommRank(void *comm) { return comm ? ((comm_t *)comm)->rank : -1; }
+int TandemStandinLiveComms(void) { return __atomic_load_n(&live_comms, __ATOMIC_SEQ_CST); }
+
+/* With TANDEM_STANDIN_REPORT_LEAKS set, a process that exits with communicators alive says so:
+   the end-to-end tests read it to see that shutdown destroyed every one. */
+__attribute__((destructor)) static void report_leaks(void) {
+    int live = TandemStandinLiveComms();
+    if (live > 0 && getenv("TANDEM_STANDIN_REPORT_LEAKS"))
+        fprintf(stderr, "tandem stand-in: %d communicator(s) never destroyed\n", live);
+}
 
 /* ================================ HCCL ================================ */
 
@@ -339,7 +384,22 @@ typedef struct { char internal[4108]; } HcclRootInfo;
 
 /* HcclResult values, as in hccl_types.h. */
 enum { HCCL_SUCCESS = 0, HCCL_E_PARA = 1, HCCL_E_PTR = 2, HCCL_E_MEMORY = 3, HCCL_E_INTERNAL = 4,
-       HCCL_E_NOT_SUPPORT = 5, HCCL_E_SYSCALL = 8, HCCL_E_TIMEOUT = 9 };
+       HCCL_E_NOT_SUPPORT = 5, HCCL_E_SYSCALL = 8, HCCL_E_TIMEOUT = 9, HCCL_E_RUNTIME = 15 };
+
+/* HCCL reads the calling thread's device first in every entry point (hrtGetDeviceRefresh ->
+   aclrtGetDevice, failing with HCCL_E_RUNTIME). The stand-in checks it where tandem_hw's own
+   threads call: creating and destroying communicators. Collectives come from worker threads
+   that the CPU runtime binds, and that runtime has no ACL underneath it to tell. */
+static int hccl_thread_device(const char *function) {
+    int32_t device;
+    if (aclrtGetDevice(&device) != ACL_SUCCESS) {
+        fprintf(stderr, "tandem stand-in: %s: [Get][DeviceRefresh] rtGet device fail, please "
+                "make sure that device is set. return[%d]\n", function,
+                ACL_ERROR_RT_CONTEXT_NULL);
+        return -1;
+    }
+    return device;
+}
 
 static int hccl_result(int r) {
     static const int table[] = {HCCL_SUCCESS, HCCL_E_PARA, HCCL_E_PTR, HCCL_E_MEMORY,
@@ -372,21 +432,28 @@ const char *HcclGetErrorString(int code) {
     case HCCL_E_NOT_SUPPORT: return "HCCL_E_NOT_SUPPORT: not support feature";
     case HCCL_E_SYSCALL: return "HCCL_E_SYSCALL: call system interface error";
     case HCCL_E_TIMEOUT: return "HCCL_E_TIMEOUT: timeout";
+    case HCCL_E_RUNTIME: return "HCCL_E_RUNTIME: call runtime api fail";
     default: return "HCCL: unknown error";
     }
 }
 
 int HcclGetRootInfo(HcclRootInfo *rootInfo) {
+    if (hccl_thread_device("HcclGetRootInfo") < 0) return HCCL_E_RUNTIME;
     return hccl_result(new_unique_id((unique_id_t *)rootInfo));
 }
 
+/* The communicator lives on the calling thread's device, as the real one does. */
 int HcclCommInitRootInfo(uint32_t nRanks, const HcclRootInfo *rootInfo, uint32_t rank,
                          HcclComm *comm) {
-    return hccl_result(init_rank((int)nRanks, (const unique_id_t *)rootInfo, (int)rank,
+    if (rootInfo == NULL) return HCCL_E_PTR;
+    int device = hccl_thread_device("HcclCommInitRootInfo");
+    if (device < 0) return HCCL_E_RUNTIME;
+    return hccl_result(init_rank((int)nRanks, (const unique_id_t *)rootInfo, (int)rank, device,
                                  (comm_t **)comm));
 }
 
 int HcclCommInitAll(uint32_t ndev, int32_t *devices, HcclComm *comms) {
+    if (hccl_thread_device("HcclCommInitAll") < 0) return HCCL_E_RUNTIME;
     if (devices == NULL) return HCCL_E_PTR;
     return hccl_result(init_all((int)ndev, devices, (comm_t **)comms));
 }
@@ -428,7 +495,13 @@ int HcclBarrier(HcclComm comm, aclrtStream stream) {
                                   (uintptr_t)stream));
 }
 
-int HcclCommDestroy(HcclComm comm) { return hccl_result(destroy(comm)); }
+/* Needs a device on the calling thread like every entry point; a null comm is skipped with
+   success (op_base.cc: "An empty comm given, skip destroy."). */
+int HcclCommDestroy(HcclComm comm) {
+    if (hccl_thread_device("HcclCommDestroy") < 0) return HCCL_E_RUNTIME;
+    if (comm == NULL) return HCCL_SUCCESS;
+    return hccl_result(destroy(comm));
+}
 
 /* ================================ NCCL ================================ */
 
@@ -485,7 +558,8 @@ int ncclGetUniqueId(ncclUniqueId *uniqueId) {
 }
 
 int ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank) {
-    return nccl_result(init_rank(nranks, (const unique_id_t *)&commId, rank, (comm_t **)comm));
+    return nccl_result(init_rank(nranks, (const unique_id_t *)&commId, rank, rank,
+                                 (comm_t **)comm));
 }
 
 int ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {

@@ -1,0 +1,172 @@
+"""Tearing communicators down: each is destroyed on a thread bound to its device, every one is
+attempted even after a failure, and every failure is reported.
+
+HCCL reads the calling thread's device at the top of ``HcclCommDestroy`` (CANN HCCL open source,
+op_base.cc: ``hrtGetDeviceRefresh`` -> ``aclrtGetDevice``, HCCL_E_RUNTIME without one). The
+executor closes communicator sets from its own thread, which never binds a device. The
+stand-in keeps the ACL runtime's per-thread device, set only through its ``aclrtSetDevice``,
+which the backend's binding reaches the way torch.npu.set_device reaches the real one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import torch
+from tandem_hw.comm_backend import LibraryBackend
+from tandem_hw.comm_group import CommGroup, Communicators, DeviceBinder
+from tandem_hw.comm_library import CommLibrary, CommLibraryError
+from tandem_hw.hccl import HcclLibrary
+from tandem_sim.standin_library import StandinProbe
+
+from tandem.collectives import CollectiveTimeout
+from tandem.device import Device, get_runtime
+
+RunRanks = Callable[[int, Callable[[int], Any]], list[Any]]
+
+
+def on_fresh_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on a new thread (no device bound, like the executor's), its result or error."""
+    box: list[Any] = []
+
+    def body() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            box.append(exc)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join(60)
+    result = box[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _communicators(
+    library: CommLibrary, bind: DeviceBinder, indices: list[int]
+) -> tuple[Communicators, list[CommGroup]]:
+    bind(Device("cpu", indices[0]))
+    comms = library.init_all(indices)
+    devices = [Device("cpu", i) for i in indices]
+    shared = Communicators(library, comms, devices, bind)
+    groups = [
+        CommGroup(library, c, r, len(comms), lambda: 1, shared, torch.device("cpu"))
+        for r, c in enumerate(comms)
+    ]
+    return shared, groups
+
+
+def test_hccl_destroy_needs_a_device_on_the_calling_thread(
+    standin_path: Path, probe: StandinProbe
+) -> None:
+    library = HcclLibrary(standin_path)
+    probe.set_device(0)
+    comm = library.init_all([0])[0]
+    with pytest.raises(CommLibraryError) as err:
+        on_fresh_thread(lambda: library.destroy(comm))
+    assert err.value.function == "HcclCommDestroy"
+    assert str(err.value).endswith("call runtime api fail (code 15)")
+
+    def bound_destroy() -> None:
+        probe.set_device(3)
+        library.destroy(comm)
+
+    on_fresh_thread(bound_destroy)
+
+
+def test_close_from_an_unbound_thread_destroys_every_communicator(
+    library: CommLibrary, bind: DeviceBinder, probe: StandinProbe, run_ranks: RunRanks
+) -> None:
+    before = probe.live_comms()
+    shared, groups = _communicators(library, bind, [0, 1, 2])
+    run_ranks(3, lambda r: groups[r].all_reduce(torch.ones(2)))
+    assert probe.live_comms() == before + 3
+    on_fresh_thread(shared.close)
+    assert probe.live_comms() == before
+    assert shared.close_failures == []
+
+
+def test_close_goes_on_after_a_failure_and_reports_each(
+    library: CommLibrary,
+    bind: DeviceBinder,
+    probe: StandinProbe,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    before = probe.live_comms()
+    bind(Device("cpu", 0))
+    comms = library.init_all([0, 1, 2, 3])
+    devices = [Device("cpu", i) for i in range(4)]
+    refused = {devices[1], devices[2]}
+
+    def flaky_bind(device: Device) -> None:
+        if device in refused:
+            raise RuntimeError(f"cannot bind {device}")
+        bind(device)
+
+    shared = Communicators(library, comms, devices, flaky_bind)
+    with caplog.at_level(logging.ERROR, logger="tandem_hw.comm_group"):
+        on_fresh_thread(shared.close)
+    assert [f.device for f in shared.close_failures] == [devices[1], devices[2]]
+    assert all("cannot bind" in f.error for f in shared.close_failures)
+    # The two whose threads bound their device are gone; the other two stay, reported.
+    assert probe.live_comms() == before + 2
+    text = caplog.text
+    assert "communicator of cpu:1 was not destroyed" in text
+    assert "communicator of cpu:2 was not destroyed" in text
+    assert "2 of 4 communicators could not be destroyed" in text
+    for comm, device in zip(comms[1:3], devices[1:3], strict=True):
+
+        def bound_destroy(comm: int = comm, device: Device = device) -> None:
+            bind(device)
+            library.destroy(comm)
+
+        on_fresh_thread(bound_destroy)
+    assert probe.live_comms() == before
+
+
+class _SlowInit:
+    """The stand-in HCCL whose communicator creation waits until the test lets it go."""
+
+    def __init__(self, inner: HcclLibrary) -> None:
+        self.inner = inner
+        self.release = threading.Event()
+        self.returned = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def init_all(self, devices: list[int]) -> list[int]:
+        self.release.wait(30)
+        comms = self.inner.init_all(devices)
+        self.returned.set()
+        return comms
+
+
+class _SlowBackend(LibraryBackend):
+    name = "hccl"
+    device_kind = "npu"
+
+
+def test_a_timed_out_creation_destroys_what_it_creates_late(
+    standin_path: Path, probe: StandinProbe
+) -> None:
+    slow = _SlowInit(HcclLibrary(standin_path))
+    backend = _SlowBackend(lambda: cast(CommLibrary, slow))
+    before = probe.live_comms()
+    devices = [Device("cpu", 0), Device("cpu", 1)]
+    with pytest.raises(CollectiveTimeout, match="cannot be interrupted"):
+        backend.local_groups(devices, get_runtime("cpu"), timeout_s=0.2)
+    slow.release.set()
+    assert slow.returned.wait(30)
+    deadline = time.monotonic() + 30
+    while probe.live_comms() != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert probe.live_comms() == before
