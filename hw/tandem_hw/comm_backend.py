@@ -24,6 +24,7 @@ from tandem_hw.comm_group import CommGroup, Communicators, DeviceBinder, StreamH
 from tandem_hw.comm_library import CommLibrary
 from tandem_hw.ctypes_library import LibraryNotFound
 from tandem_hw.hccl import HcclLibrary
+from tandem_hw.launch_turns import LaunchTurns, shared_turns
 from tandem_hw.nccl import NcclLibrary
 
 logger = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class LibraryBackend:
         try:
             comms = created.result(timeout=timeout_s)
         except TimeoutError:
-            self._destroy_when_created(created, devices, bind)
+            self._destroy_when_created(created, devices, bind, timeout_s)
             raise CollectiveTimeout(
                 f"{self.name} communicator creation took over {timeout_s} s; the native call "
                 "cannot be interrupted and keeps running on its own thread until the library "
@@ -118,7 +119,8 @@ class LibraryBackend:
             ) from None
         finally:
             thread.stop(timeout=0)
-        communicators = Communicators(library, comms, devices, bind)
+        turns = shared_turns([str(d) for d in devices])
+        communicators = Communicators(library, comms, devices, bind, turns, timeout_s)
         groups: list[ProcessGroup] = [
             CommGroup(
                 library,
@@ -139,6 +141,7 @@ class LibraryBackend:
         created: Promise[list[int]],
         devices: Sequence[Device],
         bind: DeviceBinder,
+        timeout_s: float,
     ) -> None:
         """After a timed-out creation: destroy the communicators if the call still returns."""
         library = self.library()
@@ -156,7 +159,8 @@ class LibraryBackend:
                 "communicators",
                 self.name,
             )
-            Communicators(library, done.result(), devices, bind).close()
+            turns = LaunchTurns([str(d) for d in devices])
+            Communicators(library, done.result(), devices, bind, turns, timeout_s).close()
 
         created.add_done_callback(on_done)
 
@@ -178,7 +182,8 @@ class LibraryBackend:
             rank,
             size,
             stream_handle_for(runtime, device),
-            Communicators(library, [comm], [device], bind),
+            # One rank in this process: its turns are its own.
+            Communicators(library, [comm], [device], bind, LaunchTurns([str(device)]), timeout_s),
             runtime.torch_device(device),
         )
 

@@ -25,6 +25,7 @@ from tandem.collectives import CollectiveAborted, ReduceOp
 from tandem.collectives.process_group import check_scatterable
 from tandem.device import Device
 from tandem_hw.comm_library import CommLibrary
+from tandem_hw.launch_turns import LaunchTurns, new_owner
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,6 @@ StreamHandle = Callable[[], int]
 
 # Makes a device the calling thread's current one, the way the backend's runtime binds.
 DeviceBinder = Callable[[Device], None]
-
 
 # How long teardown waits for one communicator's destroy call.
 DESTROY_TIMEOUT_S = 60.0
@@ -47,7 +47,7 @@ class CloseFailure:
 
 class Communicators:
     """The communicators of one clique that live in this process, one per device: abort and
-    close them once."""
+    close them once, and take launch turns with the other sets over the same devices."""
 
     def __init__(
         self,
@@ -55,6 +55,8 @@ class Communicators:
         comms: Sequence[int],
         devices: Sequence[Device],
         bind: DeviceBinder,
+        turns: LaunchTurns,
+        timeout_s: float,
     ) -> None:
         if len(comms) != len(devices):
             raise ValueError(f"{len(comms)} communicators for {len(devices)} devices")
@@ -62,6 +64,9 @@ class Communicators:
         self._comms = list(comms)
         self._devices = list(devices)
         self._bind = bind
+        self.turns = turns
+        self.timeout_s = timeout_s
+        self.owner = new_owner()
         self._lock = threading.Lock()
         self._aborted: str | None = None
         self._closed = False
@@ -76,6 +81,7 @@ class Communicators:
             if self._aborted is not None or self._closed:
                 return
             self._aborted = reason
+        self.turns.release(self.owner)
         released = [self._library.abort(c) for c in self._comms]
         if not all(released):
             logger.warning(
@@ -96,6 +102,7 @@ class Communicators:
             self._closed = True
             # An aborted NCCL communicator is already released; destroying it again is invalid.
             skip = self._aborted is not None and self._library.name == "nccl"
+        self.turns.release(self.owner)
         if skip:
             return
         for comm, device in zip(self._comms, self._devices, strict=True):
@@ -181,10 +188,17 @@ class CommGroup:
             raise CollectiveAborted(reason)
 
     def _launch(self, call: Callable[[int], None]) -> None:
-        """``call(stream)``, the stream handle read last (see the module docstring): every
-        buffer the call reads or writes exists before this."""
+        """``call(stream)`` in this set's turn, the stream handle read last (see the module
+        docstring): every buffer the call reads or writes exists before this."""
         self._sequence += 1
-        call(self._stream())
+        communicators = self._communicators
+        with communicators.turns.turn(
+            communicators.owner,
+            self._sequence,
+            lambda: communicators.aborted,
+            communicators.timeout_s,
+        ):
+            call(self._stream())
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         self._check_open()

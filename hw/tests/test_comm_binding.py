@@ -18,6 +18,7 @@ from tandem_hw import hccl, nccl
 from tandem_hw.comm_group import CommGroup, Communicators, DeviceBinder
 from tandem_hw.comm_library import CommLibrary, CommLibraryError
 from tandem_hw.ctypes_library import BoundLibrary, LibraryNotFound
+from tandem_hw.launch_turns import LaunchTurns
 from tandem_sim.standin_library import StandinProbe
 
 from tandem.collectives import CollectiveAborted, ReduceOp
@@ -36,7 +37,9 @@ def make_groups(
     library: CommLibrary, comms: list[int], indices: list[int], bind: DeviceBinder
 ) -> list[CommGroup]:
     devices = [Device("cpu", i) for i in indices]
-    shared = Communicators(library, comms, devices, bind)
+    shared = Communicators(
+        library, comms, devices, bind, LaunchTurns([str(d) for d in devices]), 60.0
+    )
     return [
         CommGroup(library, comm, rank, len(comms), _stream(rank), shared, torch.device("cpu"))
         for rank, comm in enumerate(comms)

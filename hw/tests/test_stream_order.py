@@ -20,6 +20,7 @@ import pytest
 import torch
 from tandem_hw.comm_group import CommGroup, Communicators, DeviceBinder
 from tandem_hw.comm_library import CommLibrary
+from tandem_hw.launch_turns import LaunchTurns
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem.collectives import ReduceOp
@@ -119,7 +120,9 @@ def test_buffers_are_made_before_the_stream_handle_is_read(
     comms = library.init_all(indices)
     devices = [Device("cpu", i) for i in indices]
     logged = cast(CommLibrary, LoggingLibrary(library))
-    shared = Communicators(logged, comms, devices, bind)
+    shared = Communicators(
+        logged, comms, devices, bind, LaunchTurns([str(d) for d in devices]), 60.0
+    )
     groups = [
         CommGroup(logged, c, r, nranks, _read_stream(r), shared, torch.device("cpu"))
         for r, c in enumerate(comms)

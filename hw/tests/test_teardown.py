@@ -23,6 +23,7 @@ from tandem_hw.comm_backend import LibraryBackend
 from tandem_hw.comm_group import CommGroup, Communicators, DeviceBinder
 from tandem_hw.comm_library import CommLibrary, CommLibraryError
 from tandem_hw.hccl import HcclLibrary
+from tandem_hw.launch_turns import LaunchTurns
 from tandem_sim.standin_library import StandinProbe
 
 from tandem.collectives import CollectiveTimeout
@@ -56,7 +57,9 @@ def _communicators(
     bind(Device("cpu", indices[0]))
     comms = library.init_all(indices)
     devices = [Device("cpu", i) for i in indices]
-    shared = Communicators(library, comms, devices, bind)
+    shared = Communicators(
+        library, comms, devices, bind, LaunchTurns([str(d) for d in devices]), 60.0
+    )
     groups = [
         CommGroup(library, c, r, len(comms), lambda: 1, shared, torch.device("cpu"))
         for r, c in enumerate(comms)
@@ -111,7 +114,7 @@ def test_close_goes_on_after_a_failure_and_reports_each(
             raise RuntimeError(f"cannot bind {device}")
         bind(device)
 
-    shared = Communicators(library, comms, devices, flaky_bind)
+    shared = Communicators(library, comms, devices, flaky_bind, LaunchTurns(["x"] * 4), 60.0)
     with caplog.at_level(logging.ERROR, logger="tandem_hw.comm_group"):
         on_fresh_thread(shared.close)
     assert [f.device for f in shared.close_failures] == [devices[1], devices[2]]

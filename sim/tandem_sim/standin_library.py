@@ -62,6 +62,7 @@ class StandinProbe:
         for name in ("TandemStandinLastStream", "TandemStandinCommDevice", "TandemStandinCommRank"):
             getattr(self._lib, name).argtypes = [ctypes.c_void_p]
         self._lib.TandemStandinLiveComms.argtypes = []
+        self._lib.TandemStandinInFlight.argtypes = [ctypes.c_int]
         self._lib.aclrtSetDevice.argtypes = [ctypes.c_int32]
         self._lib.aclrtGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int32)]
 
@@ -77,6 +78,10 @@ class StandinProbe:
     def live_comms(self) -> int:
         """Communicators created and neither destroyed nor aborted, in this process."""
         return int(self._lib.TandemStandinLiveComms())
+
+    def in_flight(self, device: int) -> int:
+        """HCCL collective calls inside the library on ``device`` right now."""
+        return int(self._lib.TandemStandinInFlight(device))
 
     def set_device(self, device: int) -> int:
         """``aclrtSetDevice``: the ACL result code."""

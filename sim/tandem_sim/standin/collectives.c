@@ -14,7 +14,10 @@
  * calling thread", CANN aclrtSetDevice reference; torch.npu.set_device reaches it on a card)
  * and refuses, as HCCL does, the entry points that read it on a thread without one (CANN HCCL
  * open source (2024) op_base.cc: hrtGetDeviceRefresh -> aclrtGetDevice -> HCCL_E_RUNTIME).
- * For tests only (TandemStandin*): what each communicator recorded and how many are alive.
+ * One HCCL collective call may be in flight per device ("One device cannot call multiple
+ * collective operation APIs at a time", CANN HcclCommInitAll constraints): a second one fails.
+ * For tests only (TandemStandin*): what each communicator recorded, how many are alive, how
+ * many HCCL calls are in flight per device.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -368,6 +371,13 @@ int TandemStandinCommDevice(void *comm) { return comm ? ((comm_t *)comm)->device
 int TandemStandinCommRank(void *comm) { return comm ? ((comm_t *)comm)->rank : -1; }
 int TandemStandinLiveComms(void) { return __atomic_load_n(&live_comms, __ATOMIC_SEQ_CST); }
 
+static int hccl_in_flight[MAX_DEVICES];
+
+int TandemStandinInFlight(int device) {
+    if (device < 0 || device >= MAX_DEVICES) return -1;
+    return __atomic_load_n(&hccl_in_flight[device], __ATOMIC_SEQ_CST);
+}
+
 /* With TANDEM_STANDIN_REPORT_LEAKS set, a process that exits with communicators alive says so:
    the end-to-end tests read it to see that shutdown destroyed every one. */
 __attribute__((destructor)) static void report_leaks(void) {
@@ -422,6 +432,25 @@ static int hccl_type(int t, size_t *elem, ctype_t *type) {
 
 static op_t hccl_op(int op) { return op >= 0 && op <= 3 ? (op_t)op : OP_BAD; }
 
+/* The real library does not report a second call on a busy device; the stand-in fails it. */
+static int hccl_collective(const char *function, HcclComm comm, kind_t kind, const void *send,
+                           void *recv, uint64_t count, size_t elem, ctype_t type, op_t op,
+                           int root, uintptr_t stream) {
+    comm_t *c = comm;
+    if (c == NULL || c->h == NULL) return HCCL_E_PTR;
+    if (c->device < 0 || c->device >= MAX_DEVICES) return HCCL_E_PARA;
+    if (__atomic_add_fetch(&hccl_in_flight[c->device], 1, __ATOMIC_SEQ_CST) > 1) {
+        __atomic_sub_fetch(&hccl_in_flight[c->device], 1, __ATOMIC_SEQ_CST);
+        fprintf(stderr, "tandem stand-in: %s on device %d while another collective call is in "
+                "flight there (CANN: one device cannot call multiple collective operation APIs "
+                "at a time)\n", function, c->device);
+        return HCCL_E_INTERNAL;
+    }
+    int rc = hccl_result(collective(c, kind, send, recv, count, elem, type, op, root, stream));
+    __atomic_sub_fetch(&hccl_in_flight[c->device], 1, __ATOMIC_SEQ_CST);
+    return rc;
+}
+
 const char *HcclGetErrorString(int code) {
     switch (code) {
     case HCCL_SUCCESS: return "HCCL_SUCCESS: success";
@@ -462,37 +491,37 @@ int HcclAllReduce(void *sendBuf, void *recvBuf, uint64_t count, int dataType, in
                   HcclComm comm, aclrtStream stream) {
     size_t elem; ctype_t type;
     if (!hccl_type(dataType, &elem, &type)) return HCCL_E_PARA;
-    return hccl_result(collective(comm, K_ALL_REDUCE, sendBuf, recvBuf, count, elem, type,
-                                  hccl_op(op), 0, (uintptr_t)stream));
+    return hccl_collective("HcclAllReduce", comm, K_ALL_REDUCE, sendBuf, recvBuf, count, elem,
+                           type, hccl_op(op), 0, (uintptr_t)stream);
 }
 
 int HcclAllGather(void *sendBuf, void *recvBuf, uint64_t sendCount, int dataType, HcclComm comm,
                   aclrtStream stream) {
     size_t elem; ctype_t type;
     if (!hccl_type(dataType, &elem, &type)) return HCCL_E_PARA;
-    return hccl_result(collective(comm, K_ALL_GATHER, sendBuf, recvBuf, sendCount, elem, type,
-                                  OP_SUM, 0, (uintptr_t)stream));
+    return hccl_collective("HcclAllGather", comm, K_ALL_GATHER, sendBuf, recvBuf, sendCount, elem,
+                           type, OP_SUM, 0, (uintptr_t)stream);
 }
 
 int HcclReduceScatter(void *sendBuf, void *recvBuf, uint64_t recvCount, int dataType, int op,
                       HcclComm comm, aclrtStream stream) {
     size_t elem; ctype_t type;
     if (!hccl_type(dataType, &elem, &type)) return HCCL_E_PARA;
-    return hccl_result(collective(comm, K_REDUCE_SCATTER, sendBuf, recvBuf, recvCount, elem,
-                                  type, hccl_op(op), 0, (uintptr_t)stream));
+    return hccl_collective("HcclReduceScatter", comm, K_REDUCE_SCATTER, sendBuf, recvBuf,
+                           recvCount, elem, type, hccl_op(op), 0, (uintptr_t)stream);
 }
 
 int HcclBroadcast(void *buf, uint64_t count, int dataType, uint32_t root, HcclComm comm,
                   aclrtStream stream) {
     size_t elem; ctype_t type;
     if (!hccl_type(dataType, &elem, &type)) return HCCL_E_PARA;
-    return hccl_result(collective(comm, K_BROADCAST, buf, buf, count, elem, type, OP_SUM,
-                                  (int)root, (uintptr_t)stream));
+    return hccl_collective("HcclBroadcast", comm, K_BROADCAST, buf, buf, count, elem, type,
+                           OP_SUM, (int)root, (uintptr_t)stream);
 }
 
 int HcclBarrier(HcclComm comm, aclrtStream stream) {
-    return hccl_result(collective(comm, K_BARRIER, NULL, NULL, 0, 1, T_U8, OP_SUM, 0,
-                                  (uintptr_t)stream));
+    return hccl_collective("HcclBarrier", comm, K_BARRIER, NULL, NULL, 0, 1, T_U8, OP_SUM, 0,
+                           (uintptr_t)stream);
 }
 
 /* Needs a device on the calling thread like every entry point; a null comm is skipped with
