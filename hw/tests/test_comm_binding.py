@@ -1,5 +1,5 @@
-"""The HCCL and NCCL bindings against the CPU stand-in: every bound function, both ways of
-creating communicators, streams passed through, and the library's own error messages."""
+"""The HCCL and NCCL bindings against the CPU stand-in: both ways of creating communicators,
+every collective, streams passed through, and the library's own error messages."""
 
 from __future__ import annotations
 
@@ -89,8 +89,9 @@ def test_init_all_collectives_match_torch(
         g = groups[rank]
         out = {"sum": g.all_reduce(inputs[rank].clone())}
         out["max"] = g.all_reduce(torch.tensor([rank * 7 % 5], dtype=torch.int64), ReduceOp.MAX)
-        out["f64"] = g.all_reduce(torch.full((3,), 0.5 + rank, dtype=torch.float64))
         out["i32"] = g.all_reduce(torch.tensor([rank, 1], dtype=torch.int32))
+        out["bf16"] = g.all_reduce(inputs[rank].to(torch.bfloat16))
+        out["f16"] = g.all_reduce(inputs[rank].to(torch.float16))
         # Non-contiguous input: the group reduces a contiguous copy and writes back.
         strided = inputs[rank].clone().t()
         out["strided"] = g.all_reduce(strided)
@@ -102,6 +103,7 @@ def test_init_all_collectives_match_torch(
         out["bcast"] = g.broadcast(torch.full((5,), float(rank)), root=nranks - 1)
         g.barrier()
         out["bf16_bcast"] = g.broadcast(torch.full((2,), rank, dtype=torch.bfloat16), root=1)
+        out["f64_gather"] = g.all_gather(torch.tensor([rank + 0.5], dtype=torch.float64))
         return out
 
     results = run_ranks(nranks, body)
@@ -110,19 +112,24 @@ def test_init_all_collectives_match_torch(
     for rank, out in enumerate(results):
         assert torch.equal(out["sum"], total)
         assert out["max"].item() == max(r * 7 % 5 for r in range(nranks))
-        assert torch.equal(out["f64"], torch.full((3,), sum(0.5 + r for r in range(nranks)),
-                                                  dtype=torch.float64))  # fmt: skip
         assert out["i32"].tolist() == [sum(range(nranks)), nranks]
+        # Half precision: rounded after every addition, in rank order, as torch's ``+=``.
+        for key, dtype in (("bf16", torch.bfloat16), ("f16", torch.float16)):
+            expected = inputs[0].to(dtype)
+            for other in inputs[1:]:
+                expected += other.to(dtype)
+            assert out[key].dtype == dtype and torch.equal(out[key], expected), key
         assert torch.equal(out["strided"], total.t())
         assert torch.equal(out["gather0"], torch.cat([x[:2] for x in inputs], 0))
         assert torch.equal(out["gather1"], torch.cat([x[:2] for x in inputs], 1))
-        expected = (torch.arange(nranks * 3.0).reshape(nranks, 3) * scale)[rank : rank + 1]
-        assert torch.equal(out["scatter"], expected)
+        expected_scatter = (torch.arange(nranks * 3.0).reshape(nranks, 3) * scale)[rank : rank + 1]
+        assert torch.equal(out["scatter"], expected_scatter)
         assert out["bcast"].tolist() == [float(nranks - 1)] * 5
         assert out["bf16_bcast"].tolist() == [1.0, 1.0]
+        assert out["f64_gather"].tolist() == [r + 0.5 for r in range(nranks)]
         # Each rank issued on its own stream, and the handle reached the library.
         assert probe.last_stream(comms[rank]) == STREAM_BASE + rank
-    assert all(g.sequence == 11 for g in groups)
+    assert all(g.sequence == 13 for g in groups)
     groups[0]._communicators.close()
     assert not groups[0]._communicators.close_failures
 
@@ -165,30 +172,26 @@ def test_a_failing_call_raises_with_the_library_message(
     comm = init_all(library, bind, [0])[0]
     buf = torch.zeros(4)
     with pytest.raises(CommLibraryError) as err:
-        # A null stream: the real libraries refuse it too.
-        library.all_reduce(buf.data_ptr(), buf.data_ptr(), 4, torch.float32, ReduceOp.SUM,
-                           comm, 0)  # fmt: skip
-    expected = "HCCL_E_PARA: parameter error" if library.name == "hccl" else "invalid argument"
-    assert expected in str(err.value) and err.value.code != 0
+        if library.name == "hccl":
+            # A null stream: op_base.cc checks it with CHK_PTR_NULL.
+            library.all_reduce(buf.data_ptr(), buf.data_ptr(), 4, torch.float32, ReduceOp.SUM,
+                               comm, 0)  # fmt: skip
+        else:
+            # A null communicator (NCCL takes a null stream: CUDA's default stream).
+            library.all_reduce(buf.data_ptr(), buf.data_ptr(), 4, torch.float32, ReduceOp.SUM,
+                               0, 1)  # fmt: skip
+    expected = (
+        "empty pointer (code 2)"
+        if library.name == "hccl"
+        else "invalid argument (run with NCCL_DEBUG=WARN for details) (code 4)"
+    )
+    assert str(err.value).endswith(expected)
     assert err.value.function in ("HcclAllReduce", "ncclAllReduce")
-    with pytest.raises(CommLibraryError, match=r"HcclCommInitAll|ncclCommInitAll"):
+    with pytest.raises(CommLibraryError, match=r"(HcclCommInitAll|ncclCommInitAll) failed"):
         library.init_all([1, 1])  # the same device twice
     with pytest.raises(CommLibraryError, match=r"InitRootInfo|InitRank"):
         library.init_rank(2, library.unique_id(), 5)  # rank outside the clique
     library.destroy(comm)
-
-
-def test_unsupported_reduction_type_is_refused_by_the_library(
-    library: CommLibrary, bind: DeviceBinder
-) -> None:
-    comm = init_all(library, bind, [0])[0]
-    half = torch.zeros(2, dtype=torch.float16)
-    with pytest.raises(CommLibraryError) as err:
-        library.all_reduce(half.data_ptr(), half.data_ptr(), 2, torch.float16, ReduceOp.SUM,
-                           comm, 1)  # fmt: skip
-    assert "not support" in str(err.value) or "invalid usage" in str(err.value)
-    with pytest.raises(ValueError, match=r"no data type for torch\.complex64"):
-        library.all_reduce(0, 0, 1, torch.complex64, ReduceOp.SUM, comm, 1)
 
 
 def test_a_missing_rank_times_out_instead_of_hanging(
@@ -196,7 +199,7 @@ def test_a_missing_rank_times_out_instead_of_hanging(
 ) -> None:
     monkeypatch.setenv("TANDEM_STANDIN_TIMEOUT_S", "1")
     groups = make_groups(library, init_all(library, bind, [0, 1]), [0, 1], bind)
-    with pytest.raises(CommLibraryError, match=r"TIMEOUT|remote process"):
+    with pytest.raises(CommLibraryError, match=r"timeout|remote process"):
         groups[0].all_reduce(torch.ones(3))
 
 

@@ -5,10 +5,10 @@ What this exercises: backend selection by name, HcclCommInitAll / ncclCommInitAl
 thread with the first device bound, each worker issuing on its own stream handle, root info
 made on rank 0 and broadcast over the gloo world then HcclCommInitRootInfo / ncclCommInitRank
 in separate processes, two-level groups whose inter-node level is the library, the pointer
-and enum passing of every collective the model uses, pipeline slots taking turns on each
-device, and shutdown destroying every communicator on a thread bound to its device (the
-stand-in reports any left at exit). What it cannot: device memory, real streams, the
-library's own transport.
+and enum passing of every collective the model uses, half-precision reductions, pipeline
+slots taking turns on each device, and shutdown destroying every communicator on a thread
+bound to its device (the stand-in reports any left at exit). What it cannot: device memory,
+real streams, the library's own transport.
 """
 
 from __future__ import annotations
@@ -77,6 +77,32 @@ def test_pipeline_slots_take_turns_on_each_device(
     assert slots.logs[0].count(f"{name}: one communicator set for 2 local devices") == 2
     assert "in flight" not in slots.logs[0]
     assert_torn_down(slots.logs[0])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_all_reduce_matches_the_in_process_sum(
+    model: Path, standin_path: Path, dtype: str
+) -> None:
+    """The engine's dtype on NPU is bfloat16: its all-reduces go through HcclAllReduce as
+    HCCL_DATA_TYPE_BFP16 (float16 as FP16), rounded after each addition like the in-process
+    communicator's ``+=``, so greedy tokens are identical."""
+    env = {"HCCL_SO_PATH": str(standin_path)}
+    through_hccl = generate_token_ids(
+        model,
+        "tp2-single-process",
+        NEW_TOKENS,
+        ("--local-collectives", "hccl", "--dtype", dtype),
+        env,
+        "INFO",
+    )
+    in_process = generate_token_ids(
+        model,
+        "tp2-single-process",
+        NEW_TOKENS,
+        ("--local-collectives", "inprocess", "--dtype", dtype),
+    )
+    assert f"in torch.{dtype}" in through_hccl.logs[0]
+    assert through_hccl.token_ids == in_process.token_ids
 
 
 def test_two_nodes_with_hccl_at_both_levels_match_tp1(

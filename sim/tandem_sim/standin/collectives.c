@@ -5,19 +5,24 @@
  * HcclRootInfo, the 128-byte ncclUniqueId passed by value) and implements the collectives over
  * host memory: among the threads of one process (HcclCommInitAll / ncclCommInitAll) and among
  * processes of one machine (root info / unique id naming a POSIX shared-memory segment).
- * Streams are opaque handles: a null one is refused like the real libraries refuse it, and the
- * last one each communicator saw is kept so tests can check which stream a call went out on.
- * Reductions run in rank order, so results are deterministic. Every wait has a deadline
- * (TANDEM_STANDIN_TIMEOUT_S, default 60 s): a missing rank fails the call, it never hangs.
+ * Streams are opaque handles; the last one each communicator saw is kept so tests can check
+ * which stream a call went out on. Reductions run in rank order, so results are deterministic.
+ * Every wait has a deadline (TANDEM_STANDIN_TIMEOUT_S, default 60 s): a missing rank fails the
+ * call, it never hangs.
  *
- * It keeps the ACL runtime's per-thread device (aclrtSetDevice: "sets the compute device in the
- * calling thread", CANN aclrtSetDevice reference; torch.npu.set_device reaches it on a card)
- * and refuses, as HCCL does, the entry points that read it on a thread without one (CANN HCCL
- * open source (2024) op_base.cc: hrtGetDeviceRefresh -> aclrtGetDevice -> HCCL_E_RUNTIME).
- * One HCCL collective call may be in flight per device ("One device cannot call multiple
- * collective operation APIs at a time", CANN HcclCommInitAll constraints): a second one fails.
- * For tests only (TandemStandin*): what each communicator recorded, how many are alive, how
- * many HCCL calls are in flight per device.
+ * The rules it enforces are the libraries' own, transcribed from their headers, documentation
+ * and (HCCL) open source, never from the bindings it serves:
+ *
+ *   HCCL  hccl.h / hccl_types.h as vendored by Ascend/pytorch (third_party/hccl/inc/hccl,
+ *         as of commit 9df03631); CANN 8.5 HCCL API reference (HcclAllReduce,
+ *         HcclReduceScatter, HcclAllGather, HcclBroadcast, HcclCommInitAll, HcclCommDestroy);
+ *         CANN HCCL open source (2024) op_base.cc: argument checks, HcclGetErrorString.
+ *   ACL   acl_base.h error codes; aclrtSetDevice sets the calling thread's device.
+ *   NCCL  nccl.h(.in) of NVIDIA/nccl 2.20 (ncclNumTypes = 10), src/init.cc ncclGetErrorString.
+ *
+ * What it adds for tests only (TandemStandin*): the stream, device and rank each communicator
+ * recorded, how many communicators are alive, how many HCCL calls are in flight per device.
+ * Its own diagnostics go to stderr; the libraries' error strings stay the libraries'.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -32,8 +37,8 @@
 #include <unistd.h>
 
 #define STANDIN_VERSION 2
-#define MAX_DEVICES 64
 #define MAX_RANKS 16
+#define MAX_DEVICES 64
 #define NAME_BYTES 64
 #define MAGIC "TNDMSTND"
 
@@ -67,7 +72,9 @@ typedef struct {
     char name[NAME_BYTES];
 } unique_id_t;
 
-enum { ST_OK = 0, ST_PARA, ST_PTR, ST_MEMORY, ST_INTERNAL, ST_NOT_SUPPORT, ST_TIMEOUT, ST_SYSCALL };
+/* Outcomes of the shared code; each API maps them to its own result codes. */
+enum { ST_OK = 0, ST_PARA, ST_PTR, ST_MEMORY, ST_INTERNAL, ST_NOT_SUPPORT, ST_TIMEOUT, ST_SYSCALL,
+       ST_RUNTIME };
 
 static int live_comms = 0;
 
@@ -136,12 +143,107 @@ static int barrier(header_t *h, int n) {
     return broken ? ST_TIMEOUT : ST_OK;
 }
 
-/* ---- data types: the operations that move bytes take any type; reductions take these ---- */
+/* ---- element arithmetic ---- */
 
-typedef enum { T_I8, T_U8, T_I32, T_I64, T_F32, T_F64, T_OTHER } ctype_t;
-typedef enum { OP_SUM, OP_PROD, OP_MAX, OP_MIN, OP_BAD } op_t;
+typedef enum { T_I8, T_U8, T_I16, T_U16, T_I32, T_U32, T_I64, T_U64, T_F16, T_BF16, T_F32,
+               T_F64 } ctype_t;
+typedef enum { OP_SUM, OP_PROD, OP_MAX, OP_MIN } op_t;
 
-#define REDUCE_LOOP(T)                                                        \
+/* IEEE binary16 <-> binary32, round to nearest even: what torch's c10::Half does, so a
+   half-precision sum here rounds exactly like ``a += b`` on a torch tensor. */
+static float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {
+            int shift = -1;
+            do {
+                shift++;
+                mant <<= 1;
+            } while (!(mant & 0x400u));
+            bits = sign | ((uint32_t)(112 - shift) << 23) | ((mant & 0x3ffu) << 13);
+        }
+    } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t exp = (x >> 23) & 0xffu;
+    uint32_t mant = x & 0x7fffffu;
+    if (exp == 0xff) return (uint16_t)(sign | 0x7c00u | (mant ? 0x200u : 0));
+    int32_t e = (int32_t)exp - 127 + 15;
+    if (e >= 0x1f) return (uint16_t)(sign | 0x7c00u);
+    if (e <= 0) {
+        if (e < -10) return (uint16_t)sign;
+        mant |= 0x800000u;
+        uint32_t shift = (uint32_t)(14 - e);
+        uint32_t half = mant >> shift;
+        uint32_t rem = mant & ((1u << shift) - 1);
+        uint32_t halfway = 1u << (shift - 1);
+        if (rem > halfway || (rem == halfway && (half & 1u))) half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t half = ((uint32_t)e << 10) | (mant >> 13);
+    uint32_t rem = mant & 0x1fffu;
+    /* A carry out of the mantissa rolls into the exponent, up to infinity: still correct. */
+    if (rem > 0x1000u || (rem == 0x1000u && (half & 1u))) half++;
+    return (uint16_t)(sign | half);
+}
+
+static float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static float apply_f(float a, float b, op_t op) {
+    switch (op) {
+    case OP_SUM: return a + b;
+    case OP_PROD: return a * b;
+    case OP_MAX: return b > a ? b : a;
+    default: return b < a ? b : a;
+    }
+}
+
+/* Integers wrap like the device's two's-complement adders (U is the unsigned twin of T, so
+   overflow is defined in C). */
+#define REDUCE_INT(T, U)                                                      \
+    do {                                                                      \
+        T *d = (T *)dst;                                                      \
+        const T *s = (const T *)src;                                          \
+        for (uint64_t i = 0; i < count; i++) {                                \
+            switch (op) {                                                     \
+            case OP_SUM: d[i] = (T)((U)d[i] + (U)s[i]); break;                \
+            case OP_PROD: d[i] = (T)((U)d[i] * (U)s[i]); break;               \
+            case OP_MAX: d[i] = s[i] > d[i] ? s[i] : d[i]; break;             \
+            default: d[i] = s[i] < d[i] ? s[i] : d[i]; break;                 \
+            }                                                                 \
+        }                                                                     \
+    } while (0)
+
+#define REDUCE_FLOAT(T)                                                       \
     do {                                                                      \
         T *d = (T *)dst;                                                      \
         const T *s = (const T *)src;                                          \
@@ -155,37 +257,58 @@ typedef enum { OP_SUM, OP_PROD, OP_MAX, OP_MIN, OP_BAD } op_t;
         }                                                                     \
     } while (0)
 
+#define REDUCE_HALF(TO_F, FROM_F)                                             \
+    do {                                                                      \
+        uint16_t *d = (uint16_t *)dst;                                        \
+        const uint16_t *s = (const uint16_t *)src;                            \
+        for (uint64_t i = 0; i < count; i++)                                  \
+            d[i] = FROM_F(apply_f(TO_F(d[i]), TO_F(s[i]), op));               \
+    } while (0)
+
 static void reduce_into(void *dst, const void *src, uint64_t count, ctype_t type, op_t op) {
     switch (type) {
-    case T_I8: REDUCE_LOOP(int8_t); break;
-    case T_U8: REDUCE_LOOP(uint8_t); break;
-    case T_I32: REDUCE_LOOP(int32_t); break;
-    case T_I64: REDUCE_LOOP(int64_t); break;
-    case T_F32: REDUCE_LOOP(float); break;
-    case T_F64: REDUCE_LOOP(double); break;
-    default: break;
+    case T_I8: REDUCE_INT(int8_t, uint8_t); break;
+    case T_U8: REDUCE_INT(uint8_t, uint8_t); break;
+    case T_I16: REDUCE_INT(int16_t, uint16_t); break;
+    case T_U16: REDUCE_INT(uint16_t, uint16_t); break;
+    case T_I32: REDUCE_INT(int32_t, uint32_t); break;
+    case T_U32: REDUCE_INT(uint32_t, uint32_t); break;
+    case T_I64: REDUCE_INT(int64_t, uint64_t); break;
+    case T_U64: REDUCE_INT(uint64_t, uint64_t); break;
+    case T_F16: REDUCE_HALF(f16_to_f32, f32_to_f16); break;
+    case T_BF16: REDUCE_HALF(bf16_to_f32, f32_to_bf16); break;
+    case T_F32: REDUCE_FLOAT(float); break;
+    case T_F64: REDUCE_FLOAT(double); break;
     }
 }
 
-/* ---- the four collectives, shared by both APIs ---- */
+static size_t elem_size(ctype_t type) {
+    switch (type) {
+    case T_I8: case T_U8: return 1;
+    case T_I16: case T_U16: case T_F16: case T_BF16: return 2;
+    case T_I32: case T_U32: case T_F32: return 4;
+    default: return 8;
+    }
+}
+
+/* ---- the four collectives, shared by both APIs (arguments already checked) ---- */
 
 typedef enum { K_ALL_REDUCE, K_ALL_GATHER, K_REDUCE_SCATTER, K_BROADCAST, K_BARRIER } kind_t;
 
 static int collective(comm_t *c, kind_t kind, const void *send, void *recv, uint64_t count,
-                      size_t elem, ctype_t type, op_t op, int root, uintptr_t stream) {
-    if (c == NULL || c->h == NULL) return ST_PTR;
-    if (stream == 0) return ST_PARA;
+                      ctype_t type, op_t op, int root, uintptr_t stream) {
     c->last_stream = stream;
     header_t *h = c->h;
     int n = c->nranks;
     if (kind == K_BARRIER) return barrier(h, n);
-    if ((kind == K_ALL_REDUCE || kind == K_REDUCE_SCATTER) && (type == T_OTHER || op == OP_BAD))
-        return ST_NOT_SUPPORT;
-    if (kind == K_BROADCAST && (root < 0 || root >= n)) return ST_PARA;
-    if (count > 0 && (send == NULL || recv == NULL)) return ST_PTR;
-    uint64_t bytes = count * elem;
+    uint64_t bytes = count * elem_size(type);
     uint64_t posted = kind == K_REDUCE_SCATTER ? bytes * (uint64_t)n : bytes;
-    if (posted > h->slot_bytes) return ST_MEMORY;
+    if (posted > h->slot_bytes) {
+        fprintf(stderr, "tandem stand-in: %llu bytes exceed the %llu-byte slot "
+                "(TANDEM_STANDIN_SLOT_BYTES)\n", (unsigned long long)posted,
+                (unsigned long long)h->slot_bytes);
+        return ST_MEMORY;
+    }
     if (kind != K_BROADCAST || c->rank == root) memcpy(slot(h, c->rank), send, posted);
     int rc = barrier(h, n);
     if (rc != ST_OK) return rc;
@@ -229,10 +352,12 @@ static comm_t *new_comm(header_t *h, size_t bytes, int shared, int rank, int nra
 
 static int init_all(int ndev, const int32_t *devices, comm_t **out) {
     if (ndev <= 0 || ndev > MAX_RANKS) return ST_PARA;
-    if (out == NULL) return ST_PTR;
-    for (int i = 0; i < ndev; i++)
-        for (int j = 0; devices && j < i; j++)
+    if (out == NULL || devices == NULL) return ST_PTR;
+    for (int i = 0; i < ndev; i++) {
+        if (devices[i] < 0 || devices[i] >= MAX_DEVICES) return ST_PARA;
+        for (int j = 0; j < i; j++)
             if (devices[i] == devices[j]) return ST_PARA;
+    }
     uint64_t slot_bytes = slot_bytes_from_env();
     size_t bytes = mapping_bytes(slot_bytes, ndev);
     void *map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -242,7 +367,7 @@ static int init_all(int ndev, const int32_t *devices, comm_t **out) {
     h->nranks = ndev;
     h->joined = ndev;
     h->attached = ndev;
-    for (int i = 0; i < ndev; i++) out[i] = new_comm(h, bytes, 1, i, ndev, devices ? devices[i] : i);
+    for (int i = 0; i < ndev; i++) out[i] = new_comm(h, bytes, 1, i, ndev, devices[i]);
     return ST_OK;
 }
 
@@ -314,7 +439,6 @@ static int init_rank(int nranks, const unique_id_t *id, int rank, int device, co
 }
 
 static int destroy(comm_t *c) {
-    if (c == NULL) return ST_PTR;
     if (c->shared_mapping) {
         pthread_mutex_lock(&c->h->mu);
         int last = --c->h->attached == 0;
@@ -331,7 +455,6 @@ static int destroy(comm_t *c) {
 /* An aborted communicator is gone as far as its owner is concerned (ncclCommAbort "frees
    resources associated with communicator object"), so it stops counting as alive. */
 static void abort_comm(comm_t *c) {
-    if (c == NULL || c->h == NULL) return;
     pthread_mutex_lock(&c->h->mu);
     c->h->broken = 1;
     pthread_cond_broadcast(&c->h->cv);
@@ -342,7 +465,10 @@ static void abort_comm(comm_t *c) {
 
 /* ================================ ACL ================================ */
 
-/* The runtime's per-thread device, and the two calls HCCL relies on. Codes from acl_base.h. */
+/* The runtime's per-thread device: aclrtSetDevice "sets the compute device in the calling
+   thread" (CANN aclrtSetDevice reference), and torch.npu.set_device reaches it. The stand-in
+   exports the two calls HCCL relies on, so whatever binds a host thread to a device the way
+   torch_npu binds it to an NPU is visible here. Codes from acl_base.h. */
 #define ACL_SUCCESS 0
 #define ACL_ERROR_INVALID_PARAM 100000
 #define ACL_ERROR_RT_INVALID_DEVICEID 107001
@@ -365,14 +491,13 @@ int aclrtGetDevice(int32_t *deviceId) {
 
 /* ---- helpers only the stand-in has: tests read what the binding passed ---- */
 
+static int hccl_in_flight[MAX_DEVICES];
+
 int TandemStandinVersion(void) { return STANDIN_VERSION; }
 uintptr_t TandemStandinLastStream(void *comm) { return comm ? ((comm_t *)comm)->last_stream : 0; }
 int TandemStandinCommDevice(void *comm) { return comm ? ((comm_t *)comm)->device : -1; }
 int TandemStandinCommRank(void *comm) { return comm ? ((comm_t *)comm)->rank : -1; }
 int TandemStandinLiveComms(void) { return __atomic_load_n(&live_comms, __ATOMIC_SEQ_CST); }
-
-static int hccl_in_flight[MAX_DEVICES];
-
 int TandemStandinInFlight(int device) {
     if (device < 0 || device >= MAX_DEVICES) return -1;
     return __atomic_load_n(&hccl_in_flight[device], __ATOMIC_SEQ_CST);
@@ -392,9 +517,49 @@ typedef void *HcclComm;
 typedef void *aclrtStream;
 typedef struct { char internal[4108]; } HcclRootInfo;
 
-/* HcclResult values, as in hccl_types.h. */
+/* HcclResult values, hccl_types.h. */
 enum { HCCL_SUCCESS = 0, HCCL_E_PARA = 1, HCCL_E_PTR = 2, HCCL_E_MEMORY = 3, HCCL_E_INTERNAL = 4,
-       HCCL_E_NOT_SUPPORT = 5, HCCL_E_SYSCALL = 8, HCCL_E_TIMEOUT = 9, HCCL_E_RUNTIME = 15 };
+       HCCL_E_NOT_SUPPORT = 5, HCCL_E_NOT_FOUND = 6, HCCL_E_UNAVAIL = 7, HCCL_E_SYSCALL = 8,
+       HCCL_E_TIMEOUT = 9, HCCL_E_OPEN_FILE_FAILURE = 10, HCCL_E_TCP_CONNECT = 11,
+       HCCL_E_ROCE_CONNECT = 12, HCCL_E_TCP_TRANSFER = 13, HCCL_E_ROCE_TRANSFER = 14,
+       HCCL_E_RUNTIME = 15, HCCL_E_DRV = 16, HCCL_E_PROFILING = 17, HCCL_E_CCE = 18,
+       HCCL_E_NETWORK = 19, HCCL_E_AGAIN = 20, HCCL_E_REMOTE = 21 };
+
+static int hccl_result(int r) {
+    static const int table[] = {HCCL_SUCCESS, HCCL_E_PARA, HCCL_E_PTR, HCCL_E_MEMORY,
+                                HCCL_E_INTERNAL, HCCL_E_NOT_SUPPORT, HCCL_E_TIMEOUT,
+                                HCCL_E_SYSCALL, HCCL_E_RUNTIME};
+    return table[r];
+}
+
+/* The support matrix, in one place: HcclDataType value -> element, and which operations take
+   it on Atlas A2 / A3 (CANN 8.5 HCCL API reference):
+     HcclAllReduce, HcclReduceScatter: int8, int16, int32, int64, float16, float32, bfp16;
+       "prod" does not support int16 or bfp16.
+     HcclAllGather, HcclBroadcast: int8, uint8, int16, uint16, int32, uint32, int64, uint64,
+       float16, float32, float64, bfp16.
+   Values past BFP16 (INT128, HIF8, FP8*) are in newer headers but in none of these lists. */
+typedef struct {
+    ctype_t type;
+    int reduce;    /* HcclAllReduce / HcclReduceScatter take it */
+    int prod;      /* ... with HCCL_REDUCE_PROD too */
+} hccl_type_row;
+
+static const hccl_type_row HCCL_TYPES[] = {
+    /* INT8   0 */ {T_I8, 1, 1},
+    /* INT16  1 */ {T_I16, 1, 0},
+    /* INT32  2 */ {T_I32, 1, 1},
+    /* FP16   3 */ {T_F16, 1, 1},
+    /* FP32   4 */ {T_F32, 1, 1},
+    /* INT64  5 */ {T_I64, 1, 1},
+    /* UINT64 6 */ {T_U64, 0, 0},
+    /* UINT8  7 */ {T_U8, 0, 0},
+    /* UINT16 8 */ {T_U16, 0, 0},
+    /* UINT32 9 */ {T_U32, 0, 0},
+    /* FP64  10 */ {T_F64, 0, 0},
+    /* BFP16 11 */ {T_BF16, 1, 0},
+};
+#define HCCL_TYPE_COUNT ((int)(sizeof(HCCL_TYPES) / sizeof(HCCL_TYPES[0])))
 
 /* HCCL reads the calling thread's device first in every entry point (hrtGetDeviceRefresh ->
    aclrtGetDevice, failing with HCCL_E_RUNTIME). The stand-in checks it where tandem_hw's own
@@ -411,59 +576,58 @@ static int hccl_thread_device(const char *function) {
     return device;
 }
 
-static int hccl_result(int r) {
-    static const int table[] = {HCCL_SUCCESS, HCCL_E_PARA, HCCL_E_PTR, HCCL_E_MEMORY,
-                                HCCL_E_INTERNAL, HCCL_E_NOT_SUPPORT, HCCL_E_TIMEOUT,
-                                HCCL_E_SYSCALL};
-    return table[r];
-}
-
-static int hccl_type(int t, size_t *elem, ctype_t *type) {
-    /* HcclDataType: INT8 0, INT16 1, INT32 2, FP16 3, FP32 4, INT64 5, UINT64 6, UINT8 7,
-       UINT16 8, UINT32 9, FP64 10, BFP16 11. */
-    static const size_t sizes[] = {1, 2, 4, 2, 4, 8, 8, 1, 2, 4, 8, 2};
-    static const ctype_t types[] = {T_I8, T_OTHER, T_I32, T_OTHER, T_F32, T_I64,
-                                    T_OTHER, T_U8, T_OTHER, T_OTHER, T_F64, T_OTHER};
-    if (t < 0 || t > 11) return 0;
-    *elem = sizes[t];
-    *type = types[t];
-    return 1;
-}
-
-static op_t hccl_op(int op) { return op >= 0 && op <= 3 ? (op_t)op : OP_BAD; }
-
-/* The real library does not report a second call on a busy device; the stand-in fails it. */
-static int hccl_collective(const char *function, HcclComm comm, kind_t kind, const void *send,
-                           void *recv, uint64_t count, size_t elem, ctype_t type, op_t op,
-                           int root, uintptr_t stream) {
-    comm_t *c = comm;
-    if (c == NULL || c->h == NULL) return HCCL_E_PTR;
-    if (c->device < 0 || c->device >= MAX_DEVICES) return HCCL_E_PARA;
+/* "One device cannot call multiple collective operation APIs at a time" (CANN HcclCommInitAll
+   constraints). The real library does not report it; the stand-in fails the second call. */
+static int hccl_enter(comm_t *c, const char *function) {
     if (__atomic_add_fetch(&hccl_in_flight[c->device], 1, __ATOMIC_SEQ_CST) > 1) {
         __atomic_sub_fetch(&hccl_in_flight[c->device], 1, __ATOMIC_SEQ_CST);
         fprintf(stderr, "tandem stand-in: %s on device %d while another collective call is in "
                 "flight there (CANN: one device cannot call multiple collective operation APIs "
                 "at a time)\n", function, c->device);
-        return HCCL_E_INTERNAL;
+        return 0;
     }
-    int rc = hccl_result(collective(c, kind, send, recv, count, elem, type, op, root, stream));
-    __atomic_sub_fetch(&hccl_in_flight[c->device], 1, __ATOMIC_SEQ_CST);
-    return rc;
+    return 1;
 }
 
-const char *HcclGetErrorString(int code) {
-    switch (code) {
-    case HCCL_SUCCESS: return "HCCL_SUCCESS: success";
-    case HCCL_E_PARA: return "HCCL_E_PARA: parameter error";
-    case HCCL_E_PTR: return "HCCL_E_PTR: empty pointer";
-    case HCCL_E_MEMORY: return "HCCL_E_MEMORY: memory error (stand-in slot too small?)";
-    case HCCL_E_INTERNAL: return "HCCL_E_INTERNAL: internal error";
-    case HCCL_E_NOT_SUPPORT: return "HCCL_E_NOT_SUPPORT: not support feature";
-    case HCCL_E_SYSCALL: return "HCCL_E_SYSCALL: call system interface error";
-    case HCCL_E_TIMEOUT: return "HCCL_E_TIMEOUT: timeout";
-    case HCCL_E_RUNTIME: return "HCCL_E_RUNTIME: call runtime api fail";
-    default: return "HCCL: unknown error";
+static void hccl_leave(comm_t *c) {
+    __atomic_sub_fetch(&hccl_in_flight[c->device], 1, __ATOMIC_SEQ_CST);
+}
+
+/* The checks of op_base.cc, in its order: count 0 succeeds at once; null comm or buffer;
+   data type (HcomCheckDataType); null stream; reduction op (HcomCheckReductionOp); data type
+   for the op (the support matrix); root inside the clique (HcomCheckUserRank). */
+static int hccl_call(const char *function, kind_t kind, void *send, void *recv, uint64_t count,
+                     int data_type, int op, uint32_t root, HcclComm comm, aclrtStream stream) {
+    if (count == 0 && kind != K_BARRIER) return HCCL_SUCCESS;
+    comm_t *c = comm;
+    if (c == NULL) return HCCL_E_PTR;
+    if (kind != K_BARRIER && (send == NULL || recv == NULL)) return HCCL_E_PTR;
+    if (data_type < 0 || data_type >= HCCL_TYPE_COUNT) return HCCL_E_NOT_SUPPORT;
+    if (stream == NULL) return HCCL_E_PTR;
+    const hccl_type_row *row = &HCCL_TYPES[data_type];
+    if (kind == K_ALL_REDUCE || kind == K_REDUCE_SCATTER) {
+        if (op < 0 || op > 3) return HCCL_E_NOT_SUPPORT;
+        if (!row->reduce || (op == 1 && !row->prod)) return HCCL_E_NOT_SUPPORT;
     }
+    if (kind == K_BROADCAST && root >= (uint32_t)c->nranks) return HCCL_E_PARA;
+    if (!hccl_enter(c, function)) return HCCL_E_INTERNAL;
+    int rc = collective(c, kind, send, recv, count, row->type, (op_t)(op & 3), (int)root,
+                        (uintptr_t)stream);
+    hccl_leave(c);
+    return hccl_result(rc);
+}
+
+/* HcclGetErrorString of op_base.cc: its strings, "unknow error" past the table. */
+const char *HcclGetErrorString(int code) {
+    static const char *const strings[] = {
+        "no error", "parameter error", "empty pointer", "memory error", "internal error",
+        "not support feature", "not found specific resource", "resource unavailable",
+        "call system interface error", "timeout", "open file fail", "tcp connect fail",
+        "roce connect fail", "tcp transfer fail", "roce transfer fail", "call runtime api fail",
+        "call driver api fail", "call profiling api fail", "call cce api fail",
+        "call network api fail", "try again", "error cqe"};
+    if (code < 0 || code >= (int)(sizeof(strings) / sizeof(strings[0]))) return "unknow error";
+    return strings[code];
 }
 
 int HcclGetRootInfo(HcclRootInfo *rootInfo) {
@@ -477,51 +641,44 @@ int HcclCommInitRootInfo(uint32_t nRanks, const HcclRootInfo *rootInfo, uint32_t
     if (rootInfo == NULL) return HCCL_E_PTR;
     int device = hccl_thread_device("HcclCommInitRootInfo");
     if (device < 0) return HCCL_E_RUNTIME;
+    if (nRanks == 0 || rank >= nRanks) return HCCL_E_PARA;
     return hccl_result(init_rank((int)nRanks, (const unique_id_t *)rootInfo, (int)rank, device,
                                  (comm_t **)comm));
 }
 
 int HcclCommInitAll(uint32_t ndev, int32_t *devices, HcclComm *comms) {
     if (hccl_thread_device("HcclCommInitAll") < 0) return HCCL_E_RUNTIME;
-    if (devices == NULL) return HCCL_E_PTR;
+    if (ndev == 0) return HCCL_E_PARA;
+    if (comms == NULL || devices == NULL) return HCCL_E_PTR;
     return hccl_result(init_all((int)ndev, devices, (comm_t **)comms));
 }
 
 int HcclAllReduce(void *sendBuf, void *recvBuf, uint64_t count, int dataType, int op,
                   HcclComm comm, aclrtStream stream) {
-    size_t elem; ctype_t type;
-    if (!hccl_type(dataType, &elem, &type)) return HCCL_E_PARA;
-    return hccl_collective("HcclAllReduce", comm, K_ALL_REDUCE, sendBuf, recvBuf, count, elem,
-                           type, hccl_op(op), 0, (uintptr_t)stream);
+    return hccl_call("HcclAllReduce", K_ALL_REDUCE, sendBuf, recvBuf, count, dataType, op, 0,
+                     comm, stream);
 }
 
 int HcclAllGather(void *sendBuf, void *recvBuf, uint64_t sendCount, int dataType, HcclComm comm,
                   aclrtStream stream) {
-    size_t elem; ctype_t type;
-    if (!hccl_type(dataType, &elem, &type)) return HCCL_E_PARA;
-    return hccl_collective("HcclAllGather", comm, K_ALL_GATHER, sendBuf, recvBuf, sendCount, elem,
-                           type, OP_SUM, 0, (uintptr_t)stream);
+    return hccl_call("HcclAllGather", K_ALL_GATHER, sendBuf, recvBuf, sendCount, dataType, 0, 0,
+                     comm, stream);
 }
 
 int HcclReduceScatter(void *sendBuf, void *recvBuf, uint64_t recvCount, int dataType, int op,
                       HcclComm comm, aclrtStream stream) {
-    size_t elem; ctype_t type;
-    if (!hccl_type(dataType, &elem, &type)) return HCCL_E_PARA;
-    return hccl_collective("HcclReduceScatter", comm, K_REDUCE_SCATTER, sendBuf, recvBuf,
-                           recvCount, elem, type, hccl_op(op), 0, (uintptr_t)stream);
+    return hccl_call("HcclReduceScatter", K_REDUCE_SCATTER, sendBuf, recvBuf, recvCount, dataType,
+                     op, 0, comm, stream);
 }
 
 int HcclBroadcast(void *buf, uint64_t count, int dataType, uint32_t root, HcclComm comm,
                   aclrtStream stream) {
-    size_t elem; ctype_t type;
-    if (!hccl_type(dataType, &elem, &type)) return HCCL_E_PARA;
-    return hccl_collective("HcclBroadcast", comm, K_BROADCAST, buf, buf, count, elem, type,
-                           OP_SUM, (int)root, (uintptr_t)stream);
+    return hccl_call("HcclBroadcast", K_BROADCAST, buf, buf, count, dataType, 0, root, comm,
+                     stream);
 }
 
 int HcclBarrier(HcclComm comm, aclrtStream stream) {
-    return hccl_collective("HcclBarrier", comm, K_BARRIER, NULL, NULL, 0, 1, T_U8, OP_SUM, 0,
-                           (uintptr_t)stream);
+    return hccl_call("HcclBarrier", K_BARRIER, NULL, NULL, 0, 4, 0, 0, comm, stream);
 }
 
 /* Needs a device on the calling thread like every entry point; a null comm is skipped with
@@ -538,40 +695,48 @@ typedef void *ncclComm_t;
 typedef void *cudaStream_t;
 typedef struct { char internal[128]; } ncclUniqueId;
 
-/* ncclResult_t values, as in nccl.h. */
+/* ncclResult_t values, nccl.h. */
 enum { ncclSuccess = 0, ncclUnhandledCudaError = 1, ncclSystemError = 2, ncclInternalError = 3,
-       ncclInvalidArgument = 4, ncclInvalidUsage = 5, ncclRemoteError = 6 };
+       ncclInvalidArgument = 4, ncclInvalidUsage = 5, ncclRemoteError = 6, ncclInProgress = 7 };
 
 static int nccl_result(int r) {
     static const int table[] = {ncclSuccess, ncclInvalidArgument, ncclInvalidArgument,
                                 ncclSystemError, ncclInternalError, ncclInvalidUsage,
-                                ncclRemoteError, ncclSystemError};
+                                ncclRemoteError, ncclSystemError, ncclUnhandledCudaError};
     return table[r];
 }
 
-static int nccl_type(int t, size_t *elem, ctype_t *type) {
-    /* ncclDataType_t: Int8 0, Uint8 1, Int32 2, Uint32 3, Int64 4, Uint64 5, Float16 6,
-       Float32 7, Float64 8, Bfloat16 9. */
-    static const size_t sizes[] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2};
-    static const ctype_t types[] = {T_I8, T_U8, T_I32, T_OTHER, T_I64,
-                                    T_OTHER, T_OTHER, T_F32, T_F64, T_OTHER};
-    if (t < 0 || t > 9) return 0;
-    *elem = sizes[t];
-    *type = types[t];
-    return 1;
+/* ncclDataType_t Int8 0 .. Bfloat16 9: every reduction takes every type. ncclAvg (4),
+   user-built ops and the fp8 types of NCCL >= 2.24 are not modelled. */
+static const ctype_t NCCL_TYPES[] = {T_I8, T_U8, T_I32, T_U32, T_I64, T_U64, T_F16, T_F32,
+                                     T_F64, T_BF16};
+#define NCCL_TYPE_COUNT ((int)(sizeof(NCCL_TYPES) / sizeof(NCCL_TYPES[0])))
+
+/* A null stream is CUDA's legacy default stream, which NCCL takes. */
+static int nccl_call(kind_t kind, const void *send, void *recv, size_t count, int data_type,
+                     int op, int root, ncclComm_t comm, cudaStream_t stream) {
+    comm_t *c = comm;
+    if (c == NULL) return ncclInvalidArgument;
+    if (data_type < 0 || data_type >= NCCL_TYPE_COUNT) return ncclInvalidArgument;
+    if ((kind == K_ALL_REDUCE || kind == K_REDUCE_SCATTER) && (op < 0 || op > 3))
+        return ncclInvalidArgument;
+    if (kind == K_BROADCAST && (root < 0 || root >= c->nranks)) return ncclInvalidArgument;
+    if (count > 0 && (send == NULL || recv == NULL)) return ncclInvalidArgument;
+    return nccl_result(collective(c, kind, send, recv, count, NCCL_TYPES[data_type], (op_t)(op & 3),
+                                  root, (uintptr_t)stream));
 }
 
-static op_t nccl_op(int op) { return op >= 0 && op <= 3 ? (op_t)op : OP_BAD; }
-
+/* ncclGetErrorString of NCCL 2.20 src/init.cc. */
 const char *ncclGetErrorString(int result) {
     switch (result) {
     case ncclSuccess: return "no error";
-    case ncclUnhandledCudaError: return "unhandled cuda error";
-    case ncclSystemError: return "unhandled system error (stand-in: shm, memory or slot size)";
-    case ncclInternalError: return "internal error";
+    case ncclUnhandledCudaError: return "unhandled cuda error (run with NCCL_DEBUG=INFO for details)";
+    case ncclSystemError: return "unhandled system error (run with NCCL_DEBUG=INFO for details)";
+    case ncclInternalError: return "internal error - please report this issue to the NCCL developers";
     case ncclInvalidArgument: return "invalid argument (run with NCCL_DEBUG=WARN for details)";
     case ncclInvalidUsage: return "invalid usage (run with NCCL_DEBUG=WARN for details)";
     case ncclRemoteError: return "remote process exited or there was a network error";
+    case ncclInProgress: return "NCCL operation in progress";
     default: return "unknown result code";
     }
 }
@@ -592,48 +757,49 @@ int ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank
 }
 
 int ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {
+    if (ndev <= 0) return ncclInvalidArgument;
+    int32_t first[MAX_RANKS];
+    /* "If devlist is NULL, the first ndev CUDA devices are used." */
+    if (devlist == NULL) {
+        if (ndev > MAX_RANKS) return ncclInvalidArgument;
+        for (int i = 0; i < ndev; i++) first[i] = i;
+        devlist = first;
+    }
     return nccl_result(init_all(ndev, devlist, (comm_t **)comms));
 }
 
 int ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count, int datatype, int op,
                   ncclComm_t comm, cudaStream_t stream) {
-    size_t elem; ctype_t type;
-    if (!nccl_type(datatype, &elem, &type)) return ncclInvalidArgument;
-    return nccl_result(collective(comm, K_ALL_REDUCE, sendbuff, recvbuff, count, elem, type,
-                                  nccl_op(op), 0, (uintptr_t)stream));
+    return nccl_call(K_ALL_REDUCE, sendbuff, recvbuff, count, datatype, op, 0, comm, stream);
 }
 
 int ncclAllGather(const void *sendbuff, void *recvbuff, size_t sendcount, int datatype,
                   ncclComm_t comm, cudaStream_t stream) {
-    size_t elem; ctype_t type;
-    if (!nccl_type(datatype, &elem, &type)) return ncclInvalidArgument;
-    return nccl_result(collective(comm, K_ALL_GATHER, sendbuff, recvbuff, sendcount, elem, type,
-                                  OP_SUM, 0, (uintptr_t)stream));
+    return nccl_call(K_ALL_GATHER, sendbuff, recvbuff, sendcount, datatype, 0, 0, comm, stream);
 }
 
 int ncclReduceScatter(const void *sendbuff, void *recvbuff, size_t recvcount, int datatype,
                       int op, ncclComm_t comm, cudaStream_t stream) {
-    size_t elem; ctype_t type;
-    if (!nccl_type(datatype, &elem, &type)) return ncclInvalidArgument;
-    return nccl_result(collective(comm, K_REDUCE_SCATTER, sendbuff, recvbuff, recvcount, elem,
-                                  type, nccl_op(op), 0, (uintptr_t)stream));
+    return nccl_call(K_REDUCE_SCATTER, sendbuff, recvbuff, recvcount, datatype, op, 0, comm,
+                     stream);
 }
 
 int ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count, int datatype, int root,
                   ncclComm_t comm, cudaStream_t stream) {
-    size_t elem; ctype_t type;
-    if (!nccl_type(datatype, &elem, &type)) return ncclInvalidArgument;
-    return nccl_result(collective(comm, K_BROADCAST, sendbuff, recvbuff, count, elem, type,
-                                  OP_SUM, root, (uintptr_t)stream));
+    return nccl_call(K_BROADCAST, sendbuff, recvbuff, count, datatype, 0, root, comm, stream);
 }
 
-int ncclCommDestroy(ncclComm_t comm) { return nccl_result(destroy(comm)); }
+/* "if (comm == NULL) return ncclSuccess;" (src/init.cc). */
+int ncclCommDestroy(ncclComm_t comm) {
+    if (comm == NULL) return ncclSuccess;
+    return nccl_result(destroy(comm));
+}
 
 /* Releases every rank blocked in this clique. The memory stays mapped: another thread may
    still be inside a call on this communicator, and the stand-in would rather leak a few bytes
    than read freed memory. */
 int ncclCommAbort(ncclComm_t comm) {
-    if (comm == NULL) return ncclInvalidArgument;
+    if (comm == NULL) return ncclSuccess;
     abort_comm(comm);
     return ncclSuccess;
 }
