@@ -1,6 +1,9 @@
 """HCCL through ctypes: the function table, the enums, and where libhccl.so is found.
 
-Prototypes are those of CANN's ``hccl.h`` / ``hccl_types.h``.
+Prototypes and enum values are those of ``hccl.h`` / ``hccl_types.h`` as vendored by the
+Ascend PyTorch repository (``third_party/hccl/inc/hccl``; both as of commit 9df03631, April
+2026); ``hw/tests/test_prototypes.py`` holds an independent transcription and compares a CANN
+install's own headers where ``ASCEND_HOME_PATH`` names one.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""NCCL through ctypes, the CUDA twin of ``hccl.py``: the same shape, ``nccl.h`` prototypes."""
+"""NCCL through ctypes, the CUDA twin of ``hccl.py``: the same shape, the prototypes and enum
+values of ``nccl.h`` (NVIDIA/nccl ``src/nccl.h.in``, v2.20.5-1; unchanged on master @ 5067397c);
+``hw/tests/test_prototypes.py`` checks them, against installed headers where ``NCCL_INCLUDE``
+names them."""
 
 from __future__ import annotations
 

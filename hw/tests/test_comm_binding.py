@@ -3,7 +3,6 @@ every collective, streams passed through, and the library's own error messages."
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import threading
@@ -51,23 +50,6 @@ def init_all(library: CommLibrary, bind: DeviceBinder, indices: list[int]) -> li
     has it bound."""
     bind(Device("cpu", indices[0]))
     return library.init_all(indices)
-
-
-@pytest.mark.parametrize(
-    ("table", "functions"), [(hccl, hccl.FUNCTIONS), (nccl, nccl.FUNCTIONS)], ids=["hccl", "nccl"]
-)
-def test_every_prototype_binds_with_its_argument_types(
-    standin_path: Path, table: object, functions: tuple[object, ...]
-) -> None:
-    bound = BoundLibrary(str(standin_path), hccl.FUNCTIONS + nccl.FUNCTIONS)
-    for fn in (*hccl.FUNCTIONS, *nccl.FUNCTIONS):
-        handle = bound[fn.name]
-        assert handle.argtypes == list(fn.argtypes) and handle.restype is fn.restype
-
-
-def test_root_info_and_unique_id_have_the_c_sizes() -> None:
-    assert ctypes.sizeof(hccl.HcclRootInfo) == 4108
-    assert ctypes.sizeof(nccl.NcclUniqueId) == 128
 
 
 @pytest.mark.parametrize("nranks", [2, 4])
