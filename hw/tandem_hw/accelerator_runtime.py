@@ -6,9 +6,12 @@ the framework's thread-local device cache and the thread's streams agree (concur
 
 from __future__ import annotations
 
+import itertools
+import re
 import threading
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -20,7 +23,7 @@ T = TypeVar("T")
 
 
 def parse_visible_devices(value: str | None) -> list[int] | None:
-    """The physical ids a ``*_VISIBLE_DEVICES`` variable exposes, in order; None when unset."""
+    """The physical ids ``CUDA_VISIBLE_DEVICES`` exposes, in order; None when unset."""
     if value is None or not value.strip():
         return None
     try:
@@ -29,6 +32,39 @@ def parse_visible_devices(value: str | None) -> list[int] | None:
         raise ValueError(
             f"visible-devices list {value!r} must be comma-separated integers"
         ) from None
+
+
+@dataclass(frozen=True)
+class AscendVisible:
+    """``ASCEND_RT_VISIBLE_DEVICES`` as the CANN runtime reads it (CANN environment-variable
+    reference, ASCEND_RT_VISIBLE_DEVICES): comma-separated logical ids; reading stops at the
+    first character that is not a digit or a comma, and only the ids before it count ("1, 2,3"
+    is device 1 alone); only ascending lists are supported, and one that does not ascend
+    leaves the process no device."""
+
+    # The ids as listed (up to where reading stopped), and the ones the process gets.
+    listed: list[int]
+    ids: list[int]
+    # The part of the value the runtime reads; shorter than the value when it stopped early.
+    read: str
+
+    @property
+    def ascending(self) -> bool:
+        return all(a < b for a, b in itertools.pairwise(self.listed))
+
+
+def parse_ascend_visible_devices(value: str | None) -> AscendVisible | None:
+    if value is None or not value.strip():
+        return None
+    read = re.match(r"[0-9,]*", value)
+    assert read is not None  # the pattern matches the empty prefix at least
+    listed: list[int] = []
+    for field in read.group().split(","):
+        if not field:
+            break
+        listed.append(int(field))
+    ascending = all(a < b for a, b in itertools.pairwise(listed))
+    return AscendVisible(listed, listed if ascending else [], read.group())
 
 
 class AcceleratorRuntime:
@@ -45,7 +81,11 @@ class AcceleratorRuntime:
         # read this to check it.
         self.kernel_loads: Counter[tuple[str, Device]] = Counter()
         self._loads_lock = threading.Lock()
-        self.visible = parse_visible_devices(environ.get(self.visible_env))
+        self.visible = self.visible_ids(environ.get(self.visible_env))
+
+    def visible_ids(self, value: str | None) -> list[int] | None:
+        """The ids ``visible_env`` exposes, in order; None when unset."""
+        return parse_visible_devices(value)
 
     def _check(self, device: Device) -> None:
         if device.kind != self.kind:
