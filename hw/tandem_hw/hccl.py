@@ -128,19 +128,28 @@ _STANDIN_ACL = (CFunction("aclrtSetDevice", ctypes.c_int, (ctypes.c_int32,)),)
 
 # Where CANN puts libhccl.so, relative to its install root.
 _CANN_LIB = Path("lib64") / "libhccl.so"
-_DEFAULT_CANN_ROOT = Path("/usr/local/Ascend/ascend-toolkit/latest")
+# Default install roots when set_env.sh was not sourced: CANN 8.5 and later install to
+# /usr/local/Ascend/cann, earlier releases to /usr/local/Ascend/ascend-toolkit/latest.
+DEFAULT_CANN_ROOTS = (
+    Path("/usr/local/Ascend/cann"),
+    Path("/usr/local/Ascend/ascend-toolkit/latest"),
+)
 
 
 def find_hccl_library(env: Mapping[str, str] | None = None) -> Path:
-    """HCCL_SO_PATH, then the CANN install (ASCEND_HOME_PATH, ASCEND_TOOLKIT_HOME, the default
-    /usr/local/Ascend/ascend-toolkit/latest)."""
+    """HCCL_SO_PATH, then the CANN install: ASCEND_HOME_PATH (set by set_env.sh),
+    ASCEND_TOOLKIT_HOME, then the default roots of new and old releases."""
     env = os.environ if env is None else env
     explicit = env.get("HCCL_SO_PATH")
     if explicit:
         if not Path(explicit).is_file():
             raise LibraryNotFound(f"HCCL_SO_PATH={explicit} is not a file")
         return Path(explicit)
-    roots = [env.get("ASCEND_HOME_PATH"), env.get("ASCEND_TOOLKIT_HOME"), str(_DEFAULT_CANN_ROOT)]
+    roots = [
+        env.get("ASCEND_HOME_PATH"),
+        env.get("ASCEND_TOOLKIT_HOME"),
+        *(str(root) for root in DEFAULT_CANN_ROOTS),
+    ]
     tried = []
     for root in roots:
         if not root:

@@ -3,7 +3,6 @@ every collective, streams passed through, and the library's own error messages."
 
 from __future__ import annotations
 
-import os
 import shutil
 import threading
 import time
@@ -232,11 +231,15 @@ def test_hccl_library_is_found_from_the_cann_install(standin_path: Path, tmp_pat
 
 
 def test_missing_libraries_say_where_to_point() -> None:
-    if os.path.exists("/usr/local/Ascend/ascend-toolkit/latest/lib64/libhccl.so"):
-        pytest.skip("this machine has a CANN install at the default place")
+    if any((root / "lib64" / "libhccl.so").exists() for root in hccl.DEFAULT_CANN_ROOTS):
+        pytest.skip("this machine has a CANN install at a default place")
     with pytest.raises(LibraryNotFound, match="HCCL_SO_PATH") as err:
         hccl.find_hccl_library({})
     assert "set_env.sh" in str(err.value)
+    # Both default roots are tried, the newer layout first.
+    message = str(err.value)
+    new, old = "/usr/local/Ascend/cann/lib64", "/usr/local/Ascend/ascend-toolkit/latest/lib64"
+    assert new in message and old in message and message.index(new) < message.index(old)
     with pytest.raises(LibraryNotFound, match="is not a file"):
         hccl.find_hccl_library({"HCCL_SO_PATH": "/nonexistent/libhccl.so"})
     with pytest.raises(LibraryNotFound, match="is not a file"):
