@@ -1,14 +1,14 @@
 """One collective launch at a time on a set of devices, in one order on all of them.
 
 CANN's ``HcclCommInitAll`` reference (constraints): "One device cannot call multiple collective
-operation APIs at a time." With ``--max-concurrency N`` every pipeline slot has a communicator
-set of its own over the same devices, and each slot's rank threads launch on their own, so two
-slots could be inside ``HcclAllReduce`` on one card at once.
+operation APIs at a time." With ``--max-concurrency N`` every pipeline lane has a communicator
+set of its own over the same devices, and each lane's rank threads launch on their own, so two
+lanes could be inside ``HcclAllReduce`` on one card at once.
 
 A lock per device is not enough. HCCL's first call on a communicator blocks until its peers
 have called too (links are set up then; the same reference bounds the gap between ranks by
-``HCCL_CONNECT_TIMEOUT``), and so does every call of the CPU stand-in: slot A holding card 0
-while slot B holds card 1, each waiting inside a call for its peer on the other card, never
+``HCCL_CONNECT_TIMEOUT``), and so does every call of the CPU stand-in: lane A holding card 0
+while lane B holds card 1, each waiting inside a call for its peer on the other card, never
 ends. So a turn belongs to one collective of one communicator set (its sequence number, equal
 on every rank by concurrency rule 2): the set's ranks enter it on every device, and the other
 sets wait until all of them have left the call. Every device sees the sets' collectives in the
@@ -114,7 +114,7 @@ _shared_lock = threading.Lock()
 
 def shared_turns(devices: Sequence[str]) -> LaunchTurns:
     """The turns every communicator set of this process over ``devices`` takes (the pipeline
-    slots' sets of one engine span the same devices). Sets over different device lists do not
+    lanes' sets of one engine span the same devices). Sets over different device lists do not
     take turns with each other; the engine makes none that overlap."""
     key = tuple(sorted(devices))
     with _shared_lock:

@@ -6,7 +6,7 @@ thread with the first device bound, each worker issuing on its own stream handle
 made on rank 0 and broadcast over the gloo world then HcclCommInitRootInfo / ncclCommInitRank
 in separate processes, two-level groups whose inter-node level is the library, the pointer
 and enum passing of every collective the model uses, half-precision reductions, pipeline
-slots taking turns on each device, and shutdown destroying every communicator on a thread
+lanes taking turns on each device, and shutdown destroying every communicator on a thread
 bound to its device (the stand-in reports any left at exit). What it cannot: device memory,
 real streams, the library's own transport.
 """
@@ -65,18 +65,18 @@ def test_tp2_with_library_collectives_matches_tp1(
 
 
 @pytest.mark.parametrize("name", ["hccl", "nccl"])
-def test_pipeline_slots_take_turns_on_each_device(
+def test_pipeline_lanes_take_turns_on_each_device(
     model: Path, reference: list[list[int]], standin_path: Path, name: str
 ) -> None:
-    """Two slots, each with its own communicator set over both devices, decode at once; the
+    """Two lanes, each with its own communicator set over both devices, decode at once; the
     stand-in fails an HCCL call made while another is in flight on the same device."""
     env = {"HCCL_SO_PATH": str(standin_path), "NCCL_SO_PATH": str(standin_path), **LEAK_REPORT}
     flags = ("--local-collectives", name, "--max-concurrency", "2")
-    slots = generate_token_ids(model, "tp2-single-process", NEW_TOKENS, flags, env, "INFO")
-    assert slots.token_ids == reference
-    assert slots.logs[0].count(f"{name}: one communicator set for 2 local devices") == 2
-    assert "in flight" not in slots.logs[0]
-    assert_torn_down(slots.logs[0])
+    lanes = generate_token_ids(model, "tp2-single-process", NEW_TOKENS, flags, env, "INFO")
+    assert lanes.token_ids == reference
+    assert lanes.logs[0].count(f"{name}: one communicator set for 2 local devices") == 2
+    assert "in flight" not in lanes.logs[0]
+    assert_torn_down(lanes.logs[0])
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -1,4 +1,4 @@
-"""One collective call at a time per card, across the communicator sets of pipeline slots.
+"""One collective call at a time per card, across the communicator sets of pipeline lanes.
 
 CANN's HcclCommInitAll reference: "One device cannot call multiple collective operation APIs
 at a time." The stand-in counts HCCL calls in flight per device and fails a second one. Sets
@@ -37,7 +37,7 @@ def _backend(library: CommLibrary, standin_path: Path, monkeypatch: pytest.Monke
     return backend
 
 
-def _slots(backend: LibraryBackend, count: int) -> list[LocalGroups]:
+def _lanes(backend: LibraryBackend, count: int) -> list[LocalGroups]:
     return [backend.local_groups(DEVICES, get_runtime("cpu"), timeout_s=60) for _ in range(count)]
 
 
@@ -53,13 +53,13 @@ def _run(fn: Callable[[], Any], errors: list[BaseException], out: list[Any]) -> 
     return thread
 
 
-def test_a_second_slot_waits_for_the_card_instead_of_calling_into_it(
+def test_a_second_lane_waits_for_the_card_instead_of_calling_into_it(
     standin_path: Path, probe: StandinProbe, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Slot A's rank 0 is inside HcclAllReduce on cpu:0 (waiting for its rank 1) when slot B's
+    """Lane A's rank 0 is inside HcclAllReduce on cpu:0 (waiting for its rank 1) when lane B's
     rank 0 issues its own all-reduce on cpu:0."""
     monkeypatch.setenv("HCCL_SO_PATH", str(standin_path))
-    a, b = _slots(HcclBackend(), 2)
+    a, b = _lanes(HcclBackend(), 2)
     errors: list[BaseException] = []
     out: list[Any] = []
     a0 = _run(lambda: a.groups[0].all_reduce(torch.tensor([1.0])), errors, out)
@@ -70,7 +70,7 @@ def test_a_second_slot_waits_for_the_card_instead_of_calling_into_it(
     b0 = _run(lambda: b.groups[0].all_reduce(torch.tensor([10.0])), errors, out)
     b0.join(0.5)
     assert not errors, errors
-    assert b0.is_alive(), "slot B's rank 0 should wait for its turn"
+    assert b0.is_alive(), "lane B's rank 0 should wait for its turn"
     a1 = _run(lambda: a.groups[1].all_reduce(torch.tensor([2.0])), errors, out)
     b1 = _run(lambda: b.groups[1].all_reduce(torch.tensor([20.0])), errors, out)
     for thread in (a0, a1, b0, b1):
@@ -78,33 +78,33 @@ def test_a_second_slot_waits_for_the_card_instead_of_calling_into_it(
         assert not thread.is_alive()
     assert not errors, errors
     assert sorted(t.item() for t in out) == [3.0, 3.0, 30.0, 30.0]
-    for slot in (a, b):
-        slot.communicators.close()
+    for lane in (a, b):
+        lane.communicators.close()
 
 
 @pytest.mark.parametrize("library", ["hccl", "nccl"], indirect=True)
-def test_slots_issuing_at_once_never_share_a_card(
+def test_lanes_issuing_at_once_never_share_a_card(
     library: CommLibrary,
     standin_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     run_ranks: RunRanks,
 ) -> None:
-    slots = _slots(_backend(library, standin_path, monkeypatch), 3)
+    lanes = _lanes(_backend(library, standin_path, monkeypatch), 3)
     rounds = 40
 
     def body(index: int) -> list[float]:
-        slot, rank = divmod(index, 2)
-        group: ProcessGroup = slots[slot].groups[rank]
+        lane, rank = divmod(index, 2)
+        group: ProcessGroup = lanes[lane].groups[rank]
         return [
-            group.all_reduce(torch.tensor([float(100 * slot + step + rank)])).item()
+            group.all_reduce(torch.tensor([float(100 * lane + step + rank)])).item()
             for step in range(rounds)
         ]
 
     results = run_ranks(6, body)
     for index, values in enumerate(results):
-        slot = index // 2
-        assert values == [float(2 * (100 * slot + step) + 1) for step in range(rounds)]
-    for made in slots:
+        lane = index // 2
+        assert values == [float(2 * (100 * lane + step) + 1) for step in range(rounds)]
+    for made in lanes:
         made.communicators.close()
 
 
