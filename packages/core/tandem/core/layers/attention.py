@@ -1,21 +1,34 @@
 """Attention over the paged KV cache.
 
-The step's tokens are laid out decodes first (one query each), then prefill chunks. Both
-groups copy their sequences' cache blocks out in order (whole blocks through the block
-tables), so a chunk sees every earlier token, cached prefix included; masks hide what lies
-past each sequence's end or ahead of each query. Indices and masks are built once per step
-(``AttentionMetadata``) and shared by all layers.
+The step's tokens are laid out decodes first (one query each), then prefill chunks. Each
+group's attention is a kernel resolved through the kernel registry per (kernel, device,
+dtype): on CPU, the native kernel of ``paged_attention_cpu`` reads K/V from the cache in
+place; elsewhere, or where it cannot be built, the torch reference copies each sequence's
+cache blocks out in order (whole blocks through the block tables), so a chunk sees every
+earlier token, cached prefix included, and masks hide what lies past each sequence's end or
+ahead of each query. Indices and masks are built once per step (``AttentionMetadata``) and
+shared by all layers.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tandem.core.layers.linear_attention_metadata import LinearAttentionMetadata
+from tandem.core.layers.paged_attention_cpu import (
+    NativePagedAttention,
+    native_paged_attention,
+)
+from tandem.device import Device, KernelKey, bound_context, get_runtime, process_kernel_registry
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,6 +43,13 @@ class AttentionGroup:
     query_index: torch.Tensor | None  # [B, Q]
     valid_queries: torch.Tensor | None  # [N] indices into B*Q of the real queries
     num_tokens: int
+    # For kernels reading the cache in place, per query token: how many cached tokens it
+    # reads (decode: the whole context; prefill: those before the chunk) and which row of
+    # gather_blocks holds its sequence's blocks.
+    kv_lens: torch.Tensor | None = None  # [num_tokens] int64
+    table_row: torch.Tensor | None = None  # [num_tokens] int64
+    # Prefill: whether any sequence had tokens cached before this chunk.
+    has_cached_context: bool = True
 
 
 @dataclass
@@ -40,6 +60,199 @@ class AttentionMetadata:
     prefill: AttentionGroup | None
     # For models with linear-attention (Gated DeltaNet) layers: their per-sequence state slots.
     linear: LinearAttentionMetadata | None = None
+
+
+# A group kernel: (q, k, v of the group's new tokens, k_cache, v_cache, group, scale,
+# out) -> out, with q/out [N, H, D] and k/v [N, Hkv, D]; writes the attention into out.
+GroupKernel = Callable[..., torch.Tensor]
+
+
+def reference_attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+) -> torch.Tensor:
+    """``q`` [B, H, Q, D] over each sequence's gathered cache blocks -> [B, H, Q, D]."""
+    b, n = group.gather_blocks.shape
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    flat = group.gather_blocks.reshape(-1)
+    shape = (b, n * block_size, num_kv_heads, head_dim)
+    k = k_cache.index_select(0, flat).view(shape).transpose(1, 2)
+    v = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=group.mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != num_kv_heads,
+    )
+
+
+def reference_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    out.copy_(reference_attend(q.unsqueeze(2), k_cache, v_cache, group, scale).squeeze(2))
+    return out
+
+
+def reference_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    assert group.query_index is not None and group.valid_queries is not None
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    qp = q[group.query_index].transpose(1, 2)  # [B, H, Q, D]
+    o = reference_attend(qp, k_cache, v_cache, group, scale).transpose(1, 2)  # [B, Q, H, D]
+    out.copy_(o.reshape(-1, num_heads, head_dim)[group.valid_queries])
+    return out
+
+
+def native_decode(kernel: NativePagedAttention) -> GroupKernel:
+    def decode(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: AttentionGroup,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        assert group.kv_lens is not None and group.table_row is not None
+        kernel(out, q, k_cache, v_cache, group.gather_blocks, group.table_row, group.kv_lens, scale)
+        return out
+
+    return decode
+
+
+def native_prefill(kernel: NativePagedAttention) -> GroupKernel:
+    """Each chunk attends its own new tokens (causal SDPA on this step's k/v, never read
+    back from the cache) and, where the sequence had tokens cached before the chunk, those
+    too, read in place by the kernel; the two parts merge through their log-sum-exps."""
+
+    def prefill(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: AttentionGroup,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        assert group.query_index is not None and group.valid_queries is not None
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k.shape[1]
+        # Padded rows repeat a sequence's last token; causality keeps real queries off them.
+        qp = q[group.query_index].transpose(1, 2)  # [B, H, Q, D]
+        kp = k[group.query_index].transpose(1, 2)  # [B, Hkv, Q, D]
+        vp = v[group.query_index].transpose(1, 2)
+        if not group.has_cached_context:
+            o = F.scaled_dot_product_attention(
+                qp, kp, vp, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads
+            )
+            out.copy_(o.transpose(1, 2).reshape(-1, num_heads, head_dim)[group.valid_queries])
+            return out
+        assert group.kv_lens is not None and group.table_row is not None
+        if num_heads != num_kv_heads:
+            kp = kp.repeat_interleave(num_heads // num_kv_heads, dim=1)
+            vp = vp.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qp, kp, vp, 0.0, True, scale=scale
+        )
+        own = o.transpose(1, 2).reshape(-1, num_heads, head_dim)[group.valid_queries].float()
+        own_lse = lse.transpose(1, 2).reshape(-1, num_heads)[group.valid_queries].float()
+        cached = torch.empty_like(q)
+        cached_lse = torch.empty(q.shape[0], num_heads, dtype=torch.float32, device=q.device)
+        kernel(
+            cached,
+            q,
+            k_cache,
+            v_cache,
+            group.gather_blocks,
+            group.table_row,
+            group.kv_lens,
+            scale,
+            cached_lse,
+        )
+        # Softmax over the union of both key sets: weigh each part by its share of the sum.
+        top = torch.maximum(own_lse, cached_lse)
+        w_own = torch.exp(own_lse - top).unsqueeze(-1)
+        w_cached = torch.exp(cached_lse - top).unsqueeze(-1)
+        merged = (own * w_own + cached.float() * w_cached) / (w_own + w_cached)
+        out.copy_(merged)
+        return out
+
+    return prefill
+
+
+class GroupKernelHandle:
+    """One attention layer's handle on a group kernel, resolved through the kernel registry
+    on first use per (kernel, device, dtype) like the models' other kernels: the native CPU
+    kernel where it is built and handles the shape, the torch reference elsewhere."""
+
+    def __init__(
+        self,
+        name: str,
+        reference: GroupKernel,
+        native: Callable[[NativePagedAttention], GroupKernel],
+        head_dim: int,
+    ) -> None:
+        self.name = name
+        self.reference = reference
+        self.native = native
+        self.head_dim = head_dim
+        self._resolved: tuple[torch.dtype, GroupKernel] | None = None
+
+    def __call__(self, q: torch.Tensor, *args: Any) -> torch.Tensor:
+        resolved = self._resolved
+        if resolved is None or resolved[0] is not q.dtype:
+            resolved = (q.dtype, self._resolve(q))
+            self._resolved = resolved
+        return resolved[1](q, *args)
+
+    def choose(self, device_type: str, dtype: torch.dtype) -> GroupKernel:
+        if device_type == "cpu":
+            kernel = native_paged_attention()
+            if kernel is not None and kernel.supports(self.head_dim, dtype):
+                return self.native(kernel)
+            if kernel is not None:
+                logger.info(
+                    "%s: the native CPU kernel does not handle head_dim %d in %s; using the "
+                    "torch reference",
+                    self.name,
+                    self.head_dim,
+                    dtype,
+                )
+        return self.reference
+
+    def _resolve(self, q: torch.Tensor) -> GroupKernel:
+        context = bound_context()
+        runtime = context.runtime if context else get_runtime(q.device.type)
+        registry = context.registry if context else process_kernel_registry()
+        device = runtime.current_device() or Device(q.device.type, q.device.index or 0)
+        key = KernelKey(self.name, device, str(q.dtype))
+        impl = self.choose(q.device.type, q.dtype)
+        handle: GroupKernel = registry.get(
+            key, lambda: runtime.load_kernel(self.name, impl, device)
+        )
+        return handle
 
 
 class PagedAttention(nn.Module):
@@ -53,6 +266,12 @@ class PagedAttention(nn.Module):
         self.v_cache = torch.empty(0)
         self._k_slots = torch.empty(0)
         self._v_slots = torch.empty(0)
+        self._decode = GroupKernelHandle(
+            "paged_attention_decode", reference_decode, native_decode, head_dim
+        )
+        self._prefill = GroupKernelHandle(
+            "paged_attention_prefill", reference_prefill, native_prefill, head_dim
+        )
 
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Attach this layer's caches, each [num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -69,28 +288,9 @@ class PagedAttention(nn.Module):
         self._v_slots.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
+        caches = (self.k_cache, self.v_cache)
         if meta.decode is not None:
-            qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
-            out[:nd] = self._attend(qd, meta.decode).squeeze(2)
+            self._decode(q[:nd], k[:nd], v[:nd], *caches, meta.decode, self.scale, out[:nd])
         if meta.prefill is not None:
-            group = meta.prefill
-            assert group.query_index is not None and group.valid_queries is not None
-            qp = q[nd:][group.query_index].transpose(1, 2)  # [B, H, Q, D]
-            o = self._attend(qp, group).transpose(1, 2)  # [B, Q, H, D]
-            out[nd:] = o.reshape(-1, self.num_heads, self.head_dim)[group.valid_queries]
+            self._prefill(q[nd:], k[nd:], v[nd:], *caches, meta.prefill, self.scale, out[nd:])
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
-
-    def _attend(self, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-        b, n = group.gather_blocks.shape
-        flat = group.gather_blocks.reshape(-1)
-        shape = (b, n * self.k_cache.shape[1], self.num_kv_heads, self.head_dim)
-        k = self.k_cache.index_select(0, flat).view(shape).transpose(1, 2)
-        v = self.v_cache.index_select(0, flat).view(shape).transpose(1, 2)
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=group.mask,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )

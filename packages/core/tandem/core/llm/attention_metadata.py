@@ -31,7 +31,13 @@ def _decode_group(fi: ForwardInput, device: torch.device) -> AttentionGroup:
         pos = torch.arange(length, device=device)
         mask = (pos.unsqueeze(0) < ctx.unsqueeze(1)).view(n, 1, 1, -1)
     return AttentionGroup(
-        gather_blocks=blocks, mask=mask, query_index=None, valid_queries=None, num_tokens=n
+        gather_blocks=blocks,
+        mask=mask,
+        query_index=None,
+        valid_queries=None,
+        num_tokens=n,
+        kv_lens=ctx,
+        table_row=torch.arange(n, device=device),
     )
 
 
@@ -50,12 +56,19 @@ def _prefill_group(fi: ForwardInput, device: torch.device) -> AttentionGroup:
     ctx_pos = torch.arange(blocks.shape[1] * fi.block_size, device=device)
     mask = (ctx_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)).unsqueeze(1)  # [B, 1, Q, L]
     valid = (j < qlens.unsqueeze(1)).reshape(-1).nonzero().squeeze(1)
+    # For kernels that read the cache in place: each token's sequence and how many of that
+    # sequence's tokens were cached before this chunk (the chunk itself is attended apart).
+    seq_of_token = torch.repeat_interleave(torch.arange(qlens.shape[0], device=device), qlens)
+    cached = ctx - qlens
     return AttentionGroup(
         gather_blocks=blocks,
         mask=mask,
         query_index=query_index,
         valid_queries=valid,
         num_tokens=int(qlens.sum()),
+        kv_lens=cached[seq_of_token],
+        table_row=seq_of_token,
+        has_cached_context=bool((cached > 0).any()),
     )
 
 

@@ -1,0 +1,407 @@
+// Paged attention on CPU, reading K/V from the paged cache in place.
+//
+// One work item is (query token, KV head): the query heads that share that KV head (GQA)
+// are handled together, so every cached K/V row is read once per item and used by all of
+// them. The cache layout is the engine's own, [num_blocks, block_size, kv_heads, head_dim],
+// so writing new tokens and the torch reference path need no change.
+//
+// Per item, exact softmax in two passes over a row of scores kept in a per-thread buffer:
+// scores = (q * scale) . k over the item's keys (one pass over K, tracking the maximum),
+// p = exp(s - max) and its sum, then out = (sum_t p_t v_t) / sum (one pass over V).
+// Arithmetic is float32 throughout; bfloat16 rows are widened on load and the output is
+// rounded to nearest-even once, as torch rounds. Decode attention is bound by reading the
+// cache, so the point is to touch each K/V row exactly once and never copy it.
+//
+// Built by tandem.core.layers.paged_attention_cpu with the system C++ compiler and
+// -march=native; called through ctypes (no torch headers, so the build takes seconds).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+namespace {
+
+enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1 };
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if (std::isnan(f)) {
+    return static_cast<uint16_t>((bits >> 16) | 0x40);
+  }
+  // Round to nearest, ties to even: what torch does when it casts to bfloat16.
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// Widen `n` elements of a row (float32 or bfloat16) into `dst`, times `scale`.
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n, float scale);
+
+template <>
+inline void load_row<float>(const float* src, float* dst, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * scale;
+}
+
+template <>
+inline void load_row<uint16_t>(const uint16_t* src, float* dst, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]) * scale;
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n, float scale);
+
+template <>
+inline void store_row<float>(const float* src, float* dst, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * scale;
+}
+
+template <>
+inline void store_row<uint16_t>(const float* src, uint16_t* dst, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i] * scale);
+}
+
+#if defined(__AVX512F__)
+
+template <typename T>
+inline __m512 load16(const T* p);
+
+template <>
+inline __m512 load16<float>(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+
+template <>
+inline __m512 load16<uint16_t>(const uint16_t* p) {
+  // bfloat16 is the top half of a float32: widen and shift.
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp(x) for x <= 0 (scores minus their maximum). Range reduction x = n ln2 + r with
+// |r| <= ln2 / 2, a degree-7 Taylor polynomial (truncation below 1e-8 relative), and
+// scalef for 2^n, which also flushes very negative x to 0 instead of wrapping.
+inline __m512 exp16(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
+  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+  r = _mm512_fnmadd_ps(n, ln2_lo, r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// p[i] = exp(s[i] - max); returns the sum of p.
+inline float exp_and_sum(float* s, int64_t n, float max) {
+  const __m512 vmax = _mm512_set1_ps(max);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vmax));
+    _mm512_storeu_ps(s + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (i < n) {
+    __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), vmax));
+    e = _mm512_maskz_mov_ps(m, e);
+    _mm512_mask_storeu_ps(s + i, m, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// Scores of G query rows (float32, pre-scaled) against one key row: out[r * out_stride].
+template <typename T, int D, int G>
+inline void score_row(const float* q, const T* k, float* out, int64_t out_stride) {
+  __m512 kv[D / 16];
+  for (int c = 0; c < D / 16; ++c) kv[c] = load16(k + 16 * c);
+  for (int r = 0; r < G; ++r) {
+    const float* qr = q + r * D;
+    __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
+    __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(qr + 16), kv[1]);
+    for (int c = 2; c + 1 < D / 16; c += 2) {
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), kv[c], a0);
+      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * (c + 1)), kv[c + 1], a1);
+    }
+    out[r * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  }
+}
+
+// acc[r] += p[r * p_stride] * v for G rows of D floats; acc stays in registers when the
+// compiler can keep G * D / 16 vectors there.
+template <typename T, int D, int G>
+inline void accumulate_row(__m512 (&acc)[G][D / 16], const float* p, int64_t p_stride,
+                           const T* v) {
+  __m512 vv[D / 16];
+  for (int c = 0; c < D / 16; ++c) vv[c] = load16(v + 16 * c);
+  for (int r = 0; r < G; ++r) {
+    const __m512 w = _mm512_set1_ps(p[r * p_stride]);
+    for (int c = 0; c < D / 16; ++c) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
+  }
+}
+
+template <int D, int G>
+struct Accumulator {
+  __m512 v[G][D / 16];
+  void zero() {
+    for (int r = 0; r < G; ++r)
+      for (int c = 0; c < D / 16; ++c) v[r][c] = _mm512_setzero_ps();
+  }
+  void save(int r, float* dst) const {
+    for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(dst + 16 * c, v[r][c]);
+  }
+  template <typename T>
+  void add(const float* p, int64_t p_stride, const T* v_row) {
+    accumulate_row<T, D, G>(v, p, p_stride, v_row);
+  }
+};
+
+#else  // portable path: plain loops the compiler vectorizes as the target allows
+
+inline float exp_and_sum(float* s, int64_t n, float max) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = std::exp(s[i] - max);
+    sum += s[i];
+  }
+  return sum;
+}
+
+template <typename T, int D, int G>
+inline void score_row(const float* q, const T* k, float* out, int64_t out_stride) {
+  float kf[D];
+  load_row(k, kf, D, 1.0f);
+  for (int r = 0; r < G; ++r) {
+    const float* qr = q + r * D;
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < D; ++i) s += qr[i] * kf[i];
+    out[r * out_stride] = s;
+  }
+}
+
+template <int D, int G>
+struct Accumulator {
+  float v[G][D];
+  void zero() { std::memset(v, 0, sizeof(v)); }
+  void save(int r, float* dst) const { std::memcpy(dst, v[r], sizeof(float) * D); }
+  template <typename T>
+  void add(const float* p, int64_t p_stride, const T* v_row) {
+    float vf[D];
+    load_row(v_row, vf, D, 1.0f);
+    for (int r = 0; r < G; ++r) {
+      const float w = p[r * p_stride];
+#pragma omp simd
+      for (int i = 0; i < D; ++i) v[r][i] += w * vf[i];
+    }
+  }
+};
+
+#endif
+
+struct Args {
+  void* out;
+  float* lse;
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  const int64_t* block_tables;
+  const int64_t* table_row;
+  const int64_t* kv_lens;
+  int64_t num_queries;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t block_size;
+  int64_t q_stride;
+  int64_t out_stride;
+  int64_t table_stride;
+  int64_t cache_block_stride;
+  int64_t cache_token_stride;
+  float scale;
+};
+
+// G: query heads handled together (a divisor of the GQA group small enough that their
+// accumulators stay in registers). A group larger than G is done in chunks of G heads; the
+// chunks after the first find the sequence's K/V rows in L2.
+template <typename T, int D, int G>
+void run(const Args& a) {
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  const int64_t items = a.num_queries * a.num_kv_heads;
+  int64_t max_len = 0;
+  for (int64_t i = 0; i < a.num_queries; ++i) {
+    max_len = a.kv_lens[i] > max_len ? a.kv_lens[i] : max_len;
+  }
+  const int64_t stride = max_len > 0 ? max_len : 1;
+  const T* q_all = static_cast<const T*>(a.q);
+  const T* k_all = static_cast<const T*>(a.k_cache);
+  const T* v_all = static_cast<const T*>(a.v_cache);
+  T* out_all = static_cast<T*>(a.out);
+
+#pragma omp parallel
+  {
+    // Per thread: G pre-scaled queries, their scores [G, max_len], one output row.
+    std::vector<float> qbuf(G * D);
+    std::vector<float> scores(G * stride);
+    std::vector<float> row(D);
+    Accumulator<D, G> acc;
+
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t i = item / a.num_kv_heads;
+      const int64_t h = item % a.num_kv_heads;
+      const int64_t len = a.kv_lens[i];
+      const int64_t* table = a.block_tables + a.table_row[i] * a.table_stride;
+      const int64_t num_blocks = (len + a.block_size - 1) / a.block_size;
+      for (int64_t head0 = h * group; head0 < (h + 1) * group; head0 += G) {
+        T* out = out_all + i * a.out_stride + head0 * D;
+        float* lse = a.lse != nullptr ? a.lse + i * a.num_heads + head0 : nullptr;
+        if (len <= 0) {
+          // Nothing to attend to (an empty cached context): zero output and a log-sum-exp
+          // of -inf, which merges with other partial results as "no contribution".
+          std::memset(out, 0, sizeof(T) * G * D);
+          for (int r = 0; lse != nullptr && r < G; ++r) {
+            lse[r] = -std::numeric_limits<float>::infinity();
+          }
+          continue;
+        }
+        for (int r = 0; r < G; ++r) {
+          load_row(q_all + i * a.q_stride + (head0 + r) * D, qbuf.data() + r * D, D, a.scale);
+        }
+        for (int64_t b = 0; b < num_blocks; ++b) {
+          const T* kb = k_all + table[b] * a.cache_block_stride + h * D;
+          const int64_t t0 = b * a.block_size;
+          const int64_t n = (len - t0) < a.block_size ? (len - t0) : a.block_size;
+          for (int64_t t = 0; t < n; ++t) {
+            score_row<T, D, G>(qbuf.data(), kb + t * a.cache_token_stride,
+                               scores.data() + t0 + t, stride);
+          }
+        }
+        float sums[G];
+        for (int r = 0; r < G; ++r) {
+          float* s = scores.data() + r * stride;
+          float m = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
+          sums[r] = exp_and_sum(s, len, m);
+          if (lse != nullptr) lse[r] = m + std::log(sums[r]);
+        }
+        acc.zero();
+        for (int64_t b = 0; b < num_blocks; ++b) {
+          const T* vb = v_all + table[b] * a.cache_block_stride + h * D;
+          const int64_t t0 = b * a.block_size;
+          const int64_t n = (len - t0) < a.block_size ? (len - t0) : a.block_size;
+          for (int64_t t = 0; t < n; ++t) {
+            acc.add(scores.data() + t0 + t, stride, vb + t * a.cache_token_stride);
+          }
+        }
+        for (int r = 0; r < G; ++r) {
+          acc.save(r, row.data());
+          store_row(row.data(), out + r * D, D, 1.0f / sums[r]);
+        }
+      }
+    }
+  }
+}
+
+// The largest head chunk G dividing the group whose G * D accumulators fit in 16 vector
+// registers (32 float32 lanes each... of 16), leaving the rest for the K/V row.
+template <typename T, int D>
+int dispatch_group(const Args& a) {
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  constexpr int kMaxFloats = 256;
+  if (group % 8 == 0 && 8 * D <= kMaxFloats) {
+    run<T, D, (8 * D <= kMaxFloats ? 8 : 1)>(a);
+  } else if (group % 4 == 0 && 4 * D <= kMaxFloats) {
+    run<T, D, (4 * D <= kMaxFloats ? 4 : 1)>(a);
+  } else if (group % 2 == 0 && 2 * D <= kMaxFloats) {
+    run<T, D, (2 * D <= kMaxFloats ? 2 : 1)>(a);
+  } else {
+    run<T, D, 1>(a);
+  }
+  return 0;
+}
+
+template <typename T>
+int dispatch_dim(const Args& a, int64_t head_dim) {
+  switch (head_dim) {
+    case 64:
+      return dispatch_group<T, 64>(a);
+    case 128:
+      return dispatch_group<T, 128>(a);
+    case 256:
+      return dispatch_group<T, 256>(a);
+    default:
+      return 2;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Which head sizes and dtypes this build handles (the Python side asks before using it).
+int tandem_pa_supports(int64_t head_dim, int32_t dtype) {
+  const bool dim_ok = head_dim == 64 || head_dim == 128 || head_dim == 256;
+  return dim_ok && (dtype == kFloat32 || dtype == kBFloat16) ? 1 : 0;
+}
+
+// Attention of each query token over the first kv_lens[i] tokens of the sequence whose
+// block table is row table_row[i]. q: [num_queries, num_heads, head_dim] rows q_stride
+// apart; out likewise with out_stride; caches [num_blocks, block_size, num_kv_heads,
+// head_dim] with the given block and token strides (elements). lse (optional) receives
+// [num_queries, num_heads] natural-log sums of exp of the scaled scores.
+// num_threads: the OpenMP threads to use (torch.get_num_threads()). Returns 0, or non-zero
+// for arguments this build does not handle.
+int tandem_paged_attention(void* out, float* lse, const void* q, const void* k_cache,
+                           const void* v_cache, const int64_t* block_tables,
+                           const int64_t* table_row, const int64_t* kv_lens,
+                           int64_t num_queries, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, int64_t q_stride,
+                           int64_t out_stride, int64_t table_stride,
+                           int64_t cache_block_stride, int64_t cache_token_stride,
+                           float scale, int32_t dtype, int32_t num_threads) {
+#if defined(_OPENMP)
+  // The calling thread's OpenMP team size, as torch sets it for its own operators (torch's
+  // libgomp is the one loaded, so the pool is shared with torch's kernels).
+  if (num_threads > 0) omp_set_num_threads(num_threads);
+#else
+  (void)num_threads;
+#endif
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size <= 0) return 1;
+  Args a{out,        lse,          q,         k_cache,     v_cache,
+         block_tables, table_row,  kv_lens,   num_queries, num_heads,
+         num_kv_heads, block_size, q_stride,  out_stride,  table_stride,
+         cache_block_stride, cache_token_stride, scale};
+  if (dtype == kFloat32) return dispatch_dim<float>(a, head_dim);
+  if (dtype == kBFloat16) return dispatch_dim<uint16_t>(a, head_dim);
+  return 3;
+}
+
+}  // extern "C"

@@ -1,0 +1,256 @@
+"""The native CPU paged-attention kernel against the torch reference path: ragged lengths,
+grouped-query heads, head sizes 64 and 128, block sizes 16 and 32, float32 and bfloat16;
+decode steps and prefill chunks with and without tokens cached before them; how it is
+built, shared and resolved through the kernel registry."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.core.llm.attention_metadata import build_attention_metadata
+from tandem.core.llm.forward_input import ForwardInput, SamplingBatch
+from tandem.core.layers import paged_attention_cpu
+from tandem.core.layers.attention import (
+    AttentionMetadata,
+    GroupKernelHandle,
+    PagedAttention,
+    reference_decode,
+    reference_prefill,
+)
+from tandem.core.layers.paged_attention_cpu import (
+    KernelBuildError,
+    NativePagedAttention,
+    build_library,
+    native_paged_attention,
+)
+from tandem.device import Device, KernelKey, process_kernel_registry
+
+NATIVE = native_paged_attention()
+needs_native = pytest.mark.skipif(NATIVE is None, reason="no C++ compiler to build the kernel")
+
+
+def _no_sampling() -> SamplingBatch:
+    return SamplingBatch(
+        temperatures=torch.zeros(0),
+        top_p=torch.ones(0),
+        top_k=torch.zeros(0, dtype=torch.int64),
+        seeds=(),
+        steps=(),
+        all_greedy=True,
+        needs_top_k_top_p=False,
+        max_logprobs=None,
+    )
+
+
+def _step(
+    decode_lens: list[int],
+    prefills: list[tuple[int, int]],
+    block_size: int,
+    num_blocks: int,
+    gen: torch.Generator,
+) -> ForwardInput:
+    """A step of decodes (context lengths) then prefill chunks ((cached before, new)),
+    each sequence on its own randomly scattered cache blocks."""
+    seqs = [(n - 1, 1) for n in decode_lens] + prefills
+    totals = [cached + new for cached, new in seqs]
+    width = max(-(-t // block_size) for t in totals)
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(len(seqs), width, dtype=torch.int64)  # padded with the null block
+    for row, total in enumerate(totals):
+        for col in range(-(-total // block_size)):
+            tables[row, col] = free.pop()
+    positions = torch.cat([torch.arange(c, c + n) for c, n in seqs])
+    rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([n for _, n in seqs]))
+    slots = tables[rows, positions // block_size] * block_size + positions % block_size
+    return ForwardInput(
+        input_ids=torch.zeros(positions.shape[0], dtype=torch.int64),
+        positions=positions,
+        slot_mapping=slots,
+        query_lens=torch.tensor([n for _, n in seqs]),
+        context_lens=torch.tensor(totals),
+        block_tables=tables,
+        num_decodes=len(decode_lens),
+        sample_indices=torch.zeros(0, dtype=torch.int64),
+        sampling=_no_sampling(),
+        block_size=block_size,
+    )
+
+
+def _layer(
+    heads: tuple[int, int], head_dim: int, caches: tuple[torch.Tensor, torch.Tensor]
+) -> PagedAttention:
+    layer = PagedAttention(heads[0], heads[1], head_dim, scale=head_dim**-0.5)
+    layer.bind_cache(caches[0].clone(), caches[1].clone())
+    return layer
+
+
+def _force_reference(layer: PagedAttention, dtype: torch.dtype) -> None:
+    layer._decode._resolved = (dtype, reference_decode)
+    layer._prefill._resolved = (dtype, reference_prefill)
+
+
+def _run(
+    layer: PagedAttention, qkv: tuple[torch.Tensor, ...], meta: AttentionMetadata
+) -> torch.Tensor:
+    with torch.inference_mode():
+        out: torch.Tensor = layer(*qkv, meta)
+    return out
+
+
+STEPS = {
+    "decode": ([37, 1, 300, 129, 16, 64, 17], []),
+    "prefill_fresh": ([], [(0, 19), (0, 1), (0, 40)]),
+    "prefill_cached": ([], [(48, 7), (0, 12), (135, 30), (16, 1)]),
+    "mixed": ([5, 211, 33], [(0, 9), (77, 21)]),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("step", sorted(STEPS))
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
+def test_native_float32_matches_the_reference_path(
+    step: str, head_dim: int, block_size: int, heads: tuple[int, int]
+) -> None:
+    gen = torch.Generator().manual_seed(hash((step, head_dim, block_size, heads)) % 2**31)
+    num_blocks = 80
+    shape = (num_blocks, block_size, heads[1], head_dim)
+    caches = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+    fi = _step(*STEPS[step], block_size=block_size, num_blocks=num_blocks, gen=gen)
+    t = fi.num_tokens
+    qkv = (
+        torch.randn(t, heads[0], head_dim, generator=gen),
+        torch.randn(t, heads[1], head_dim, generator=gen),
+        torch.randn(t, heads[1], head_dim, generator=gen),
+    )
+    meta = build_attention_metadata(fi, torch.device("cpu"))
+    native = _run(_layer(heads, head_dim, caches), qkv, meta)
+    reference_layer = _layer(heads, head_dim, caches)
+    _force_reference(reference_layer, torch.float32)
+    reference = _run(reference_layer, qkv, meta)
+    assert (native - reference).abs().max().item() <= 1e-5
+
+
+@needs_native
+@pytest.mark.parametrize("step", sorted(STEPS))
+def test_native_bfloat16_stays_within_rounding_of_float32(step: str) -> None:
+    gen = torch.Generator().manual_seed(7)
+    heads, head_dim, block_size, num_blocks = (16, 8), 64, 16, 80
+    shape = (num_blocks, block_size, heads[1], head_dim)
+    caches = tuple(torch.randn(shape, generator=gen).bfloat16() for _ in range(2))
+    fi = _step(*STEPS[step], block_size=block_size, num_blocks=num_blocks, gen=gen)
+    t = fi.num_tokens
+    qkv = tuple(
+        torch.randn(t, h, head_dim, generator=gen).bfloat16() for h in (heads[0], *heads[1:] * 2)
+    )
+    meta = build_attention_metadata(fi, torch.device("cpu"))
+    native = _run(_layer(heads, head_dim, (caches[0], caches[1])), qkv, meta)
+    assert native.dtype is torch.bfloat16
+    # The same bfloat16 values, attended in float32 by the reference path.
+    exact_layer = _layer(heads, head_dim, (caches[0].float(), caches[1].float()))
+    _force_reference(exact_layer, torch.float32)
+    exact = _run(exact_layer, tuple(x.float() for x in qkv), meta)
+    error = (native.float() - exact).abs()
+    if step == "decode":
+        # Computed in float32, rounded once: within half a bfloat16 unit in the last place.
+        assert bool((error <= exact.abs() * 2.0**-8 + 1e-5).all())
+    else:
+        # Prefill merges two rounded parts: a couple of units at most.
+        assert error.max().item() <= 2e-2
+
+
+@needs_native
+def test_a_sequence_with_nothing_cached_gets_zero_and_minus_infinity() -> None:
+    assert NATIVE is not None
+    q = torch.randn(2, 4, 64)
+    cache = torch.randn(4, 16, 2, 64)
+    out = torch.full_like(q, 7.0)
+    lse = torch.zeros(2, 4)
+    tables = torch.tensor([[1, 2], [3, 0]])
+    NATIVE(out, q, cache, cache, tables, torch.tensor([0, 1]), torch.tensor([0, 20]), 0.125, lse)
+    assert bool((out[0] == 0).all()) and bool(torch.isneginf(lse[0]).all())
+    assert bool(torch.isfinite(lse[1]).all())
+
+
+@needs_native
+def test_the_kernel_refuses_rows_it_cannot_read() -> None:
+    assert NATIVE is not None
+    q = torch.randn(4, 2, 64).transpose(0, 1)  # heads not contiguous within a token
+    cache = torch.randn(4, 16, 2, 64)
+    index = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="contiguous"):
+        NATIVE(torch.empty(2, 4, 64), q, cache, cache, index.view(2, 1), index, index, 1.0)
+    assert not NATIVE.supports(80, torch.float32)
+    assert not NATIVE.supports(64, torch.float16)
+
+
+@needs_native
+def test_the_layer_resolves_the_native_kernel_through_the_process_registry() -> None:
+    layer = _layer((4, 2), 64, (torch.zeros(8, 16, 2, 64), torch.zeros(8, 16, 2, 64)))
+    fi = _step([5, 9], [], block_size=16, num_blocks=8, gen=torch.Generator().manual_seed(0))
+    qkv = (torch.randn(2, 4, 64), torch.randn(2, 2, 64), torch.randn(2, 2, 64))
+    _run(layer, qkv, build_attention_metadata(fi, torch.device("cpu")))
+    key = KernelKey("paged_attention_decode", Device("cpu", 0), "torch.float32")
+    handle = process_kernel_registry().lookup(key)
+    assert handle is not None and handle is not reference_decode
+    assert layer._decode._resolved is not None and layer._decode._resolved[1] is handle
+
+
+def test_without_a_native_kernel_the_reference_is_chosen_and_said(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(paged_attention_cpu, "find_cxx", lambda: None)
+    with caplog.at_level(logging.WARNING, logger=paged_attention_cpu.__name__):
+        assert paged_attention_cpu.load_native_paged_attention(Path("/nonexistent")) is None
+    assert "torch reference path" in caplog.text
+    with pytest.raises(KernelBuildError, match="no C\\+\\+ compiler"):
+        build_library(Path("/nonexistent"))
+    monkeypatch.setattr("tandem.core.layers.attention.native_paged_attention", lambda: None)
+    slot = GroupKernelHandle("x", reference_decode, lambda kernel: reference_prefill, 64)
+    assert slot.choose("cpu", torch.float32) is reference_decode
+
+
+def test_the_torch_switch_forces_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_PAGED_ATTENTION", "torch")
+    assert paged_attention_cpu.load_native_paged_attention() is None
+
+
+@needs_native
+def test_concurrent_first_builds_share_one_library(tmp_path: Path) -> None:
+    """Two processes (as pytest-xdist runs them) and two threads build into an empty
+    cache at once: one library results and every caller loads it."""
+    script = (
+        "import sys; from pathlib import Path\n"
+        "from tandem.core.layers.paged_attention_cpu import build_library\n"
+        "print(build_library(Path(sys.argv[1])))\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    paths: list[str] = []
+    threads = [
+        threading.Thread(target=lambda: paths.append(str(build_library(tmp_path))))
+        for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for proc in procs:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0
+        paths.append(out.strip())
+    assert len(set(paths)) == 1
+    assert [p.name for p in tmp_path.glob("*.so")] == [Path(paths[0]).name]
+    assert NativePagedAttention(Path(paths[0])).supports(64, torch.bfloat16)
