@@ -1,0 +1,295 @@
+"""Decode-step breakdown of a ~111M-parameter Qwen3-shaped model on CPU: where a step's
+milliseconds go (GEMMs, attention, the rest), for float32 and bfloat16, with the old
+attention path (copy every sequence's KV blocks out of the cache, then SDPA) against the
+native kernel that reads the cache in place, next to the GEMM throughput this machine
+reaches at the step's own shapes.
+
+    .venv/bin/python benchmarks/attention_step.py [--batch 48] [--context 384] [--steps 5]
+
+A command that prints figures, not a test. The model has random weights (the shapes are
+what matter): hidden 1024, 8 layers, 16 heads, 8 KV heads, head_dim 64, intermediate 2816,
+vocab 16384 with tied embeddings (111.2M parameters: the issue's ~111M with its other
+shapes fixed implies a vocabulary of ~16K).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from tandem.collectives import SingleRankGroup
+from tandem.core.llm.attention_metadata import build_attention_metadata
+from tandem.core.llm.forward_input import ForwardInput, SamplingBatch
+from tandem.core.layers import attention as attention_module
+from tandem.core.layers import embedding, linear
+from tandem.core.layers.attention import PagedAttention
+from tandem.core.layers.paged_attention_cpu import native_paged_attention
+from tandem.core.llm.model_runner import ModelRunner
+from tandem.core.models.decoder import DecoderForCausalLM
+from tandem.core.models.model_config import ModelConfig
+
+BENCH_SHAPE: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "vocab_size": 16384,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "max_position_embeddings": 4096,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+}
+
+
+class Timers:
+    """Wall time per category; CPU operators run synchronously, so a timer around a call
+    is the call's cost. Nested categories are subtracted from their parent."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self.enabled = False
+
+    def wrap(self, category: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.enabled:
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.totals[category] += time.perf_counter() - start
+
+        return timed
+
+
+@contextmanager
+def instrumented(timers: Timers) -> Iterator[None]:
+    patches = [
+        (linear.ColumnParallelLinear, "forward", "gemm"),
+        (linear.RowParallelLinear, "forward", "gemm"),
+        (embedding.ParallelLMHead, "compute_logits", "gemm"),
+        (PagedAttention, "forward", "attention"),
+    ]
+    saved = [(cls, name, getattr(cls, name)) for cls, name, _ in patches]
+    for cls, name, category in patches:
+        setattr(cls, name, timers.wrap(category, getattr(cls, name)))
+    try:
+        yield
+    finally:
+        for cls, name, original in saved:
+            setattr(cls, name, original)
+
+
+def build_model(dtype: torch.dtype, seed: int) -> tuple[DecoderForCausalLM, ModelConfig]:
+    config = ModelConfig.from_dict(BENCH_SHAPE)
+    with torch.device("meta"):
+        model = DecoderForCausalLM(config, SingleRankGroup(), dtype)
+    model = model.to(dtype).to_empty(device="cpu")
+    # Materialising from meta unties the shared embedding; tie it again as the loader does.
+    model.lm_head.weight = model.embed_tokens.weight
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+    for module in model.modules():
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset):
+            reset()
+    return model.eval(), config
+
+
+def decode_step(batch: int, context: int, block_size: int, seed: int) -> tuple[ForwardInput, int]:
+    """One decode step of ``batch`` sequences with contexts around ``context`` (+-1/8),
+    their blocks scattered over the cache as they are after a while of serving."""
+    gen = torch.Generator().manual_seed(seed)
+    spread = max(context // 8, 1)
+    lens = torch.randint(context - spread, context + spread + 1, (batch,), generator=gen)
+    width = -(-int(lens.max()) // block_size)
+    num_blocks = batch * width + 1
+    tables = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(batch, width)
+    positions = lens - 1
+    slots = tables[torch.arange(batch), positions // block_size] * block_size
+    slots += positions % block_size
+    sampling = SamplingBatch(
+        temperatures=torch.zeros(batch),
+        top_p=torch.ones(batch),
+        top_k=torch.zeros(batch, dtype=torch.int64),
+        seeds=(None,) * batch,
+        steps=(0,) * batch,
+        all_greedy=True,
+        needs_top_k_top_p=False,
+        max_logprobs=None,
+    )
+    fi = ForwardInput(
+        input_ids=torch.randint(0, BENCH_SHAPE["vocab_size"], (batch,), generator=gen),
+        positions=positions,
+        slot_mapping=slots,
+        query_lens=torch.ones(batch, dtype=torch.int64),
+        context_lens=lens,
+        block_tables=tables,
+        num_decodes=batch,
+        sample_indices=torch.arange(batch),
+        sampling=sampling,
+        block_size=block_size,
+    )
+    return fi, num_blocks
+
+
+def use_path(model: DecoderForCausalLM, dtype: torch.dtype, native: bool) -> None:
+    kernel = native_paged_attention()
+    for layer in model.attention_layers():
+        if native:
+            assert kernel is not None
+            impl = attention_module.native_decode(kernel)
+        else:
+            impl = attention_module.reference_decode
+        layer._decode._resolved = (dtype, impl)
+
+
+def run_steps(
+    runner: ModelRunner, fi: ForwardInput, steps: int, timers: Timers
+) -> dict[str, float]:
+    """Median ms per step of each category over ``steps`` timed steps (after two warm-up
+    steps): the forward, the logits and greedy choice, as the runner does them."""
+
+    def one_step() -> None:
+        meta = build_attention_metadata(fi, runner.device)
+        hidden = runner.model(fi.input_ids, fi.positions, meta)
+        logits = runner.model.compute_logits(hidden[fi.sample_indices])
+        logits.argmax(dim=-1)
+
+    per_step: dict[str, list[float]] = defaultdict(list)
+    with torch.inference_mode():
+        for _ in range(2):
+            one_step()
+        for _ in range(steps):
+            timers.totals.clear()
+            timers.enabled = True
+            start = time.perf_counter()
+            one_step()
+            total = time.perf_counter() - start
+            timers.enabled = False
+            per_step["step"].append(total)
+            for name in ("gemm", "attention"):
+                per_step[name].append(timers.totals[name])
+            per_step["other"].append(total - timers.totals["gemm"] - timers.totals["attention"])
+    return {name: statistics.median(values) * 1e3 for name, values in per_step.items()}
+
+
+def gemm_flops(config: ModelConfig, tokens: int) -> float:
+    h, q = config.hidden_size, config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + h * 2 * config.intermediate_size
+    per_layer += config.intermediate_size * h
+    return 2.0 * tokens * (config.num_layers * per_layer + h * config.vocab_size)
+
+
+def gemm_shapes(config: ModelConfig) -> list[tuple[str, int, int]]:
+    h, q = config.hidden_size, config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    return [
+        ("qkv_proj", h, q + 2 * kv),
+        ("o_proj", q, h),
+        ("gate_up_proj", h, 2 * config.intermediate_size),
+        ("down_proj", config.intermediate_size, h),
+        ("lm_head", h, config.vocab_size),
+    ]
+
+
+def measure_gemm(rows: int, k: int, n: int, dtype: torch.dtype, seconds: float = 0.25) -> float:
+    """GFLOP/s of ``x @ w.T`` for x [rows, k], w [n, k] (as F.linear runs the model)."""
+    x = torch.randn(rows, k).to(dtype)
+    w = torch.randn(n, k).to(dtype)
+    torch.nn.functional.linear(x, w)
+    reps = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.nn.functional.linear(x, w)
+        reps += 1
+    elapsed = time.perf_counter() - start
+    return 2.0 * rows * k * n * reps / elapsed / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=48)
+    parser.add_argument("--context", type=int, default=384)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="default: torch's")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtypes = [getattr(torch, name.strip()) for name in args.dtypes.split(",")]
+    kernel = native_paged_attention()
+
+    config = ModelConfig.from_dict(BENCH_SHAPE)
+    params = sum(p.numel() for p in build_model(torch.float32, args.seed)[0].parameters())
+    print(
+        f"model: Qwen3-shaped, {params / 1e6:.1f}M parameters (hidden {config.hidden_size}, "
+        f"{config.num_layers} layers, {config.num_heads}/{config.num_kv_heads} heads, "
+        f"head_dim {config.head_dim}, intermediate {config.intermediate_size}, "
+        f"vocab {config.vocab_size}, tied)"
+    )
+    print(
+        f"step: decode, batch {args.batch}, context {args.context} +-{args.context // 8}, "
+        f"block size {args.block_size}; {torch.get_num_threads()} threads; "
+        f"{platform.processor() or platform.machine()}; torch {torch.__version__}"
+    )
+    print(f"native kernel: {kernel.path if kernel else 'unavailable (reference path only)'}")
+    print()
+    fi, num_blocks = decode_step(args.batch, args.context, args.block_size, args.seed)
+    flops = gemm_flops(config, args.batch)
+    header = (
+        f"{'dtype':9} {'attention':10} {'step ms':>8} {'GEMM ms':>8} {'attn ms':>8} "
+        f"{'other ms':>8} {'GEMM GFLOP/s':>13}"
+    )
+    print(header)
+    print("-" * len(header))
+    timers = Timers()
+    for dtype in dtypes:
+        model, _ = build_model(dtype, args.seed)
+        runner = ModelRunner(model, torch.device("cpu"), dtype, seed=0, samples=False)
+        runner.init_kv_cache(num_blocks, args.block_size)
+        with torch.no_grad():
+            for k_cache, v_cache in runner.kv_caches:
+                k_cache.normal_()
+                v_cache.normal_()
+        paths = [("old: copy", False)] + ([("new: in place", True)] if kernel else [])
+        with instrumented(timers):
+            for label, native in paths:
+                use_path(model, dtype, native)
+                r = run_steps(runner, fi, args.steps, timers)
+                print(
+                    f"{str(dtype).removeprefix('torch.'):9} {label:14} {r['step']:8.1f} "
+                    f"{r['gemm']:8.1f} {r['attention']:8.1f} {r['other']:8.1f} "
+                    f"{flops / r['gemm'] / 1e6:13.0f}"
+                )
+        del runner, model
+    print()
+    print(f"GEMM throughput at the step's shapes (x [{args.batch}, k] @ w.T), GFLOP/s:")
+    print(f"{'layer':14} {'k x n':>12} " + " ".join(f"{str(d)[6:]:>9}" for d in dtypes))
+    for name, k, n in gemm_shapes(config):
+        rates = [measure_gemm(args.batch, k, n, dtype) for dtype in dtypes]
+        print(f"{name:14} {f'{k}x{n}':>12} " + " ".join(f"{r:9.0f}" for r in rates))
+    big = [measure_gemm(1024, 1024, 2816, dtype) for dtype in dtypes]
+    print(f"{'(prefill-size)':14} {'1024 rows':>12} " + " ".join(f"{r:9.0f}" for r in big))
+
+
+if __name__ == "__main__":
+    main()
