@@ -10,12 +10,14 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tandem.core.llm.attention_metadata import build_attention_metadata
 from tandem.core.llm.forward_input import ForwardInput, SamplingBatch
+from tandem.core.layers import attention as attention_module
 from tandem.core.layers import paged_attention_cpu
 from tandem.core.layers.attention import (
     AttentionMetadata,
@@ -107,8 +109,11 @@ def _run(
 STEPS = {
     "decode": ([37, 1, 300, 129, 16, 64, 17], []),
     "prefill_fresh": ([], [(0, 19), (0, 1), (0, 40)]),
-    "prefill_cached": ([], [(48, 7), (0, 12), (135, 30), (16, 1)]),
-    "mixed": ([5, 211, 33], [(0, 9), (77, 21)]),
+    # Short chunks after cached tokens: the kernel reads the cached part in place.
+    "prefill_cached": ([], [(48, 7), (0, 12), (135, 9), (16, 1)]),
+    # Long chunks after cached tokens: copied out once (the reference way).
+    "prefill_cached_long": ([], [(48, 30), (0, 12), (135, 40)]),
+    "mixed": ([5, 211, 33], [(0, 9), (77, 5)]),
 }
 
 
@@ -165,6 +170,28 @@ def test_native_bfloat16_stays_within_rounding_of_float32(step: str) -> None:
     else:
         # Prefill merges two rounded parts: a couple of units at most.
         assert error.max().item() <= 2e-2
+
+
+@needs_native
+@pytest.mark.parametrize(("step", "in_place"), [("prefill_cached", True), ("mixed", True),
+                                                ("prefill_cached_long", False)])  # fmt: skip
+def test_short_chunks_read_the_cached_context_in_place(
+    step: str, in_place: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gen = torch.Generator().manual_seed(3)
+    calls: list[str] = []
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls.append("reference")
+        return reference_prefill(*args)
+
+    monkeypatch.setattr(attention_module, "reference_prefill", counted)
+    caches = (torch.randn(80, 16, 2, 64, generator=gen), torch.randn(80, 16, 2, 64, generator=gen))
+    fi = _step(*STEPS[step], block_size=16, num_blocks=80, gen=gen)
+    t = fi.num_tokens
+    qkv = tuple(torch.randn(t, h, 64, generator=gen) for h in (4, 2, 2))
+    _run(_layer((4, 2), 64, caches), qkv, build_attention_metadata(fi, torch.device("cpu")))
+    assert calls == ([] if in_place else ["reference"])
 
 
 @needs_native

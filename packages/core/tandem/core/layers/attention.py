@@ -48,8 +48,10 @@ class AttentionGroup:
     # gather_blocks holds its sequence's blocks.
     kv_lens: torch.Tensor | None = None  # [num_tokens] int64
     table_row: torch.Tensor | None = None  # [num_tokens] int64
-    # Prefill: whether any sequence had tokens cached before this chunk.
+    # Prefill: whether any sequence had tokens cached before this chunk, and how many new
+    # tokens those sequences have on average.
     has_cached_context: bool = True
+    queries_per_cached_sequence: float = 0.0
 
 
 @dataclass
@@ -141,10 +143,18 @@ def native_decode(kernel: NativePagedAttention) -> GroupKernel:
     return decode
 
 
+# Above this many new tokens per sequence with cached context, copying the context out once
+# and running SDPA beats the kernel reading it in place once per query token. Measured on
+# the bench model's shapes: the copy costs ~128 ns per cached token and KV head, the kernel
+# ~14 ns per query, cached token and KV head, SDPA ~3.5.
+IN_PLACE_CONTEXT_MAX_QUERIES = 12
+
+
 def native_prefill(kernel: NativePagedAttention) -> GroupKernel:
     """Each chunk attends its own new tokens (causal SDPA on this step's k/v, never read
     back from the cache) and, where the sequence had tokens cached before the chunk, those
-    too, read in place by the kernel; the two parts merge through their log-sum-exps."""
+    too, read in place by the kernel; the two parts merge through their log-sum-exps.
+    Long chunks after a cached context go the reference way (see the constant above)."""
 
     def prefill(
         q: torch.Tensor,
@@ -169,6 +179,8 @@ def native_prefill(kernel: NativePagedAttention) -> GroupKernel:
             )
             out.copy_(o.transpose(1, 2).reshape(-1, num_heads, head_dim)[group.valid_queries])
             return out
+        if group.queries_per_cached_sequence > IN_PLACE_CONTEXT_MAX_QUERIES:
+            return reference_prefill(q, k, v, k_cache, v_cache, group, scale, out)
         assert group.kv_lens is not None and group.table_row is not None
         if num_heads != num_kv_heads:
             kp = kp.repeat_interleave(num_heads // num_kv_heads, dim=1)

@@ -60,6 +60,8 @@ def _prefill_group(fi: ForwardInput, device: torch.device) -> AttentionGroup:
     # sequence's tokens were cached before this chunk (the chunk itself is attended apart).
     seq_of_token = torch.repeat_interleave(torch.arange(qlens.shape[0], device=device), qlens)
     cached = ctx - qlens
+    with_context = cached > 0
+    has_context = bool(with_context.any())
     return AttentionGroup(
         gather_blocks=blocks,
         mask=mask,
@@ -68,7 +70,10 @@ def _prefill_group(fi: ForwardInput, device: torch.device) -> AttentionGroup:
         num_tokens=int(qlens.sum()),
         kv_lens=cached[seq_of_token],
         table_row=seq_of_token,
-        has_cached_context=bool((cached > 0).any()),
+        has_cached_context=has_context,
+        queries_per_cached_sequence=float(qlens[with_context].float().mean())
+        if has_context
+        else 0.0,
     )
 
 

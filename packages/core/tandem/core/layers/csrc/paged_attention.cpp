@@ -227,6 +227,23 @@ struct Accumulator {
 
 #endif
 
+// Ask for the next block's rows of one head while this block is being worked on: blocks
+// are scattered over the cache, so the hardware prefetchers (which follow strides within a
+// page) lose the stream at every block boundary and the core would wait on DRAM latency.
+template <typename T, int D>
+inline void prefetch_block(const T* rows, int64_t n, int64_t token_stride) {
+#if !defined(TANDEM_PA_NO_PREFETCH)
+  constexpr int64_t kLine = 64 / sizeof(T);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t e = 0; e < D; e += kLine) __builtin_prefetch(rows + t * token_stride + e, 0, 3);
+  }
+#else
+  (void)rows;
+  (void)n;
+  (void)token_stride;
+#endif
+}
+
 struct Args {
   void* out;
   float* lse;
@@ -299,6 +316,14 @@ void run(const Args& a) {
           const T* kb = k_all + table[b] * a.cache_block_stride + h * D;
           const int64_t t0 = b * a.block_size;
           const int64_t n = (len - t0) < a.block_size ? (len - t0) : a.block_size;
+          if (b + 1 < num_blocks) {
+            const int64_t next = len - t0 - n < a.block_size ? len - t0 - n : a.block_size;
+            prefetch_block<T, D>(k_all + table[b + 1] * a.cache_block_stride + h * D, next,
+                                 a.cache_token_stride);
+          } else {
+            prefetch_block<T, D>(v_all + table[0] * a.cache_block_stride + h * D,
+                                 len < a.block_size ? len : a.block_size, a.cache_token_stride);
+          }
           for (int64_t t = 0; t < n; ++t) {
             score_row<T, D, G>(qbuf.data(), kb + t * a.cache_token_stride,
                                scores.data() + t0 + t, stride);
@@ -317,6 +342,11 @@ void run(const Args& a) {
           const T* vb = v_all + table[b] * a.cache_block_stride + h * D;
           const int64_t t0 = b * a.block_size;
           const int64_t n = (len - t0) < a.block_size ? (len - t0) : a.block_size;
+          if (b + 1 < num_blocks) {
+            const int64_t next = len - t0 - n < a.block_size ? len - t0 - n : a.block_size;
+            prefetch_block<T, D>(v_all + table[b + 1] * a.cache_block_stride + h * D, next,
+                                 a.cache_token_stride);
+          }
           for (int64_t t = 0; t < n; ++t) {
             acc.add(scores.data() + t0 + t, stride, vb + t * a.cache_token_stride);
           }
