@@ -281,3 +281,16 @@ def test_concurrent_first_builds_share_one_library(tmp_path: Path) -> None:
     assert len(set(paths)) == 1
     assert [p.name for p in tmp_path.glob("*.so")] == [Path(paths[0]).name]
     assert NativePagedAttention(Path(paths[0])).supports(64, torch.bfloat16)
+
+
+def test_the_kernel_links_the_openmp_runtime_torch_ships(tmp_path: Path) -> None:
+    assert paged_attention_cpu.openmp_link_args(tmp_path) == ["-fopenmp"]
+    (tmp_path / "libgomp.so.1").touch()
+    assert paged_attention_cpu.openmp_link_args(tmp_path) == ["-fopenmp"]
+    (tmp_path / "libgomp.so.1").unlink()
+    renamed = tmp_path / "libgomp-0123abcd.so.1"
+    renamed.touch()
+    assert paged_attention_cpu.openmp_link_args(tmp_path) == [
+        str(renamed),
+        f"-Wl,-rpath,{tmp_path}",
+    ]

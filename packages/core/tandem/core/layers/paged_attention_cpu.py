@@ -33,7 +33,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 _i64p = ctypes.POINTER(ctypes.c_int64)
@@ -72,10 +72,23 @@ def _cpu_fingerprint() -> str:
         return platform.machine() + platform.processor()
 
 
+def openmp_link_args(torch_lib: Path | None = None) -> list[str]:
+    """Link the kernel to the OpenMP runtime torch itself uses. Two runtimes in one process
+    would each keep a pool of threads spinning after every parallel region, and the two
+    pools would take the cores from each other. Wheels that ship their libgomp under the
+    plain soname share it with a default ``-fopenmp`` link; renamed copies (auditwheel's
+    ``libgomp-<hash>.so.1``) are linked by path."""
+    torch_lib = torch_lib or Path(torch.__file__).parent / "lib"
+    bundled = sorted(torch_lib.glob("libgomp*.so*"))
+    if not bundled or bundled[0].name == "libgomp.so.1":
+        return ["-fopenmp"]
+    return [str(bundled[0]), f"-Wl,-rpath,{bundled[0].parent}"]
+
+
 def library_path(build_dir: Path, compiler: str) -> Path:
     digest = hashlib.sha256()
     digest.update(SOURCE.read_bytes())
-    digest.update(" ".join((compiler, *FLAGS)).encode())
+    digest.update(" ".join((compiler, *FLAGS, *openmp_link_args())).encode())
     digest.update(_cpu_fingerprint().encode())
     return build_dir / f"libtandem_paged_attention-{digest.hexdigest()[:16]}.so"
 
@@ -98,14 +111,23 @@ def build_library(build_dir: Path | None = None) -> Path:
             return target
         fd, scratch = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=build_dir)
         os.close(fd)
-        command = [compiler, *FLAGS, "-o", scratch, str(SOURCE)]
+        objects = scratch + ".o"
+        steps = [
+            [compiler, *FLAGS, "-c", str(SOURCE), "-o", objects],
+            [compiler, "-shared", objects, "-o", scratch, *openmp_link_args()],
+        ]
         started = time.perf_counter()
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            Path(scratch).unlink(missing_ok=True)
-            raise KernelBuildError(
-                f"building the paged-attention kernel failed: {' '.join(command)}\n{result.stderr}"
-            )
+        try:
+            for command in steps:
+                result = subprocess.run(command, capture_output=True, text=True, check=False)
+                if result.returncode != 0:
+                    Path(scratch).unlink(missing_ok=True)
+                    raise KernelBuildError(
+                        f"building the paged-attention kernel failed: {' '.join(command)}\n"
+                        f"{result.stderr}"
+                    )
+        finally:
+            Path(objects).unlink(missing_ok=True)
         os.replace(scratch, target)
         logger.info(
             "built the CPU paged-attention kernel in %.1f s: %s",
