@@ -15,8 +15,6 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.core.llm.attention_metadata import build_attention_metadata
-from tandem.core.llm.forward_input import ForwardInput, SamplingBatch
 from tandem.core.layers import attention as attention_module
 from tandem.core.layers import paged_attention_cpu
 from tandem.core.layers.attention import (
@@ -32,6 +30,8 @@ from tandem.core.layers.paged_attention_cpu import (
     build_library,
     native_paged_attention,
 )
+from tandem.core.llm.attention_metadata import build_attention_metadata
+from tandem.core.llm.forward_input import ForwardInput, SamplingBatch
 from tandem.device import Device, KernelKey, process_kernel_registry
 
 NATIVE = native_paged_attention()
@@ -243,6 +243,16 @@ def test_without_a_native_kernel_the_reference_is_chosen_and_said(
     monkeypatch.setattr("tandem.core.layers.attention.native_paged_attention", lambda: None)
     slot = GroupKernelHandle("x", reference_decode, lambda kernel: reference_prefill, 64)
     assert slot.choose("cpu", torch.float32) is reference_decode
+
+
+@needs_native
+def test_an_unhandled_dtype_falls_back_once_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    slots = [GroupKernelHandle("fp16_probe", reference_decode, lambda k: reference_prefill, 64)]
+    slots.append(GroupKernelHandle("fp16_probe", reference_decode, lambda k: reference_prefill, 64))
+    with caplog.at_level(logging.INFO, logger=attention_module.__name__):
+        chosen = [slot.choose("cpu", torch.float16) for slot in slots]
+    assert chosen == [reference_decode, reference_decode]
+    assert caplog.text.count("does not handle head_dim 64 in torch.float16") == 1
 
 
 def test_the_torch_switch_forces_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -214,6 +214,11 @@ def native_prefill(kernel: NativePagedAttention) -> GroupKernel:
     return prefill
 
 
+# (kernel, head_dim, dtype) combinations already reported as falling back: once per process,
+# not once per layer.
+_said: set[tuple[str, int, torch.dtype]] = set()
+
+
 class GroupKernelHandle:
     """One attention layer's handle on a group kernel, resolved through the kernel registry
     on first use per (kernel, device, dtype) like the models' other kernels: the native CPU
@@ -244,7 +249,8 @@ class GroupKernelHandle:
             kernel = native_paged_attention()
             if kernel is not None and kernel.supports(self.head_dim, dtype):
                 return self.native(kernel)
-            if kernel is not None:
+            if kernel is not None and (self.name, self.head_dim, dtype) not in _said:
+                _said.add((self.name, self.head_dim, dtype))
                 logger.info(
                     "%s: the native CPU kernel does not handle head_dim %d in %s; using the "
                     "torch reference",
