@@ -224,6 +224,25 @@ def measure_gemm(rows: int, k: int, n: int, dtype: torch.dtype, seconds: float =
     return 2.0 * rows * k * n * reps / elapsed / 1e9
 
 
+def measure_small_op(rows: int, width: int, dtype: torch.dtype, threads: int) -> float:
+    """Microseconds of one small elementwise op (a decode step runs hundreds): what an
+    intra-op parallel region costs when the cores are shared with other work."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(rows, width).to(dtype)
+        for _ in range(10):
+            x * x
+        reps = 0
+        start = time.perf_counter()
+        while time.perf_counter() - start < 0.1:
+            x * x
+            reps += 1
+        return (time.perf_counter() - start) / reps * 1e6
+    finally:
+        torch.set_num_threads(before)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=48)
@@ -292,6 +311,12 @@ def main() -> None:
         print(f"{name:14} {f'{k}x{n}':>12} " + " ".join(f"{r:9.0f}" for r in rates))
     big = [measure_gemm(1024, 1024, 2816, dtype) for dtype in dtypes]
     print(f"{'(prefill-size)':14} {'1024 rows':>12} " + " ".join(f"{r:9.0f}" for r in big))
+    threads = sorted({1, torch.get_num_threads()})
+    print()
+    print(f"one elementwise op (x * x, x [{args.batch}, {config.hidden_size}]), us:")
+    for count in threads:
+        costs = [measure_small_op(args.batch, config.hidden_size, d, count) for d in dtypes]
+        print(f"{f'{count} threads':27} " + " ".join(f"{c:9.1f}" for c in costs))
     print("load average after: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
 
 
