@@ -195,6 +195,24 @@ def test_short_chunks_read_the_cached_context_in_place(
 
 
 @needs_native
+def test_queries_split_from_a_wider_projection_are_read_right() -> None:
+    """A gated query arrives as a strided view (query and gate interleaved per head)."""
+    gen = torch.Generator().manual_seed(5)
+    caches = (torch.randn(40, 16, 2, 64, generator=gen), torch.randn(40, 16, 2, 64, generator=gen))
+    fi = _step([30, 70], [(20, 3)], block_size=16, num_blocks=40, gen=gen)
+    t = fi.num_tokens
+    q = torch.randn(t, 4, 128, generator=gen)[..., :64]
+    assert not q.is_contiguous()
+    kv = tuple(torch.randn(t, 2, 64, generator=gen) for _ in range(2))
+    meta = build_attention_metadata(fi, torch.device("cpu"))
+    native = _run(_layer((4, 2), 64, caches), (q, *kv), meta)
+    reference_layer = _layer((4, 2), 64, caches)
+    _force_reference(reference_layer, torch.float32)
+    reference = _run(reference_layer, (q.contiguous(), *kv), meta)
+    assert (native - reference).abs().max().item() <= 1e-5
+
+
+@needs_native
 def test_a_sequence_with_nothing_cached_gets_zero_and_minus_infinity() -> None:
     assert NATIVE is not None
     q = torch.randn(2, 4, 64)

@@ -125,6 +125,14 @@ def reference_prefill(
     return out
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [N, H, D] with contiguous [H, D] rows, as the kernel reads them (q can arrive as
+    a view of a wider projection, e.g. a gated query split from its gate)."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
+
+
 def native_decode(kernel: NativePagedAttention) -> GroupKernel:
     def decode(
         q: torch.Tensor,
@@ -137,7 +145,10 @@ def native_decode(kernel: NativePagedAttention) -> GroupKernel:
         out: torch.Tensor,
     ) -> torch.Tensor:
         assert group.kv_lens is not None and group.table_row is not None
-        kernel(out, q, k_cache, v_cache, group.gather_blocks, group.table_row, group.kv_lens, scale)
+        rows = _rows(q)
+        kernel(
+            out, rows, k_cache, v_cache, group.gather_blocks, group.table_row, group.kv_lens, scale
+        )
         return out
 
     return decode
@@ -190,11 +201,11 @@ def native_prefill(kernel: NativePagedAttention) -> GroupKernel:
         )
         own = o.transpose(1, 2).reshape(-1, num_heads, head_dim)[group.valid_queries].float()
         own_lse = lse.transpose(1, 2).reshape(-1, num_heads)[group.valid_queries].float()
-        cached = torch.empty_like(q)
+        cached = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         cached_lse = torch.empty(q.shape[0], num_heads, dtype=torch.float32, device=q.device)
         kernel(
             cached,
-            q,
+            _rows(q),
             k_cache,
             v_cache,
             group.gather_blocks,
@@ -304,7 +315,8 @@ class PagedAttention(nn.Module):
         """``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] -> [T, H * D]."""
         self._k_slots.index_copy_(0, meta.slot_mapping, k)
         self._v_slots.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
+        # Contiguous whatever q's layout: the kernels write [H, D] rows in place.
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decode_tokens
         caches = (self.k_cache, self.v_cache)
         if meta.decode is not None:
