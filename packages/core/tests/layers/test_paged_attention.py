@@ -243,10 +243,27 @@ def test_the_layer_resolves_the_native_kernel_through_the_process_registry() -> 
     fi = _step([5, 9], [], block_size=16, num_blocks=8, gen=torch.Generator().manual_seed(0))
     qkv = (torch.randn(2, 4, 64), torch.randn(2, 2, 64), torch.randn(2, 2, 64))
     _run(layer, qkv, build_attention_metadata(fi, torch.device("cpu")))
-    key = KernelKey("paged_attention_decode", Device("cpu", 0), "torch.float32")
+    key = KernelKey("paged_attention_decode", Device("cpu", 0), "torch.float32,head_dim=64")
     handle = process_kernel_registry().lookup(key)
     assert handle is not None and handle is not reference_decode
     assert layer._decode._resolved is not None and layer._decode._resolved[1] is handle
+
+
+@needs_native
+def test_a_head_size_the_kernel_lacks_does_not_decide_for_others() -> None:
+    """One device, two head sizes: the first (unsupported) must not pin the second to the
+    reference path through a shared registry entry."""
+    gen = torch.Generator().manual_seed(2)
+    resolved = []
+    for head_dim in (32, 64):
+        cache = torch.zeros(8, 16, 2, head_dim)
+        layer = _layer((4, 2), head_dim, (cache, cache))
+        fi = _step([5, 9], [], block_size=16, num_blocks=8, gen=gen)
+        qkv = tuple(torch.randn(2, h, head_dim) for h in (4, 2, 2))
+        _run(layer, qkv, build_attention_metadata(fi, torch.device("cpu")))
+        assert layer._decode._resolved is not None
+        resolved.append(layer._decode._resolved[1])
+    assert resolved[0] is reference_decode and resolved[1] is not reference_decode
 
 
 def test_without_a_native_kernel_the_reference_is_chosen_and_said(

@@ -276,7 +276,9 @@ class GroupKernelHandle:
         runtime = context.runtime if context else get_runtime(q.device.type)
         registry = context.registry if context else process_kernel_registry()
         device = runtime.current_device() or Device(q.device.type, q.device.index or 0)
-        key = KernelKey(self.name, device, str(q.dtype))
+        # The choice depends on the head size too: models (or layers) of other head sizes on
+        # the same device must not inherit it.
+        key = KernelKey(self.name, device, f"{q.dtype},head_dim={self.head_dim}")
         impl = self.choose(q.device.type, q.dtype)
         handle: GroupKernel = registry.get(
             key, lambda: runtime.load_kernel(self.name, impl, device)
