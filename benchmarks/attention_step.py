@@ -20,19 +20,20 @@ import platform
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
 
 from tandem.collectives import SingleRankGroup
-from tandem.core.llm.attention_metadata import build_attention_metadata
-from tandem.core.llm.forward_input import ForwardInput, SamplingBatch
 from tandem.core.layers import attention as attention_module
 from tandem.core.layers import embedding, linear
 from tandem.core.layers.attention import PagedAttention
 from tandem.core.layers.paged_attention_cpu import native_paged_attention
+from tandem.core.llm.attention_metadata import build_attention_metadata
+from tandem.core.llm.forward_input import ForwardInput, SamplingBatch
 from tandem.core.llm.model_runner import ModelRunner
 from tandem.core.models.decoder import DecoderForCausalLM
 from tandem.core.models.model_config import ModelConfig
@@ -161,10 +162,16 @@ def use_path(model: DecoderForCausalLM, dtype: torch.dtype, native: bool) -> Non
 
 
 def run_steps(
-    runner: ModelRunner, fi: ForwardInput, steps: int, timers: Timers
-) -> dict[str, float]:
-    """Median ms per step of each category over ``steps`` timed steps (after two warm-up
-    steps): the forward, the logits and greedy choice, as the runner does them."""
+    runner: ModelRunner,
+    fi: ForwardInput,
+    steps: int,
+    timers: Timers,
+    paths: Sequence[Callable[[], None]],
+) -> list[dict[str, float]]:
+    """Median ms per step of each category, per attention path, over ``steps`` timed steps
+    each (after two warm-up steps): the forward, the logits and greedy choice, as the runner
+    does them. The paths take turns step by step, so load from other processes falls on
+    all of them alike instead of on whichever ran during a busy second."""
 
     def one_step() -> None:
         meta = build_attention_metadata(fi, runner.device)
@@ -172,22 +179,29 @@ def run_steps(
         logits = runner.model.compute_logits(hidden[fi.sample_indices])
         logits.argmax(dim=-1)
 
-    per_step: dict[str, list[float]] = defaultdict(list)
+    per_step: list[dict[str, list[float]]] = [defaultdict(list) for _ in paths]
     with torch.inference_mode():
-        for _ in range(2):
-            one_step()
+        for use in paths:
+            use()
+            for _ in range(2):
+                one_step()
         for _ in range(steps):
-            timers.totals.clear()
-            timers.enabled = True
-            start = time.perf_counter()
-            one_step()
-            total = time.perf_counter() - start
-            timers.enabled = False
-            per_step["step"].append(total)
-            for name in ("gemm", "attention"):
-                per_step[name].append(timers.totals[name])
-            per_step["other"].append(total - timers.totals["gemm"] - timers.totals["attention"])
-    return {name: statistics.median(values) * 1e3 for name, values in per_step.items()}
+            for use, figures in zip(paths, per_step, strict=True):
+                use()
+                timers.totals.clear()
+                timers.enabled = True
+                start = time.perf_counter()
+                one_step()
+                total = time.perf_counter() - start
+                timers.enabled = False
+                figures["step"].append(total)
+                for name in ("gemm", "attention"):
+                    figures[name].append(timers.totals[name])
+                figures["other"].append(total - timers.totals["gemm"] - timers.totals["attention"])
+    return [
+        {name: statistics.median(values) * 1e3 for name, values in figures.items()}
+        for figures in per_step
+    ]
 
 
 def gemm_flops(config: ModelConfig, tokens: int) -> float:
@@ -248,7 +262,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=48)
     parser.add_argument("--context", type=int, default=384)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=7, help="timed steps per path")
     parser.add_argument("--threads", type=int, default=None, help="default: torch's")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--seed", type=int, default=0)
@@ -293,10 +307,10 @@ def main() -> None:
                 k_cache.normal_()
                 v_cache.normal_()
         paths = [("old: copy", False)] + ([("new: in place", True)] if kernel else [])
+        uses = [partial(use_path, model, dtype, native) for _, native in paths]
         with instrumented(timers):
-            for label, native in paths:
-                use_path(model, dtype, native)
-                r = run_steps(runner, fi, args.steps, timers)
+            results = run_steps(runner, fi, args.steps, timers, uses)
+            for (label, _), r in zip(paths, results, strict=True):
                 print(
                     f"{str(dtype).removeprefix('torch.'):9} {label:14} {r['step']:8.1f} "
                     f"{r['gemm']:8.1f} {r['attention']:8.1f} {r['other']:8.1f} "
