@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from tandem.core import LLMEngine, SamplingParams
-from tandem.core.models.loader import resolve_dtype
+from tandem.core.models.loader import FAST_BF16_FLAGS, resolve_dtype
 from tandem.core.models.model_config import ModelConfig
+from tandem.device.cpu import cpu_flags
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],
@@ -57,16 +58,26 @@ def test_family_switches() -> None:
 
 
 def test_dtype_resolution(caplog: pytest.LogCaptureFixture) -> None:
+    plain = frozenset({"avx2", "fma"})
     with caplog.at_level(logging.INFO):
-        assert resolve_dtype("auto", "bfloat16", "cpu") is torch.float32
-    assert "float32 on CPU" in caplog.text
+        assert resolve_dtype("auto", "bfloat16", "cpu", plain) is torch.float32
+    assert "float32 on CPU" in caplog.text and "neither AMX nor AVX512-BF16" in caplog.text
+    caplog.clear()
+    for flag in ("amx_bf16", "avx512_bf16"):
+        with caplog.at_level(logging.INFO):
+            assert resolve_dtype("auto", "bfloat16", "cpu", plain | {flag}) is torch.bfloat16
+        assert f"the CPU reports {flag}" in caplog.text
+    # Fast bfloat16 says nothing of float16, nor does it turn float32 checkpoints into bf16.
+    assert resolve_dtype("auto", "float16", "cpu", frozenset({"amx_bf16"})) is torch.float32
+    assert resolve_dtype("auto", "float32", "cpu", frozenset({"amx_bf16"})) is torch.float32
+    assert resolve_dtype("float32", "bfloat16", "cpu", frozenset({"amx_bf16"})) is torch.float32
     assert resolve_dtype("bfloat16", "bfloat16", "cpu") is torch.bfloat16
     assert resolve_dtype("auto", "bfloat16", "npu") is torch.bfloat16
     assert resolve_dtype("auto", "float16", "cuda") is torch.float16
     assert resolve_dtype("float16", "float32", "cpu") is torch.float16
 
 
-def test_bf16_checkpoint_runs_in_float32_on_cpu_by_default(
+def test_bf16_checkpoint_runs_in_the_dtype_this_cpu_is_fast_at(
     demo_dir: Path, tmp_path: Path, make_engine: Callable[..., LLMEngine]
 ) -> None:
     import shutil
@@ -81,7 +92,9 @@ def test_bf16_checkpoint_runs_in_float32_on_cpu_by_default(
     config["dtype"] = "bfloat16"
     (folder / "config.json").write_text(json.dumps(config))
     auto = make_engine(folder)
-    assert auto.executor.workers[0].runner.dtype is torch.float32  # type: ignore[attr-defined]
+    fast = any(flag in cpu_flags() for flag in FAST_BF16_FLAGS)
+    expected = torch.bfloat16 if fast else torch.float32
+    assert auto.executor.workers[0].runner.dtype is expected  # type: ignore[attr-defined]
     explicit = make_engine(folder, dtype="bfloat16")
     assert explicit.executor.workers[0].runner.dtype is torch.bfloat16  # type: ignore[attr-defined]
     params = SamplingParams.greedy(max_tokens=4)

@@ -30,6 +30,19 @@ def _meminfo_bytes(field: str) -> int | None:
     return None
 
 
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags the kernel reports for this CPU (empty where there is no
+    /proc/cpuinfo): what decides, for instance, whether bfloat16 matmuls are fast here."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 # glibc mallopt parameters.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4

@@ -146,6 +146,27 @@ class DemoModelSpec:
     seed: int = 0
     # Standard deviation of the random weights.
     init_std: float = 0.02
+    # Dtype of the saved weights (and the config's ``dtype``).
+    dtype: str = "float32"
+
+
+# Named sizes for `tandem make-demo-model --preset`. "bench" is the real-size model the
+# benchmarks run on (Qwen3-shaped, 111M parameters): per-token costs that a tiny model hides
+# (weights and KV streamed from memory every step) dominate it as they do real serving.
+PRESETS: dict[str, DemoModelSpec] = {
+    "demo": DemoModelSpec(),
+    "bench": DemoModelSpec(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_layers=8,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=64,
+        vocab_size=16384,
+        max_position_embeddings=4096,
+        dtype="bfloat16",
+    ),
+}
 
 
 def tiny_spec(init_std: float = 0.2) -> DemoModelSpec:
@@ -164,9 +185,21 @@ def tiny_spec(init_std: float = 0.2) -> DemoModelSpec:
     )
 
 
-def demo_corpus(seed: int, num_lines: int = 4000) -> list[str]:
+_SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"] + ["th", "sh", "ng", "qu"]
+
+
+def demo_corpus(seed: int, num_lines: int = 4000, pseudo_words: int = 0) -> list[str]:
+    """Generated text for the tokenizer; ``pseudo_words`` more lines of made-up words give
+    BPE enough distinct pieces for a large vocabulary (the English-like lines alone stop
+    at about 2,000 tokens)."""
     rng = random.Random(seed)
-    lines = []
+    lines = [
+        " ".join(
+            "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 5)))
+            for _ in range(rng.randint(4, 12))
+        )
+        for _ in range(pseudo_words)
+    ]
     for _ in range(num_lines):
         kind = rng.randrange(4)
         if kind == 0:
@@ -201,7 +234,10 @@ def train_tokenizer(spec: DemoModelSpec) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(demo_corpus(spec.seed), trainer=trainer)
+    # Only vocabularies larger than the English-like lines give get made-up words, so the
+    # default demo model keeps its bytes.
+    extra = 0 if spec.vocab_size <= 2048 else 8 * spec.vocab_size
+    tokenizer.train_from_iterator(demo_corpus(spec.seed, pseudo_words=extra), trainer=trainer)
     text: str = tokenizer.to_str(pretty=True)
     return text
 
@@ -257,7 +293,7 @@ def write_demo_model(folder: str | Path, spec: DemoModelSpec | None = None) -> P
         "attention_bias": False,
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
-        "dtype": "float32",
+        "dtype": spec.dtype,
         "tandem_demo_spec": asdict(spec),
     }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -274,6 +310,8 @@ def write_demo_model(folder: str | Path, spec: DemoModelSpec | None = None) -> P
         "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    save_file(_weights(spec, vocab), str(out / "model.safetensors"), metadata={"format": "pt"})
+    dtype = getattr(torch, spec.dtype)
+    weights = {name: w.to(dtype) for name, w in _weights(spec, vocab).items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     logger.info("wrote the demo model to %s", out)
     return out

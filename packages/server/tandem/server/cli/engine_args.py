@@ -21,8 +21,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=DTYPES,
         default="auto",
-        help="weights and activations dtype; auto = the checkpoint's, but float32 "
-        "for half-precision checkpoints on CPU",
+        help="weights, activations and KV cache dtype; auto = the checkpoint's, except on "
+        "CPUs: bfloat16 only where the CPU reports AMX or AVX512-BF16, else float32",
     )
     p = parser.add_argument_group("parallelism")
     p.add_argument(

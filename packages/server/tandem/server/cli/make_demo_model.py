@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tandem.core.demo.demo_model import DemoModelSpec, write_demo_model
+from tandem.core.demo.demo_model import PRESETS, write_demo_model
 from tandem.core.demo.rec_demo_model import RecDemoSpec, write_rec_demo_model
 
 
@@ -26,6 +27,13 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
         help="llm: the Qwen3-architecture demo model; rec: a random generative recommender "
         "(encoder-decoder with cross-attention, semantic-id catalog)",
     )
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="demo",
+        help="llm size: demo (small, float32) or bench (Qwen3-shaped, 111M parameters, "
+        "bfloat16 weights: what the benchmarks run on)",
+    )
     p.set_defaults(func=run)
 
 
@@ -33,6 +41,6 @@ def run(args: argparse.Namespace) -> int:
     if args.kind == "rec":
         path = write_rec_demo_model(Path(args.dir), RecDemoSpec(seed=args.seed))
     else:
-        path = write_demo_model(args.dir, DemoModelSpec(seed=args.seed))
+        path = write_demo_model(args.dir, replace(PRESETS[args.preset], seed=args.seed))
     print(path, file=sys.stderr)
     return 0
