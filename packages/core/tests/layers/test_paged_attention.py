@@ -16,16 +16,16 @@ import pytest
 import torch
 
 from tandem.core.layers import attention as attention_module
-from tandem.core.layers import paged_attention_cpu
+from tandem.core.layers import native_build, paged_attention_cpu
 from tandem.core.layers.attention import (
     AttentionMetadata,
-    GroupKernelHandle,
     PagedAttention,
+    group_kernel_handle,
     reference_decode,
     reference_prefill,
 )
+from tandem.core.layers.native_build import KernelBuildError
 from tandem.core.layers.paged_attention_cpu import (
-    KernelBuildError,
     NativePagedAttention,
     build_library,
     native_paged_attention,
@@ -269,21 +269,23 @@ def test_a_head_size_the_kernel_lacks_does_not_decide_for_others() -> None:
 def test_without_a_native_kernel_the_reference_is_chosen_and_said(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(paged_attention_cpu, "find_cxx", lambda: None)
+    monkeypatch.setattr(native_build, "find_cxx", lambda: None)
     with caplog.at_level(logging.WARNING, logger=paged_attention_cpu.__name__):
         assert paged_attention_cpu.load_native_paged_attention(Path("/nonexistent")) is None
     assert "torch reference path" in caplog.text
     with pytest.raises(KernelBuildError, match="no C\\+\\+ compiler"):
         build_library(Path("/nonexistent"))
     monkeypatch.setattr("tandem.core.layers.attention.native_paged_attention", lambda: None)
-    slot = GroupKernelHandle("x", reference_decode, lambda kernel: reference_prefill, 64)
+    slot = group_kernel_handle("x", reference_decode, lambda kernel: reference_prefill, 64)
     assert slot.choose("cpu", torch.float32) is reference_decode
 
 
 @needs_native
 def test_an_unhandled_dtype_falls_back_once_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
-    slots = [GroupKernelHandle("fp16_probe", reference_decode, lambda k: reference_prefill, 64)]
-    slots.append(GroupKernelHandle("fp16_probe", reference_decode, lambda k: reference_prefill, 64))
+    slots = [group_kernel_handle("fp16_probe", reference_decode, lambda k: reference_prefill, 64)]
+    slots.append(
+        group_kernel_handle("fp16_probe", reference_decode, lambda k: reference_prefill, 64)
+    )
     with caplog.at_level(logging.INFO, logger=attention_module.__name__):
         chosen = [slot.choose("cpu", torch.float16) for slot in slots]
     assert chosen == [reference_decode, reference_decode]
@@ -329,13 +331,13 @@ def test_concurrent_first_builds_share_one_library(tmp_path: Path) -> None:
 
 
 def test_the_kernel_links_the_openmp_runtime_torch_ships(tmp_path: Path) -> None:
-    assert paged_attention_cpu.openmp_link_args(tmp_path) == ["-fopenmp"]
+    assert native_build.openmp_link_args(tmp_path) == ["-fopenmp"]
     (tmp_path / "libgomp.so.1").touch()
-    assert paged_attention_cpu.openmp_link_args(tmp_path) == ["-fopenmp"]
+    assert native_build.openmp_link_args(tmp_path) == ["-fopenmp"]
     (tmp_path / "libgomp.so.1").unlink()
     renamed = tmp_path / "libgomp-0123abcd.so.1"
     renamed.touch()
-    assert paged_attention_cpu.openmp_link_args(tmp_path) == [
+    assert native_build.openmp_link_args(tmp_path) == [
         str(renamed),
         f"-Wl,-rpath,{tmp_path}",
     ]

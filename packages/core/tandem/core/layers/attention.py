@@ -15,18 +15,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.core.layers.kernels import KernelHandle, NativeChoice
 from tandem.core.layers.linear_attention_metadata import LinearAttentionMetadata
 from tandem.core.layers.paged_attention_cpu import (
     NativePagedAttention,
     native_paged_attention,
 )
-from tandem.device import Device, KernelKey, bound_context, get_runtime, process_kernel_registry
 
 logger = logging.getLogger(__name__)
 
@@ -230,60 +229,41 @@ def native_prefill(kernel: NativePagedAttention) -> GroupKernel:
 _said: set[tuple[str, int, torch.dtype]] = set()
 
 
-class GroupKernelHandle:
+def native_group_kernel(
+    name: str, native: Callable[[NativePagedAttention], GroupKernel], head_dim: int
+) -> NativeChoice[torch.Tensor]:
+    """The native CPU attention kernel for a dtype, where it is built and handles the head
+    size; a fallback is said once per process."""
+
+    def choose(dtype: torch.dtype) -> GroupKernel | None:
+        kernel = native_paged_attention()
+        if kernel is not None and kernel.supports(head_dim, dtype):
+            return native(kernel)
+        if kernel is not None and (name, head_dim, dtype) not in _said:
+            _said.add((name, head_dim, dtype))
+            logger.info(
+                "%s: the native CPU kernel does not handle head_dim %d in %s; using the "
+                "torch reference",
+                name,
+                head_dim,
+                dtype,
+            )
+        return None
+
+    return choose
+
+
+def group_kernel_handle(
+    name: str,
+    reference: GroupKernel,
+    native: Callable[[NativePagedAttention], GroupKernel],
+    head_dim: int,
+) -> KernelHandle[torch.Tensor]:
     """One attention layer's handle on a group kernel, resolved through the kernel registry
-    on first use per (kernel, device, dtype) like the models' other kernels: the native CPU
-    kernel where it is built and handles the shape, the torch reference elsewhere."""
-
-    def __init__(
-        self,
-        name: str,
-        reference: GroupKernel,
-        native: Callable[[NativePagedAttention], GroupKernel],
-        head_dim: int,
-    ) -> None:
-        self.name = name
-        self.reference = reference
-        self.native = native
-        self.head_dim = head_dim
-        self._resolved: tuple[torch.dtype, GroupKernel] | None = None
-
-    def __call__(self, q: torch.Tensor, *args: Any) -> torch.Tensor:
-        resolved = self._resolved
-        if resolved is None or resolved[0] is not q.dtype:
-            resolved = (q.dtype, self._resolve(q))
-            self._resolved = resolved
-        return resolved[1](q, *args)
-
-    def choose(self, device_type: str, dtype: torch.dtype) -> GroupKernel:
-        if device_type == "cpu":
-            kernel = native_paged_attention()
-            if kernel is not None and kernel.supports(self.head_dim, dtype):
-                return self.native(kernel)
-            if kernel is not None and (self.name, self.head_dim, dtype) not in _said:
-                _said.add((self.name, self.head_dim, dtype))
-                logger.info(
-                    "%s: the native CPU kernel does not handle head_dim %d in %s; using the "
-                    "torch reference",
-                    self.name,
-                    self.head_dim,
-                    dtype,
-                )
-        return self.reference
-
-    def _resolve(self, q: torch.Tensor) -> GroupKernel:
-        context = bound_context()
-        runtime = context.runtime if context else get_runtime(q.device.type)
-        registry = context.registry if context else process_kernel_registry()
-        device = runtime.current_device() or Device(q.device.type, q.device.index or 0)
-        # The choice depends on the head size too: models (or layers) of other head sizes on
-        # the same device must not inherit it.
-        key = KernelKey(self.name, device, f"{q.dtype},head_dim={self.head_dim}")
-        impl = self.choose(q.device.type, q.dtype)
-        handle: GroupKernel = registry.get(
-            key, lambda: runtime.load_kernel(self.name, impl, device)
-        )
-        return handle
+    on first use per (kernel, device, dtype, head size) like the models' other kernels."""
+    return KernelHandle(
+        name, reference, native_group_kernel(name, native, head_dim), f"head_dim={head_dim}"
+    )
 
 
 class PagedAttention(nn.Module):
@@ -297,10 +277,10 @@ class PagedAttention(nn.Module):
         self.v_cache = torch.empty(0)
         self._k_slots = torch.empty(0)
         self._v_slots = torch.empty(0)
-        self._decode = GroupKernelHandle(
+        self._decode = group_kernel_handle(
             "paged_attention_decode", reference_decode, native_decode, head_dim
         )
-        self._prefill = GroupKernelHandle(
+        self._prefill = group_kernel_handle(
             "paged_attention_prefill", reference_prefill, native_prefill, head_dim
         )
 

@@ -1,11 +1,17 @@
-"""RMSNorm with its weight; the arithmetic is the registry-resolved ``rms_norm`` kernel."""
+"""RMSNorm with its weight, alone or fused with the residual add before it; the arithmetic is
+the registry-resolved ``rms_norm`` / ``add_rms_norm`` kernels."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from tandem.core.layers.kernels import KernelHandle, rms_norm
+from tandem.core.layers.kernels import (
+    KernelHandle,
+    add_rms_norm,
+    native_elementwise_kernel,
+    rms_norm,
+)
 from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
 
 
@@ -14,10 +20,22 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self._kernel = KernelHandle("rms_norm", rms_norm)
+        self._kernel: KernelHandle[torch.Tensor] = KernelHandle(
+            "rms_norm", rms_norm, native_elementwise_kernel("rms_norm")
+        )
+        self._add_kernel: KernelHandle[tuple[torch.Tensor, torch.Tensor]] = KernelHandle(
+            "add_rms_norm", add_rms_norm, native_elementwise_kernel("add_rms_norm")
+        )
 
     def load_weight(self, param: nn.Parameter, loaded: LazyTensor, name: str) -> None:
         copy_checked(param.data, read_shard(loaded, 0, 0, param.shape[0]), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernel(x, self.weight, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual). The residual tensor is the caller's running
+        sum, handed over: the fused kernel writes the new sum into it."""
+        return self._add_kernel(x, residual, self.weight, self.eps)

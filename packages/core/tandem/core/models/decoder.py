@@ -14,6 +14,7 @@ from tandem.core.layers.activation import gated_activation_kernel
 from tandem.core.layers.attention import AttentionMetadata, PagedAttention
 from tandem.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.core.layers.gated_delta_net import GatedDeltaNet
+from tandem.core.layers.kernels import KernelHandle, native_elementwise_kernel, qk_norm_rotary
 from tandem.core.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -56,6 +57,11 @@ class DecoderAttention(nn.Module):
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
         )
+        # Qwen3's q/k norm and the rotary embedding: one fused pass over q and k on CPU.
+        self._qk: KernelHandle[tuple[torch.Tensor, torch.Tensor]] = KernelHandle(
+            "qk_norm_rotary", qk_norm_rotary, native_elementwise_kernel("qk_norm_rotary")
+        )
+        self._eps = config.rms_norm_eps
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
@@ -65,10 +71,10 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q_weight = self.q_norm.weight if self.q_norm is not None else None
+        k_weight = self.k_norm.weight if self.k_norm is not None else None
+        cos, sin = self.rotary.cos, self.rotary.sin
+        q, k = self._qk(q, k, q_weight, k_weight, self._eps, cos, sin, positions)
         out: torch.Tensor = self.o_proj(self.attn(q, k, v, meta))
         return out
 
@@ -100,11 +106,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
-        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
-        return out
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried apart from the block outputs, so each residual add
+        fuses with the norm after it: (block output, residual) in, the same out. Equal to
+        ``x += attn(norm(x)); x += mlp(norm(x))``."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(positions, h, meta)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        out: torch.Tensor = self.mlp(h)
+        return out, residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -136,9 +154,13 @@ class DecoderForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            x = layer(positions, x, meta)
-        out: torch.Tensor = self.norm(x)
+            x, residual = layer(positions, x, residual, meta)
+        if residual is None:
+            out: torch.Tensor = self.norm(x)
+            return out
+        out, _ = self.norm.add_and_norm(x, residual)
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,250 @@
+// Fused elementwise kernels of the decoder layers on CPU: a residual add with the RMSNorm that
+// follows it, q/k RMSNorm with the rotary embedding (in place), and the gated SiLU.
+//
+// Why: done op by op in torch, a decoder layer runs about sixty small ops per step (each a
+// dispatch, an allocation, and on two threads a parallel region costing more than the
+// arithmetic), and each op makes a pass over memory. Here each fused kernel is one call and
+// one pass. Rounding follows the torch ops they replace step for step (a bfloat16 result is
+// rounded to nearest-even wherever torch would store one; compiled without FMA contraction so
+// float products are rounded where torch rounds them); sums of squares and exp are computed
+// in another order and by another polynomial than torch's, so a result may differ from the
+// reference path by a unit in its last place.
+//
+// Plain C entry points (no torch headers); tensors arrive as pointers with row strides.
+// dtype: 0 = float32, 1 = bfloat16 (uint16 storage).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include <omp.h>
+
+namespace {
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Round to nearest even, as c10::BFloat16 does; NaN stays NaN.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t bias = ((bits >> 16) & 1u) + 0x7FFFu;
+  return static_cast<uint16_t>((bits + bias) >> 16);
+}
+
+// A value as torch stores it in the tensor's dtype: rounded to bfloat16, or left as is.
+template <typename T>
+inline float stored(float x);
+template <>
+inline float stored<float>(float x) { return x; }
+template <>
+inline float stored<uint16_t>(float x) { return bf16_to_float(float_to_bf16(x)); }
+
+template <typename T>
+inline float load(const T* p, int64_t i);
+template <>
+inline float load<float>(const float* p, int64_t i) { return p[i]; }
+template <>
+inline float load<uint16_t>(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
+
+template <typename T>
+inline void store(T* p, int64_t i, float x);
+template <>
+inline void store<float>(float* p, int64_t i, float x) { p[i] = x; }
+template <>
+inline void store<uint16_t>(uint16_t* p, int64_t i, float x) { p[i] = float_to_bf16(x); }
+
+// Parallel regions cost tens of microseconds on a busy host: only worth it for inputs big
+// enough to pay for them. Norms and rotary do little per element (a decode step's rows stay
+// on one thread); the activation does an exp per element (a decode step's MLP width pays).
+constexpr int64_t kParallelElements = 1 << 18;
+constexpr int64_t kParallelExpElements = 1 << 16;
+
+inline int threads_for(int64_t elements, int threads, int64_t threshold = kParallelElements) {
+  return elements >= threshold && threads > 1 ? threads : 1;
+}
+
+// One row of RMSNorm: out = w * round(h * rsqrt(mean(h^2) + eps)), h in float.
+template <typename T>
+inline void norm_row(const float* h, const T* weight, T* out, int64_t dim, float eps) {
+  float sumsq = 0.f;
+#pragma omp simd reduction(+ : sumsq)
+  for (int64_t i = 0; i < dim; ++i) sumsq += h[i] * h[i];
+  float inv = 1.f / std::sqrt(sumsq / static_cast<float>(dim) + eps);
+  for (int64_t i = 0; i < dim; ++i) {
+    float normalized = stored<T>(h[i] * inv);
+    store<T>(out, i, load<T>(weight, i) * normalized);
+  }
+}
+
+template <typename T>
+void add_rms_norm(T* out, T* residual, const T* x, const T* weight, int64_t rows, int64_t dim,
+                  int64_t x_stride, int64_t out_stride, int64_t residual_stride, float eps,
+                  int threads) {
+#pragma omp parallel for num_threads(threads_for(rows * dim, threads)) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    float h[8192];
+    const T* xr = x + r * x_stride;
+    if (residual != nullptr) {
+      // The residual stream becomes x + residual, stored in the model's dtype as torch's
+      // add would store it; the norm reads the stored value.
+      T* rr = residual + r * residual_stride;
+      for (int64_t i = 0; i < dim; ++i) {
+        float sum = stored<T>(load<T>(xr, i) + load<T>(rr, i));
+        store<T>(rr, i, sum);
+        h[i] = sum;
+      }
+    } else {
+      for (int64_t i = 0; i < dim; ++i) h[i] = load<T>(xr, i);
+    }
+    norm_row<T>(h, weight, out + r * out_stride, dim, eps);
+  }
+}
+
+// Rotate-half rotary on one head of D values at table row `pos` (cos/sin [*, D/2]), in place:
+// o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin, each product and sum stored as torch stores it.
+template <typename T>
+inline void rotate_head(T* x, const T* cos, const T* sin, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    float x1 = load<T>(x, i), x2 = load<T>(x, i + half);
+    float c = load<T>(cos, i), s = load<T>(sin, i);
+    float o1 = stored<T>(stored<T>(x1 * c) - stored<T>(x2 * s));
+    float o2 = stored<T>(stored<T>(x2 * c) + stored<T>(x1 * s));
+    store<T>(x, i, o1);
+    store<T>(x, i + half, o2);
+  }
+}
+
+template <typename T>
+void qk_norm_rotary(T* q, T* k, const T* q_weight, const T* k_weight, const T* cos_table,
+                    const T* sin_table, const int64_t* positions, int64_t tokens,
+                    int64_t q_heads, int64_t k_heads, int64_t head_dim, int64_t q_stride,
+                    int64_t k_stride, int64_t table_stride, float eps, int threads) {
+  const int64_t half = head_dim / 2;
+  const int64_t heads = q_heads + k_heads;
+#pragma omp parallel for num_threads(threads_for(tokens * heads * head_dim, threads)) \
+    schedule(static)
+  for (int64_t t = 0; t < tokens; ++t) {
+    float h[1024];
+    const int64_t pos = positions[t];
+    const T* cos = cos_table + pos * table_stride;
+    const T* sin = sin_table + pos * table_stride;
+    for (int64_t j = 0; j < heads; ++j) {
+      const bool is_q = j < q_heads;
+      T* x = is_q ? q + t * q_stride + j * head_dim : k + t * k_stride + (j - q_heads) * head_dim;
+      const T* w = is_q ? q_weight : k_weight;
+      if (w != nullptr) {
+        for (int64_t i = 0; i < head_dim; ++i) h[i] = load<T>(x, i);
+        norm_row<T>(h, w, x, head_dim, eps);
+      }
+      rotate_head<T>(x, cos, sin, half);
+    }
+  }
+}
+
+// exp(x) in float: x = n ln2 + r, exp(r) by a degree-6 polynomial, 2^n by exponent bits.
+// Written without calls so the loop below vectorizes; within 2 ulp of expf.
+inline float fast_exp(float x) {
+  x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+  float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187045e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+void silu_mul(T* out, const T* gate_up, int64_t rows, int64_t inter, int64_t in_stride,
+              int64_t out_stride, int threads) {
+#pragma omp parallel for num_threads(threads_for(rows * inter, threads, kParallelExpElements)) \
+    schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gate_up + r * in_stride;
+    const T* u = g + inter;
+    T* o = out + r * out_stride;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) {
+      float x = load<T>(g, i);
+      float silu = stored<T>(x / (1.f + fast_exp(-x)));
+      store<T>(o, i, silu * load<T>(u, i));
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Codes: 0 ok, 1 unsupported dtype, 2 a dimension over the kernel's row buffer.
+int tandem_add_rms_norm(void* out, void* residual, const void* x, const void* weight,
+                        int64_t rows, int64_t dim, int64_t x_stride, int64_t out_stride,
+                        int64_t residual_stride, float eps, int32_t dtype, int32_t threads) {
+  if (dim > 8192) return 2;
+  if (dtype == 0) {
+    add_rms_norm<float>(static_cast<float*>(out), static_cast<float*>(residual),
+                        static_cast<const float*>(x), static_cast<const float*>(weight), rows,
+                        dim, x_stride, out_stride, residual_stride, eps, threads);
+  } else if (dtype == 1) {
+    add_rms_norm<uint16_t>(static_cast<uint16_t*>(out), static_cast<uint16_t*>(residual),
+                           static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(weight),
+                           rows, dim, x_stride, out_stride, residual_stride, eps, threads);
+  } else {
+    return 1;
+  }
+  return 0;
+}
+
+int tandem_qk_norm_rotary(void* q, void* k, const void* q_weight, const void* k_weight,
+                          const void* cos_table, const void* sin_table, const int64_t* positions,
+                          int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t head_dim,
+                          int64_t q_stride, int64_t k_stride, int64_t table_stride, float eps,
+                          int32_t dtype, int32_t threads) {
+  if (head_dim > 1024 || head_dim % 2 != 0) return 2;
+  if (dtype == 0) {
+    qk_norm_rotary<float>(static_cast<float*>(q), static_cast<float*>(k),
+                          static_cast<const float*>(q_weight), static_cast<const float*>(k_weight),
+                          static_cast<const float*>(cos_table),
+                          static_cast<const float*>(sin_table), positions, tokens, q_heads,
+                          k_heads, head_dim, q_stride, k_stride, table_stride, eps, threads);
+  } else if (dtype == 1) {
+    qk_norm_rotary<uint16_t>(
+        static_cast<uint16_t*>(q), static_cast<uint16_t*>(k),
+        static_cast<const uint16_t*>(q_weight), static_cast<const uint16_t*>(k_weight),
+        static_cast<const uint16_t*>(cos_table), static_cast<const uint16_t*>(sin_table),
+        positions, tokens, q_heads, k_heads, head_dim, q_stride, k_stride, table_stride, eps,
+        threads);
+  } else {
+    return 1;
+  }
+  return 0;
+}
+
+int tandem_silu_mul(void* out, const void* gate_up, int64_t rows, int64_t inter,
+                    int64_t in_stride, int64_t out_stride, int32_t dtype, int32_t threads) {
+  if (dtype == 0) {
+    silu_mul<float>(static_cast<float*>(out), static_cast<const float*>(gate_up), rows, inter,
+                    in_stride, out_stride, threads);
+  } else if (dtype == 1) {
+    silu_mul<uint16_t>(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(gate_up), rows,
+                       inter, in_stride, out_stride, threads);
+  } else {
+    return 1;
+  }
+  return 0;
+}
+
+}  // extern "C"

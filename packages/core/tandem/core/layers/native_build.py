@@ -1,0 +1,135 @@
+"""Building the CPU kernels under ``csrc/`` on first use with the system C++ compiler.
+
+Why this shape: the kernels include no torch headers and export plain C functions loaded
+with ctypes, so a build takes a second or two instead of the minute a torch extension needs,
+and needs neither ninja nor torch at ``pip install`` time (a build-time torch would be the
+multi-GB CUDA wheel in pip's isolated build environment). They are compiled with
+``-march=native`` for the CPU they run on; a library's name carries a digest of its source,
+flags and the CPU's feature flags, so a changed source or another CPU never loads a stale
+build. Builds are cached in ``$TANDEM_KERNEL_CACHE`` (default ``~/.cache/tandem/kernels``);
+concurrent first uses (pytest-xdist workers, several engine processes) take a file lock, the
+first builds and the others load its result.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC")
+
+
+class KernelBuildError(RuntimeError):
+    """No C++ compiler here, or the build failed; the message says which."""
+
+
+def find_cxx() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def kernel_cache_dir() -> Path:
+    override = os.environ.get("TANDEM_KERNEL_CACHE")
+    if override:
+        return Path(override)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tandem" / "kernels"
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU's model and feature flags: what ``-march=native`` compiles for."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
+            lines = [
+                line.strip()
+                for line in handle
+                if line.startswith(("flags", "model name", "Features", "CPU part"))
+            ]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
+def openmp_link_args(torch_lib: Path | None = None) -> list[str]:
+    """Link a kernel to the OpenMP runtime torch itself uses. Two runtimes in one process
+    would each keep a pool of threads spinning after every parallel region, and the two
+    pools would take the cores from each other. Wheels that ship their libgomp under the
+    plain soname share it with a default ``-fopenmp`` link; renamed copies (auditwheel's
+    ``libgomp-<hash>.so.1``) are linked by path."""
+    torch_lib = torch_lib or Path(torch.__file__).parent / "lib"
+    bundled = sorted(torch_lib.glob("libgomp*.so*"))
+    if not bundled or bundled[0].name == "libgomp.so.1":
+        return ["-fopenmp"]
+    return [str(bundled[0]), f"-Wl,-rpath,{bundled[0].parent}"]
+
+
+def library_path(
+    source: Path, stem: str, flags: Sequence[str], build_dir: Path, compiler: str
+) -> Path:
+    digest = hashlib.sha256()
+    digest.update(source.read_bytes())
+    digest.update(" ".join((compiler, *flags, *openmp_link_args())).encode())
+    digest.update(_cpu_fingerprint().encode())
+    return build_dir / f"lib{stem}-{digest.hexdigest()[:16]}.so"
+
+
+def build_library(
+    source: Path, stem: str, flags: Sequence[str] = BASE_FLAGS, build_dir: Path | None = None
+) -> Path:
+    """``source``'s shared library under ``build_dir``, built if this source, flag set and
+    CPU have no build there yet. Safe when several processes or threads build at once."""
+    compiler = find_cxx()
+    if compiler is None:
+        raise KernelBuildError("no C++ compiler (c++, g++ or clang++; or set CXX)")
+    build_dir = build_dir or kernel_cache_dir()
+    target = library_path(source, stem, flags, build_dir, compiler)
+    if target.is_file():
+        return target
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / f".{target.stem}.lock", "w") as lock:
+        # The first process builds; the others wait here and find its result.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file():
+            return target
+        fd, scratch = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=build_dir)
+        os.close(fd)
+        objects = scratch + ".o"
+        steps = [
+            [compiler, *flags, "-c", str(source), "-o", objects],
+            [compiler, "-shared", objects, "-o", scratch, *openmp_link_args()],
+        ]
+        started = time.perf_counter()
+        try:
+            for command in steps:
+                result = subprocess.run(command, capture_output=True, text=True, check=False)
+                if result.returncode != 0:
+                    Path(scratch).unlink(missing_ok=True)
+                    raise KernelBuildError(
+                        f"building {source.name} failed: {' '.join(command)}\n{result.stderr}"
+                    )
+        finally:
+            Path(objects).unlink(missing_ok=True)
+        os.replace(scratch, target)
+        logger.info(
+            "built the CPU kernels of %s in %.1f s: %s",
+            source.name,
+            time.perf_counter() - started,
+            target,
+        )
+    return target
