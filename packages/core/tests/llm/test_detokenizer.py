@@ -106,10 +106,9 @@ def test_fast_decode_equals_transformers_decode(demo_dir: Path) -> None:
 
     from transformers import AutoTokenizer
 
-    folders = [demo_dir]
-    stories = Path(__file__).resolve().parents[4].parent / "shared" / "models" / "stories260k"
-    if (stories / "tokenizer.json").is_file():
-        folders.append(stories)
+    from tandem.core.demo.pretrained import stories260k_folder
+
+    folders = [demo_dir, stories260k_folder()]
     rng = random.Random(0)
     for folder in folders:
         ours = Tokenizer(folder)

@@ -1,19 +1,14 @@
-"""The real pretrained tiny Llama in ../shared/models/stories260k (skipped where absent)."""
+"""The real pretrained tiny Llama shipped in the package (tandem.core.demo.stories260k)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
-
-import pytest
 
 from tandem.core import LLMEngine, SamplingParams
+from tandem.core.demo.pretrained import stories260k_folder
 from tandem.core.llm.tokenizer import Tokenizer
 
-STORIES = Path(__file__).resolve().parents[4].parent / "shared" / "models" / "stories260k"
-pytestmark = pytest.mark.skipif(
-    not (STORIES / "model.safetensors").is_file(), reason=f"{STORIES} is not present"
-)
+STORIES = stories260k_folder()
 
 # From the model folder's README (checked there with transformers on CPU, fp32).
 GREEDY_FROM_BOS = [
