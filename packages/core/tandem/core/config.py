@@ -146,6 +146,26 @@ class RecConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputConfig:
+    """The grammar engine behind response_format and the structured_outputs extras."""
+
+    # Threads compiling grammars, off the server's event loop and the engine's thread.
+    compile_threads: int = 2
+    # Compiled grammars kept for reuse (most recently used first).
+    cache_size: int = 256
+    # Let JSON grammars allow free whitespace between tokens. Off by default: a weak model
+    # can then loop on whitespace forever (vLLM's --structured-outputs-config
+    # disable_any_whitespace, the other way round).
+    whitespace_flexible: bool = False
+
+    def __post_init__(self) -> None:
+        if self.compile_threads < 1:
+            raise ConfigError(f"compile_threads must be >= 1, got {self.compile_threads}")
+        if self.cache_size < 1:
+            raise ConfigError(f"cache_size must be >= 1, got {self.cache_size}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelLoadConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -153,3 +173,4 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     rec: RecConfig = field(default_factory=RecConfig)
+    structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)

@@ -22,7 +22,7 @@ from tandem.core.executor.executor import (
     create_lane_executor,
 )
 from tandem.core.kv.block_manager import BlockManager
-from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
+from tandem.core.llm.forward_input import ForwardInput, PromptLogprobs, SamplerOutput
 from tandem.core.llm.input_builder import build_forward_input
 from tandem.core.llm.model_runner import LLMRunnerFactory
 from tandem.core.llm.output_processor import OutputProcessor
@@ -31,6 +31,7 @@ from tandem.core.llm.sampling_params import SamplingParams
 from tandem.core.llm.scheduler import Scheduler, SchedulerOutput
 from tandem.core.llm.sequence import SequenceStatus, TokenLogprobs, TokenSequence
 from tandem.core.llm.stats import EngineStats
+from tandem.core.llm.structured_output import StructuredOutputs
 from tandem.core.llm.tokenizer import Tokenizer
 from tandem.device.sync import REAL_SYNC, Promise, Sync
 
@@ -71,6 +72,12 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.structured_outputs = StructuredOutputs(
+            self.tokenizer,
+            self.model_config.vocab_size,
+            self.eos_token_ids,
+            config.structured_output,
+        )
         # Pipelined stepping (--max-concurrency > 1): steps in flight on the workers' lanes.
         self._pipelined = config.pipeline.max_concurrency > 1
         self.executor: Executor[ForwardInput, SamplerOutput]
@@ -132,6 +139,7 @@ class LLMEngine:
                 )
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        self._check_token_ids(params)
         self.check_prompt_length(len(prompt_ids))
         total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         # The last sampled token is never fed back, so its KV is never stored.
@@ -152,13 +160,29 @@ class LLMEngine:
                 "prefill or raise --max-tokens-per-batch",
                 param="prompt",
             )
+        spec = params.structured_output
         return TokenSequence(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             params=params,
             eos_token_ids=self.eos_token_ids,
             max_total_tokens=self.max_model_len,
+            # Compiled already when the caller awaited structured_outputs.submit(spec).
+            grammar=None if spec is None else self.structured_outputs.new_grammar(spec),
         )
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        for name, ids in (
+            ("logit_bias", params.logit_bias),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"{name} names token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                    param=name,
+                )
 
     def check_prompt_length(self, num_tokens: int, param: str = "prompt") -> None:
         """InvalidRequestError unless a prompt of ``num_tokens`` leaves room for at least one
@@ -383,6 +407,8 @@ class LLMEngine:
 
     def _process(self, sched_out: SchedulerOutput, result: SamplerOutput) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        if result.prompt_logprobs is not None:
+            _record_prompt_logprobs(sched_out, result.prompt_logprobs)
         row = 0
         for entry in sched_out.scheduled:
             seq = entry.seq
@@ -408,8 +434,10 @@ class LLMEngine:
                         )
                     )
                 reason = self.outputs.on_token(seq) or seq.check_stop_token()
+                if reason is None and seq.grammar is not None:
+                    reason = _advance_grammar(seq, token)
                 if reason is not None:
-                    self.scheduler.finish(seq, reason)
+                    self.scheduler.finish(seq, reason, error=seq.error)
                     outputs.append(self._finish_output(seq))
                 else:
                     outputs.append(self.outputs.make_output(seq))
@@ -462,4 +490,41 @@ class LLMEngine:
         return [finished[i] for i in ids]
 
     def shutdown(self) -> None:
+        self.structured_outputs.shutdown()
         self.executor.shutdown()
+
+
+def _advance_grammar(seq: TokenSequence, token: int) -> str | None:
+    """Feed the sampled token to the request's grammar; a finish reason once the grammar is
+    complete (nothing but EOS may follow) or broken."""
+    assert seq.grammar is not None
+    if not seq.grammar.accept(token):
+        seq.error = f"the output left its grammar at token {token}: {seq.grammar.error}"
+        logger.warning("request %s: %s", seq.request_id, seq.error)
+        return "error"
+    return "stop" if seq.grammar.is_finished else None
+
+
+def _record_prompt_logprobs(sched_out: SchedulerOutput, scored: PromptLogprobs) -> None:
+    at = 0
+    for index, first, count in scored.spans:
+        seq = sched_out.scheduled[index].seq
+        # Equal unless the step raced an abort; never record a position twice.
+        if first == len(seq.prompt_logprobs):
+            n = seq.params.prompt_logprobs or 0
+            seq.prompt_logprobs.extend(
+                TokenLogprobs(
+                    token_id=seq.prompt_token_ids[first + k],
+                    logprob=scored.logprobs[at + k],
+                    top=list(
+                        zip(
+                            scored.top_token_ids[at + k][:n],
+                            scored.top_logprobs[at + k][:n],
+                            strict=True,
+                        )
+                    ),
+                    rank=scored.ranks[at + k],
+                )
+                for k in range(count)
+            )
+        at += count

@@ -13,6 +13,39 @@ import torch
 
 
 @dataclass(frozen=True)
+class GrammarMasks:
+    """The allowed next tokens of the rows under a grammar (structured outputs)."""
+
+    rows: torch.Tensor  # [G] int64 sampling rows
+    bitmask: torch.Tensor  # [G, ceil(V / 32)] int32: bit t set = token t allowed
+
+
+@dataclass(frozen=True)
+class SparseLogitEdits:
+    """Values added to single logits: logit_bias, and -inf for the stop tokens of rows still
+    short of their min_tokens."""
+
+    rows: torch.Tensor  # [K] int64 sampling rows
+    tokens: torch.Tensor  # [K] int64
+    values: torch.Tensor  # [K] float32
+
+
+@dataclass(frozen=True)
+class PenaltyBatch:
+    """Repetition, frequency and presence penalties of the rows that have any. Tokens come
+    flattened, each tagged with its row's index in ``rows``."""
+
+    rows: torch.Tensor  # [P] int64 sampling rows
+    presence: torch.Tensor  # [P] float32
+    frequency: torch.Tensor  # [P] float32
+    repetition: torch.Tensor  # [P] float32
+    output_rows: torch.Tensor  # [N] int64 in [0, P)
+    output_tokens: torch.Tensor  # [N] int64, with repeats: counts matter
+    prompt_rows: torch.Tensor  # [M] int64 in [0, P)
+    prompt_tokens: torch.Tensor  # [M] int64, distinct per row: only presence matters
+
+
+@dataclass(frozen=True)
 class SamplingBatch:
     """Sampling settings of the rows that sample this step, one entry per row."""
 
@@ -26,6 +59,29 @@ class SamplingBatch:
     all_greedy: bool
     needs_top_k_top_p: bool
     max_logprobs: int | None
+    # Each None unless some row uses it, so a batch without them pays nothing.
+    grammar: GrammarMasks | None = None
+    logit_edits: SparseLogitEdits | None = None
+    penalties: PenaltyBatch | None = None
+    min_p: torch.Tensor | None = None  # [S] float32
+
+    @property
+    def edits_logits(self) -> bool:
+        return (
+            self.grammar is not None or self.logit_edits is not None or self.penalties is not None
+        )
+
+
+@dataclass(frozen=True)
+class PromptLogprobsRequest:
+    """Prompt positions to score this step: the logits at ``token_indices`` give the logprob
+    of ``target_ids``, the prompt token after each."""
+
+    token_indices: torch.Tensor  # [M] int64 indices into the step's tokens
+    target_ids: torch.Tensor  # [M] int64
+    num_top: int  # top candidates per position (the most any row asked for)
+    # (index in the scheduler output, first target's prompt position, count), in order.
+    spans: tuple[tuple[int, int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -40,10 +96,22 @@ class ForwardInput:
     sample_indices: torch.Tensor  # [S] token indices whose logits are sampled
     sampling: SamplingBatch
     block_size: int
+    prompt_logprobs: PromptLogprobsRequest | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The answer to a PromptLogprobsRequest, position by position."""
+
+    logprobs: list[float]  # [M] of each target token
+    ranks: list[int]  # [M] 1 = the most likely token
+    top_token_ids: list[list[int]]  # [M, num_top]
+    top_logprobs: list[list[float]]
+    spans: tuple[tuple[int, int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -53,3 +121,4 @@ class SamplerOutput:
     logprobs: list[float] | None = None
     top_token_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    prompt_logprobs: PromptLogprobs | None = None

@@ -5,8 +5,16 @@ from __future__ import annotations
 import torch
 
 from tandem.core.kv.block_pool import NULL_BLOCK
-from tandem.core.llm.forward_input import ForwardInput, SamplingBatch
+from tandem.core.llm.forward_input import (
+    ForwardInput,
+    GrammarMasks,
+    PromptLogprobsRequest,
+    SamplingBatch,
+    SparseLogitEdits,
+)
+from tandem.core.llm.penalties import build_penalty_batch
 from tandem.core.llm.scheduler import SchedulerOutput
+from tandem.core.llm.sequence import TokenSequence
 
 
 def build_forward_input(out: SchedulerOutput, block_size: int) -> ForwardInput:
@@ -49,13 +57,16 @@ def build_forward_input(out: SchedulerOutput, block_size: int) -> ForwardInput:
         sample_indices=sample_indices,
         sampling=_sampling_batch(out, sample_rows),
         block_size=block_size,
+        prompt_logprobs=_prompt_logprobs(out, starts, first_token.tolist()),
     )
 
 
 def _sampling_batch(out: SchedulerOutput, rows: list[int]) -> SamplingBatch:
-    params = [out.scheduled[i].seq.params for i in rows]
+    seqs = [out.scheduled[i].seq for i in rows]
+    params = [seq.params for seq in seqs]
     steps = tuple(out.scheduled[i].seq.num_output_tokens for i in rows)
     asked = [p.logprobs for p in params if p.logprobs is not None]
+    penalized = [row for row, p in enumerate(params) if p.has_penalties]
     return SamplingBatch(
         temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
@@ -65,4 +76,81 @@ def _sampling_batch(out: SchedulerOutput, rows: list[int]) -> SamplingBatch:
         all_greedy=all(p.is_greedy for p in params),
         needs_top_k_top_p=any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
         max_logprobs=max(asked) if asked else None,
+        grammar=_grammar_masks(seqs),
+        logit_edits=_logit_edits(seqs),
+        penalties=build_penalty_batch(penalized, [seqs[r] for r in penalized])
+        if penalized
+        else None,
+        min_p=(
+            torch.tensor([p.min_p for p in params], dtype=torch.float32)
+            if any(p.min_p > 0 and not p.is_greedy for p in params)
+            else None
+        ),
+    )
+
+
+def _grammar_masks(seqs: list[TokenSequence]) -> GrammarMasks | None:
+    rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+    if not rows:
+        return None
+    grammars = [g for g in (seqs[r].grammar for r in rows) if g is not None]
+    bitmask = grammars[0].owner.fill_bitmasks(grammars)
+    return GrammarMasks(rows=torch.tensor(rows, dtype=torch.int64), bitmask=bitmask)
+
+
+def _logit_edits(seqs: list[TokenSequence]) -> SparseLogitEdits | None:
+    """logit_bias, and -inf for the stop tokens of rows short of min_tokens."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    values: list[float] = []
+    for row, seq in enumerate(seqs):
+        params = seq.params
+        if seq.num_output_tokens < params.min_tokens:
+            banned = seq.eos_token_ids.union(params.stop_token_ids)
+            rows += [row] * len(banned)
+            tokens += banned
+            values += [float("-inf")] * len(banned)
+        if params.logit_bias:
+            rows += [row] * len(params.logit_bias)
+            tokens += params.logit_bias.keys()
+            values += params.logit_bias.values()
+    if not rows:
+        return None
+    return SparseLogitEdits(
+        rows=torch.tensor(rows, dtype=torch.int64),
+        tokens=torch.tensor(tokens, dtype=torch.int64),
+        values=torch.tensor(values, dtype=torch.float32),
+    )
+
+
+def _prompt_logprobs(
+    out: SchedulerOutput, starts: list[int], first_token: list[int]
+) -> PromptLogprobsRequest | None:
+    """The prompt positions this step computes whose next prompt token is not scored yet:
+    the logits at position p score prompt token p + 1."""
+    indices: list[int] = []
+    targets: list[int] = []
+    spans: list[tuple[int, int, int]] = []
+    num_top = 0
+    for i, entry in enumerate(out.scheduled):
+        seq = entry.seq
+        if not seq.needs_prompt_logprobs:
+            continue
+        # Entry p scores prompt token p; entry 0 (None) is there from the start.
+        begin = max(starts[i], len(seq.prompt_logprobs) - 1)
+        end = min(starts[i] + entry.num_new_tokens, seq.num_prompt_tokens - 1)
+        if begin >= end:
+            continue
+        offset = first_token[i] - starts[i]
+        indices += range(begin + offset, end + offset)
+        targets += seq.prompt_token_ids[begin + 1 : end + 1]
+        spans.append((i, begin + 1, end - begin))
+        num_top = max(num_top, seq.params.prompt_logprobs or 0)
+    if not spans:
+        return None
+    return PromptLogprobsRequest(
+        token_indices=torch.tensor(indices, dtype=torch.int64),
+        target_ids=torch.tensor(targets, dtype=torch.int64),
+        num_top=num_top,
+        spans=tuple(spans),
     )

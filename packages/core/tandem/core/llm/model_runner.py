@@ -12,6 +12,7 @@ from tandem.core.kv.kv_cache import allocate_kv_cache, bytes_per_block
 from tandem.core.layers.weights import parameter_bytes
 from tandem.core.llm.attention_metadata import build_attention_metadata
 from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
+from tandem.core.llm.prompt_logprobs import score_prompt
 from tandem.core.llm.sampler import Sampler
 from tandem.core.models.decoder import DecoderForCausalLM
 from tandem.core.models.loader import load_model, resolve_dtype
@@ -77,6 +78,15 @@ class ModelRunner:
     def execute(self, fi: ForwardInput, state: LaneState | None = None) -> SamplerOutput | None:
         meta = build_attention_metadata(fi, self.device)
         hidden = self.model(fi.input_ids.to(self.device), fi.positions.to(self.device), meta)
+        out = self._sample(hidden, fi)
+        if fi.prompt_logprobs is None:
+            return out
+        scored = score_prompt(
+            self.model.compute_logits, hidden, fi.prompt_logprobs, keep=out is not None
+        )
+        return None if out is None else replace(out, prompt_logprobs=scored)
+
+    def _sample(self, hidden: torch.Tensor, fi: ForwardInput) -> SamplerOutput | None:
         if fi.sample_indices.numel() == 0:
             return SamplerOutput(token_ids=[]) if self.sampler is not None else None
         logits = self.model.compute_logits(hidden[fi.sample_indices.to(self.device)])

@@ -46,7 +46,8 @@ class OutputProcessor:
         if token in seq.params.stop_token_ids:
             state.stop_reason = token
         added = state.detokenizer.add(token)
-        if not added or not seq.params.stop:
+        # As in vLLM, stop strings count only once min_tokens are out.
+        if not added or not seq.params.stop or seq.num_output_tokens <= seq.params.min_tokens:
             state.text += added
             return None
         # Only the region the new text touches can hold a newly completed stop string.
@@ -60,7 +61,8 @@ class OutputProcessor:
                 best = (at, stop)
         if best is None:
             return None
-        state.text = state.text[: best[0]]
+        end = best[0] + len(best[1]) if seq.params.include_stop_str_in_output else best[0]
+        state.text = state.text[:end]
         state.stop_reason = best[1]
         return "stop"
 
@@ -74,8 +76,9 @@ class OutputProcessor:
         ):
             state.text += state.detokenizer.flush()
         upto = len(state.text)
-        if not finished and seq.params.stop:
-            # Hold back a tail that may still grow into a stop string.
+        if not finished and seq.params.stop and not seq.params.include_stop_str_in_output:
+            # Hold back a tail that may still grow into a stop string (sent anyway with
+            # include_stop_str_in_output, so held back for nothing).
             upto = max(state.emitted_text, upto - max(len(s) for s in seq.params.stop) + 1)
         delta = state.text[state.emitted_text : upto]
         state.emitted_text = upto
@@ -98,6 +101,7 @@ class OutputProcessor:
             error=seq.error,
             logprobs=seq.logprobs if seq.params.logprobs is not None else None,
             new_logprobs=new_logprobs,
+            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
             num_cached_tokens=seq.num_cached_prompt_tokens,
             metrics=seq.metrics,
         )

@@ -24,5 +24,7 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # One per prompt token (the first None), once the prompt is computed, when asked for.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None

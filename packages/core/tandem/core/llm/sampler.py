@@ -1,4 +1,5 @@
-"""Batched sampling: greedy, temperature, top-k, top-p and per-request seeds.
+"""Batched sampling: logit edits (grammar, min_tokens, logit_bias, penalties), greedy,
+temperature, min_p, top-k, top-p and per-request seeds.
 
 Random rows use the exponential race (argmax of p / E, E ~ Exp(1)), which draws exactly from
 p. A seeded row draws its noise from a generator keyed by (seed, step), so its tokens do not
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from tandem.core.llm.forward_input import SamplerOutput, SamplingBatch
+from tandem.core.llm.logits_processors import apply_min_p, process_logits
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -44,7 +46,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
-        tokens = logits.argmax(dim=-1) if batch.all_greedy else self._sample(logits, batch)
+        # Logprobs are the model's own, before any edit (vLLM's default "raw_logprobs").
+        processed = process_logits(logits, batch) if batch.edits_logits else logits
+        tokens = processed.argmax(dim=-1) if batch.all_greedy else self._sample(processed, batch)
         if batch.max_logprobs is None:
             return SamplerOutput(token_ids=tokens.tolist())
         logprobs = logits.log_softmax(dim=-1)
@@ -61,6 +65,8 @@ class Sampler:
         temps = batch.temperatures.to(logits.device)
         greedy = temps == 0
         scaled = logits / torch.where(greedy, 1.0, temps).unsqueeze(1)
+        if batch.min_p is not None:
+            scaled = apply_min_p(scaled, batch.min_p)
         if batch.needs_top_k_top_p:
             scaled = apply_top_k_top_p(
                 scaled, batch.top_k.to(logits.device), batch.top_p.to(logits.device)

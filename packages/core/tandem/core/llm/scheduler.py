@@ -97,7 +97,8 @@ class Scheduler:
             if len(out.scheduled) >= self.config.max_seqs_per_batch:
                 break
             seq = self.waiting[0]
-            cached = self.block_manager.find_cached_prefix(seq)
+            # Prompt logprobs need the logits of every prompt position: no cache hits.
+            cached = [] if seq.needs_prompt_logprobs else self.block_manager.find_cached_prefix(seq)
             remaining = seq.num_tokens - len(cached) * self.block_manager.block_size
             # Without chunking, an oversized sequence may still run alone: only a preempted
             # one can be (its generated tokens grew it past the budget), and waiting for a

@@ -5,8 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandem.core.llm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.core.llm.penalties import TokenHistory
+    from tandem.core.llm.structured_output import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -31,6 +36,8 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    # 1 = the most likely token (kept for prompt tokens, which vLLM reports with their rank).
+    rank: int | None = None
 
 
 @dataclass
@@ -52,11 +59,18 @@ class TokenSequence:
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # One entry per prompt token once scored; the first token has nothing before it (None).
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # The request's grammar (structured outputs) and its tokens as tensors (penalties).
+    grammar: GrammarState | None = None
+    token_history: TokenHistory | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -79,15 +93,25 @@ class TokenSequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some prompt tokens are not scored yet."""
+        return (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens
+        )
+
+    @property
     def max_output_tokens(self) -> int:
         return min(self.params.max_tokens, self.max_total_tokens - self.num_prompt_tokens)
 
     def check_stop_token(self) -> str | None:
         """Finish reason implied by the newest token and the length limits, if any."""
         last = self.token_ids[-1]
-        if not self.params.ignore_eos and last in self.eos_token_ids:
+        # The sampler keeps stop tokens out until min_tokens; a grammar can still force one.
+        may_stop = self.num_output_tokens > self.params.min_tokens
+        if may_stop and not self.params.ignore_eos and last in self.eos_token_ids:
             return "stop"
-        if last in self.params.stop_token_ids:
+        if may_stop and last in self.params.stop_token_ids:
             return "stop"
         if self.num_output_tokens >= self.max_output_tokens:
             return "length"

@@ -45,6 +45,11 @@ class Tokenizer:
         self._fast_decode = None if cleanup or backend is None else backend.decode
 
     @property
+    def backend(self) -> Any:
+        """The Hugging Face tokenizer itself, for libraries that read its vocabulary."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return len(self._tok)
 
@@ -90,12 +95,15 @@ class Tokenizer:
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
         **template_kwargs: Any,
     ) -> str:
-        if not self.has_chat_template:
+        """The prompt text of ``messages``, rendered by ``chat_template`` (the server's
+        --chat-template) or else the model's own."""
+        if chat_template is None and not self.has_chat_template:
             raise InvalidRequestError(
-                "this model has no chat template; send a plain prompt to /v1/completions "
-                "or serve a model whose tokenizer_config.json has a chat_template",
+                "this model has no chat template: start the server with --chat-template FILE, "
+                "or send a plain prompt to /v1/completions",
                 param="messages",
             )
         try:
@@ -104,6 +112,7 @@ class Tokenizer:
                     messages,
                     tokenize=False,
                     add_generation_prompt=add_generation_prompt,
+                    chat_template=chat_template,
                     **template_kwargs,
                 )
         except Exception as exc:  # noqa: BLE001 - a template error is the caller's input

@@ -1,0 +1,91 @@
+"""Repetition, frequency and presence penalties, batched.
+
+Definitions follow vLLM (and, for repetition, transformers' RepetitionPenaltyLogitsProcessor):
+a token seen in the prompt or the output has its logit divided by ``repetition_penalty`` when
+positive and multiplied when negative; a token generated ``c`` times loses
+``frequency_penalty * c + presence_penalty * (c > 0)`` (the output only, not the prompt).
+
+The engine thread keeps each penalized sequence's tokens as tensors that grow with the output,
+so a step's batch is a concatenation, not a conversion of every token list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from tandem.core.llm.forward_input import PenaltyBatch
+
+if TYPE_CHECKING:
+    from tandem.core.llm.sequence import TokenSequence
+
+
+class TokenHistory:
+    """One sequence's distinct prompt tokens and its output tokens, as int64 tensors."""
+
+    def __init__(self, prompt_token_ids: list[int]) -> None:
+        self.prompt = torch.tensor(sorted(set(prompt_token_ids)), dtype=torch.int64)
+        self._output = torch.empty(64, dtype=torch.int64)
+        self._size = 0
+
+    def output(self, output_token_ids: list[int]) -> torch.Tensor:
+        """The output tokens, after appending those of ``output_token_ids`` not seen yet."""
+        total = len(output_token_ids)
+        if total > self._size:
+            if total > self._output.numel():
+                grown = torch.empty(max(total, 2 * self._output.numel()), dtype=torch.int64)
+                grown[: self._size] = self._output[: self._size]
+                self._output = grown
+            self._output[self._size : total] = torch.tensor(
+                output_token_ids[self._size :], dtype=torch.int64
+            )
+            self._size = total
+        return self._output[:total]
+
+
+def build_penalty_batch(rows: list[int], seqs: Sequence[TokenSequence]) -> PenaltyBatch:
+    """The penalties of ``seqs``, which sample at sampling rows ``rows``."""
+    outputs, prompts = [], []
+    for seq in seqs:
+        if seq.token_history is None:
+            seq.token_history = TokenHistory(seq.prompt_token_ids)
+        outputs.append(seq.token_history.output(seq.output_token_ids))
+        # Only the repetition penalty looks at the prompt.
+        no_prompt = seq.params.repetition_penalty == 1.0
+        prompts.append(seq.token_history.prompt[:0] if no_prompt else seq.token_history.prompt)
+    index = torch.arange(len(seqs))
+    return PenaltyBatch(
+        rows=torch.tensor(rows, dtype=torch.int64),
+        presence=torch.tensor([s.params.presence_penalty for s in seqs], dtype=torch.float32),
+        frequency=torch.tensor([s.params.frequency_penalty for s in seqs], dtype=torch.float32),
+        repetition=torch.tensor([s.params.repetition_penalty for s in seqs], dtype=torch.float32),
+        output_rows=index.repeat_interleave(torch.tensor([t.numel() for t in outputs])),
+        output_tokens=torch.cat(outputs),
+        prompt_rows=index.repeat_interleave(torch.tensor([t.numel() for t in prompts])),
+        prompt_tokens=torch.cat(prompts),
+    )
+
+
+def apply_penalties(logits: torch.Tensor, batch: PenaltyBatch) -> None:
+    """Penalize, in place, the rows of ``logits`` [S, V] that ``batch`` names."""
+    device = logits.device
+    rows = batch.rows.to(device)
+    sub = logits[rows]
+    num_rows, vocab = sub.shape
+    counts = torch.zeros(num_rows, vocab, dtype=sub.dtype, device=device)
+    counts.index_put_(
+        (batch.output_rows.to(device), batch.output_tokens.to(device)),
+        torch.ones(batch.output_tokens.numel(), dtype=sub.dtype, device=device),
+        accumulate=True,
+    )
+    generated = counts > 0
+    seen = generated.clone()
+    seen[batch.prompt_rows.to(device), batch.prompt_tokens.to(device)] = True
+    repetition = batch.repetition.to(device).unsqueeze(1)
+    penalized = torch.where(sub > 0, sub / repetition, sub * repetition)
+    sub = torch.where(seen, penalized, sub)
+    sub = sub - batch.frequency.to(device).unsqueeze(1) * counts
+    sub = sub - batch.presence.to(device).unsqueeze(1) * generated.to(sub.dtype)
+    logits[rows] = sub

@@ -1,0 +1,212 @@
+"""Structured outputs on llguidance: grammars compiled off the caller's thread and cached,
+one matcher per request, and the allowed-token bitmasks of a step's grammar rows filled in
+one parallel call.
+
+The engine thread owns the matchers: it fills the bitmask when it builds a step and advances
+a matcher with the token the step sampled. The worker only applies the bitmask (one tensor
+op in the sampler), so it needs no grammar engine and nothing crosses a process boundary but
+a small int32 tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tandem.core.config import StructuredOutputConfig
+from tandem.core.errors import InvalidRequestError
+from tandem.core.llm.structured_output_spec import StructuredOutputSpec
+from tandem.core.llm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import llguidance
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarState:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, owner: StructuredOutputs) -> None:
+        self.matcher = matcher
+        self.owner = owner
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past ``token_id``; False when the grammar does not allow it."""
+        return bool(self.matcher.consume_token(token_id))
+
+    @property
+    def is_finished(self) -> bool:
+        """Nothing but EOS may follow: the output is complete."""
+        return bool(self.matcher.is_stopped())
+
+    @property
+    def error(self) -> str:
+        return str(self.matcher.get_error())
+
+
+class StructuredOutputs:
+    """Compiles and caches grammars for one tokenizer and vocabulary; thread-safe."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        config: StructuredOutputConfig,
+    ) -> None:
+        self._tokenizer = tokenizer
+        # Bitmasks cover the logits' width; llguidance needs at least the tokenizer's.
+        self.vocab_size = max(vocab_size, tokenizer.vocab_size)
+        self._eos = sorted(eos_token_ids)
+        self._config = config
+        self._pool = ThreadPoolExecutor(config.compile_threads, "tandem-grammar")
+        self._lock = threading.Lock()
+        self._compiled: OrderedDict[StructuredOutputSpec, Future[llguidance.LLMatcher]] = (
+            OrderedDict()
+        )
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._executor: llguidance.LLExecutor | None = None
+
+    # -- compiling (any thread) -----------------------------------------------------------
+
+    def submit(self, spec: StructuredOutputSpec) -> Future[llguidance.LLMatcher]:
+        """The compiled grammar of ``spec``, compiling it on the pool unless cached (equal
+        specs submitted together compile once). The future fails with InvalidRequestError
+        when the spec cannot be compiled."""
+        with self._lock:
+            future = self._compiled.get(spec)
+            if future is not None:
+                self._compiled.move_to_end(spec)
+                return future
+            future = self._pool.submit(self._compile, spec)
+            self._compiled[spec] = future
+            while len(self._compiled) > self._config.cache_size:
+                self._compiled.popitem(last=False)
+            return future
+
+    def new_grammar(self, spec: StructuredOutputSpec) -> GrammarState:
+        """A fresh matcher for one request (blocks while ``spec`` compiles, if it must)."""
+        prototype = self.submit(spec).result()
+        return GrammarState(prototype.deep_copy(), self)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, spec: StructuredOutputSpec) -> llguidance.LLMatcher:
+        import llguidance
+
+        grammar = self._serialize(spec)
+        matcher = llguidance.LLMatcher(self._tokenizer_for_grammars(), grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(
+                f"the {_describe(spec)} cannot be compiled: {matcher.get_error()}",
+                param=spec.param,
+            )
+        for warning in matcher.get_grammar_warnings():
+            logger.info("grammar warning for %s: %s", spec.param, warning)
+        return matcher
+
+    def _serialize(self, spec: StructuredOutputSpec) -> str:
+        import llguidance
+
+        # oneOf as anyOf: what pydantic writes for unions is then accepted.
+        json_options: Any = {
+            "whitespace_flexible": self._config.whitespace_flexible,
+            "coerce_one_of": True,
+        }
+        try:
+            if spec.kind == "json":
+                schema = close_objects(json.loads(spec.value))
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=json_options)
+            if spec.kind == "json_object":
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    '{"type": "object"}', defaults=json_options
+                )
+            if spec.kind == "regex":
+                return llguidance.LLMatcher.grammar_from_regex(spec.value)
+            if spec.kind == "choice":
+                choices = json.loads(spec.value)
+                lark = "start: " + " | ".join(json.dumps(c) for c in choices)
+                return llguidance.LLMatcher.grammar_from_lark(lark)
+            return llguidance.grammar_from("grammar", spec.value)
+        except ValueError as exc:
+            raise InvalidRequestError(
+                f"the {_describe(spec)} is not valid: {exc}", param=spec.param
+            ) from None
+
+    def _tokenizer_for_grammars(self) -> llguidance.LLTokenizer:
+        # Built on first use, on a compile thread: about a second for a large vocabulary.
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self._tokenizer.backend, n_vocab=self.vocab_size, eos_token=self._eos
+                )
+            return self._ll_tokenizer
+
+    # -- masks (the engine thread) --------------------------------------------------------
+
+    def fill_bitmasks(self, grammars: Sequence[GrammarState]) -> torch.Tensor:
+        """[len(grammars), ceil(vocab / 32)] int32: bit t of row i set when grammar i allows
+        token t next. Filled in parallel by llguidance's own threads, straight into the
+        tensor (llguidance.torch would do the same, but importing it compiles a kernel)."""
+        import llguidance
+
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((len(grammars), words), -1, dtype=torch.int32)
+        self._executor.unsafe_compute_mask_ptr(
+            [(g.matcher, row) for row, g in enumerate(grammars)],
+            bitmask.data_ptr(),
+            words * 4,
+            len(grammars),
+        )
+        return bitmask
+
+
+# Keywords whose value maps names to subschemas, and those whose value is a subschema or a
+# list of them.
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas", "patternProperties")
+_SUBSCHEMAS = ("items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else",
+               "contains", "additionalItems", "additionalProperties")  # fmt: skip
+
+
+def close_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` wherever an object lists its properties
+    and says nothing of others, as OpenAI's strict mode and vLLM's default engine (xgrammar)
+    read it: the output holds exactly the described keys, and a model cannot wander off into
+    keys of its own making. A copy; the caller's schema is untouched."""
+    if isinstance(schema, list):
+        return [close_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict | list):
+            out[key] = close_objects(out[key])
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _describe(spec: StructuredOutputSpec) -> str:
+    return {
+        "json": "JSON schema",
+        "json_object": "JSON object grammar",
+        "regex": "regex",
+        "choice": "choice list",
+        "grammar": "grammar",
+    }[spec.kind]
