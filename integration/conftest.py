@@ -27,18 +27,18 @@ def start_server(
 ) -> Iterator[ServerFactory]:
     servers: list[Server] = []
 
-    def start(*extra: str) -> Server:
+    def start(*extra: str, demo_model: bool = True) -> Server:
+        """A server of the demo model (or, with ``demo_model=False``, of whatever ``extra``
+        names: by default the bundled stories260k)."""
         port = free_port()
         log = tmp_path_factory.mktemp("server") / "server.log"
+        model = ["--model", str(model_dir), "--served-model-name", MODEL_NAME] if demo_model else []
         command = [
             sys.executable,
             "-m",
             "tandem.server.cli.main",
             "serve",
-            "--model",
-            str(model_dir),
-            "--served-model-name",
-            MODEL_NAME,
+            *model,
             "--port",
             str(port),
             "--num-blocks",

@@ -13,8 +13,14 @@ from tandem.core import EngineDeadError
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
 from tandem.server.errors import error_response, install_error_handlers
-from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from tandem.server.state import ServerState
+from tandem.server.tokenize import detokenize, tokenize
 
 
 class _BodyTooLarge(Exception):
@@ -101,16 +107,28 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         engine = state.engine
-        card = {
-            "id": state.served_model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "tandem",
-            "root": engine.config.model.model,
-            "max_model_len": engine.max_model_len,
-            "vocab_size": engine.model_config.vocab_size,
-        }
-        return {"object": "list", "data": [card]}
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "tandem",
+                "root": engine.config.model.model,
+                "max_model_len": engine.max_model_len,
+                "vocab_size": engine.model_config.vocab_size,
+            }
+            for name in (state.served_model_name, *state.model_aliases)
+        ]
+        return {"object": "list", "data": cards}
+
+    # Unversioned, as vLLM serves them.
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
+        return tokenize(state, body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
+        return detokenize(state, body)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Any:

@@ -1,131 +1,292 @@
-"""POST /v1/chat/completions: messages rendered by the model's chat template."""
+"""POST /v1/chat/completions: messages rendered by the chat template, the answer read back as
+reasoning, content and tool calls."""
 
 from __future__ import annotations
 
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from tandem.core import RequestOutput
-from tandem.core.llm.sequence import TokenLogprobs
-from tandem.core.llm.tokenizer import Tokenizer
+from tandem.server.chat_messages import template_messages
+from tandem.server.chat_output import ChoiceDelta, ChoiceReader, ToolCallDelta
 from tandem.server.common import check_request, new_id, usage
 from tandem.server.endpoint import StreamShape, respond
 from tandem.server.errors import ApiError
 from tandem.server.generation import Job, sampling_params
+from tandem.server.logprobs import TokenNames, chat_logprobs, prompt_logprobs_json
 from tandem.server.protocol import ChatCompletionRequest
+from tandem.server.reasoning import reasoning_parser
 from tandem.server.state import ServerState
+from tandem.server.structured_outputs import compile_grammar, structured_output_spec
+from tandem.server.tool_parsers import tool_call_parser
+from tandem.server.tools import ToolPlan, plan_tools
+
+# Arguments of the template call that come from the request's own fields.
+_RESERVED_TEMPLATE_ARGS = frozenset(
+    {"messages", "conversation", "add_generation_prompt", "chat_template", "tools", "tokenize"}
+)
 
 
-def _token_entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
-    text = tokenizer.token_text(token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+@dataclass(frozen=True)
+class RenderedPrompt:
+    text: str
+    # What add_generation_prompt appended: where the answer starts (inside a thought?).
+    generation_prompt: str
 
 
-def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> dict[str, Any]:
-    return {
-        "content": [
-            {
-                **_token_entry(tokenizer, e.token_id, e.logprob),
-                "top_logprobs": [_token_entry(tokenizer, t, lp) for t, lp in e.top],
-            }
-            for e in entries
-        ]
-    }
-
-
-def _prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+def render_chat(
+    state: ServerState,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, Any],
+    tools: list[dict[str, Any]] | None,
+) -> RenderedPrompt:
     tokenizer = state.engine.tokenizer
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    text = tokenizer.apply_chat_template(
-        messages,
-        add_generation_prompt=body.add_generation_prompt,
-        **(body.chat_template_kwargs or {}),
-    )
-    # The template writes the special tokens itself.
-    return tokenizer.encode(text, add_special_tokens=False)
+    taken = sorted(_RESERVED_TEMPLATE_ARGS.intersection(template_kwargs))
+    if taken:
+        raise ApiError(
+            400,
+            f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do.",
+            param="chat_template_kwargs",
+        )
+    kwargs = dict(template_kwargs)
+    if tools is not None:
+        kwargs["tools"] = tools
+    template = state.chat.chat_template
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt, template, **kwargs)
+    generation_prompt = ""
+    if add_generation_prompt and state.chat.reasoning_parser is not None:
+        bare = tokenizer.apply_chat_template(messages, False, template, **kwargs)
+        generation_prompt = text[len(bare) :] if text.startswith(bare) else text
+    return RenderedPrompt(text, generation_prompt)
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest) -> Any:
     check_request(state, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs=true.", param="top_logprobs")
-    prompt_ids = _prompt_ids(state, body)
+    if body.prompt_logprobs is not None and body.stream:
+        raise ApiError(
+            400, "prompt_logprobs are not available with stream=true.", param="prompt_logprobs"
+        )
+    messages = template_messages(body.messages)
+    plan = plan_tools(state.chat, body)
+    spec = structured_output_spec(body)
+    if spec is not None and plan.grammar is not None:
+        raise ApiError(
+            400,
+            "tool_choice required or a named function already fixes the output's format; "
+            f"drop {spec.param}.",
+            param=spec.param,
+        )
+    spec = spec or plan.grammar
+    template_kwargs = body.chat_template_kwargs or {}
+    prompt = render_chat(
+        state, messages, body.add_generation_prompt, template_kwargs, plan.template_tools
+    )
+    tokenizer = state.engine.tokenizer
+    # The template writes the special tokens itself.
+    prompt_ids = tokenizer.encode(prompt.text, add_special_tokens=False)
     state.engine.check_prompt_length(len(prompt_ids), param="messages")
+    if spec is not None:
+        await compile_grammar(state, spec)
     max_model_len = state.engine.max_model_len
     max_tokens = body.max_completion_tokens or body.max_tokens or max_model_len - len(prompt_ids)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     jobs = [
-        Job(index=c, prompt=prompt_ids, params=sampling_params(body, max_tokens, logprobs, c))
+        Job(
+            index=c,
+            prompt=prompt_ids,
+            params=sampling_params(
+                body, max_tokens, logprobs, c, body.prompt_logprobs, structured_output=spec
+            ),
+        )
         for c in range(body.n)
     ]
+    thinking = bool(template_kwargs.get("enable_thinking", True))
+    shape = _Shape(state, body, plan, prompt, thinking)
     request_id = new_id("chatcmpl")
-    tokenizer = state.engine.tokenizer
 
     def complete(outputs: list[RequestOutput], created: int) -> dict[str, Any]:
-        choices = [
-            {
-                "index": job.index,
-                "message": {"role": "assistant", "content": out.text},
-                "logprobs": chat_logprobs(tokenizer, out.logprobs or []) if body.logprobs else None,
-                "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason,
-            }
-            for job, out in zip(jobs, outputs, strict=True)
-        ]
-        return {
+        response: dict[str, Any] = {
             "id": request_id,
             "object": "chat.completion",
             "created": created,
             "model": state.served_model_name,
-            "choices": choices,
+            "choices": [shape.choice(j.index, o) for j, o in zip(jobs, outputs, strict=True)],
             "usage": usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)),
         }
+        if body.prompt_logprobs is not None:
+            response["prompt_logprobs"] = prompt_logprobs_json(
+                tokenizer, outputs[0].prompt_logprobs or []
+            )
+        return response
 
-    stream = _stream_shape(body, jobs, tokenizer) if body.stream else None
+    stream = shape.stream(jobs) if body.stream else None
     return await respond(state, jobs, request_id, stream, complete)
 
 
-def _stream_shape(
-    body: ChatCompletionRequest, jobs: list[Job], tokenizer: Tokenizer
-) -> StreamShape:
-    def chunks(index: int, out: RequestOutput) -> list[dict[str, Any]]:
-        choices: list[dict[str, Any]] = []
-        logprobs = None
-        if body.logprobs and out.new_logprobs:
-            logprobs = chat_logprobs(tokenizer, out.new_logprobs)
-        if out.delta_text or logprobs is not None:
-            choices.append(
-                {
-                    "index": index,
-                    "delta": {"content": out.delta_text},
-                    "logprobs": logprobs,
-                    "finish_reason": None,
-                }
-            )
-        if out.finished:
-            choices.append(
-                {
-                    "index": index,
-                    "delta": {},
-                    "logprobs": None,
-                    "finish_reason": out.finish_reason,
-                    "stop_reason": out.stop_reason,
-                }
-            )
-        return choices
+class _Shape:
+    """How one request's outputs become choices and chunks."""
 
-    opening = [
-        {
-            "index": job.index,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
+    def __init__(
+        self,
+        state: ServerState,
+        body: ChatCompletionRequest,
+        plan: ToolPlan,
+        prompt: RenderedPrompt,
+        thinking: bool,
+    ) -> None:
+        self.state = state
+        self.body = body
+        self.plan = plan
+        self.prompt = prompt
+        self.thinking = thinking
+        self.names = TokenNames(state.engine.tokenizer, body.return_tokens_as_token_ids)
+
+    def reader(self) -> ChoiceReader:
+        chat = self.state.chat
+        reasoning = None
+        if chat.reasoning_parser is not None:
+            reasoning = reasoning_parser(
+                chat.reasoning_parser, self.thinking, self.prompt.generation_prompt
+            )
+        parser = None
+        if self.plan.mode == "parsed" and chat.tool_call_parser is not None:
+            parser = tool_call_parser(chat.tool_call_parser)
+        return ChoiceReader(reasoning, self.plan.mode, parser, self.plan.function_name)
+
+    def _finish_reason(self, out: RequestOutput, reader: ChoiceReader) -> str | None:
+        # As vLLM: calls the model chose to make finish with "tool_calls"; a named function
+        # forced on it keeps the engine's reason.
+        if reader.called_tools and (
+            self.plan.mode == "parsed"
+            or (self.plan.mode == "required" and out.finish_reason == "stop")
+        ):
+            return "tool_calls"
+        return out.finish_reason
+
+    def choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
+        reader = self.reader()
+        whole = _merge(reader.feed(out.text), reader.finish())
+        ids = _ToolCallIds()
+        message: dict[str, Any] = {"role": "assistant"}
+        has_more = bool(whole.tool_calls or whole.reasoning)
+        message["content"] = whole.content if whole.content or not has_more else None
+        if self.state.chat.reasoning_parser is not None:
+            message.update(_reasoning_fields(whole.reasoning or None))
+        if whole.tool_calls:
+            message["tool_calls"] = [ids.full(index, call) for call in whole.tool_calls]
+        logprobs = chat_logprobs(self.names, out.logprobs or []) if self.body.logprobs else None
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": self._finish_reason(out, reader),
+            "stop_reason": out.stop_reason,
         }
-        for job in jobs
-    ]
-    return StreamShape(
-        obj="chat.completion.chunk",
-        opening=opening,
-        chunks=chunks,
-        prompt_of=lambda index: 0,
-        include_usage=body.stream_options is not None and body.stream_options.include_usage,
+
+    def stream(self, jobs: list[Job]) -> StreamShape:
+        readers = {job.index: self.reader() for job in jobs}
+        ids = _ToolCallIds()
+
+        def chunks(index: int, out: RequestOutput) -> list[dict[str, Any]]:
+            reader = readers[index]
+            delta = reader.feed(out.delta_text)
+            if out.finished:
+                delta = _merge(delta, reader.finish())
+            logprobs = None
+            if self.body.logprobs and out.new_logprobs:
+                logprobs = chat_logprobs(self.names, out.new_logprobs)
+            choices: list[dict[str, Any]] = []
+            if delta or logprobs is not None:
+                choices.append(
+                    {
+                        "index": index,
+                        "delta": self._delta(index, delta, ids),
+                        "logprobs": logprobs,
+                        "finish_reason": None,
+                    }
+                )
+            if out.finished:
+                choices.append(
+                    {
+                        "index": index,
+                        "delta": {},
+                        "logprobs": None,
+                        "finish_reason": self._finish_reason(out, reader),
+                        "stop_reason": out.stop_reason,
+                    }
+                )
+            return choices
+
+        opening = [
+            {
+                "index": job.index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for job in jobs
+        ]
+        body = self.body
+        return StreamShape(
+            obj="chat.completion.chunk",
+            opening=opening,
+            chunks=chunks,
+            prompt_of=lambda index: 0,
+            include_usage=body.stream_options is not None and body.stream_options.include_usage,
+        )
+
+    def _delta(self, index: int, delta: ChoiceDelta, ids: _ToolCallIds) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if delta.reasoning:
+            out.update(_reasoning_fields(delta.reasoning))
+        if delta.content or not (delta.reasoning or delta.tool_calls):
+            out["content"] = delta.content
+        if delta.tool_calls:
+            out["tool_calls"] = [ids.piece(index, call) for call in delta.tool_calls]
+        return out
+
+
+def _reasoning_fields(text: str | None) -> dict[str, Any]:
+    # reasoning_content is what most clients read (DeepSeek's name, vLLM's until 0.11);
+    # reasoning is newer vLLM's.
+    return {"reasoning_content": text, "reasoning": text}
+
+
+def _merge(first: ChoiceDelta, second: ChoiceDelta) -> ChoiceDelta:
+    calls: dict[int, ToolCallDelta] = {}
+    for call in first.tool_calls + second.tool_calls:
+        if call.index in calls:
+            calls[call.index].arguments += call.arguments
+        else:
+            calls[call.index] = ToolCallDelta(call.index, call.name, call.arguments)
+    return ChoiceDelta(
+        reasoning=first.reasoning + second.reasoning,
+        content=first.content + second.content,
+        tool_calls=list(calls.values()),
     )
+
+
+class _ToolCallIds:
+    """An id per call, made when the call's first piece goes out."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[int, int], str] = {}
+
+    def _id(self, choice: int, call: int) -> str:
+        return self._ids.setdefault((choice, call), f"chatcmpl-tool-{uuid.uuid4().hex}")
+
+    def full(self, choice: int, call: ToolCallDelta) -> dict[str, Any]:
+        return {
+            "id": self._id(choice, call.index),
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+
+    def piece(self, choice: int, call: ToolCallDelta) -> dict[str, Any]:
+        if call.name is None:
+            return {"index": call.index, "function": {"arguments": call.arguments}}
+        return {"index": call.index, **self.full(choice, call)}

@@ -12,20 +12,21 @@ from tandem.server.protocol import _SamplingFields
 from tandem.server.state import ServerState
 
 
-def check_model(served: str, requested: str) -> None:
-    if requested != served:
+def check_model(served: str, requested: str, aliases: tuple[str, ...] = ()) -> None:
+    if requested != served and requested not in aliases:
         raise ApiError(
             404, f"The model `{requested}` does not exist.", param="model", code="model_not_found"
         )
 
 
 def check_request(state: ServerState, body: _SamplingFields) -> None:
-    check_model(state.served_model_name, body.model)
-    if body.presence_penalty or body.frequency_penalty:
+    check_model(state.served_model_name, body.model, state.model_aliases)
+    if body.n > 1 and body.temperature == 0:
         raise ApiError(
             400,
-            "presence_penalty and frequency_penalty are not supported yet; leave them at 0.",
-            param="presence_penalty" if body.presence_penalty else "frequency_penalty",
+            f"n={body.n} with temperature 0 asks for {body.n} copies of one greedy answer; "
+            "sample (temperature > 0) for different choices, or ask for n=1.",
+            param="n",
         )
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed with stream=true.", "stream_options")

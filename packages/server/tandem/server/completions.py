@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.core import RequestOutput
 from tandem.core.llm.engine import Prompt
 from tandem.core.llm.sequence import TokenLogprobs
-from tandem.core.llm.tokenizer import Tokenizer
 from tandem.server.common import check_request, new_id, usage
 from tandem.server.endpoint import StreamShape, respond
 from tandem.server.errors import ApiError
 from tandem.server.generation import Job, sampling_params
+from tandem.server.logprobs import TokenNames, generated, legacy_logprobs, prompt_logprobs_json
 from tandem.server.protocol import CompletionRequest
 from tandem.server.state import ServerState
+from tandem.server.structured_outputs import compile_grammar, structured_output_spec
 
 
 def _prompts(body: CompletionRequest) -> list[Prompt]:
@@ -34,47 +36,44 @@ def _prompts(body: CompletionRequest) -> list[Prompt]:
     return out
 
 
-def legacy_logprobs(
-    tokenizer: Tokenizer, entries: list[TokenLogprobs], text_offset: int
-) -> dict[str, Any]:
-    """The completions API's logprobs object for ``entries``, offsets from ``text_offset``."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    offset = text_offset
-    for entry in entries:
-        text = tokenizer.token_text(entry.token_id)
-        tokens.append(text)
-        token_logprobs.append(entry.logprob)
-        top = {tokenizer.token_text(t): lp for t, lp in entry.top}
-        top.setdefault(text, entry.logprob)
-        tops.append(top)
-        offsets.append(offset)
-        offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
-
-
 async def create_completion(state: ServerState, body: CompletionRequest) -> Any:
     check_request(state, body)
-    if body.echo and body.logprobs is not None:
+    requested = 16 if body.max_tokens is None else body.max_tokens
+    if requested == 0 and not body.echo:
+        raise ApiError(400, "max_tokens must be at least 1 (0 only with echo).", param="max_tokens")
+    if body.prompt_logprobs is not None and body.stream:
         raise ApiError(
-            400, "echo together with logprobs is not supported yet; drop one.", param="echo"
+            400, "prompt_logprobs are not available with stream=true.", param="prompt_logprobs"
         )
     prompts = _prompts(body)
-    tokenizer = state.engine.tokenizer
+    spec = structured_output_spec(body)
+    if spec is not None:
+        await compile_grammar(state, spec)
+    shape = _Shape(
+        body=body,
+        names=TokenNames(state.engine.tokenizer, body.return_tokens_as_token_ids),
+        # echo with logprobs returns the prompt's logprobs too, as vLLM does.
+        score_prompt=body.echo and body.logprobs is not None,
+        echo_only=requested == 0,
+    )
+    prompt_logprobs = body.prompt_logprobs
+    if prompt_logprobs is None and shape.score_prompt:
+        prompt_logprobs = body.logprobs
+    # Nothing to generate still takes one step: the one that computes the prompt.
+    max_tokens = max(requested, 1)
     jobs = [
         Job(
             index=p * body.n + c,
             prompt=prompt,
-            params=sampling_params(body, body.max_tokens or 16, body.logprobs, choice=c),
+            params=sampling_params(
+                body, max_tokens, body.logprobs, c, prompt_logprobs, structured_output=spec
+            ),
         )
         for p, prompt in enumerate(prompts)
         for c in range(body.n)
     ]
-    echoes = [
+    tokenizer = state.engine.tokenizer
+    shape.echoes = [
         (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if body.echo else ""
         for prompt in prompts
         for _ in range(body.n)
@@ -82,65 +81,100 @@ async def create_completion(state: ServerState, body: CompletionRequest) -> Any:
     request_id = new_id("cmpl")
 
     def complete(outputs: list[RequestOutput], created: int) -> dict[str, Any]:
-        choices = []
-        for job, out, echo in zip(jobs, outputs, echoes, strict=True):
-            logprobs = None
-            if body.logprobs is not None and out.logprobs is not None:
-                logprobs = legacy_logprobs(tokenizer, out.logprobs, len(echo))
-            choices.append(
-                {
-                    "index": job.index,
-                    "text": echo + out.text,
-                    "logprobs": logprobs,
-                    "finish_reason": out.finish_reason,
-                    "stop_reason": out.stop_reason,
-                }
-            )
+        choices = [shape.choice(job.index, out) for job, out in zip(jobs, outputs, strict=True)]
         prompt_tokens = sum(len(outputs[p * body.n].prompt_token_ids) for p in range(len(prompts)))
+        generated_tokens = 0 if shape.echo_only else sum(len(o.token_ids) for o in outputs)
         return {
             "id": request_id,
             "object": "text_completion",
             "created": created,
             "model": state.served_model_name,
             "choices": choices,
-            "usage": usage(prompt_tokens, sum(len(o.token_ids) for o in outputs)),
+            "usage": usage(prompt_tokens, generated_tokens),
         }
 
-    stream = _stream_shape(body, jobs, echoes, tokenizer) if body.stream else None
+    stream = shape.stream(jobs) if body.stream else None
     return await respond(state, jobs, request_id, stream, complete)
 
 
-def _stream_shape(
-    body: CompletionRequest, jobs: list[Job], echoes: list[str], tokenizer: Tokenizer
-) -> StreamShape:
-    offsets = [len(e) for e in echoes]
+@dataclass
+class _Shape:
+    """How one request's outputs become choices: echo, logprobs, prompt logprobs."""
 
-    def chunks(index: int, out: RequestOutput) -> list[dict[str, Any]]:
+    body: CompletionRequest
+    names: TokenNames
+    score_prompt: bool
+    echo_only: bool
+    echoes: list[str] = field(default_factory=list)
+
+    def _entries(
+        self, out: RequestOutput, generated_part: list[TokenLogprobs], with_prompt: bool
+    ) -> list[tuple[int, TokenLogprobs | None]]:
+        entries: list[tuple[int, TokenLogprobs | None]] = []
+        if with_prompt:
+            entries += zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=True)
+        if not self.echo_only:
+            entries += generated(generated_part)
+        return entries
+
+    def choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
+        echo = self.echoes[index]
         logprobs = None
-        if body.logprobs is not None and out.new_logprobs:
-            logprobs = legacy_logprobs(tokenizer, out.new_logprobs, offsets[index])
-        offsets[index] += len(out.delta_text)
-        if not (out.delta_text or logprobs is not None or out.finished):
-            return []
-        choice: dict[str, Any] = {
+        if self.body.logprobs is not None:
+            entries = self._entries(out, out.logprobs or [], self.score_prompt)
+            logprobs = legacy_logprobs(self.names, entries, 0 if self.score_prompt else len(echo))
+        choice = {
             "index": index,
-            "text": out.delta_text,
+            "text": echo + ("" if self.echo_only else out.text),
             "logprobs": logprobs,
-            "finish_reason": out.finish_reason if out.finished else None,
+            "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason,
         }
-        if out.finished:
-            choice["stop_reason"] = out.stop_reason
-        return [choice]
+        if self.body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(
+                self.names.tokenizer, out.prompt_logprobs or []
+            )
+        return choice
 
-    opening = [
-        {"index": job.index, "text": echo, "logprobs": None, "finish_reason": None}
-        for job, echo in zip(jobs, echoes, strict=True)
-        if echo
-    ]
-    return StreamShape(
-        obj="text_completion",
-        opening=opening,
-        chunks=chunks,
-        prompt_of=lambda index: index // body.n,
-        include_usage=body.stream_options is not None and body.stream_options.include_usage,
-    )
+    def stream(self, jobs: list[Job]) -> StreamShape:
+        # Where the next token's text starts, counted in token texts as the final body does.
+        offsets = [0 if self.score_prompt else len(e) for e in self.echoes]
+        started: set[int] = set()
+
+        def chunks(index: int, out: RequestOutput) -> list[dict[str, Any]]:
+            text = "" if self.echo_only else out.delta_text
+            first = self.score_prompt and index not in started
+            if first:
+                # The echo waits for the prompt's logprobs, which come with the first output.
+                started.add(index)
+                text = self.echoes[index] + text
+            logprobs = None
+            entries = self._entries(out, out.new_logprobs, with_prompt=first)
+            if self.body.logprobs is not None and entries:
+                logprobs = legacy_logprobs(self.names, entries, offsets[index])
+                offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+            if not (text or logprobs is not None or out.finished):
+                return []
+            choice: dict[str, Any] = {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": out.finish_reason if out.finished else None,
+            }
+            if out.finished:
+                choice["stop_reason"] = out.stop_reason
+            return [choice]
+
+        opening = [
+            {"index": job.index, "text": echo, "logprobs": None, "finish_reason": None}
+            for job, echo in zip(jobs, self.echoes, strict=True)
+            if echo and not self.score_prompt
+        ]
+        body = self.body
+        return StreamShape(
+            obj="text_completion",
+            opening=opening,
+            chunks=chunks,
+            prompt_of=lambda index: index // body.n,
+            include_usage=body.stream_options is not None and body.stream_options.include_usage,
+        )

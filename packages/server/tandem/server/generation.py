@@ -11,12 +11,19 @@ from dataclasses import dataclass
 from tandem.core import RequestOutput, SamplingParams
 from tandem.core.llm.engine import Prompt
 from tandem.core.llm.engine_loop import RequestStream
+from tandem.core.llm.structured_output_spec import StructuredOutputSpec
+from tandem.server.errors import ApiError
 from tandem.server.protocol import _SamplingFields
 from tandem.server.state import ServerState
 
 
 def sampling_params(
-    body: _SamplingFields, max_tokens: int, logprobs: int | None, choice: int
+    body: _SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    choice: int,
+    prompt_logprobs: int | None = None,
+    structured_output: StructuredOutputSpec | None = None,
 ) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return SamplingParams(
@@ -30,7 +37,30 @@ def sampling_params(
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        presence_penalty=float(body.presence_penalty or 0.0),
+        frequency_penalty=float(body.frequency_penalty or 0.0),
+        repetition_penalty=float(body.repetition_penalty or 1.0),
+        min_p=float(body.min_p or 0.0),
+        min_tokens=body.min_tokens,
+        logit_bias=logit_bias(body),
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        structured_output=structured_output,
     )
+
+
+def logit_bias(body: _SamplingFields) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON object keys, so strings) as ids -> bias."""
+    out: dict[int, float] = {}
+    for key, value in (body.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(
+                400, f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias"
+            ) from None
+        out[token] = float(value)
+    return out
 
 
 @dataclass

@@ -1,5 +1,7 @@
-"""OpenAI request bodies, validated with the limits OpenAI documents (plus vLLM's extensions
-top_k, stop_token_ids, ignore_eos, chat_template_kwargs)."""
+"""OpenAI request bodies, validated with the limits OpenAI documents, plus vLLM's extensions
+(top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
+include_stop_str_in_output, prompt_logprobs, structured_outputs and the older guided_*,
+chat_template_kwargs, return_tokens_as_token_ids)."""
 
 from __future__ import annotations
 
@@ -7,16 +9,41 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from tandem.core.llm.sampling_params import MAX_LOGPROBS, MAX_REPETITION_PENALTY
+
 Number = float
 
 
 class _Request(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers commonly do.
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
 class StreamOptions(_Request):
     include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(_Request):
+    name: StrictStr = Field(min_length=1, max_length=64)
+    description: StrictStr | None = None
+    # "schema" would shadow pydantic's own attribute of that name.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Request):
+    """vLLM's structured_outputs: exactly one of its constraints."""
+
+    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = Field(default=None, min_length=1)
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
 
 
 class _SamplingFields(_Request):
@@ -31,14 +58,29 @@ class _SamplingFields(_Request):
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Number = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: Number = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: Number | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Number | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: Number | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
+    min_p: Number | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: StrictInt = Field(default=0, ge=0)
+    # Token ids (as strings, as OpenAI sends them) -> bias; each checked in generation.py.
+    logit_bias: dict[str, Number] | None = None
+    include_stop_str_in_output: StrictBool = False
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    return_tokens_as_token_ids: StrictBool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = Field(default=None, min_length=1)
+    guided_grammar: StrictStr | None = None
     user: StrictStr | None = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = Field(default=16, ge=1)
+    # 0 only with echo: the prompt scored, nothing generated (what evaluation harnesses send).
+    max_tokens: StrictInt | None = Field(default=16, ge=0)
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     echo: StrictBool = False
 
@@ -48,10 +90,26 @@ class TextPart(_Request):
     text: StrictStr
 
 
+class FunctionCall(_Request):
+    name: StrictStr
+    arguments: StrictStr
+
+
+class ToolCall(_Request):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Any string here: chat.py names the message in its error (messages[i].role).
+    role: StrictStr
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+    # Sent back by clients of reasoning models; templates such as Qwen3's read it.
+    reasoning_content: StrictStr | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -61,11 +119,53 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Request):
+    name: StrictStr = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: StrictStr
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize: a prompt, or chat messages rendered by the chat template (vLLM's)."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: StrictStr | None = None
+    tokens: list[StrictInt]

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.core import AsyncEngine, EngineLoop, LLMEngine
 from tandem.server.metrics import ServerMetrics
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    """How chat requests are rendered and their outputs read: the server's flags."""
+
+    # The template text of --chat-template; None: the model's own.
+    chat_template: str | None = None
+    # --tool-call-parser / --reasoning-parser names (tool_parsers/, reasoning/).
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 @dataclass
@@ -15,6 +26,9 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
+    # Further names clients may send (vLLM's --served-model-name A B ...).
+    model_aliases: tuple[str, ...] = ()
+    chat: ChatConfig = field(default_factory=ChatConfig)
 
     @property
     def engine(self) -> LLMEngine:

@@ -8,14 +8,16 @@ import os
 from tandem.collectives.torch_distributed import TORCHRUN_ADDRESS, Rendezvous
 from tandem.core import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
 from tandem.core.config import DTYPES, ParallelConfig, PipelineConfig, RecConfig
+from tandem.core.demo.pretrained import stories260k_folder
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument(
         "--model",
-        required=True,
-        help="Hugging Face model folder (config.json, *.safetensors, tokenizer.json)",
+        default=None,
+        help="Hugging Face model folder (config.json, *.safetensors, tokenizer.json); "
+        "default: the bundled stories260k TinyStories model",
     )
     g.add_argument(
         "--dtype",
@@ -34,6 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--tensor-parallel-size",
+        "-tp",
         type=int,
         default=None,
         help="ranks over all nodes (default: every listed device of every node)",
@@ -82,6 +85,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-memory-utilization",
+        "--gpu-memory-utilization",
+        dest="max_memory_utilization",
         type=float,
         default=0.9,
         help="fraction of device memory (CPU: of --cpu-memory-gb) for weights + KV",
@@ -91,15 +96,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--enable-prefix-cache",
+        "--enable-prefix-caching",
+        dest="enable_prefix_cache",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="reuse KV blocks of identical prompt prefixes",
     )
     g.add_argument(
-        "--max-tokens-per-batch", type=int, default=2048, help="token budget of one engine step"
+        "--max-tokens-per-batch",
+        "--max-num-batched-tokens",
+        dest="max_tokens_per_batch",
+        type=int,
+        default=2048,
+        help="token budget of one engine step",
     )
     g.add_argument(
-        "--max-seqs-per-batch", type=int, default=64, help="sequence budget of one engine step"
+        "--max-seqs-per-batch",
+        "--max-num-seqs",
+        dest="max_seqs_per_batch",
+        type=int,
+        default=64,
+        help="sequence budget of one engine step",
     )
     g.add_argument(
         "--enable-chunked-prefill",
@@ -168,11 +185,16 @@ def _parallel_from_torchrun(args: argparse.Namespace) -> None:
     args.node_rank = rdzv.rank
 
 
+def model_folder(args: argparse.Namespace) -> str:
+    """The model to load: the one named, else the bundled stories260k."""
+    return str(args.model) if args.model is not None else str(stories260k_folder())
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     _parallel_from_torchrun(args)
     return EngineConfig(
         model=ModelLoadConfig(
-            model=args.model,
+            model=model_folder(args),
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             seed=args.engine_seed,

@@ -19,7 +19,7 @@ from tandem.core.executor.follower import run_follower
 from tandem.core.llm.engine import Prompt
 from tandem.core.llm.model_runner import LLMRunnerFactory
 from tandem.core.models.rec_config import is_rec_folder
-from tandem.server.cli.engine_args import add_engine_args, engine_config_from_args
+from tandem.server.cli.engine_args import add_engine_args, engine_config_from_args, model_folder
 
 
 class _AppendPrompt(argparse.Action):
@@ -73,7 +73,7 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if is_rec_folder(Path(args.model)):
+    if is_rec_folder(Path(model_folder(args))):
         print(
             f"error: {args.model} is a generative recommender, not a language model; serve it "
             "with `tandem serve --model DIR` (POST /v1/recommendations) or measure it with "

@@ -10,12 +10,13 @@ from typing import Any
 
 import uvicorn
 
-from tandem.core import EngineConfig, EngineLoop, LLMEngine
+from tandem.core import ConfigError, EngineConfig, EngineLoop, LLMEngine
 from tandem.core.executor.follower import run_follower
 from tandem.core.llm.model_runner import LLMRunnerFactory
 from tandem.core.models.rec_config import is_rec_folder
 from tandem.core.rec.service import RecService
 from tandem.server.app import create_app
+from tandem.server.cli.chat_args import add_chat_args, chat_config_from_args
 from tandem.server.cli.engine_args import add_engine_args, engine_config_from_args
 from tandem.server.metrics import ServerMetrics
 from tandem.server.rec_app import RecMetrics, RecServerState, create_rec_app
@@ -33,9 +34,18 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
         "serve", help="serve a model over an OpenAI-compatible HTTP API", parents=parents
     )
     p.add_argument(
-        "--served-model-name",
+        "model_tag",
+        nargs="?",
         default=None,
-        help="the model name clients send (default: the folder's name)",
+        metavar="MODEL",
+        help="the model folder, as `vllm serve MODEL` takes it (same as --model)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the model name(s) clients send (default: the folder's name); the first is the "
+        "one responses carry",
     )
     p.add_argument(
         "--host",
@@ -58,19 +68,57 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
         default=10.0,
         help="seconds in-flight requests get to finish on SIGINT/SIGTERM",
     )
+    add_chat_args(p)
     add_engine_args(p)
+    p.add_argument(
+        "--seed",
+        dest="engine_seed",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="same as --engine-seed (vLLM's name)",
+    )
+    vllm = p.add_argument_group(
+        "vLLM flags accepted as they are, so a vLLM launch line runs unchanged"
+    )
+    vllm.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" works whenever --tool-call-parser is set',
+    )
+    vllm.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="Tandem runs no code from model folders, so there is nothing to trust",
+    )
+    vllm.add_argument(
+        "--disable-log-requests", action="store_true", help="Tandem does not log requests"
+    )
     p.set_defaults(func=run)
 
 
+def apply_model_tag(args: argparse.Namespace) -> None:
+    """``tandem serve MODEL`` (vLLM's way) means ``--model MODEL``."""
+    if args.model_tag is None:
+        return
+    if args.model is not None and args.model != args.model_tag:
+        raise ConfigError(f"two models named: {args.model_tag} and --model {args.model}; name one")
+    args.model = args.model_tag
+
+
 def run(args: argparse.Namespace) -> int:
+    apply_model_tag(args)
     config = engine_config_from_args(args)
-    name = args.served_model_name or Path(args.model).resolve().name
-    if is_rec_folder(Path(args.model)):
+    folder = Path(config.model.model)
+    names = args.served_model_name or [folder.resolve().name]
+    name = names[0]
+    if is_rec_folder(folder):
         return _serve_rec(args, config, name)
     if config.parallel.node_rank > 0:
         # Node 0 serves HTTP; this node only lends its devices.
         run_follower(config, LLMRunnerFactory.from_folder(Path(config.model.model)))
         return 0
+    # Flags that cannot work fail before the model loads.
+    chat_config = chat_config_from_args(args)
     engine = LLMEngine(config)
     metrics = ServerMetrics(engine, name)
     loop = EngineLoop(engine, on_finished=metrics.observe_finished)
@@ -80,9 +128,11 @@ def run(args: argparse.Namespace) -> int:
         metrics=metrics,
         api_key=args.api_key,
         max_body_bytes=int(args.max_request_body_mb * (1 << 20)),
+        model_aliases=tuple(names[1:]),
+        chat=chat_config,
     )
     server = _uvicorn(create_app(state), args)
-    logger.info("serving %s as %r on http://%s:%d", args.model, name, args.host, args.port)
+    logger.info("serving %s as %r on http://%s:%d", folder, name, args.host, args.port)
     try:
         _run_server(server)
     finally:
@@ -123,8 +173,8 @@ def _serve_rec(args: argparse.Namespace, config: EngineConfig, name: str) -> int
         max_body_bytes=int(args.max_request_body_mb * (1 << 20)),
     )
     server = _uvicorn(create_rec_app(state), args)
-    logger.info("serving recommender %s as %r on http://%s:%d", args.model, name, args.host,
-                args.port)  # fmt: skip
+    logger.info("serving recommender %s as %r on http://%s:%d", config.model.model, name,
+                args.host, args.port)  # fmt: skip
     try:
         _run_server(server)
     finally:

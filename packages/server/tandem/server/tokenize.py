@@ -1,0 +1,52 @@
+"""POST /tokenize and /detokenize, as vLLM serves them: what the model reads for a prompt or
+for chat messages (through the chat template), and the text of token ids."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.server.chat import render_chat
+from tandem.server.chat_messages import template_messages
+from tandem.server.common import check_model
+from tandem.server.errors import ApiError
+from tandem.server.protocol import DetokenizeRequest, TokenizeRequest
+from tandem.server.state import ServerState
+
+
+def tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:
+    if body.model is not None:
+        check_model(state.served_model_name, body.model, state.model_aliases)
+    tokenizer = state.engine.tokenizer
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "Send either prompt or messages.", param="prompt")
+    if body.messages is not None:
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        prompt = render_chat(
+            state,
+            template_messages(body.messages),
+            body.add_generation_prompt,
+            body.chat_template_kwargs or {},
+            tools,
+        )
+        # The template writes the special tokens; add none unless asked.
+        tokens = tokenizer.encode(prompt.text, add_special_tokens=bool(body.add_special_tokens))
+    else:
+        assert body.prompt is not None
+        add = True if body.add_special_tokens is None else body.add_special_tokens
+        tokens = tokenizer.encode(body.prompt, add_special_tokens=add)
+    return {
+        "count": len(tokens),
+        "max_model_len": state.engine.max_model_len,
+        "tokens": tokens,
+        "token_strs": [tokenizer.token_text(t) for t in tokens] if body.return_token_strs else None,
+    }
+
+
+def detokenize(state: ServerState, body: DetokenizeRequest) -> dict[str, Any]:
+    if body.model is not None:
+        check_model(state.served_model_name, body.model, state.model_aliases)
+    vocab = state.engine.model_config.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise ApiError(400, f"tokens must be ids in [0, {vocab}); got {bad[:5]}.", param="tokens")
+    return {"prompt": state.engine.tokenizer.decode(body.tokens)}
