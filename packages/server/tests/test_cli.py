@@ -10,6 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from tandem.core.demo.pretrained import stories260k_folder
+from tandem.server.cli.chat_args import chat_config_from_args
+from tandem.server.cli.engine_args import engine_config_from_args
+from tandem.server.cli.main import build_parser
+from tandem.server.cli.serve import apply_model_tag
+
 
 def tandem(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -104,3 +110,47 @@ def test_bad_input_gets_a_message_not_a_traceback(
     assert result.returncode != 0
     assert expected in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_vllm_launch_line_maps_onto_the_config(tmp_path: Path) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    line = (
+        f"serve /models/qwen3 --served-model-name qwen q3 --max-model-len 8192 "
+        f"--max-num-seqs 32 --max-num-batched-tokens 4096 --gpu-memory-utilization 0.8 "
+        f"--no-enable-prefix-caching --chat-template {template} --enable-auto-tool-choice "
+        f"--tool-call-parser hermes --reasoning-parser qwen3 --trust-remote-code --seed 7 -tp 2"
+    )
+    args = build_parser().parse_args(line.split())
+    apply_model_tag(args)
+    config = engine_config_from_args(args)
+    assert config.model.model == "/models/qwen3" and args.served_model_name == ["qwen", "q3"]
+    assert (config.model.max_model_len, config.model.seed) == (8192, 7)
+    assert config.scheduler.max_seqs_per_batch == 32
+    assert config.scheduler.max_tokens_per_batch == 4096
+    assert config.cache.max_memory_utilization == 0.8
+    assert config.cache.enable_prefix_cache is False
+    assert config.parallel.tensor_parallel_size == 2
+    chat = chat_config_from_args(args)
+    assert chat.chat_template == template.read_text()
+    assert (chat.tool_call_parser, chat.reasoning_parser) == ("hermes", "qwen3")
+
+
+def test_serve_without_a_model_serves_the_bundled_one() -> None:
+    args = build_parser().parse_args(["serve", "--enable-prefix-caching"])
+    apply_model_tag(args)
+    assert engine_config_from_args(args).model.model == str(stories260k_folder())
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["/a", "--model", "/b"], "two models named"),
+        (["--chat-template", "/no/such/template.jinja"], "no such file"),
+        (["--tool-call-parser", "pythonic"], "invalid choice"),
+    ],
+)
+def test_bad_serve_flags_get_a_message(args: list[str], expected: str) -> None:
+    result = tandem("serve", *args, timeout=60)
+    assert result.returncode != 0
+    assert expected in result.stderr and "Traceback" not in result.stderr
