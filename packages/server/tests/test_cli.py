@@ -119,7 +119,8 @@ def test_a_vllm_launch_line_maps_onto_the_config(tmp_path: Path) -> None:
         f"serve /models/qwen3 --served-model-name qwen q3 --max-model-len 8192 "
         f"--max-num-seqs 32 --max-num-batched-tokens 4096 --gpu-memory-utilization 0.8 "
         f"--no-enable-prefix-caching --chat-template {template} --enable-auto-tool-choice "
-        f"--tool-call-parser hermes --reasoning-parser qwen3 --trust-remote-code --seed 7 -tp 2"
+        f"--tool-call-parser hermes --reasoning-parser qwen3 --trust-remote-code --seed 7 -tp 2 "
+        f"--dtype half"
     )
     args = build_parser().parse_args(line.split())
     apply_model_tag(args)
@@ -130,7 +131,7 @@ def test_a_vllm_launch_line_maps_onto_the_config(tmp_path: Path) -> None:
     assert config.scheduler.max_tokens_per_batch == 4096
     assert config.cache.max_memory_utilization == 0.8
     assert config.cache.enable_prefix_cache is False
-    assert config.parallel.tensor_parallel_size == 2
+    assert config.parallel.tensor_parallel_size == 2 and config.model.dtype == "float16"
     chat = chat_config_from_args(args)
     assert chat.chat_template == template.read_text()
     assert (chat.tool_call_parser, chat.reasoning_parser) == ("hermes", "qwen3")

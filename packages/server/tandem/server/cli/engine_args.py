@@ -11,6 +11,11 @@ from tandem.core.config import DTYPES, ParallelConfig, PipelineConfig, RecConfig
 from tandem.core.demo.pretrained import stories260k_folder
 
 
+def _dtype(name: str) -> str:
+    """vLLM's other names for two dtypes, as Tandem names them."""
+    return {"half": "float16", "float": "float32"}.get(name, name)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument(
@@ -21,7 +26,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--dtype",
-        choices=DTYPES,
+        choices=[*DTYPES, "half", "float"],
         default="auto",
         help="weights, activations and KV cache dtype; auto = the checkpoint's, except on "
         "CPUs: bfloat16 only where the CPU reports AMX or AVX512-BF16, else float32",
@@ -195,7 +200,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelLoadConfig(
             model=model_folder(args),
-            dtype=args.dtype,
+            dtype=_dtype(args.dtype),
             max_model_len=args.max_model_len,
             seed=args.engine_seed,
         ),
