@@ -1,8 +1,5 @@
 """Rotary embedding over the first ``rotary_dim`` dims of each head (partial rotary, as
 Qwen3.5's ``partial_rotary_factor``); the rest of the head passes through unrotated.
-
-One table serves every layer of a model, and the step's rows are looked up once per forward
-(``lookup``), not once per layer.
 """
 
 from __future__ import annotations
@@ -27,10 +24,6 @@ class PartialRotaryEmbedding(RotaryEmbedding):
             raise ValueError(f"the rotary dimension ({rotary_dim}) must be even and positive")
         super().__init__(rotary_dim, max_position, theta, scaling, dtype)
         self.rotary_dim = rotary_dim
-
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin at ``positions`` [T], each [T, 1, rotary_dim / 2]."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` [T, H, D] with rows from ``lookup``."""

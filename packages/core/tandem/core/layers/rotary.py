@@ -1,4 +1,9 @@
-"""Rotary position embedding (rotate-half layout) with the cos/sin table built once."""
+"""Rotary position embedding (rotate-half layout) with the cos/sin table built once.
+
+One table serves every layer of a model (at a real ``max_position_embeddings`` a table per
+layer would cost hundreds of MB): layers take it whole (the fused q/k-norm + rotary kernel
+indexes it by position), or the step's rows looked up once per forward (``lookup``) and
+applied per layer (``rotate``)."""
 
 from __future__ import annotations
 
@@ -78,10 +83,10 @@ class RotaryEmbedding(nn.Module):
         self.cos.copy_(freqs.cos())
         self.sin.copy_(freqs.sin())
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hk, D] at ``positions`` [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return self._kernel(q, cos, sin), self._kernel(k, cos, sin)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at ``positions`` [T], each [T, 1, head_dim / 2]."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` [T, H, D] with rows from ``lookup``."""
+        return self._kernel(x, cos, sin)

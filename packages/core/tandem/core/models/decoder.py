@@ -27,7 +27,7 @@ from tandem.core.models.model_config import ModelConfig
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig, group: ProcessGroup, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, group: ProcessGroup):
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -47,13 +47,6 @@ class DecoderAttention(nn.Module):
         )
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.rotary = RotaryEmbedding(
-            config.head_dim,
-            config.max_position_embeddings,
-            config.rope_theta,
-            config.rope_scaling,
-            dtype,
-        )
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
         )
@@ -64,8 +57,13 @@ class DecoderAttention(nn.Module):
         self._eps = config.rms_norm_eps
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        rotary: RotaryEmbedding,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """``rotary``: the model's table, shared by every layer."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -73,8 +71,7 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q_weight = self.q_norm.weight if self.q_norm is not None else None
         k_weight = self.k_norm.weight if self.k_norm is not None else None
-        cos, sin = self.rotary.cos, self.rotary.sin
-        q, k = self._qk(q, k, q_weight, k_weight, self._eps, cos, sin, positions)
+        q, k = self._qk(q, k, q_weight, k_weight, self._eps, rotary.cos, rotary.sin, positions)
         out: torch.Tensor = self.o_proj(self.attn(q, k, v, meta))
         return out
 
@@ -96,11 +93,9 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(
-        self, config: ModelConfig, group: ProcessGroup, dtype: torch.dtype, mlp: nn.Module
-    ):
+    def __init__(self, config: ModelConfig, group: ProcessGroup, mlp: nn.Module):
         super().__init__()
-        self.self_attn = DecoderAttention(config, group, dtype)
+        self.self_attn = DecoderAttention(config, group)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -110,6 +105,7 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         x: torch.Tensor,
         residual: torch.Tensor | None,
+        rotary: RotaryEmbedding,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream is carried apart from the block outputs, so each residual add
@@ -119,7 +115,7 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn(positions, h, meta)
+        h = self.self_attn(positions, h, rotary, meta)
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         out: torch.Tensor = self.mlp(h)
         return out, residual
@@ -130,9 +126,17 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
+        # One table for every layer (a table per layer costs hundreds of MB at a real
+        # max_position_embeddings).
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            dtype,
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, group, dtype, self.build_mlp(i, group))
-            for i in range(config.num_layers)
+            DecoderLayer(config, group, self.build_mlp(i, group)) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group)
@@ -156,7 +160,7 @@ class DecoderForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+            x, residual = layer(positions, x, residual, self.rotary, meta)
         if residual is None:
             out: torch.Tensor = self.norm(x)
             return out
