@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from tandem.collectives import SingleRankGroup
+from tandem.core.kv.cache_sizing import CacheSize
 from tandem.core.layers import attention as attention_module
 from tandem.core.layers import embedding, linear
 from tandem.core.layers.attention import PagedAttention
@@ -142,6 +143,7 @@ def decode_step(batch: int, context: int, block_size: int, seed: int) -> tuple[F
         query_lens=torch.ones(batch, dtype=torch.int64),
         context_lens=lens,
         block_tables=tables,
+        state_slots=torch.zeros(batch, dtype=torch.int64),
         num_decodes=batch,
         sample_indices=torch.arange(batch),
         sampling=sampling,
@@ -301,7 +303,7 @@ def main() -> None:
     for dtype in dtypes:
         model, _ = build_model(dtype, args.seed)
         runner = ModelRunner(model, torch.device("cpu"), dtype, seed=0, samples=False)
-        runner.init_kv_cache(num_blocks, args.block_size)
+        runner.init_kv_cache(CacheSize(num_blocks), args.block_size)
         with torch.no_grad():
             for k_cache, v_cache in runner.kv_caches:
                 k_cache.normal_()

@@ -14,6 +14,9 @@ class CacheConfig:
     block_size: int = 16
     # Explicit block count; None sizes the cache from the memory budget.
     num_blocks: int | None = None
+    # Explicit count of linear-attention state slots (hybrid models only); None sizes them
+    # with the KV blocks (see kv/cache_sizing.py).
+    num_state_slots: int | None = None
     max_memory_utilization: float = 0.9
     # RAM budget in GiB that CPU "devices" may use for weights plus KV cache.
     cpu_memory_gb: float = 4.0
@@ -24,6 +27,8 @@ class CacheConfig:
             raise ConfigError(f"--block-size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"--num-blocks must be >= 1, got {self.num_blocks}")
+        if self.num_state_slots is not None and self.num_state_slots < 1:
+            raise ConfigError(f"--num-state-slots must be >= 1, got {self.num_state_slots}")
         if not 0.0 < self.max_memory_utilization <= 1.0:
             raise ConfigError(
                 f"--max-memory-utilization must be in (0, 1], got {self.max_memory_utilization}"

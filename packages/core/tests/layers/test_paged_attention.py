@@ -78,6 +78,7 @@ def _step(
         query_lens=torch.tensor([n for _, n in seqs]),
         context_lens=torch.tensor(totals),
         block_tables=tables,
+        state_slots=torch.zeros(len(seqs), dtype=torch.int64),
         num_decodes=len(decode_lens),
         sample_indices=torch.zeros(0, dtype=torch.int64),
         sampling=_no_sampling(),

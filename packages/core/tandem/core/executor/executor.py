@@ -23,6 +23,11 @@ class Executor(Protocol[StepT_contra, OutT_co]):
         ...
 
     @property
+    def num_state_slots(self) -> int:
+        """Linear-attention state slots every worker has (0: the model keeps no state)."""
+        ...
+
+    @property
     def memory(self) -> MemoryFootprint:
         """What rank 0's weights and KV cache take."""
         ...

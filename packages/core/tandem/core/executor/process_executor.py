@@ -21,6 +21,7 @@ from tandem.core.config import EngineConfig
 from tandem.core.errors import ConfigError, EngineDeadError
 from tandem.core.executor.transport import ShmBroadcastWriter
 from tandem.core.executor.worker_process import STOP, WorkerSpec, worker_main
+from tandem.core.kv.cache_sizing import CacheSize
 from tandem.core.parallel.collective_choice import resolve_collectives
 from tandem.core.parallel.topology import Topology
 from tandem.core.worker.step_runner import MemoryFootprint, OutT, RunnerFactory, StepT
@@ -84,8 +85,8 @@ class ProcessExecutor(Generic[StepT, OutT]):
         except BaseException:
             self.shutdown()
             raise
-        num_blocks, memory = ready[0]
-        self._num_blocks = int(num_blocks)
+        size, memory = ready[0]
+        self._cache_size: CacheSize = size
         self._memory: MemoryFootprint = memory
         logger.info(
             "multi-process executor: ranks %d..%d of %d on %s",
@@ -133,7 +134,11 @@ class ProcessExecutor(Generic[StepT, OutT]):
 
     @property
     def num_blocks(self) -> int:
-        return self._num_blocks
+        return self._cache_size.num_blocks
+
+    @property
+    def num_state_slots(self) -> int:
+        return self._cache_size.num_state_slots
 
     @property
     def memory(self) -> MemoryFootprint:

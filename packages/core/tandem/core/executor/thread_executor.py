@@ -90,10 +90,10 @@ class ThreadExecutor(Generic[StepT, OutT]):
             threads = topology.cpu_threads_per_worker()
             self.on_all(lambda w: w.init_device(threads))
             self.on_all(lambda w: w.load_model())
-            blocks = self.on_all(lambda w: w.determine_num_blocks())
-            agreed = self.on_all(lambda w: w.agree_num_blocks(blocks[self._workers.index(w)]))
-            self._num_blocks = agreed[0]
-            self.on_all(lambda w: w.init_kv_cache(self._num_blocks))
+            sizes = self.on_all(lambda w: w.determine_cache_size())
+            agreed = self.on_all(lambda w: w.agree_cache_size(sizes[self._workers.index(w)]))
+            self._cache_size = agreed[0]
+            self.on_all(lambda w: w.init_kv_cache(self._cache_size))
             if lanes:
                 self.on_all(lambda w: w.init_lanes())
         except BaseException:
@@ -238,7 +238,11 @@ class ThreadExecutor(Generic[StepT, OutT]):
 
     @property
     def num_blocks(self) -> int:
-        return self._num_blocks
+        return self._cache_size.num_blocks
+
+    @property
+    def num_state_slots(self) -> int:
+        return self._cache_size.num_state_slots
 
     @property
     def is_leader(self) -> bool:

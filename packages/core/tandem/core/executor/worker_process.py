@@ -79,10 +79,10 @@ def _run(
     worker: Worker[Any, Any] = Worker(spec.device, group, config, runner_factory)
     worker.init_device(spec.cpu_threads)
     worker.load_model()
-    num_blocks = worker.agree_num_blocks(worker.determine_num_blocks())
-    worker.init_kv_cache(num_blocks)
+    size = worker.agree_cache_size(worker.determine_cache_size())
+    worker.init_kv_cache(size)
     if results is not None:
-        results.send(("ready", (num_blocks, worker.memory)))
+        results.send(("ready", (size, worker.memory)))
     reader = ShmBroadcastReader(spec.shm_name) if spec.shm_name is not None else None
     while True:
         step: object

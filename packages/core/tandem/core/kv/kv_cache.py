@@ -22,16 +22,11 @@ def bytes_per_block(
     return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
 
-def num_blocks_for_memory(
-    config: CacheConfig,
-    device: Device,
-    memory: MemoryInfo,
-    weight_bytes: int,
-    block_bytes: int,
-) -> int:
-    """How many blocks fit in ``max_memory_utilization`` of the device (CPU: of the budget)."""
-    if config.num_blocks is not None:
-        return config.num_blocks
+def usable_cache_bytes(
+    config: CacheConfig, device: Device, memory: MemoryInfo, weight_bytes: int
+) -> tuple[int, str]:
+    """Bytes left for caches within ``max_memory_utilization`` of the device (CPU: of the
+    budget) once the weights are in, and what to change when that is too little."""
     if device.kind == "cpu":
         usable = int(config.cpu_memory_gb * GIB * config.max_memory_utilization) - weight_bytes
         hint = "raise --cpu-memory-gb or --max-memory-utilization, or pass --num-blocks"
@@ -39,11 +34,35 @@ def num_blocks_for_memory(
         in_use = memory.total_bytes - memory.free_bytes
         usable = int(memory.total_bytes * config.max_memory_utilization) - in_use
         hint = "raise --max-memory-utilization, free device memory, or pass --num-blocks"
+    return usable, hint
+
+
+def num_blocks_for_memory(
+    config: CacheConfig,
+    device: Device,
+    memory: MemoryInfo,
+    weight_bytes: int,
+    block_bytes: int,
+    reserved_bytes: int = 0,
+) -> int:
+    """How many blocks fit in ``max_memory_utilization`` of the device (CPU: of the budget),
+    beside ``reserved_bytes`` of other caches (state slots)."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    usable, hint = usable_cache_bytes(config, device, memory, weight_bytes)
+    usable -= reserved_bytes
+    if block_bytes == 0:
+        raise ConfigError(
+            "this model has no full-attention layers, so KV blocks cost no memory and cannot "
+            "be sized from it; pass --num-blocks"
+        )
     num_blocks = usable // block_bytes
     if num_blocks < 1:
         raise ConfigError(
             f"no memory left for the KV cache on {device} (one block needs {block_bytes} bytes, "
-            f"{max(usable, 0)} bytes are free after the weights); {hint}"
+            f"{max(usable, 0)} bytes are free after the weights"
+            + (" and state slots" if reserved_bytes else "")
+            + f"); {hint}"
         )
     logger.info(
         "KV cache on %s: %d blocks of %d bytes (%.2f GiB)",

@@ -1,7 +1,8 @@
 """Turn a step's block tables and lengths into the gather indices and masks attention uses.
 
 All of it is tensor arithmetic over the whole batch, done once per step and shared by every
-layer; no per-token Python.
+layer; no per-token Python. Hybrid models' linear-attention layers get theirs (state slots,
+conv windows, chunk layout) in the same pass.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from tandem.core.layers.attention import AttentionGroup, AttentionMetadata
+from tandem.core.layers.linear_attention_metadata import build_linear_attention_metadata
 from tandem.core.llm.forward_input import ForwardInput
 
 
@@ -77,11 +79,26 @@ def _prefill_group(fi: ForwardInput, device: torch.device) -> AttentionGroup:
     )
 
 
-def build_attention_metadata(fi: ForwardInput, device: torch.device) -> AttentionMetadata:
+def build_attention_metadata(
+    fi: ForwardInput, device: torch.device, conv_kernel_size: int | None = None
+) -> AttentionMetadata:
+    """``conv_kernel_size``: for models with linear-attention layers, their conv width; the
+    metadata then also carries the step's state slots (``linear``)."""
     num_seqs = fi.query_lens.shape[0]
+    linear = None
+    if conv_kernel_size is not None:
+        linear = build_linear_attention_metadata(
+            fi.query_lens,
+            fi.context_lens,
+            fi.state_slots,
+            num_decodes=fi.num_decodes,
+            conv_kernel_size=conv_kernel_size,
+            device=device,
+        )
     return AttentionMetadata(
         slot_mapping=fi.slot_mapping.to(device),
         num_decode_tokens=fi.num_decodes,
         decode=_decode_group(fi, device) if fi.num_decodes else None,
         prefill=_prefill_group(fi, device) if num_seqs > fi.num_decodes else None,
+        linear=linear,
     )

@@ -92,6 +92,9 @@ class ForwardInput:
     query_lens: torch.Tensor  # [B] new tokens per sequence
     context_lens: torch.Tensor  # [B] tokens in cache per sequence after this step
     block_tables: torch.Tensor  # [B, max_blocks], padded with the null block
+    # [B] linear-attention state slot of each sequence (the null slot 0 for models without
+    # linear-attention layers)
+    state_slots: torch.Tensor
     num_decodes: int  # the first num_decodes sequences have exactly one new token
     sample_indices: torch.Tensor  # [S] token indices whose logits are sampled
     sampling: SamplingBatch

@@ -53,6 +53,7 @@ def build_forward_input(out: SchedulerOutput, block_size: int) -> ForwardInput:
         query_lens=qlens,
         context_lens=start_t + qlens,
         block_tables=block_tables,
+        state_slots=torch.tensor([e.seq.state_slot for e in entries], dtype=torch.int64),
         num_decodes=num_decodes,
         sample_indices=sample_indices,
         sampling=_sampling_batch(out, sample_rows),

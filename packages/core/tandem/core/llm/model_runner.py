@@ -1,5 +1,6 @@
 """The LLM's step runner: attention metadata, forward, logits, sampling, on the worker's
-device. The KV cache and the sampler live here, built once."""
+device. The KV cache, the linear-attention state pools (hybrid models) and the sampler live
+here, built once."""
 
 from __future__ import annotations
 
@@ -8,16 +9,20 @@ from pathlib import Path
 
 import torch
 
+from tandem.core.kv.cache_sizing import CacheSize
 from tandem.core.kv.kv_cache import allocate_kv_cache, bytes_per_block
+from tandem.core.layers.linear_attention_state import (
+    allocate_linear_attention_state,
+    state_bytes_per_slot,
+)
 from tandem.core.layers.weights import parameter_bytes
 from tandem.core.llm.attention_metadata import build_attention_metadata
 from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
 from tandem.core.llm.prompt_logprobs import score_prompt
 from tandem.core.llm.sampler import Sampler
-from tandem.core.models.decoder import DecoderForCausalLM
 from tandem.core.models.loader import load_model, resolve_dtype
 from tandem.core.models.model_config import ModelConfig
-from tandem.core.models.registry import model_class
+from tandem.core.models.registry import CausalLM, model_class
 from tandem.core.worker.lane_stager import LaneStager, Staged
 from tandem.core.worker.step_runner import LaneState, RunnerContext
 
@@ -25,7 +30,7 @@ from tandem.core.worker.step_runner import LaneState, RunnerContext
 class ModelRunner:
     def __init__(
         self,
-        model: DecoderForCausalLM,
+        model: CausalLM,
         device: torch.device,
         dtype: torch.dtype,
         seed: int,
@@ -37,46 +42,62 @@ class ModelRunner:
         # With tensor parallelism every rank has the full logits; only one needs to sample.
         self.sampler = Sampler(seed) if samples else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._linear_layers = model.linear_attention_layers()
+        # Every linear-attention layer of a model has the same conv width; None: no such layer.
+        self._conv_kernel_size = (
+            self._linear_layers[0].conv_kernel_size if self._linear_layers else None
+        )
 
     def weight_bytes(self) -> int:
         return parameter_bytes(self.model)
 
     def block_bytes(self, block_size: int) -> int:
         layers = self.model.attention_layers()
+        if not layers:
+            return 0
         return bytes_per_block(
             len(layers), layers[0].num_kv_heads, layers[0].head_dim, block_size, self.dtype
         )
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def state_slot_bytes(self) -> int:
+        return state_bytes_per_slot(self._linear_layers, self.dtype)
+
+    def init_kv_cache(self, size: CacheSize, block_size: int) -> None:
         layers = self.model.attention_layers()
-        first = layers[0]
-        self.kv_caches = allocate_kv_cache(
-            num_layers=len(layers),
-            num_blocks=num_blocks,
-            block_size=block_size,
-            num_kv_heads=first.num_kv_heads,
-            head_dim=first.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        if layers:
+            first = layers[0]
+            self.kv_caches = allocate_kv_cache(
+                num_layers=len(layers),
+                num_blocks=size.num_blocks,
+                block_size=block_size,
+                num_kv_heads=first.num_kv_heads,
+                head_dim=first.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
         for layer, (k, v) in zip(layers, self.kv_caches, strict=True):
             layer.bind_cache(k, v)
+        if self._linear_layers:
+            allocate_linear_attention_state(
+                self._linear_layers, size.num_state_slots, self.dtype, self.device
+            )
 
     def stage(self, fi: ForwardInput, stager: LaneStager) -> tuple[ForwardInput, Staged]:
         staged = stager.stage(
             [fi.input_ids, fi.positions, fi.slot_mapping, fi.query_lens, fi.context_lens,
-             fi.block_tables, fi.sample_indices]
+             fi.block_tables, fi.state_slots, fi.sample_indices]
         )  # fmt: skip
-        ids, positions, kv_slots, qlens, clens, tables, samples = staged.tensors
+        ids, positions, kv_slots, qlens, clens, tables, state_slots, samples = staged.tensors
         own = replace(
             fi, input_ids=ids, positions=positions, slot_mapping=kv_slots, query_lens=qlens,
-            context_lens=clens, block_tables=tables, sample_indices=samples,
+            context_lens=clens, block_tables=tables, state_slots=state_slots,
+            sample_indices=samples,
         )  # fmt: skip
         return own, staged
 
     @torch.inference_mode()
     def execute(self, fi: ForwardInput, state: LaneState | None = None) -> SamplerOutput | None:
-        meta = build_attention_metadata(fi, self.device)
+        meta = build_attention_metadata(fi, self.device, self._conv_kernel_size)
         hidden = self.model(fi.input_ids.to(self.device), fi.positions.to(self.device), meta)
         out = self._sample(hidden, fi)
         if fi.prompt_logprobs is None:
@@ -97,15 +118,15 @@ class ModelRunner:
     @torch.inference_mode()
     def prompt_logits(self, fi: ForwardInput) -> torch.Tensor:
         """Logits of every token of the step (for checks against a reference model)."""
-        meta = build_attention_metadata(fi, self.device)
+        meta = build_attention_metadata(fi, self.device, self._conv_kernel_size)
         hidden = self.model(fi.input_ids.to(self.device), fi.positions.to(self.device), meta)
         return self.model.compute_logits(hidden).float().cpu()
 
 
 @dataclass(frozen=True)
 class LLMRunnerFactory:
-    """Loads a decoder model's shard into a ``ModelRunner`` (picklable: it crosses into
-    worker processes)."""
+    """Loads a decoder model's shard (dense, MoE or hybrid) into a ``ModelRunner`` (picklable:
+    it crosses into worker processes)."""
 
     model_config: ModelConfig
 

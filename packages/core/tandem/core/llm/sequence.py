@@ -53,6 +53,8 @@ class TokenSequence:
     block_table: list[int] = field(default_factory=list)
     # Prefix-cache hash of each full block of token_ids, filled as blocks become full.
     block_hashes: list[int] = field(default_factory=list)
+    # Linear-attention state slot (hybrid models), held from admission to the end; 0 = none.
+    state_slot: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None

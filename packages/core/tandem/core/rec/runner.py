@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from tandem.core.kv.block_pool import NULL_BLOCK
+from tandem.core.kv.cache_sizing import CacheSize
 from tandem.core.kv.kv_cache import allocate_kv_cache, bytes_per_block
 from tandem.core.layers.weights import parameter_bytes
 from tandem.core.models.loader import resolve_dtype
@@ -60,12 +61,16 @@ class RecModelRunner:
             len(self.model.decoder.layers), heads, head_dim, block_size, self.dtype
         )
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def state_slot_bytes(self) -> int:
+        """None: a recommender keeps no per-sequence recurrent state."""
+        return 0
+
+    def init_kv_cache(self, size: CacheSize, block_size: int) -> None:
         heads, head_dim = self.model.cross_heads()
         self.block_size = block_size
         caches = allocate_kv_cache(
             num_layers=len(self.model.decoder.layers),
-            num_blocks=num_blocks,
+            num_blocks=size.num_blocks,
             block_size=block_size,
             num_kv_heads=heads,
             head_dim=head_dim,

@@ -18,6 +18,7 @@ import torch
 
 from tandem.collectives import ProcessGroup
 from tandem.core.config import EngineConfig
+from tandem.core.kv.cache_sizing import CacheSize
 from tandem.core.worker.lane_stager import LaneStager, Staged
 from tandem.device import Device
 
@@ -50,7 +51,14 @@ class StepRunner(Protocol[StepT, OutT_co]):
         """Bytes one KV block of ``block_size`` positions takes on this rank."""
         ...
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
+    def state_slot_bytes(self) -> int:
+        """Bytes one sequence's linear-attention state takes on this rank (0: the model keeps
+        no per-sequence state)."""
+        ...
+
+    def init_kv_cache(self, size: CacheSize, block_size: int) -> None:
+        """Allocate ``size.num_blocks`` KV blocks and ``size.num_state_slots`` state slots."""
+        ...
 
     def stage(self, step: StepT, stager: LaneStager) -> tuple[StepT, Staged | None]:
         """The step with its input tensors copied through the lane's ``stager`` (work handed
@@ -69,7 +77,8 @@ RunnerFactory = Callable[[RunnerContext], StepRunner[StepT, OutT]]
 
 @dataclass(frozen=True)
 class MemoryFootprint:
-    """What one rank's model and KV cache take, for logs, metrics and benchmarks."""
+    """What one rank's model and caches take, for logs, metrics and benchmarks."""
 
     weight_bytes: int
     kv_cache_bytes: int
+    state_cache_bytes: int = 0

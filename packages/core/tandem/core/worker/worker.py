@@ -13,7 +13,7 @@ import torch
 from tandem.collectives import ProcessGroup, ReduceOp
 from tandem.collectives.thread_bound import ThreadBoundGroup
 from tandem.core.config import EngineConfig
-from tandem.core.kv.kv_cache import num_blocks_for_memory
+from tandem.core.kv.cache_sizing import CacheCosts, CacheSize, size_cache
 from tandem.core.worker.lane import Lane
 from tandem.core.worker.lane_stager import LaneStager, Staged
 from tandem.core.worker.step_runner import (
@@ -100,33 +100,47 @@ class Worker(Generic[StepT, OutT]):
         context = RunnerContext(self.device, self._torch_device(), self.group, self.config)
         self._runner = self._factory(context)
 
-    def determine_num_blocks(self) -> int:
+    def determine_cache_size(self) -> CacheSize:
+        """KV blocks and state slots that fit this rank's memory budget beside its weights."""
         assert self.runtime is not None
         runner = self.runner
-        block_bytes = runner.block_bytes(self.config.cache.block_size)
-        self.memory = MemoryFootprint(runner.weight_bytes(), kv_cache_bytes=0)
-        return num_blocks_for_memory(
+        costs = CacheCosts(
+            weight_bytes=runner.weight_bytes(),
+            block_bytes=runner.block_bytes(self.config.cache.block_size),
+            state_slot_bytes=runner.state_slot_bytes(),
+        )
+        self.memory = MemoryFootprint(costs.weight_bytes, kv_cache_bytes=0)
+        return size_cache(
             self.config.cache,
+            self.config.scheduler.max_seqs_per_batch,
             self.device,
             self.runtime.memory_info(self.device),
-            self.memory.weight_bytes,
-            block_bytes,
+            costs,
         )
 
-    def agree_num_blocks(self, num_blocks: int) -> int:
-        """The smallest block count over all ranks, so every rank's cache holds every block."""
+    def agree_cache_size(self, size: CacheSize) -> CacheSize:
+        """The smallest counts over all ranks, so every rank's cache holds every block and
+        every slot."""
         if self.group.size == 1:
-            return num_blocks
+            return size
         # On the device: hardware collectives take device memory only.
-        value = torch.tensor([-num_blocks], dtype=torch.int64, device=self._torch_device())
+        value = torch.tensor(
+            [-size.num_blocks, -size.num_state_slots],
+            dtype=torch.int64,
+            device=self._torch_device(),
+        )
         self.group.all_reduce(value, ReduceOp.MAX)
-        return -int(value.item())
+        blocks, slots = (-int(v) for v in value.tolist())
+        return CacheSize(blocks, slots)
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def init_kv_cache(self, size: CacheSize) -> None:
         block_size = self.config.cache.block_size
-        self.runner.init_kv_cache(num_blocks, block_size)
+        runner = self.runner
+        runner.init_kv_cache(size, block_size)
         self.memory = MemoryFootprint(
-            self.runner.weight_bytes(), num_blocks * self.runner.block_bytes(block_size)
+            runner.weight_bytes(),
+            kv_cache_bytes=size.num_blocks * runner.block_bytes(block_size),
+            state_cache_bytes=size.num_state_slots * runner.state_slot_bytes(),
         )
 
     def init_lanes(self) -> None:

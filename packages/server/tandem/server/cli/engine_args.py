@@ -89,6 +89,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--num-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)"
     )
     g.add_argument(
+        "--num-state-slots",
+        type=int,
+        default=None,
+        help="linear-attention state slots of a hybrid model, one per running sequence "
+        "(default: --max-seqs-per-batch, within half of the memory left after the weights)",
+    )
+    g.add_argument(
         "--max-memory-utilization",
         "--gpu-memory-utilization",
         dest="max_memory_utilization",
@@ -207,6 +214,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(
             block_size=args.block_size,
             num_blocks=args.num_blocks,
+            num_state_slots=args.num_state_slots,
             max_memory_utilization=args.max_memory_utilization,
             cpu_memory_gb=args.cpu_memory_gb,
             enable_prefix_cache=args.enable_prefix_cache,

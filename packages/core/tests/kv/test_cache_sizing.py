@@ -1,0 +1,67 @@
+"""Splitting one rank's cache memory between state slots and KV blocks: slots for the most
+sequences that run at once, within half of the free memory; blocks from the rest; explicit
+counts win; a budget without room for one slot fails at start-up, naming the flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.core.config import CacheConfig
+from tandem.core.errors import ConfigError
+from tandem.core.kv.cache_sizing import CacheCosts, CacheSize, size_cache
+from tandem.core.kv.kv_cache import GIB
+from tandem.device import Device, MemoryInfo
+
+MEMORY = MemoryInfo(total_bytes=64 * GIB, free_bytes=60 * GIB)
+CPU = Device("cpu")
+
+
+def _size(config: CacheConfig, costs: CacheCosts, max_seqs: int = 64) -> CacheSize:
+    return size_cache(config, max_seqs, CPU, MEMORY, costs)
+
+
+def test_models_without_state_get_blocks_only() -> None:
+    costs = CacheCosts(weight_bytes=0, block_bytes=1 << 20, state_slot_bytes=0)
+    assert _size(CacheConfig(cpu_memory_gb=1.0, max_memory_utilization=1.0), costs) == CacheSize(
+        1024, 0
+    )
+
+
+def test_slots_for_every_sequence_of_a_batch_then_blocks_from_the_rest() -> None:
+    config = CacheConfig(cpu_memory_gb=1.0, max_memory_utilization=1.0)
+    costs = CacheCosts(weight_bytes=GIB // 4, block_bytes=1 << 20, state_slot_bytes=1 << 20)
+    size = _size(config, costs, max_seqs=16)
+    assert size.num_state_slots == 16
+    assert size.num_blocks == (GIB - GIB // 4 - 16 * (1 << 20)) // (1 << 20)
+
+
+def test_slots_take_at_most_half_of_the_free_memory() -> None:
+    config = CacheConfig(cpu_memory_gb=1.0, max_memory_utilization=1.0)
+    # 100 MiB per slot, 1 GiB free: 5 slots fit in half, not the 64 a batch could run.
+    costs = CacheCosts(weight_bytes=0, block_bytes=1 << 20, state_slot_bytes=100 << 20)
+    size = _size(config, costs)
+    assert size.num_state_slots == 5
+    assert size.num_blocks == (GIB - 500 * (1 << 20)) // (1 << 20)
+
+
+def test_explicit_counts_win() -> None:
+    costs = CacheCosts(weight_bytes=0, block_bytes=1 << 20, state_slot_bytes=1 << 20)
+    assert _size(CacheConfig(num_blocks=7, num_state_slots=3), costs) == CacheSize(7, 3)
+    config = CacheConfig(num_state_slots=2, cpu_memory_gb=1.0, max_memory_utilization=1.0)
+    assert _size(config, costs).num_blocks == GIB // (1 << 20) - 2
+
+
+def test_no_room_for_one_slot_fails_naming_the_flags() -> None:
+    costs = CacheCosts(weight_bytes=GIB // 2, block_bytes=1024, state_slot_bytes=GIB)
+    with pytest.raises(ConfigError, match="state slot") as failure:
+        _size(CacheConfig(cpu_memory_gb=1.0), costs)
+    assert "--cpu-memory-gb" in str(failure.value) and "--num-state-slots" in str(failure.value)
+    with pytest.raises(ConfigError, match="--num-state-slots must be >= 1"):
+        CacheConfig(num_state_slots=0)
+
+
+def test_a_model_without_full_attention_needs_an_explicit_block_count() -> None:
+    costs = CacheCosts(weight_bytes=0, block_bytes=0, state_slot_bytes=1 << 20)
+    with pytest.raises(ConfigError, match="--num-blocks"):
+        _size(CacheConfig(), costs)
+    assert _size(CacheConfig(num_blocks=9), costs) == CacheSize(9, 64)
