@@ -7,13 +7,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from reference_models import write_reference_model
 
 from tandem.core import CacheConfig, EngineConfig, LLMEngine, ModelLoadConfig, SchedulerConfig
 from tandem.core.config import ParallelConfig, PipelineConfig
 from tandem.core.demo.demo_model import tiny_spec, write_demo_model
+from tandem.core.executor.thread_executor import ThreadExecutor
+from tandem.core.kv.block_manager import BlockManager
 from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
+from tandem.core.llm.input_builder import build_forward_input
 from tandem.core.llm.model_runner import ModelRunner
+from tandem.core.llm.sampling_params import SamplingParams
+from tandem.core.llm.scheduler import ScheduledSequence, SchedulerOutput
 from tandem.core.worker.worker import Worker
 
 
@@ -44,6 +50,8 @@ def engine_config(
     model: Path,
     *,
     num_blocks: int | None = 256,
+    num_state_slots: int | None = None,
+    cpu_memory_gb: float = 4.0,
     block_size: int = 16,
     enable_prefix_cache: bool = True,
     enable_chunked_prefill: bool = True,
@@ -60,6 +68,8 @@ def engine_config(
         cache=CacheConfig(
             block_size=block_size,
             num_blocks=num_blocks,
+            num_state_slots=num_state_slots,
+            cpu_memory_gb=cpu_memory_gb,
             enable_prefix_cache=enable_prefix_cache,
         ),
         scheduler=SchedulerConfig(
@@ -102,3 +112,18 @@ def model_runner(worker: Worker[ForwardInput, SamplerOutput]) -> ModelRunner:
     runner = worker.runner
     assert isinstance(runner, ModelRunner)
     return runner
+
+
+def prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
+    """Logits at every prompt position, through the engine's real input path: one prefill
+    step of a sequence with its own KV blocks and state slot 1 (slots matter only to hybrid
+    models; this bypasses the engine's pools, so run it on an idle engine)."""
+    seq = engine.prepare_request("probe", prompt, SamplingParams(max_tokens=1))
+    manager = BlockManager(num_blocks=64, block_size=16, enable_prefix_cache=False)
+    manager.allocate(seq, len(prompt), cached=[])
+    seq.state_slot = 1
+    out = SchedulerOutput(scheduled=[ScheduledSequence(seq, len(prompt), samples=True)])
+    fi = build_forward_input(out, block_size=16)
+    executor = engine.executor
+    assert isinstance(executor, ThreadExecutor)
+    return executor.call(0, lambda worker: model_runner(worker).prompt_logits(fi))

@@ -11,13 +11,9 @@ import pytest
 import torch
 
 from tandem.core import SamplingParams
-from tandem.core.executor.thread_executor import ThreadExecutor
-from tandem.core.kv.block_manager import BlockManager
 from tandem.core.llm.engine import LLMEngine
-from tandem.core.llm.input_builder import build_forward_input
-from tandem.core.llm.scheduler import ScheduledSequence, SchedulerOutput
 
-from ..conftest import model_runner
+from ..conftest import prompt_logits
 
 CASES: dict[str, tuple[str, dict[str, Any], str | None]] = {
     # GQA, untied, head_dim != hidden / heads, rope_theta in rope_parameters (transformers 5).
@@ -37,18 +33,6 @@ CASES: dict[str, tuple[str, dict[str, Any], str | None]] = {
 PROMPTS = [[5, 17, 300, 42, 9, 100, 7], [3, 9, 27, 81, 243, 11, 33, 99, 297, 2, 6, 18, 54]]
 
 
-def _prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
-    """Logits at every prompt position, through the engine's real input path."""
-    seq = engine.prepare_request("probe", prompt, SamplingParams(max_tokens=1))
-    manager = BlockManager(num_blocks=64, block_size=16, enable_prefix_cache=False)
-    manager.allocate(seq, len(prompt), cached=[])
-    out = SchedulerOutput(scheduled=[ScheduledSequence(seq, len(prompt), samples=True)])
-    fi = build_forward_input(out, block_size=16)
-    executor = engine.executor
-    assert isinstance(executor, ThreadExecutor)
-    return executor.call(0, lambda worker: model_runner(worker).prompt_logits(fi))
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_and_greedy_match_transformers(
     case: str,
@@ -65,7 +49,7 @@ def test_logits_and_greedy_match_transformers(
     for prompt in PROMPTS:
         with torch.no_grad():
             expected = reference(torch.tensor([prompt])).logits[0].float()
-        got = _prompt_logits(engine, prompt)
+        got = prompt_logits(engine, prompt)
         assert got.shape == expected.shape
         assert (got - expected).abs().max().item() <= 1e-4
 

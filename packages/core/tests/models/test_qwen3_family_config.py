@@ -1,6 +1,7 @@
 """The family configs parse as transformers reads them: its class defaults for missing fields,
 the nested text config of composite checkpoints, the MoE layer pattern; the dense path keeps
-its ModelConfig; the engine refuses hybrid models up front, saying why."""
+its ModelConfig; the engine serves all five architectures and names them when refusing
+another."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import transformers
 from tandem.core.errors import ModelLoadError
 from tandem.core.models.model_config import ModelConfig
 from tandem.core.models.qwen3_5 import Qwen3_5ForCausalLM
-from tandem.core.models.qwen3_family_config import Qwen3FamilyConfig
+from tandem.core.models.qwen3_family_config import QWEN3_5_ARCHITECTURES, Qwen3FamilyConfig
 from tandem.core.models.qwen3_moe import Qwen3MoeForCausalLM
-from tandem.core.models.registry import causal_lm_class, model_class
+from tandem.core.models.registry import model_class
 
 
 def _parse(raw: dict[str, Any]) -> Qwen3FamilyConfig:
@@ -121,8 +122,9 @@ def test_dense_configs_stay_plain() -> None:
     assert type(ModelConfig.from_dict(raw)) is ModelConfig
 
 
-def test_the_engine_refuses_hybrid_models_up_front_the_models_package_builds_them() -> None:
-    with pytest.raises(ModelLoadError, match="state cache"):
-        model_class("Qwen3_5ForConditionalGeneration")
-    assert causal_lm_class("Qwen3_5MoeForCausalLM") is Qwen3_5ForCausalLM
+def test_the_engine_serves_every_family_architecture_and_names_the_ones_it_does_not() -> None:
+    for architecture in QWEN3_5_ARCHITECTURES:
+        assert model_class(architecture) is Qwen3_5ForCausalLM
     assert model_class("Qwen3MoeForCausalLM") is Qwen3MoeForCausalLM
+    with pytest.raises(ModelLoadError, match="Qwen3_5MoeForConditionalGeneration"):
+        model_class("Qwen3NextForCausalLM")

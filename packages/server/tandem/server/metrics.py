@@ -54,6 +54,14 @@ class ServerMetrics:
             registry=self.registry,
         )
         usage.labels(**labels).set_function(lambda: engine.stats.kv_cache_usage)
+        slots = Gauge(
+            "tandem:state_slot_usage_perc",
+            "Fraction of linear-attention state slots in use (1 = full; 0 for models without "
+            "linear attention).",
+            ["model_name"],
+            registry=self.registry,
+        )
+        slots.labels(**labels).set_function(lambda: engine.stats.state_slot_usage)
         self._prompt_tokens = Counter(
             "tandem:prompt_tokens",
             "Prompt tokens of finished requests.",

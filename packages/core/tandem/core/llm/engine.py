@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.core.config import EngineConfig
-from tandem.core.errors import EngineDeadError, InvalidRequestError
+from tandem.core.errors import ConfigError, EngineDeadError, InvalidRequestError
 from tandem.core.executor.executor import (
     Executor,
     LaneExecutor,
@@ -22,6 +22,7 @@ from tandem.core.executor.executor import (
     create_lane_executor,
 )
 from tandem.core.kv.block_manager import BlockManager
+from tandem.core.kv.state_slots import StateSlotPool
 from tandem.core.llm.forward_input import ForwardInput, PromptLogprobs, SamplerOutput
 from tandem.core.llm.input_builder import build_forward_input
 from tandem.core.llm.model_runner import LLMRunnerFactory
@@ -89,13 +90,22 @@ class LLMEngine:
             self.executor = self._lanes = create_lane_executor(config, factory)
         else:
             self.executor = create_executor(config, factory)
+        prefix_cache = config.cache.enable_prefix_cache
+        if prefix_cache and self.model_config.has_linear_attention:
+            logger.info(
+                "prefix caching is off for %s: its linear-attention layers carry a state per "
+                "sequence that cached KV blocks of a shared prefix do not restore",
+                self.model_config.architecture,
+            )
+            prefix_cache = False
         self.block_manager = BlockManager(
             num_blocks=self.executor.num_blocks,
             block_size=config.cache.block_size,
-            enable_prefix_cache=config.cache.enable_prefix_cache,
+            enable_prefix_cache=prefix_cache,
             sync=sync,
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.state_slots = self._state_slot_pool()
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.state_slots)
         self.outputs = OutputProcessor(self.tokenizer)
         self.sequences: dict[str, TokenSequence] = {}
         self._ids = itertools.count()
@@ -111,12 +121,25 @@ class LLMEngine:
         self.stats = EngineStats()
         self._publish_stats()
         logger.info(
-            "engine ready: %s, context %d, %d KV blocks of %d tokens",
+            "engine ready: %s, context %d, %d KV blocks of %d tokens, %d state slots",
             self.model_config.architecture,
             self.max_model_len,
             self.block_manager.num_blocks,
             config.cache.block_size,
+            self.state_slots.num_slots if self.state_slots is not None else 0,
         )
+
+    def _state_slot_pool(self) -> StateSlotPool | None:
+        """The linear-attention state slots of a hybrid model, as many as every worker has."""
+        if not self.model_config.has_linear_attention:
+            return None
+        num_slots = self.executor.num_state_slots
+        if num_slots < 1:
+            raise ConfigError(
+                f"{self.model_config.architecture} has linear-attention layers but the workers "
+                "allocated no state slots for them"
+            )
+        return StateSlotPool(num_slots, self._sync)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -217,9 +240,10 @@ class LLMEngine:
         if seq is None:
             return None
         in_flight = request_id in self._busy_ids()
-        self.scheduler.finish(seq, "abort", free_blocks=not in_flight)
+        self.scheduler.finish(seq, "abort", free_now=not in_flight)
         if in_flight:
-            # Its step still writes the sequence's KV blocks: free them when it completes.
+            # Its step still writes the sequence's KV blocks and state slot: free them when it
+            # completes.
             self._deferred_free.append(seq)
         out = self._finish_output(seq)
         self._publish_stats()
@@ -242,6 +266,8 @@ class LLMEngine:
             num_blocks=self.block_manager.num_blocks,
             num_free_blocks=self.block_manager.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            num_state_slots=self.state_slots.num_slots if self.state_slots is not None else 0,
+            num_free_state_slots=self.state_slots.num_free if self.state_slots is not None else 0,
         )
 
     # -- stepping -------------------------------------------------------------------------
@@ -389,6 +415,11 @@ class LLMEngine:
             f"waiting {self.scheduler.num_waiting}, in flight {len(self._in_flight)}, "
             f"free KV blocks {self.block_manager.num_free_blocks} of "
             f"{self.block_manager.num_blocks}"
+            + (
+                f", free state slots {self.state_slots.num_free} of {self.state_slots.num_slots}"
+                if self.state_slots is not None
+                else ""
+            )
         )
 
     def _busy_ids(self) -> set[str]:
@@ -402,7 +433,7 @@ class LLMEngine:
             if seq.request_id in busy:
                 keep.append(seq)
             else:
-                self.block_manager.free(seq)
+                self.scheduler.release(seq)
         self._deferred_free = keep
 
     def _process(self, sched_out: SchedulerOutput, result: SamplerOutput) -> list[RequestOutput]:

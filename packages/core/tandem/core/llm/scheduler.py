@@ -1,5 +1,9 @@
 """Continuous batching: waiting and running queues, token and sequence budgets, chunked
-prefill, preemption by recomputation. The policy decides; this class holds the state."""
+prefill, preemption by recomputation. The policy decides; this class holds the state.
+
+A running sequence holds KV blocks and, for hybrid models, one linear-attention state slot:
+both are taken at admission (a sequence waits while either is short) and given back together
+on finish, abort and preemption."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from dataclasses import dataclass, field
 
 from tandem.core.config import SchedulerConfig
 from tandem.core.kv.block_manager import BlockManager
+from tandem.core.kv.state_slots import StateSlotPool
 from tandem.core.llm.scheduling_policy import FcfsPolicy, SchedulingPolicy
 from tandem.core.llm.sequence import SequenceStatus, TokenSequence
 
@@ -46,9 +51,13 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         block_manager: BlockManager,
+        state_slots: StateSlotPool | None = None,
     ) -> None:
+        """``state_slots``: the linear-attention state slots of a hybrid model (None: the
+        model keeps no per-sequence state)."""
         self.config = config
         self.block_manager = block_manager
+        self.state_slots = state_slots
         self.policy: SchedulingPolicy = FcfsPolicy()
         self.waiting: deque[TokenSequence] = deque()
         self.running: list[TokenSequence] = []
@@ -112,6 +121,10 @@ class Scheduler:
             num_new = min(remaining, budget) if self.config.enable_chunked_prefill else remaining
             if not self.block_manager.can_allocate(seq, num_new, cached):
                 break
+            # One slot is all a sequence ever needs, and running ones give theirs back as
+            # they end: without a free one it waits, like a sequence short of blocks.
+            if self.state_slots is not None and not self.state_slots.assign(seq):
+                break
             self.waiting.popleft()
             self.block_manager.allocate(seq, num_new, cached)
             if seq.num_preemptions == 0:
@@ -172,7 +185,8 @@ class Scheduler:
     def _preempt(self, seq: TokenSequence) -> None:
         logger.info("preempting request %s (recompute later): out of KV blocks", seq.request_id)
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        # The state slot goes too: the recompute starts from a zero state, in any slot.
+        self.release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -188,19 +202,26 @@ class Scheduler:
             seq.num_computed_tokens += entry.num_new_tokens
             self.block_manager.cache_computed_blocks(seq)
 
+    def release(self, seq: TokenSequence) -> None:
+        """Give back ``seq``'s KV blocks and state slot."""
+        self.block_manager.free(seq)
+        if self.state_slots is not None:
+            self.state_slots.release(seq)
+
     def finish(
-        self, seq: TokenSequence, reason: str, error: str | None = None, free_blocks: bool = True
+        self, seq: TokenSequence, reason: str, error: str | None = None, free_now: bool = True
     ) -> None:
-        """Take ``seq`` out of the queues, free its blocks (unless a step still in flight
-        writes them: the caller frees them when it completes) and mark it finished."""
+        """Take ``seq`` out of the queues, free its blocks and state slot (unless a step
+        still in flight writes them: the caller releases them when it completes) and mark it
+        finished."""
         if seq.status is SequenceStatus.FINISHED:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if free_blocks:
-            self.block_manager.free(seq)
+        if free_now:
+            self.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error

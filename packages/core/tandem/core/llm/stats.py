@@ -17,8 +17,18 @@ class EngineStats:
     num_free_blocks: int = 0
     # Preemptions since start (each one recomputes a sequence later).
     num_preemptions: int = 0
+    # Linear-attention state slots (hybrid models; 0 for the others).
+    num_state_slots: int = 0
+    num_free_state_slots: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
         """Fraction of KV blocks in use (1 = full)."""
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def state_slot_usage(self) -> float:
+        """Fraction of linear-attention state slots in use (1 = full; 0 without any)."""
+        return (
+            1.0 - self.num_free_state_slots / self.num_state_slots if self.num_state_slots else 0.0
+        )

@@ -17,9 +17,8 @@ from tqdm import tqdm
 from tandem.collectives import ProcessGroup
 from tandem.core.errors import ModelLoadError
 from tandem.core.layers.weights import LazyTensor
-from tandem.core.models.decoder import DecoderForCausalLM
 from tandem.core.models.model_config import ModelConfig
-from tandem.core.models.registry import CausalLM, causal_lm_class, model_class
+from tandem.core.models.registry import CausalLM, model_class
 from tandem.device.cpu import cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -134,22 +133,9 @@ def load_model(
     group: ProcessGroup,
     dtype: torch.dtype,
     device: torch.device,
-) -> DecoderForCausalLM:
-    """The model the engine serves (dense and MoE decoders; paged KV cache only)."""
-    model = _load(model_class(config.architecture), folder, config, group, dtype, device)
-    assert isinstance(model, DecoderForCausalLM)
-    return model
-
-
-def load_causal_lm(
-    folder: Path,
-    config: ModelConfig,
-    group: ProcessGroup,
-    dtype: torch.dtype,
-    device: torch.device,
 ) -> CausalLM:
-    """Any model of the models package, hybrid (linear-attention) ones included."""
-    return _load(causal_lm_class(config.architecture), folder, config, group, dtype, device)
+    """The model the engine serves: dense, MoE or hybrid (linear-attention) decoders."""
+    return _load(model_class(config.architecture), folder, config, group, dtype, device)
 
 
 def _load(

@@ -36,6 +36,11 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
+    @property
+    def has_linear_attention(self) -> bool:
+        """Whether some layers keep a per-sequence state (hybrid models override this)."""
+        return False
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         archs = raw.get("architectures") or []

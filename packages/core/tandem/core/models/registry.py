@@ -8,29 +8,22 @@ from tandem.core.models.qwen3_5 import Qwen3_5ForCausalLM
 from tandem.core.models.qwen3_family_config import QWEN3_5_ARCHITECTURES
 from tandem.core.models.qwen3_moe import Qwen3MoeForCausalLM
 
+# Dense and MoE decoders (paged KV cache only), and hybrid ones whose linear-attention layers
+# also keep a per-sequence state slot (``linear_attention_layers()`` is empty for the others).
 CausalLM = DecoderForCausalLM | Qwen3_5ForCausalLM
 
-SUPPORTED_ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
+SUPPORTED_ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": DecoderForCausalLM,
     "Qwen2ForCausalLM": DecoderForCausalLM,
     "Qwen3ForCausalLM": DecoderForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-}
-
-# Hybrid models (linear-attention layers): the models load and run, driven with state slots
-# (see models/qwen3_5.py), but the engine does not allocate state slots yet.
-HYBRID_ARCHITECTURES: dict[str, type[Qwen3_5ForCausalLM]] = {
-    name: Qwen3_5ForCausalLM for name in QWEN3_5_ARCHITECTURES
+    # The ``*ForConditionalGeneration`` ones: their text model (the vision tower is skipped).
+    **{name: Qwen3_5ForCausalLM for name in QWEN3_5_ARCHITECTURES},
 }
 
 
-def model_class(architecture: str) -> type[DecoderForCausalLM]:
+def model_class(architecture: str) -> type[CausalLM]:
     """The class the engine serves ``architecture`` with."""
-    if architecture in HYBRID_ARCHITECTURES:
-        raise ModelLoadError(
-            f"architecture {architecture!r} has linear-attention layers, whose per-sequence "
-            "state cache the engine does not allocate yet; it cannot be served"
-        )
     cls = SUPPORTED_ARCHITECTURES.get(architecture)
     if cls is None:
         raise ModelLoadError(
@@ -38,9 +31,3 @@ def model_class(architecture: str) -> type[DecoderForCausalLM]:
             + ", ".join(sorted(SUPPORTED_ARCHITECTURES))
         )
     return cls
-
-
-def causal_lm_class(architecture: str) -> type[CausalLM]:
-    """The class of any architecture the models package implements, hybrid ones included."""
-    hybrid = HYBRID_ARCHITECTURES.get(architecture)
-    return hybrid if hybrid is not None else model_class(architecture)
