@@ -258,6 +258,46 @@ CASES: list[tuple[str, str, str, Any, int, str | None]] = [
         400,
         "messages",
     ),
+    (
+        "chat image content",
+        "POST",
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is this?"},
+                        {
+                            "type": "image_url",
+                            "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="},
+                        },
+                    ],
+                }
+            ],
+        },
+        400,
+        "messages[0].content",
+    ),
+    (
+        "chat video content",
+        "POST",
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "video_url", "video_url": {"url": "https://example.com/clip.mp4"}},
+                    ],
+                }
+            ],
+        },
+        400,
+        "messages[0].content",
+    ),
     ("unknown route", "GET", "/v1/engines", None, 404, None),
     ("wrong method", "GET", "/v1/completions", None, 405, None),
     ("oversize body", "POST", "/v1/completions", {**GOOD, "prompt": "x" * (9 << 20)}, 413, None),
@@ -290,6 +330,9 @@ def test_bad_request(
             assert error["param"] == param
         if status == 404 and path.endswith("completions"):
             assert error["code"] == "model_not_found"
+        if isinstance(body, dict) and "_url" in json.dumps(body.get("messages", "")):
+            assert error["code"] == "unsupported_content_type"
+            assert "text only" in error["message"], error["message"]
         # The server is still fine.
         good = client.post(f"{server.base_url}/v1/completions", json=GOOD)
         assert good.status_code == 200, good.text

@@ -23,6 +23,17 @@ def _message(where: str, m: ChatMessage) -> dict[str, Any]:
             f"Invalid value for '{where}.role': {m.role!r}; expected one of {', '.join(ROLES)}.",
             param=f"{where}.role",
         )
+    media = m.media_types()
+    if media:
+        # Every model here is served for text (a *ForConditionalGeneration checkpoint's
+        # vision tower is not loaded); dropping the part would answer another question.
+        raise ApiError(
+            400,
+            f"{where}.content has {media[0]} content, but this server serves text only (no "
+            "image, video or audio input); send text content parts only.",
+            param=f"{where}.content",
+            code="unsupported_content_type",
+        )
     if m.content is None and not (m.role == "assistant" and m.tool_calls):
         needs = " (or tool_calls)" if m.role == "assistant" else ""
         raise ApiError(

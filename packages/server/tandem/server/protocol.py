@@ -5,7 +5,7 @@ chat_template_kwargs, return_tokens_as_token_ids)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
@@ -101,22 +101,41 @@ class ToolCall(_Request):
     function: FunctionCall
 
 
+class MediaPart(_Request):
+    """Image, video, audio or file content (OpenAI's and vLLM's part types), parsed only so
+    that it can be refused with a clear message: the models are served for text."""
+
+    type: Literal[
+        "image_url", "input_image", "image", "video_url", "video", "input_audio", "audio_url",
+        "file",
+    ]  # fmt: skip
+
+
+ContentPart = Annotated[TextPart | MediaPart, Field(discriminator="type")]
+
+
 class ChatMessage(_Request):
     # Any string here: chat.py names the message in its error (messages[i].role).
     role: StrictStr
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: StrictStr | None = None
     # Sent back by clients of reasoning models; templates such as Qwen3's read it.
     reasoning_content: StrictStr | None = None
 
+    def media_types(self) -> list[str]:
+        """The non-text part types of this message's content, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.type for part in self.content if isinstance(part, MediaPart)]
+
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
 
 class FunctionDefinition(_Request):
