@@ -29,6 +29,15 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_demo_model(tmp_path_factory.mktemp("demo"), tiny_spec())
 
 
+@pytest.fixture(scope="session")
+def hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3.5 hybrid (a Gated DeltaNet layer, then a gated full-attention layer) with
+    the demo tokenizer: the engine gives each of its sequences a state slot."""
+    folder = tmp_path_factory.mktemp("hybrid")
+    write_reference_model(folder, "Qwen3_5ForCausalLM")
+    return folder
+
+
 HfFactory = Callable[..., tuple[Path, Any]]
 
 

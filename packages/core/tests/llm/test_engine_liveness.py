@@ -1,5 +1,7 @@
 """The engine always makes progress: under KV pressure with several steps in flight, with
-random mixes of pool sizes, lengths, widths and aborts, and never by spinning in place.
+random mixes of pool sizes, lengths, widths and aborts, and never by spinning in place; for
+hybrid models also when state slots, not blocks, are what runs out (requests wait for a slot
+at admission, and running ones give theirs back as they end or are preempted).
 
 The livelock these tests hold: with ``--max-concurrency`` above 1, once every running
 sequence had exactly one token to compute and none had room for its next block, only the
@@ -55,22 +57,28 @@ def _serve(engine: LLMEngine, deadline_s: float) -> dict[str, RequestOutput]:
     return finished
 
 
+@pytest.mark.parametrize("model", ["demo", "hybrid"])
 def test_lanes_under_kv_pressure_finish_like_one_step_at_a_time(
-    demo_dir: Path, make_engine: EngineFactory
+    model: str, demo_dir: Path, hybrid_dir: Path, make_engine: EngineFactory
 ) -> None:
-    reference_engine = make_engine(demo_dir, num_blocks=64)
+    folder = demo_dir if model == "demo" else hybrid_dir
+    reference_engine = make_engine(folder, num_blocks=64)
     reference = _serve(reference_engine, deadline_s=120)
     assert reference_engine.scheduler.num_preemptions > 0, "the pool must be under pressure"
     for width in (2, 3):
-        engine = make_engine(
-            demo_dir, num_blocks=64, pipeline=PipelineConfig(max_concurrency=width)
-        )
+        engine = make_engine(folder, num_blocks=64, pipeline=PipelineConfig(max_concurrency=width))
         outs = _serve(engine, deadline_s=120)
         assert engine.scheduler.num_preemptions > 0, f"width {width}: nothing was preempted"
         for rid, out in outs.items():
             assert out.finish_reason == "length", f"width {width}, {rid}: {out.error}"
             assert out.token_ids == reference[rid].token_ids, f"width {width}, {rid}"
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        _assert_all_returned(engine)
+
+
+def _assert_all_returned(engine: LLMEngine) -> None:
+    stats = engine.stats
+    assert stats.num_free_blocks == stats.num_blocks
+    assert stats.num_free_state_slots == stats.num_state_slots
 
 
 def _run_bounded(engine: LLMEngine, rng: random.Random, params: list[SamplingParams]) -> int:
@@ -100,7 +108,10 @@ def _run_bounded(engine: LLMEngine, rng: random.Random, params: list[SamplingPar
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_random_mixes_always_finish(seed: int, demo_dir: Path, make_engine: EngineFactory) -> None:
+@pytest.mark.parametrize("model", ["demo", "hybrid"])
+def test_random_mixes_always_finish(
+    model: str, seed: int, demo_dir: Path, hybrid_dir: Path, make_engine: EngineFactory
+) -> None:
     rng = random.Random(seed)
     width = rng.randint(1, 4)
     block_size = rng.choice([4, 8, 16])
@@ -112,16 +123,19 @@ def test_random_mixes_always_finish(seed: int, demo_dir: Path, make_engine: Engi
     # Small enough to force preemption, large enough for the longest request alone.
     longest = 90 + max(p.max_tokens for p in params)
     num_blocks = -(-longest // block_size) + rng.randint(0, 6)
+    # Hybrid: as few as one state slot, so that admissions wait for slots, not blocks.
+    slots = rng.choice([1, 2, 3, None]) if model == "hybrid" else None
     engine = make_engine(
-        demo_dir,
+        demo_dir if model == "demo" else hybrid_dir,
         num_blocks=num_blocks,
+        num_state_slots=slots,
         block_size=block_size,
         enable_prefix_cache=rng.random() < 0.5,
         max_tokens_per_batch=rng.choice([32, 64, 2048]),
         pipeline=PipelineConfig(max_concurrency=width),
     )
     _run_bounded(engine, rng, params)
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    _assert_all_returned(engine)
 
 
 class _StuckScheduler:
