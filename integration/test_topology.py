@@ -1,5 +1,8 @@
 """Greedy token ids are byte-identical across topologies: TP=1; TP=2 in one process; TP=2 as
-one process per device; TP=4 as 2 nodes x 2 devices, one process per node, on loopback."""
+one process per device; TP=4 as 2 nodes x 2 devices, one process per node, on loopback. For
+dense models, a Qwen3.5 hybrid (state slots, linear-attention heads and conv channels split)
+and a Qwen3-MoE model (experts' intermediate split), the latter two with prompts prefilled
+in chunks of 8 tokens beside decodes."""
 
 from __future__ import annotations
 
@@ -25,7 +28,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     write_reference_model(root / "llama", "LlamaForCausalLM", num_key_value_heads=1)
     # q/k norm, head_dim apart from hidden/heads, 2 KV heads: split at TP=2, replicated at 4.
     write_reference_model(root / "qwen3", "Qwen3ForCausalLM", head_dim=32)
-    found = {"llama": root / "llama", "qwen3": root / "qwen3"}
+    # Linear-attention heads split over up to 4 ranks, 2 KV heads replicated at 4.
+    write_reference_model(
+        root / "qwen3_5", "Qwen3_5ForCausalLM", linear_num_key_heads=4, linear_num_value_heads=8
+    )
+    # Top-2 of 8 experts, the experts' intermediate split 4 ways.
+    write_reference_model(root / "qwen3_moe", "Qwen3MoeForCausalLM", head_dim=16)
+    found = {name: root / name for name in ("llama", "qwen3", "qwen3_5", "qwen3_moe")}
     if (STORIES / "model.safetensors").is_file():
         found["stories260k"] = STORIES
     return found
@@ -34,15 +43,19 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 TOPOLOGIES = ["tp2-single-process", "tp2-multi-process", "tp4-2nodes-single-process"]
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen3", "stories260k"])
+# Small steps for the family models: every prompt spans chunks, mixed with others' decodes.
+CHUNKED = ("--max-tokens-per-batch", "8")
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3", "stories260k", "qwen3_5", "qwen3_moe"])
 def test_greedy_tokens_identical_across_topologies(models: dict[str, Path], model: str) -> None:
     if model not in models:
         pytest.skip(f"{STORIES} is not present")
-    reference = generate_token_ids(models[model], "tp1", NEW_TOKENS).token_ids
+    extra = CHUNKED if model.startswith("qwen3_") else ()
+    reference = generate_token_ids(models[model], "tp1", NEW_TOKENS, extra).token_ids
     for topology in TOPOLOGIES:
-        assert generate_token_ids(models[model], topology, NEW_TOKENS).token_ids == reference, (
-            topology
-        )
+        tokens = generate_token_ids(models[model], topology, NEW_TOKENS, extra).token_ids
+        assert tokens == reference, topology
 
 
 def test_torchrun_environment_names_the_nodes(models: dict[str, Path]) -> None:
