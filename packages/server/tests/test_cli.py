@@ -91,6 +91,30 @@ def test_generate_json_contract(demo: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("kind", "architecture"),
+    [("qwen3_5", "Qwen3_5ForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM")],
+)
+def test_family_demo_models_are_written_and_served(
+    kind: str, architecture: str, tmp_path: Path
+) -> None:
+    folder = tmp_path / kind
+    made = tandem("make-demo-model", "--kind", kind, str(folder))
+    assert made.returncode == 0, made.stderr
+    assert json.loads((folder / "config.json").read_text())["architectures"] == [architecture]
+    result = tandem("generate", "--model", str(folder), "--prompt", "hello world", "--json",
+                    "--max-tokens", "5", "--ignore-eos", "--max-tokens-per-batch", "4",
+                    "--num-blocks", "64")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout)["token_ids"]) == 5
+
+
+def test_an_unknown_preset_of_a_kind_is_refused(tmp_path: Path) -> None:
+    result = tandem("make-demo-model", "--kind", "rec", "--preset", "bench", str(tmp_path / "x"))
+    assert result.returncode == 2
+    assert "--kind rec has the presets demo, not 'bench'" in result.stderr
+
+
+@pytest.mark.parametrize(
     ("args", "expected"),
     [
         (["--model", "/nonexistent/model", "--prompt", "x"], "does not exist"),

@@ -221,7 +221,7 @@ def demo_corpus(seed: int, num_lines: int = 4000, pseudo_words: int = 0) -> list
     return lines
 
 
-def train_tokenizer(spec: DemoModelSpec) -> str:
+def train_tokenizer(vocab_size: int, seed: int) -> str:
     """A byte-level BPE tokenizer (the tokenizer.json text) trained on the demo corpus."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -229,17 +229,52 @@ def train_tokenizer(spec: DemoModelSpec) -> str:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=spec.vocab_size,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     # Only vocabularies larger than the English-like lines give get made-up words, so the
     # default demo model keeps its bytes.
-    extra = 0 if spec.vocab_size <= 2048 else 8 * spec.vocab_size
-    tokenizer.train_from_iterator(demo_corpus(spec.seed, pseudo_words=extra), trainer=trainer)
+    extra = 0 if vocab_size <= 2048 else 8 * vocab_size
+    tokenizer.train_from_iterator(demo_corpus(seed, pseudo_words=extra), trainer=trainer)
     text: str = tokenizer.to_str(pretty=True)
     return text
+
+
+@dataclass(frozen=True)
+class DemoTokens:
+    """What a demo model's config needs to know of its tokenizer."""
+
+    vocab_size: int
+    bos_token_id: int
+    eos_token_id: int
+
+
+def write_tokenizer(
+    out: Path, vocab_size: int, max_position_embeddings: int, seed: int
+) -> DemoTokens:
+    """The demo tokenizer (trained BPE, ChatML template) and generation_config.json in
+    ``out``: every demo model's text side."""
+    logger.info("training the demo tokenizer (%d tokens)", vocab_size)
+    tokenizer_json = train_tokenizer(vocab_size, seed)
+    vocab = len(json.loads(tokenizer_json)["model"]["vocab"])
+    ids = {t["content"]: t["id"] for t in json.loads(tokenizer_json)["added_tokens"]}
+    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    generation = {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]]}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    return DemoTokens(vocab, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
 
 
 def _weights(spec: DemoModelSpec, vocab: int) -> dict[str, torch.Tensor]:
@@ -270,15 +305,11 @@ def write_demo_model(folder: str | Path, spec: DemoModelSpec | None = None) -> P
     spec = spec or DemoModelSpec()
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    logger.info("training the demo tokenizer (%d tokens)", spec.vocab_size)
-    tokenizer_json = train_tokenizer(spec)
-    vocab = len(json.loads(tokenizer_json)["model"]["vocab"])
-    ids = {t["content"]: t["id"] for t in json.loads(tokenizer_json)["added_tokens"]}
-    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    tokens = write_tokenizer(out, spec.vocab_size, spec.max_position_embeddings, spec.seed)
     config = {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
-        "vocab_size": vocab,
+        "vocab_size": tokens.vocab_size,
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,
         "num_hidden_layers": spec.num_layers,
@@ -291,27 +322,14 @@ def write_demo_model(folder: str | Path, spec: DemoModelSpec | None = None) -> P
         "rope_theta": 1000000.0,
         "tie_word_embeddings": True,
         "attention_bias": False,
-        "bos_token_id": ids["<|endoftext|>"],
-        "eos_token_id": ids["<|im_end|>"],
+        "bos_token_id": tokens.bos_token_id,
+        "eos_token_id": tokens.eos_token_id,
         "dtype": spec.dtype,
         "tandem_demo_spec": asdict(spec),
     }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    generation = {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]]}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "model_max_length": spec.max_position_embeddings,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     dtype = getattr(torch, spec.dtype)
-    weights = {name: w.to(dtype) for name, w in _weights(spec, vocab).items()}
+    weights = {name: w.to(dtype) for name, w in _weights(spec, tokens.vocab_size).items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     logger.info("wrote the demo model to %s", out)
     return out
