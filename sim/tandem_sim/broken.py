@@ -12,6 +12,7 @@ from tandem.core.worker.lane_stager import LaneStager
 from tandem.device.kernel_registry import KernelKey
 from tandem.device.scratch_allocator import ScratchBlock
 from tandem.device.sync import Sync
+from tandem_sim.fake_runtime import RuntimeFault
 
 
 @dataclass
@@ -21,7 +22,9 @@ class _Entry:
 
 class UnsynchronizedRegistry:
     """The seed's KernelRegistry: find, emplace (ignoring that another thread already did),
-    register, and on failure erase the shared entry, leaving the winner's users a null stub."""
+    register, and on failure erase the shared entry, leaving the winner's users a null stub.
+    A thread that finds an entry still being registered reads its null stub and fails as the
+    seed's launch through it did."""
 
     def __init__(self, sync: Sync) -> None:
         self._sync = sync
@@ -40,6 +43,8 @@ class UnsynchronizedRegistry:
                 entry.stub = None
                 raise
         self._sync.yield_point("read stub")
+        if entry.stub is None:
+            raise RuntimeFault(f"Kernel stub is null: {key.kernel}@{key.device}")
         return entry.stub
 
 

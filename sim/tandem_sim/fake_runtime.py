@@ -1,6 +1,7 @@
 """A fake device runtime with the NPU's sharp edges, for the simulator's scenarios: a second
-registration of one function on one device fails with 507028, and a launch through a missing
-stub fails as "Kernel stub is null"."""
+registration of one function on one device fails with 507028, a launch through a missing
+stub fails as "Kernel stub is null", and (optionally) a kernel's first load takes time, as
+a JIT compile does."""
 
 from __future__ import annotations
 
@@ -31,8 +32,12 @@ class FakeNpuRuntime:
 
     kind = "npu"
 
-    def __init__(self, sync: Sync) -> None:
+    def __init__(self, sync: Sync, compile_s: float = 0.0) -> None:
+        """``compile_s``: virtual seconds a kernel's first load spends compiling before it
+        registers (triton kernels are compiled on first use, in seconds on an NPU): the
+        thread is away that long, and others run meanwhile."""
         self._sync = sync
+        self.compile_s = compile_s
         self.registered: dict[tuple[str, int], str] = {}
         self.registrations = 0
         self._context: dict[int, int] = {}
@@ -107,6 +112,7 @@ class FakeNpuRuntime:
     def load_kernel(
         self, name: str, impl: Callable[..., Any], device: Device
     ) -> Callable[..., Any]:
+        self._compile()
         stub = self.register_function(name, device.index)
 
         def launch_then_run(*args: Any) -> Any:
@@ -115,6 +121,16 @@ class FakeNpuRuntime:
             return impl(*args)
 
         return launch_then_run
+
+    def _compile(self) -> None:
+        if self.compile_s <= 0:
+            return
+        done = self._sync.condition()
+        deadline = self._sync.monotonic() + self.compile_s
+        with done:
+            # Nobody notifies: only the clock ends the wait.
+            while self._sync.monotonic() < deadline:
+                done.wait(deadline - self._sync.monotonic())
 
     def launch(self, stub: str | None) -> None:
         self._sync.yield_point("rtKernelLaunch")

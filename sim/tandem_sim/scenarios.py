@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache, partial
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -20,6 +21,7 @@ from tandem.core.config import (
     PipelineConfig,
 )
 from tandem.core.demo.demo_model import tiny_spec, write_demo_model
+from tandem.core.demo.family_demo_model import Qwen3_5DemoSpec, write_qwen3_5_demo_model
 from tandem.core.errors import EngineDeadError
 from tandem.core.executor.thread_executor import ThreadExecutor
 from tandem.core.kv.block_manager import BlockManager
@@ -129,6 +131,7 @@ def _executor(
     lanes: int = 1,
     share_communicator: bool = False,
     config: EngineConfig | None = None,
+    registry: KernelRegistry[Any] | None = None,
 ) -> ThreadExecutor[ForwardInput, SamplerOutput]:
     kind = "npu" if runtime is not None else "cpu"
     config = config or _config(tp, model, kind, lanes)
@@ -150,7 +153,12 @@ def _executor(
         sync=s,
         local_groups=fake_groups,
         runtime=runtime,
-        kernel_registry=KernelRegistry(s) if runtime is not None else None,
+        # Not `or`: an empty registry is falsy (it has a length).
+        kernel_registry=(
+            registry
+            if registry is not None
+            else (KernelRegistry(s) if runtime is not None else None)
+        ),
     )
 
 
@@ -340,6 +348,81 @@ def llm_lanes_kv_pressure(s: DeterministicScheduler, broken: bool) -> None:
         raise AssertionError(f"{engine.block_manager.num_free_blocks} blocks free at the end")
 
 
+@lru_cache(maxsize=1)
+def _tiny_hybrid() -> Path:
+    """A Qwen3.5 hybrid of two layers (Gated DeltaNet, then gated full attention), heads that
+    split over two ranks."""
+    spec = Qwen3_5DemoSpec(
+        hidden_size=32, intermediate_size=64, num_layers=2, full_attention_interval=2,
+        num_heads=2, num_kv_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        vocab_size=512, max_position_embeddings=128, init_std=0.2,
+    )  # fmt: skip
+    folder = Path(tempfile.mkdtemp(prefix="tandem-sim-")) / "hybrid"
+    return write_qwen3_5_demo_model(folder, spec)
+
+
+# Two first requests prefilled in one step, then decoded on two pipeline lanes at once.
+HYBRID_PROMPTS = ((5, 17, 300, 42, 9), (11, 3, 250, 8, 61, 7, 19))
+HYBRID_PARAMS = SamplingParams.greedy(max_tokens=3, ignore_eos=True)
+# Virtual seconds a kernel's first load compiles (triton-ascend: seconds on a real NPU).
+COMPILE_S = 0.01
+
+
+def _hybrid_generate(engine: LLMEngine) -> tuple[tuple[int, ...], ...]:
+    outs = engine.generate([list(p) for p in HYBRID_PROMPTS], HYBRID_PARAMS)
+    for out in outs:
+        if out.finish_reason != "length":
+            raise AssertionError(f"{out.request_id} ended with {out.error}")
+    return tuple(tuple(o.token_ids) for o in outs)
+
+
+@lru_cache(maxsize=1)
+def _hybrid_reference() -> tuple[tuple[int, ...], ...]:
+    config = EngineConfig(model=ModelLoadConfig(model=str(_tiny_hybrid())))
+    engine = LLMEngine(replace(config, cache=CacheConfig(num_blocks=16)))
+    try:
+        return _hybrid_generate(engine)
+    finally:
+        engine.shutdown()
+
+
+def hybrid_first_request(s: DeterministicScheduler, broken: bool) -> None:
+    """Seed 000's failing request on its own model family: the real engine serving a Qwen3.5
+    hybrid at TP=2 in one process on the fake NPU runtime, whose kernels compile on first
+    use. Both workers' first forward registers the linear-attention kernels (and the others)
+    at once, each for its own device; then two decode batches run on the two pipeline lanes
+    of every device, whose first decode kernels are the same keys, loaded by two lanes at
+    once. Every (kernel, device) must be registered exactly once, tokens equal TP=1's. The
+    broken variant uses the seed's registry: the second lane reads a null stub or registers
+    again (507028)."""
+    runtime = FakeNpuRuntime(s, compile_s=COMPILE_S)
+    # Duck-typed: the workers only call get(key, register).
+    registry = cast("KernelRegistry[Any]", UnsynchronizedRegistry(s) if broken else None)
+    model = _tiny_hybrid()
+    config = _config(2, model, "npu", lanes=2, cache=CacheConfig(num_blocks=16))
+    executor = _executor(s, 2, model, runtime, lanes=2, config=config, registry=registry)
+    engine = LLMEngine(config, executor=executor, sync=s)
+    try:
+        tokens = _hybrid_generate(engine)
+    finally:
+        engine.shutdown()
+    if tokens != _hybrid_reference():
+        raise AssertionError(f"TP=2 lanes sampled {tokens}, TP=1 {_hybrid_reference()}")
+    kernels = {name for name, _ in runtime.registered}
+    linear = {"causal_conv1d_prefill", "causal_conv1d_update", "chunk_gated_delta_rule",
+              "recurrent_gated_delta_rule", "rms_norm_gated"}  # fmt: skip
+    if not linear <= kernels:
+        raise AssertionError(f"linear-attention kernels never registered: {linear - kernels}")
+    if runtime.registrations != len(kernels) * 2:
+        raise AssertionError(
+            f"{runtime.registrations} registrations for {len(kernels)} kernels on 2 devices"
+        )
+    stats = engine.stats
+    if stats.num_free_state_slots != stats.num_state_slots or stats.num_state_slots == 0:
+        raise AssertionError(f"state slots not all returned: {stats}")
+
+
 def _expect(staged: Staged, value: float, what: str) -> None:
     if not torch.equal(staged.tensors[0], torch.full((4,), value)):
         raise AssertionError(f"{what}: {staged.tensors[0].tolist()} != {value}")
@@ -454,6 +537,12 @@ SCENARIOS: dict[str, ScenarioSpec] = {
         ScenarioSpec("llm_lanes_kv_pressure", partial(llm_lanes_kv_pressure, broken=False),
                      "the LLM engine, two lanes, KV pressure: every request ends, tokens as "
                      "one step at a time", broken=False),
+        ScenarioSpec("hybrid_first_request_unsynchronized", partial(hybrid_first_request,
+                     broken=True), "seed 000 on Qwen3.5: two lanes of a device load the same "
+                     "first decode kernels at once through the seed's registry", broken=True),
+        ScenarioSpec("hybrid_first_request", partial(hybrid_first_request, broken=False),
+                     "a Qwen3.5 hybrid's first requests, TP=2 and two lanes: each kernel "
+                     "registered once per device, tokens equal TP=1", broken=False),
         ScenarioSpec("stream_workspace_reuse_unrecorded", partial(stream_workspace_reuse,
                      record=False), "seed 001: scratch freed without record_stream, reused "
                      "while a stream reads it", broken=True),
