@@ -23,11 +23,14 @@ NEW_TOKENS = 32
 REGISTRATION_ERRORS = ("507028", "Kernel stub is null", "registration failed")
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("device-model")
-    write_reference_model(root / "qwen3", "Qwen3ForCausalLM", head_dim=32)
-    return root / "qwen3"
+@pytest.fixture(scope="module", params=["Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A dense Qwen3, and the seed's own family: a Qwen3.5 hybrid whose first request
+    registers the linear-attention kernels lazily on every device."""
+    architecture: str = request.param
+    folder = tmp_path_factory.mktemp("device-model") / architecture
+    write_reference_model(folder, architecture, head_dim=32)
+    return folder
 
 
 def test_tp2_single_process_and_multi_process_are_byte_identical(
