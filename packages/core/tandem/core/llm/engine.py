@@ -352,6 +352,11 @@ class LLMEngine:
         one is blocked for a block, nothing more is launched, the in-flight steps drain
         (each wait completes one), and the full path preempts. So every call launches,
         completes or preempts while requests remain, and the engine cannot spin in place.
+
+        State slots (hybrid models) change none of this: only admission takes one, and a
+        request waiting for a slot is work only the full path does. With nothing in flight
+        every slot is held by a running sequence (an aborted one's deferred slot is released
+        when its step completes), so the full path runs those, and their ends free slots.
         """
         width = self.config.pipeline.max_concurrency
         share = -(-self.scheduler.num_running // width)
