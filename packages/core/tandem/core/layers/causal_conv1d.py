@@ -33,7 +33,9 @@ def causal_conv1d_prefill(
     assert p is not None
     channels = x.shape[1]
     initial = conv_states.index_select(0, p.state_slots)  # [B, C, K - 1]
-    initial = torch.where(p.has_initial_state.view(-1, 1, 1), initial, 0).to(x.dtype)
+    if not p.all_have_initial_state:
+        initial = torch.where(p.has_initial_state.view(-1, 1, 1), initial, 0)
+    initial = initial.to(x.dtype)
     source = torch.cat((x, initial.transpose(1, 2).reshape(-1, channels)))
     wide = source.float()
     w = weight.float()
@@ -55,7 +57,9 @@ def causal_conv1d_update(
     """One new token per decode sequence: ``x`` [B, C] -> [B, C], states shifted by one."""
     slots = meta.decode_slots
     state = conv_states.index_select(0, slots)
-    state = torch.where(meta.decode_has_initial_state.view(-1, 1, 1), state, 0).to(x.dtype)
+    if not meta.decodes_have_initial_state:
+        state = torch.where(meta.decode_has_initial_state.view(-1, 1, 1), state, 0)
+    state = state.to(x.dtype)
     window = torch.cat((state, x.unsqueeze(-1)), dim=-1)  # [B, C, K]
     out = (window.float() * weight.float()).sum(-1)
     conv_states.index_copy_(0, slots, window[..., 1:].to(conv_states.dtype))

@@ -50,7 +50,8 @@ def recurrent_gated_delta_rule(
     slots = meta.decode_slots
     q, k = _prepare_qk(q, k, v.shape[1])
     state = states.index_select(0, slots).float()
-    state = torch.where(meta.decode_has_initial_state.view(-1, 1, 1, 1), state, 0.0)
+    if not meta.decodes_have_initial_state:
+        state = torch.where(meta.decode_has_initial_state.view(-1, 1, 1, 1), state, 0.0)
     state = state * g.float().exp().unsqueeze(-1).unsqueeze(-1)
     predicted = (k.unsqueeze(-2) @ state).squeeze(-2)  # [B, Hv, Dv]: what S already says
     delta = (v.float() - predicted) * beta.float().unsqueeze(-1)
@@ -108,7 +109,8 @@ def chunk_gated_delta_rule(
     chunk_decay = decay[..., -1].exp().unsqueeze(-1).unsqueeze(-1)  # [M, H, 1, 1]
 
     state = states.index_select(0, p.state_slots).float()
-    state = torch.where(p.has_initial_state.view(-1, 1, 1, 1), state, 0.0)
+    if not p.all_have_initial_state:
+        state = torch.where(p.has_initial_state.view(-1, 1, 1, 1), state, 0.0)
     out = torch.zeros_like(values)
     for i in range(p.chunk_table.shape[1]):
         ids = p.chunk_table[:, i]

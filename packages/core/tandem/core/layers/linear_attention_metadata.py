@@ -34,6 +34,9 @@ class LinearPrefillIndices:
     # Per prefill sequence (B = number of prefill sequences).
     state_slots: torch.Tensor  # [B] int64
     has_initial_state: torch.Tensor  # [B] bool
+    # Known on the host: every prefill sequence continues a state, so kernels read the slots
+    # as they are instead of selecting zeros for first chunks.
+    all_have_initial_state: bool
     # Causal conv: tap j of token t reads row conv_window_index[j, t] of
     # cat(prefill inputs [N, C], initial conv states as rows [B * (K - 1), C]).
     conv_window_index: torch.Tensor  # [K, N] int64
@@ -56,6 +59,9 @@ class LinearAttentionMetadata:
     has_initial_state: torch.Tensor  # [S] bool: False on a sequence's first chunk
     num_decodes: int  # the first num_decodes sequences (and tokens) are single-token decodes
     prefill: LinearPrefillIndices | None  # None when the step has no prefill
+    # Known on the host: every decode continues a state (always so in the engine, where a
+    # decode follows its prompt), so kernels skip selecting zeros over the decode states.
+    decodes_have_initial_state: bool
 
     @property
     def decode_slots(self) -> torch.Tensor:
@@ -103,6 +109,7 @@ def build_linear_attention_metadata(
         has_initial_state=has_initial.to(device),
         num_decodes=num_decodes,
         prefill=prefill,
+        decodes_have_initial_state=bool(has_initial[:num_decodes].all()),
     )
 
 
@@ -150,6 +157,7 @@ def _prefill_indices(
         num_tokens=num_tokens,
         state_slots=slots.to(device),
         has_initial_state=has_initial.to(device),
+        all_have_initial_state=bool(has_initial.all()),
         conv_window_index=window.to(device),
         conv_state_index=state_rows.to(device),
         chunk_size=chunk,
