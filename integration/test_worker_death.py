@@ -61,10 +61,10 @@ def test_killed_worker_fails_requests_quickly(model_dir: Path) -> None:
         assert done.wait(10), "requests still pending 10 s after the worker died"
         assert time.monotonic() - killed_at < 10
         assert {o.finish_reason for o in finished.values()} == {"error"}
-        assert all("rank1" in (o.error or "") for o in finished.values())
+        assert all("rank 1 (cpu:1)" in (o.error or "") for o in finished.values())
         assert engine.dead is not None and not loop.is_alive
         # What /health consults besides the loop: the executor knows a worker is gone.
-        with pytest.raises(EngineDeadError, match="rank1"):
+        with pytest.raises(EngineDeadError, match="rank 1"):
             executor.check_health()
     finally:
         loop.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.core.errors import EngineDeadError
 from tandem.core.kv.block_manager import BlockManager
 from tandem.core.rec.step import RecStep, RecStepOutput
 from tandem.device.sync import REAL_SYNC, Promise, Sync
@@ -86,6 +87,9 @@ class FakeEngine:
                 return promise
         promise.set_result(self._output(step))
         return promise
+
+    def timed_out(self, lane: int, timeout: float) -> EngineDeadError:
+        return EngineDeadError(f"the fake engine held lane {lane}'s step over {timeout:g} s")
 
     def _check(self, lane: int, step: RecStep) -> None:
         busy = {o.lane for o in self._open}

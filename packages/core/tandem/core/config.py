@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.core.errors import ConfigError
+from tandem.core.faults import FaultConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -46,8 +47,15 @@ class SchedulerConfig:
     # the watchdog logs its state and fails them (a safety net: a live engine never idles
     # with work it could do).
     stall_timeout_s: float = 60.0
+    # Requests that may wait for admission (queued or in the waiting queue) before new ones
+    # are refused with "overloaded" (HTTP 503, Retry-After); None = no bound.
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ConfigError(
+                f"--max-waiting-requests must be >= 1, got {self.max_waiting_requests}"
+            )
         if self.stall_timeout_s <= 0:
             raise ConfigError(f"--stall-timeout-s must be > 0, got {self.stall_timeout_s}")
         if self.max_tokens_per_batch < 1:
@@ -99,10 +107,18 @@ class ParallelConfig:
     # (torch.distributed with dist_backend), "hccl"/"nccl" (root info / unique id exchanged
     # over the CPU world group, then HcclCommInitRootInfo / ncclCommInitRank).
     process_collectives: str = "auto"
-    # Seconds a collective or a worker call may wait before it fails instead of hanging.
+    # Seconds a step, a collective or a worker call may wait before it fails instead of
+    # hanging (--step-timeout-s).
     timeout_s: float = 300.0
+    # Seconds a step may run before /health reports the engine unhealthy (it fails at
+    # timeout_s): a stopped or stuck worker shows this soon.
+    health_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ConfigError(f"--step-timeout-s must be > 0, got {self.timeout_s}")
+        if self.health_timeout_s <= 0:
+            raise ConfigError(f"--health-step-timeout-s must be > 0, got {self.health_timeout_s}")
         if self.nnodes < 1:
             raise ConfigError(f"--nnodes must be >= 1, got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -179,3 +195,5 @@ class EngineConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     rec: RecConfig = field(default_factory=RecConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    # Off unless TANDEM_FAULTS names faults (tests only).
+    faults: FaultConfig = field(default_factory=FaultConfig)

@@ -21,5 +21,19 @@ class InvalidRequestError(TandemError):
         self.param = param
 
 
-class EngineDeadError(TandemError):
+class EngineUnhealthyError(TandemError):
+    """The engine cannot serve right now (a step has run past the health deadline, a worker
+    process is stopped); /health answers 503 while it lasts."""
+
+
+class EngineDeadError(EngineUnhealthyError):
     """The engine's worker failed and can no longer serve."""
+
+
+class EngineOverloadedError(TandemError):
+    """Too much work is queued already; the caller should retry later (HTTP 503 with
+    Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -14,6 +14,7 @@ from tandem.core import (
     InvalidRequestError,
     LLMEngine,
     ModelLoadError,
+    RequestOutput,
     SamplingParams,
 )
 from tandem.core.executor.thread_executor import ThreadExecutor
@@ -116,7 +117,7 @@ def test_generation_stops_at_the_context_limit(
     assert len(prompt) + len(out.token_ids) == 16
 
 
-def test_a_failing_step_fails_its_requests_only(
+def test_a_failing_step_fails_every_request_naming_the_rank_and_the_engine_stops(
     demo_dir: Path, make_engine: Callable[..., LLMEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = make_engine(demo_dir)
@@ -137,12 +138,57 @@ def test_a_failing_step_fails_its_requests_only(
     engine.add_request("a", "hello world", SamplingParams.greedy(max_tokens=5))
     outs = engine.step()  # prefill of "a"
     engine.add_request("b", "late", SamplingParams.greedy(max_tokens=5))
-    failed = engine.step()  # the injected fault: a and b were both in this step
-    assert {(o.request_id, o.finish_reason) for o in failed} == {("a", "error"), ("b", "error")}
-    assert all("device fault injected" in (o.error or "") for o in failed)
+    engine.add_request("c", "later", SamplingParams.greedy(max_tokens=5))
+    failed = engine.step()  # the injected fault
+    assert {(o.request_id, o.finish_reason) for o in failed} == {
+        ("a", "error"),
+        ("b", "error"),
+        ("c", "error"),
+    }
+    for out in failed:
+        assert out.error is not None
+        assert "rank 0 (cpu:0) failed: RuntimeError: device fault injected" in out.error
     assert outs and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    [ok] = engine.generate(["hello again"], SamplingParams.greedy(max_tokens=3))
-    assert ok.finish_reason == "length"
+    assert engine.dead is not None and "rank 0" in engine.dead
+    with pytest.raises(EngineDeadError, match="device fault injected"):
+        engine.check_health()
+    with pytest.raises(EngineDeadError, match="device fault injected"):
+        engine.add_request("d", "x", SamplingParams())
+
+
+def test_a_request_whose_batch_part_cannot_be_built_fails_alone(
+    demo_dir: Path, make_engine: Callable[..., LLMEngine]
+) -> None:
+    """The adversarial case: a value that passed no check breaks the batch's tensors; only
+    its request fails, the others in the batch run on and the engine lives."""
+    engine = make_engine(demo_dir)
+    greedy = SamplingParams.greedy(max_tokens=4, ignore_eos=True)
+    bad = SamplingParams(max_tokens=4, temperature=1.0)
+    engine.add_request("good1", "hello world", greedy)
+    engine.add_request("bad", "hello world", bad)
+    engine.add_request("good2", "the model", greedy)
+    bad.top_k = 2**63  # past every check, as a bug would let it through
+    finished: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        finished |= {o.request_id: o for o in engine.step() if o.finished}
+    assert finished["bad"].finish_reason == "error"
+    assert "could not be batched" in (finished["bad"].error or "")
+    assert finished["good1"].finish_reason == finished["good2"].finish_reason == "length"
+    solo = make_engine(demo_dir).generate(["hello world", "the model"], greedy)
+    assert [finished["good1"].token_ids, finished["good2"].token_ids] == [o.token_ids for o in solo]
+    assert engine.dead is None
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_sampling_values_are_range_checked_to_fit_their_tensors() -> None:
+    for field, value in [
+        ("top_k", 2**63), ("top_k", -2), ("max_tokens", 2**40), ("seed", 2**64),
+        ("stop_token_ids", [2**63]), ("temperature", True), ("temperature", "0.5"),
+        ("temperature", float("nan")), ("top_p", 0.0), ("logprobs", 21),
+    ]:  # fmt: skip
+        with pytest.raises(InvalidRequestError) as err:
+            SamplingParams(**{field: value})  # type: ignore[arg-type]
+        assert err.value.param == field
 
 
 def test_a_dead_worker_fails_every_request_instead_of_hanging(

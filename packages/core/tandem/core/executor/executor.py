@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Protocol, TypeVar
 
 from tandem.core.config import EngineConfig
-from tandem.core.errors import ConfigError
+from tandem.core.errors import ConfigError, EngineDeadError
 from tandem.core.parallel.topology import Mode, Topology, resolve_topology
 from tandem.core.worker.step_runner import MemoryFootprint, OutT, RunnerFactory, StepT
 from tandem.device.sync import Promise
@@ -52,6 +52,11 @@ class LaneExecutor(Executor[StepT_contra, OutT], Protocol[StepT_contra, OutT]):
 
     def submit(self, lane: int, step: StepT_contra) -> Promise[OutT]:
         """Run one step on pipeline lane ``lane`` of every worker, without waiting."""
+        ...
+
+    def timed_out(self, lane: int, timeout: float) -> EngineDeadError:
+        """The step on ``lane`` ran past ``timeout``: release its ranks and say which ones
+        were still running."""
         ...
 
 

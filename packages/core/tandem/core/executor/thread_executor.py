@@ -19,6 +19,7 @@ from tandem.collectives import ProcessGroup, SingleRankGroup, TwoLevelGroup
 from tandem.core.config import EngineConfig
 from tandem.core.errors import ConfigError, EngineDeadError
 from tandem.core.executor.executor import check_lanes_fit
+from tandem.core.executor.rank_failure import step_failure
 from tandem.core.parallel.collective_choice import CollectiveChoice, resolve_collectives
 from tandem.core.parallel.groups import (
     NO_COMMUNICATOR,
@@ -63,6 +64,10 @@ class ThreadExecutor(Generic[StepT, OutT]):
         self._sync = sync
         self._local_groups = local_groups
         self._closed = False
+        self._timeout = config.parallel.timeout_s
+        # Per pipeline lane, every rank's promise of the step it runs (for naming the ranks
+        # of a step that times out).
+        self._lane_steps: dict[int, list[Promise[Any]]] = {}
         # Per pipeline lane (lane 0 = the worker threads'), its communicator set.
         self._comms: list[CommunicatorHandles] = []
         self._runtime = runtime
@@ -191,10 +196,14 @@ class ThreadExecutor(Generic[StepT, OutT]):
     def _group_runtime(self, kind: str) -> DeviceRuntime:
         return self._runtime if self._runtime is not None else get_runtime(kind)
 
-    def on_all(self, fn: Callable[[Worker[StepT, OutT]], T]) -> list[T]:
+    def on_all(
+        self, fn: Callable[[Worker[StepT, OutT]], T], timeout: float | None = None
+    ) -> list[T]:
         """Run ``fn`` on every worker's thread at once; results in rank order. The first
         failure aborts the communicator, so ranks blocked in a collective with the failed
-        one are released instead of waiting out the timeout."""
+        one are released instead of waiting out the timeout; past ``timeout`` seconds the
+        ranks still running are named and the communicator aborted too. With several ranks
+        the error (EngineDeadError) names the rank that caused it."""
         settled = self._sync.condition()
         promises: list[Promise[T]] = []
         for thread, worker in zip(self._threads, self._workers, strict=True):
@@ -207,25 +216,43 @@ class ThreadExecutor(Generic[StepT, OutT]):
 
         for promise in promises:
             promise.add_done_callback(on_done)
-        failure: BaseException | None = None
+        deadline = None if timeout is None else self._sync.monotonic() + timeout
+        late: list[int] = []
+        gone: list[int] = []
+        aborted = False
         with settled:
             while not all(p.done() for p in promises):
-                errors = [p.exception() for p in promises if p.done() and p.exception()]
-                if errors and failure is None:
-                    failure = errors[0]
-                    self._abort_lane(0, f"a worker failed: {failure}")
+                failed = any(p.done() and p.exception() for p in promises)
+                if failed and not aborted:
+                    aborted = True
+                    self._abort_lane(0, "another rank failed")
                 if not all(t.is_alive() for t in self._threads):
-                    failure = failure or EngineDeadError("a worker thread died")
+                    gone = [r for r, t in enumerate(self._threads) if not t.is_alive()]
                     self._abort_lane(0, "a worker thread died")
                     break
-                settled.wait(0.5)
-        if failure is None:
-            failure = next((p.exception() for p in promises if p.exception()), None)
-        if failure is not None:
-            if self.topology.world_size > 1 and not isinstance(failure, ConfigError):
-                raise EngineDeadError(f"a worker failed: {failure}") from failure
-            raise failure
-        return [p.result() for p in promises]
+                wait = 0.5
+                if deadline is not None:
+                    wait = min(wait, deadline - self._sync.monotonic())
+                    if wait <= 0:
+                        late = [r for r, p in enumerate(promises) if not p.done()]
+                        self._abort_lane(0, "a step timed out")
+                        break
+                settled.wait(wait)
+        errors = {r: e for r, p in enumerate(promises) if p.done() and (e := p.exception())}
+        if not errors and not late and not gone:
+            return [p.result() for p in promises]
+        if timeout is None and self.topology.world_size == 1 and errors:
+            # Loading on one device: the error itself (a model that cannot load, say).
+            raise errors[0]
+        first = next(iter(errors.values()), None)
+        if isinstance(first, ConfigError) and not late and not gone:
+            raise first
+        raise step_failure(self._rank_names(), errors, late, timeout, gone) from first
+
+    def _rank_names(self) -> list[tuple[int, str]]:
+        """(global rank, device) of every local rank."""
+        first = self.topology.first_rank
+        return [(first + i, str(d)) for i, d in enumerate(self.topology.devices)]
 
     @property
     def workers(self) -> list[Worker[StepT, OutT]]:
@@ -256,7 +283,7 @@ class ThreadExecutor(Generic[StepT, OutT]):
         if self._control is not None:
             # Other nodes get the step over the network; local workers get the object itself.
             dist.broadcast_object_list([step], src=0, group=self._control)
-        out = self.on_all(lambda w: w.execute(step))[0]
+        out = self.on_all(lambda w: w.execute(step), timeout=self._timeout)[0]
         if out is None:
             raise RuntimeError("rank 0 returned no output")
         return out
@@ -281,34 +308,43 @@ class ThreadExecutor(Generic[StepT, OutT]):
             raise ConfigError("this executor has no pipeline lanes (--max-concurrency 1)")
         combined: Promise[OutT] = Promise(self._sync)
         ranks = [w.submit(lane, step) for w in self._workers]
+        self._lane_steps[lane] = list(ranks)
         lock = self._sync.lock()
         remaining = [len(ranks)]
 
         def on_done(done: Promise[OutT | None]) -> None:
-            error = done.exception()
-            if error is not None:
+            if done.exception() is not None:
                 # Ranks of this lane blocked in a collective with the failed one get released.
-                self._abort_lane(lane, f"a worker failed: {error}")
+                self._abort_lane(lane, "another rank failed")
             with lock:
                 remaining[0] -= 1
                 last = remaining[0] == 0
             if not last:
                 return
-            failure = next((p.exception() for p in ranks if p.exception()), None)
-            out = ranks[0].result() if failure is None else None
-            if failure is None and out is None:
-                failure = RuntimeError("rank 0 returned no output")
-            if failure is None:
+            errors = {r: e for r, p in enumerate(ranks) if (e := p.exception()) is not None}
+            out = ranks[0].result() if not errors else None
+            if not errors and out is None:
+                errors[0] = RuntimeError("rank 0 returned no output")
+            if not errors:
                 assert out is not None
                 combined.set_result(out)
             elif len(ranks) > 1:
-                combined.set_exception(EngineDeadError(f"a worker failed: {failure}"))
+                combined.set_exception(step_failure(self._rank_names(), errors, [], None))
             else:
-                combined.set_exception(failure)
+                combined.set_exception(errors[0])
 
         for promise in ranks:
             promise.add_done_callback(on_done)
         return combined
+
+    def timed_out(self, lane: int, timeout: float) -> EngineDeadError:
+        """The step on ``lane`` ran past ``timeout``: release its ranks (abort the lane's
+        communicator) and name the ones still running."""
+        ranks = self._lane_steps.get(lane, [])
+        late = [r for r, p in enumerate(ranks) if not p.done()]
+        errors = {r: e for r, p in enumerate(ranks) if p.done() and (e := p.exception())}
+        self._abort_lane(lane, "a step timed out")
+        return step_failure(self._rank_names(), errors, late, timeout)
 
     def check_health(self) -> None:
         if self._closed or not all(t.is_alive() for t in self._threads):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import pickle
-import traceback
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from tandem.core.config import EngineConfig
 from tandem.core.executor.transport import ShmBroadcastReader
+from tandem.core.failure_text import describe
 from tandem.core.parallel.collective_choice import resolve_collectives
 from tandem.core.parallel.groups import join_process_world, make_process_group
 from tandem.core.worker.step_runner import RunnerFactory
@@ -24,6 +25,16 @@ from tandem.device import Device, get_runtime
 logger = logging.getLogger(__name__)
 
 STOP = "stop"
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """What a failed worker process tells the engine before it exits."""
+
+    rank: int
+    cause: str
+    # time.time() when it failed: the earliest failure of a step is its cause.
+    at: float
 
 
 @dataclass(frozen=True)
@@ -52,11 +63,14 @@ def worker_main(
     )
     try:
         _run(spec, config, runner_factory, notes, results)
-    except Exception as exc:  # noqa: BLE001 - reported to the engine, then the process exits
-        logger.error("worker rank %d failed: %s", spec.rank, exc)
+    except Exception as exc:  # reported to the engine, then the process exits
+        logger.exception("worker rank %d failed", spec.rank)
         if results is not None:
+            # When it failed, so the engine can tell the first failure (the cause) from the
+            # collectives it broke on other ranks.
+            failure = WorkerFailure(spec.rank, describe(exc), time.time())
             with contextlib.suppress(OSError):
-                results.send(("error", f"rank {spec.rank}: {exc}\n{traceback.format_exc()}"))
+                results.send(("error", failure))
         raise SystemExit(1) from None
 
 
@@ -99,6 +113,10 @@ def _run(
         out = worker.execute(step)
         if spec.rank == 0 and results is not None:
             results.send(("out", out))
+        elif not spec.multi_node and results is not None:
+            # Every rank the engine drives answers, so a step that never ends names the
+            # rank it waits for.
+            results.send(("done", None))
     if reader is not None:
         reader.close()
     dist.destroy_process_group()

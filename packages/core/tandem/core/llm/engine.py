@@ -14,17 +14,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.core.config import EngineConfig
-from tandem.core.errors import ConfigError, EngineDeadError, InvalidRequestError
+from tandem.core.errors import (
+    ConfigError,
+    EngineDeadError,
+    EngineUnhealthyError,
+    InvalidRequestError,
+)
 from tandem.core.executor.executor import (
     Executor,
     LaneExecutor,
     create_executor,
     create_lane_executor,
 )
+from tandem.core.failure_text import describe
 from tandem.core.kv.block_manager import BlockManager
 from tandem.core.kv.state_slots import StateSlotPool
 from tandem.core.llm.forward_input import ForwardInput, PromptLogprobs, SamplerOutput
-from tandem.core.llm.input_builder import build_forward_input
+from tandem.core.llm.input_builder import build_forward_input, failing_entries
 from tandem.core.llm.model_runner import LLMRunnerFactory
 from tandem.core.llm.output_processor import OutputProcessor
 from tandem.core.llm.outputs import RequestOutput
@@ -49,6 +55,7 @@ class _InFlight:
     request_ids: frozenset[str]
     # Admits or prefills: nothing else runs beside it.
     exclusive: bool
+    launched_at: float
 
 
 class LLMEngine:
@@ -118,6 +125,12 @@ class LLMEngine:
         self._draining = False
         self.idle = False
         self._last_progress = self._sync.monotonic()
+        # When the oldest step still running started (None: none runs); /health reads it.
+        self._busy_since: float | None = None
+        # Outputs of requests failed while their batch was built, delivered with the step's.
+        self._early: list[RequestOutput] = []
+        self._steps_taken = 0
+        self._kv_fault_step = config.faults.kv_exhaust_step()
         self.stats = EngineStats()
         self._publish_stats()
         logger.info(
@@ -150,9 +163,11 @@ class LLMEngine:
         params.validate()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if isinstance(prompt, str):
-            prompt_ids = self.tokenizer.encode(prompt)
+            prompt_ids = self.encode_prompt(prompt)
         else:
             prompt_ids = list(prompt)
+            # Length first: it is cheap, the token check below is not for huge lists.
+            self.check_prompt_length(len(prompt_ids))
             vocab = self.model_config.vocab_size
             bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
@@ -206,6 +221,30 @@ class LLMEngine:
                     f"{name} names token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
                     param=name,
                 )
+    def encode_prompt(
+        self, text: str, param: str = "prompt", add_special_tokens: bool = True
+    ) -> list[int]:
+        """``text``'s token ids, after a length check: a text too long for the context by
+        its size alone is refused before it is tokenized (which would take seconds and
+        hundreds of MB for megabytes of text)."""
+        # Normalization may shrink text (NFC composes characters, at most ~3x): the slack
+        # keeps the bound from refusing a text that would fit.
+        limit = 4 * self.tokenizer.max_token_bytes * self.max_model_len
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise InvalidRequestError(
+                f"the {param} is not valid Unicode (it holds a lone surrogate)", param=param
+            ) from None
+        if size > limit:
+            raise InvalidRequestError(
+                f"the {param} is {size} bytes long, too long for this model's maximum context "
+                f"length of {self.max_model_len} tokens; shorten the {param}",
+                param=param,
+            )
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        self.check_prompt_length(len(ids), param)
+        return ids
 
     def check_prompt_length(self, num_tokens: int, param: str = "prompt") -> None:
         """InvalidRequestError unless a prompt of ``num_tokens`` leaves room for at least one
@@ -220,7 +259,7 @@ class LLMEngine:
 
     def add_sequence(self, seq: TokenSequence) -> None:
         if self.dead is not None:
-            raise EngineDeadError(f"the engine is dead: {self.dead}")
+            raise EngineDeadError(self.dead)
         if seq.request_id in self.sequences:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
         self.sequences[seq.request_id] = seq
@@ -253,9 +292,18 @@ class LLMEngine:
         return bool(self.sequences)
 
     def check_health(self) -> None:
-        """Raise EngineDeadError if the engine died or a worker is gone (also while idle)."""
+        """Raise EngineDeadError if the engine died or a worker is gone (also while idle), and
+        EngineUnhealthyError while a step has run past the health deadline (any thread)."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        since = self._busy_since
+        limits = self.config.parallel
+        if since is not None and self._sync.monotonic() - since > limits.health_timeout_s:
+            raise EngineUnhealthyError(
+                f"a step has been running for {self._sync.monotonic() - since:.0f} s, over "
+                f"the {limits.health_timeout_s:g} s health deadline (it fails at "
+                f"{limits.timeout_s:g} s)"
+            )
         self.executor.check_health()
 
     def _publish_stats(self) -> None:
@@ -280,17 +328,58 @@ class LLMEngine:
         self.idle = False
         if self.dead is not None:
             return []
+        self._inject_kv_fault()
         outputs = self._step_pipelined() if self._pipelined else self._step_one()
+        if self._early:
+            outputs, self._early = self._early + outputs, []
+            self.idle = False
         self._publish_stats()
         return outputs
+
+    def _inject_kv_fault(self) -> None:
+        """From the step the fault names on, every block that is free is taken for good."""
+        fault = self._kv_fault_step
+        if fault is not None and self._steps_taken >= fault and self.block_manager.num_free_blocks:
+            taken = self.block_manager.num_free_blocks
+            self.block_manager.reserve(taken)
+            logger.warning("injected fault: %d free KV blocks taken away for good", taken)
+        self._steps_taken += 1
 
     def _step_one(self) -> list[RequestOutput]:
         sched_out = self._schedule_full()
         if sched_out.is_empty():
             self.idle = True
             return []
-        fi = build_forward_input(sched_out, self.config.cache.block_size)
-        return self._run_step(sched_out, lambda: self.executor.execute(fi))
+        fi = self._build(sched_out)
+        if fi is None:
+            return []
+        self._busy_since = self._sync.monotonic()
+        try:
+            return self._run_step(sched_out, lambda: self.executor.execute(fi))
+        finally:
+            self._busy_since = None
+
+    def _build(self, out: SchedulerOutput) -> ForwardInput | None:
+        """The batch's step input. A request whose part cannot be built fails alone (its
+        output is delivered with the step's), and the rest run; None if none is left."""
+        block_size = self.config.cache.block_size
+        try:
+            return build_forward_input(out, block_size)
+        except Exception:
+            logger.exception("building a batch of %d requests failed", len(out.scheduled))
+        bad = failing_entries(out, block_size)
+        if bad:
+            out.scheduled = [e for e in out.scheduled if all(e is not b for b, _ in bad)]
+        else:
+            bad = [(e, RuntimeError("the batch could not be built")) for e in out.scheduled]
+            out.scheduled = []
+        for entry, error in bad:
+            message = f"the request could not be batched: {describe(error)}"
+            self.scheduler.finish(entry.seq, "error", error=message)
+            self._early.append(self._finish_output(entry.seq))
+        if out.is_empty():
+            return None
+        return self._build(out)
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """Keep up to ``max_concurrency`` steps in flight on the pipeline lanes, then complete
@@ -303,15 +392,19 @@ class LLMEngine:
             return []
         flight = self._in_flight.popleft()
         timeout = self.config.parallel.timeout_s
+        lanes = self._lanes
+        assert lanes is not None
 
         def wait() -> SamplerOutput:
+            left = flight.launched_at + timeout - self._sync.monotonic()
             try:
-                return flight.promise.result(timeout=timeout)
+                return flight.promise.result(timeout=max(left, 0.0))
             except TimeoutError:
-                raise EngineDeadError(f"a step took over {timeout} s; a worker is stuck") from None
+                raise lanes.timed_out(flight.lane, timeout) from None
             finally:
                 self._free_lanes.append(flight.lane)
                 self._release_deferred()
+                self._busy_since = self._in_flight[0].launched_at if self._in_flight else None
 
         return self._run_step(flight.out, wait)
 
@@ -322,11 +415,13 @@ class LLMEngine:
         try:
             result = run()
         except EngineDeadError as exc:
+            # A step that failed on any rank leaves the devices in a state nothing vouches
+            # for: the engine stops, every request fails with the cause, /health says so.
             logger.error("engine died: %s", exc)
-            return self._fail_all(str(exc))
+            return self._fail_all(f"the engine failed: {exc}")
         except Exception as exc:
-            logger.exception("step failed; failing the %d requests in it", len(sched_out.scheduled))
-            return self._fail_step(sched_out, f"the model step failed: {exc}")
+            logger.exception("a step failed")
+            return self._fail_all(f"the engine failed: a step raised {describe(exc)}")
         finally:
             self._last_progress = self._sync.monotonic()
         self.scheduler.on_step_done(sched_out)
@@ -376,8 +471,10 @@ class LLMEngine:
             out, exclusive = self._next_batch()
             if out.is_empty():
                 return
+            fi = self._build(out)
+            if fi is None:
+                continue
             lane = self._free_lanes.pop(0)
-            fi = build_forward_input(out, self.config.cache.block_size)
             try:
                 assert self._lanes is not None
                 promise = self._lanes.submit(lane, fi)
@@ -385,8 +482,11 @@ class LLMEngine:
                 promise = Promise(self._sync)
                 promise.set_exception(exc)
             ids = frozenset(e.seq.request_id for e in out.scheduled)
-            self._in_flight.append(_InFlight(lane, out, promise, ids, exclusive))
-            self._last_progress = self._sync.monotonic()
+            now = self._sync.monotonic()
+            self._in_flight.append(_InFlight(lane, out, promise, ids, exclusive, now))
+            self._last_progress = now
+            if self._busy_since is None:
+                self._busy_since = now
 
     def stalled_for(self) -> float:
         """Seconds since a step was last launched or completed (or a sequence preempted)."""
@@ -395,19 +495,15 @@ class LLMEngine:
     def fail_stalled(self) -> list[RequestOutput]:
         """The watchdog's last resort, for an engine that has made no progress for
         ``stall_timeout_s`` with requests left: log the scheduler's state once and fail
-        every request not in flight with an error that says so."""
+        every request with an error that says so. A live engine never gets here, so the
+        engine stops (a restart clears whatever leaked)."""
         state = self.scheduler_state()
         logger.error("the engine made no progress for %.1f s; %s", self.stalled_for(), state)
         message = (
             f"the engine could not schedule the request and gave up on it ({state}); this is "
             "a bug, please report it"
         )
-        busy = self._busy_ids()
-        outputs = []
-        for seq in list(self.sequences.values()):
-            if seq.request_id not in busy:
-                self.scheduler.finish(seq, "error", error=message)
-                outputs.append(self._finish_output(seq))
+        outputs = self._fail_all(message)
         self._last_progress = self._sync.monotonic()
         self._publish_stats()
         return outputs
@@ -483,14 +579,6 @@ class LLMEngine:
     def _finish_output(self, seq: TokenSequence) -> RequestOutput:
         self.sequences.pop(seq.request_id, None)
         return self.outputs.make_output(seq)
-
-    def _fail_step(self, sched_out: SchedulerOutput, message: str) -> list[RequestOutput]:
-        outputs = []
-        for entry in sched_out.scheduled:
-            if entry.seq.request_id in self.sequences:
-                self.scheduler.finish(entry.seq, "error", error=message)
-                outputs.append(self._finish_output(entry.seq))
-        return outputs
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         self.dead = message

@@ -13,7 +13,7 @@ from tandem.core.llm.forward_input import (
     SparseLogitEdits,
 )
 from tandem.core.llm.penalties import build_penalty_batch
-from tandem.core.llm.scheduler import SchedulerOutput
+from tandem.core.llm.scheduler import ScheduledSequence, SchedulerOutput
 from tandem.core.llm.sequence import TokenSequence
 
 
@@ -69,7 +69,10 @@ def _sampling_batch(out: SchedulerOutput, rows: list[int]) -> SamplingBatch:
     asked = [p.logprobs for p in params if p.logprobs is not None]
     penalized = [row for row, p in enumerate(params) if p.has_penalties]
     return SamplingBatch(
-        temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        # Rows below the greedy threshold sample greedily: the sampler knows them by 0.
+        temperatures=torch.tensor(
+            [0.0 if p.is_greedy else p.temperature for p in params], dtype=torch.float32
+        ),
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
         top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64),
         seeds=tuple(p.seed for p in params),
@@ -155,3 +158,17 @@ def _prompt_logprobs(
         num_top=num_top,
         spans=tuple(spans),
     )
+
+
+def failing_entries(
+    out: SchedulerOutput, block_size: int
+) -> list[tuple[ScheduledSequence, Exception]]:
+    """The entries of a batch that ``build_forward_input`` cannot build even alone, with why:
+    after a batch failed to build, these requests fail and the rest still run."""
+    bad = []
+    for entry in out.scheduled:
+        try:
+            build_forward_input(SchedulerOutput(scheduled=[entry]), block_size)
+        except Exception as exc:  # noqa: BLE001 - reported to the request
+            bad.append((entry, exc))
+    return bad

@@ -2,8 +2,9 @@
 scheduler, runs each batch's prefill and decode rounds on its pipeline lane one after another
 (batches on different lanes at once), and delivers every request's ranked candidates.
 
-Nothing waits forever: a failed step fails the requests of its batch and frees its blocks;
-stopping fails what is still waiting.
+Nothing waits forever: a step that fails (or runs past the step timeout) on any rank stops
+the engine and fails every request with the cause, their blocks freed; stopping fails what
+is still waiting; requests that could never be admitted (blocks that leaked) fail at once.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Protocol
 
 import torch
 
-from tandem.core.errors import EngineDeadError
+from tandem.core.errors import EngineDeadError, EngineUnhealthyError
+from tandem.core.failure_text import describe
 from tandem.core.rec.fixed_steps_scheduler import FixedStepsScheduler, RecBatch
 from tandem.core.rec.request import RecRequest, RecResult
 from tandem.core.rec.runner import pad_block_tables
@@ -28,6 +30,10 @@ class RecStepSubmitter(Protocol):
     """Where batches' steps go: the executor's lanes (or the simulator's fake engine)."""
 
     def submit(self, lane: int, step: RecStep) -> Promise[RecStepOutput]: ...
+
+    def timed_out(self, lane: int, timeout: float) -> EngineDeadError:
+        """The step on ``lane`` ran past ``timeout``: release its ranks, name the late ones."""
+        ...
 
 
 def prefill_step(batch: RecBatch) -> RecStep:
@@ -54,44 +60,89 @@ class RecEngine:
         steps: RecStepSubmitter,
         scheduler: FixedStepsScheduler,
         sync: Sync = REAL_SYNC,
+        step_timeout_s: float = 300.0,
+        health_timeout_s: float = 60.0,
+        kv_exhaust_step: int | None = None,
     ) -> None:
+        """``kv_exhaust_step``: an injected fault (tests): before that step, every free KV
+        block is taken away for good."""
         self.steps = steps
         self.scheduler = scheduler
         self._sync = sync
         self._cond = sync.condition()
         self._completions: deque[tuple[RecBatch, Promise[RecStepOutput]]] = deque()
         self._in_flight: dict[int, RecBatch] = {}
+        # When each in-flight batch's current round was submitted.
+        self._launched_at: dict[int, float] = {}
+        # The oldest of those (None: nothing in flight); /health reads it from other threads.
+        self._busy_since: float | None = None
+        self._step_timeout_s = step_timeout_s
+        self._health_timeout_s = health_timeout_s
+        self._kv_exhaust_step = kv_exhaust_step
         self._wake = False
         self._running = True
+        # Set by refuse_new (shutting down): why new requests are refused.
+        self._refusing: str | None = None
         self._error: BaseException | None = None
+        # Why the engine failed (a step on some rank, a stall), once it has.
+        self.dead: str | None = None
         self.steps_submitted = 0
         self._thread = sync.start_thread(self._loop, "tandem-rec-engine")
 
     def submit(self, *requests: RecRequest) -> list[Promise[RecResult]]:
         """Queue ``requests`` together (InvalidRequestError, none queued, if one could never
         be served)."""
-        if not self._running:
-            raise EngineDeadError(f"the recommendation engine is not running ({self._error})")
-        self.scheduler.add(*requests)
         with self._cond:
+            # Under the lock the loop's end takes too: a request is either refused here or
+            # queued before the loop fails what is waiting, never lost in between.
+            if not self._running:
+                raise EngineDeadError(self.dead or "the recommendation engine has stopped")
+            if self._refusing is not None:
+                raise EngineDeadError(self._refusing)
+            self.scheduler.add(*requests)
             self._wake = True
             self._cond.notify_all()
         return [r.result for r in requests]
+
+    def refuse_new(self, reason: str) -> None:
+        """Refuse new requests and fail the waiting ones with ``reason`` now; batches in
+        flight run to their end (a few rounds)."""
+        with self._cond:
+            self._refusing = reason
+        for request in self.scheduler.remove_waiting():
+            request.result.set_exception(EngineDeadError(reason))
 
     @property
     def is_running(self) -> bool:
         return self._running and self._thread.is_alive()
 
+    def check_health(self) -> None:
+        """EngineDeadError once the engine failed or stopped; EngineUnhealthyError while a
+        step has run past the health deadline (any thread)."""
+        if not self.is_running:
+            raise EngineDeadError(self.dead or "the recommendation engine loop is not running")
+        since = self._busy_since
+        if since is not None and self._sync.monotonic() - since > self._health_timeout_s:
+            raise EngineUnhealthyError(
+                f"a step has been running for {self._sync.monotonic() - since:.0f} s, over "
+                f"the {self._health_timeout_s:g} s health deadline (it fails at "
+                f"{self._step_timeout_s:g} s)"
+            )
+
     def _loop(self) -> None:
         try:
             while True:
-                batch = self.scheduler.next_batch()
-                while batch is not None:
-                    self._launch(batch, prefill_step(batch))
-                    batch = self.scheduler.next_batch()
+                self._admit()
                 with self._cond:
                     while self._running and not self._completions and not self._wake:
-                        self._cond.wait()
+                        if not self._in_flight:
+                            self._cond.wait()
+                            continue
+                        oldest = min(self._launched_at.values())
+                        left = oldest + self._step_timeout_s - self._sync.monotonic()
+                        if left <= 0:
+                            break
+                        self._cond.wait(left)
                     if not self._running:
                         return
                     self._wake = False
@@ -99,17 +150,55 @@ class RecEngine:
                     self._completions.clear()
                 for finished_batch, promise in done:
                     self._complete(finished_batch, promise)
+                self._check_step_timeout()
+        except _EngineFailed as failed:
+            self.dead = str(failed)
+            logger.error("the recommendation engine failed: %s", self.dead)
         except BaseException as exc:
             logger.exception("the recommendation engine loop failed")
             self._error = exc
+            self.dead = f"the recommendation engine loop crashed: {describe(exc)}"
         finally:
-            self._running = False
+            with self._cond:
+                self._running = False
+            self._busy_since = None
             self._fail_everything(
-                EngineDeadError(f"the recommendation engine stopped: {self._error}")
+                EngineDeadError(self.dead or "the recommendation engine has stopped")
             )
+
+    def _admit(self) -> None:
+        fault = self._kv_exhaust_step
+        if fault is not None and self.steps_submitted >= fault:
+            blocks = self.scheduler.blocks
+            if blocks.num_free_blocks:
+                logger.warning("injected fault: %d free KV blocks taken away for good",
+                               blocks.num_free_blocks)  # fmt: skip
+                blocks.reserve(blocks.num_free_blocks)
+        batch = self.scheduler.next_batch()
+        while batch is not None:
+            self._launch(batch, prefill_step(batch))
+            batch = self.scheduler.next_batch()
+        if self.scheduler.stuck():
+            # It would wait for ever: fail it, and everything, now.
+            blocks = self.scheduler.blocks
+            raise _EngineFailed(
+                f"the recommendation engine could not admit {self.scheduler.num_waiting} "
+                f"waiting requests with nothing in flight ({blocks.num_free_blocks} of "
+                f"{blocks.num_blocks} KV blocks free); this is a bug, please report it"
+            )
+
+    def _check_step_timeout(self) -> None:
+        now = self._sync.monotonic()
+        for batch_id, at in list(self._launched_at.items()):
+            if now - at >= self._step_timeout_s:
+                lane = self._in_flight[batch_id].lane
+                error = self.steps.timed_out(lane, self._step_timeout_s)
+                raise _EngineFailed(f"the engine failed: {error}")
 
     def _launch(self, batch: RecBatch, step: RecStep) -> None:
         self._in_flight[batch.batch_id] = batch
+        self._launched_at[batch.batch_id] = self._sync.monotonic()
+        self._update_busy()
         batch.round = step.round
         try:
             promise = self.steps.submit(batch.lane, step)
@@ -126,12 +215,19 @@ class RecEngine:
 
         promise.add_done_callback(on_done)
 
+    def _update_busy(self) -> None:
+        self._busy_since = min(self._launched_at.values()) if self._launched_at else None
+
     def _complete(self, batch: RecBatch, promise: Promise[RecStepOutput]) -> None:
+        self._launched_at.pop(batch.batch_id, None)
+        self._update_busy()
         error = promise.exception()
         if error is not None:
+            # A step that failed on any rank leaves the devices in a state nothing vouches
+            # for: the engine stops and every request fails with the cause.
             logger.error("batch %d failed in round %d: %s", batch.batch_id, batch.round, error)
-            self._finish(batch, error)
-            return
+            cause = str(error) if isinstance(error, EngineDeadError) else describe(error)
+            raise _EngineFailed(f"the engine failed: {cause}")
         out = promise.result()
         if not out.finished:
             if batch.round >= self.scheduler.max_decode_rounds:
@@ -148,6 +244,7 @@ class RecEngine:
 
     def _finish(self, batch: RecBatch, error: BaseException | None) -> None:
         del self._in_flight[batch.batch_id]
+        self._launched_at.pop(batch.batch_id, None)
         if error is not None:
             for request in batch.requests:
                 if not request.result.done():
@@ -165,3 +262,7 @@ class RecEngine:
             self._running = False
             self._cond.notify_all()
         self._thread.join(timeout)
+
+
+class _EngineFailed(Exception):
+    """Stops the loop: every request fails with this message."""

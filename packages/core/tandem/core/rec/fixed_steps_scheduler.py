@@ -93,6 +93,15 @@ class FixedStepsScheduler:
             self._in_flight[batch.batch_id] = batch
             return batch
 
+    def stuck(self) -> bool:
+        """Whether the head of the queue can never be admitted: nothing in flight will give
+        blocks back, and the free ones are too few for it (every request fits the whole pool,
+        so only blocks that leaked make this true)."""
+        with self._lock:
+            if self._in_flight or not self._waiting:
+                return False
+            return self.blocks_needed(self._waiting[0]) > self.blocks.num_free_blocks
+
     def finish(self, batch: RecBatch) -> None:
         """The batch is done (or failed): its blocks and its lane are free again."""
         with self._lock:

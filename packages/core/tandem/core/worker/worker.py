@@ -13,6 +13,7 @@ import torch
 from tandem.collectives import ProcessGroup, ReduceOp
 from tandem.collectives.thread_bound import ThreadBoundGroup
 from tandem.core.config import EngineConfig
+from tandem.core.faults import NO_FAULTS
 from tandem.core.kv.cache_sizing import CacheCosts, CacheSize, size_cache
 from tandem.core.worker.lane import Lane
 from tandem.core.worker.lane_stager import LaneStager, Staged
@@ -57,7 +58,15 @@ class Worker(Generic[StepT, OutT]):
         (loading, agreeing on the cache size)."""
         self.device = device
         self.config = config
-        self.runtime: DeviceRuntime | None = runtime
+        self.rank = group.rank
+        # Injected faults (tests only): no-op hooks unless TANDEM_FAULTS named some.
+        faults = config.faults
+        self._faults = faults.for_rank(self.rank) if faults.active else NO_FAULTS
+        group = self._faults.wrap_group(group)
+        lane_groups = [self._faults.wrap_group(g) for g in lane_groups or []]
+        self.runtime: DeviceRuntime | None = (
+            None if runtime is None else self._faults.wrap_runtime(runtime)
+        )
         self._factory = runner_factory
         self._lane_groups = ThreadBoundGroup(lane_groups) if lane_groups else None
         self.group: ProcessGroup = self._lane_groups if self._lane_groups is not None else group
@@ -87,7 +96,7 @@ class Worker(Generic[StepT, OutT]):
         """Bind the device to this thread; on CPU, also cap torch's threads for this worker
         (workers sharing the cores each take their share instead of all of them)."""
         if self.runtime is None:
-            self.runtime = get_runtime(self.device.kind)
+            self.runtime = self._faults.wrap_runtime(get_runtime(self.device.kind))
         self.runtime.bind(self.device)
         bind_context(BoundContext(self.runtime, self._kernel_registry))
         if self._lane_groups is not None:
@@ -171,6 +180,7 @@ class Worker(Generic[StepT, OutT]):
 
     def execute(self, step: StepT) -> OutT | None:
         """Run ``step`` on the calling thread (the worker's own)."""
+        self._faults.before_forward(self.rank, self._faults.next_step())
         return self.runner.execute(step, self._state)
 
     def submit(self, lane: int, step: StepT) -> Promise[OutT | None]:
@@ -178,8 +188,13 @@ class Worker(Generic[StepT, OutT]):
         stream; the result once the stream has run it. Every step of one batch goes to the
         same lane, whose state the runner may keep across them."""
         runner, chosen = self.runner, self.lanes[lane]
+        faults, index = self._faults, self._faults.next_step()
 
         def prepare(stager: LaneStager) -> tuple[StepT, Staged | None]:
             return runner.stage(step, stager)
 
-        return chosen.run(prepare, lambda own: runner.execute(own, chosen.state))
+        def forward(own: StepT) -> OutT | None:
+            faults.before_forward(self.rank, index)
+            return runner.execute(own, chosen.state)
+
+        return chosen.run(prepare, forward)
