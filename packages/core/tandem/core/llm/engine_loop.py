@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
-from tandem.core.errors import EngineDeadError
+from tandem.core.errors import EngineDeadError, EngineOverloadedError
 from tandem.core.llm.engine import LLMEngine, Prompt
 from tandem.core.llm.outputs import RequestOutput
 from tandem.core.llm.sampling_params import SamplingParams
@@ -37,6 +37,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _AbortAll:
+    reason: str
+
+
 class EngineLoop:
     def __init__(
         self,
@@ -48,10 +53,14 @@ class EngineLoop:
         loop thread, whether or not anyone still reads the request's stream."""
         self.engine = engine
         self._on_finished = on_finished
-        self._commands: deque[_Add | _Abort] = deque()
+        self._commands: deque[_Add | _Abort | _AbortAll] = deque()
+        # _Add commands in the queue: with the engine's waiting queue, what backpressure bounds.
+        self._queued_adds = 0
         self._callbacks: dict[str, OutputCallback] = {}
         self._wake = sync.condition()
         self._stopping = False
+        # Set by abort_all (the server is shutting down): why new requests are refused.
+        self._refusing: str | None = None
         self._thread = sync.start_thread(self._run, "tandem-engine-loop")
 
     @property
@@ -74,18 +83,46 @@ class EngineLoop:
         callback: OutputCallback,
         request_id: str | None = None,
     ) -> str:
-        """Queue a request; raises InvalidRequestError / EngineDeadError on the caller's thread."""
-        if not self.is_alive:
-            raise EngineDeadError(f"the engine is not running: {self.engine.dead or 'stopped'}")
+        """Queue a request; raises InvalidRequestError / EngineDeadError /
+        EngineOverloadedError on the caller's thread."""
+        self._check_accepting()
         seq = self.engine.prepare_request(request_id, prompt, params)
-        with self._wake:
-            self._commands.append(_Add(seq, callback))
-            self._wake.notify()
+        self.enqueue(seq, callback)
         return seq.request_id
+
+    def enqueue(self, seq: TokenSequence, callback: OutputCallback) -> None:
+        """Queue a request made by ``engine.prepare_request`` (on any thread)."""
+        with self._wake:
+            self._check_accepting()
+            limit = self.engine.config.scheduler.max_waiting_requests
+            waiting = self._queued_adds + self.engine.stats.num_waiting
+            if limit is not None and waiting >= limit:
+                raise EngineOverloadedError(
+                    f"the server is overloaded: {waiting} requests are waiting already "
+                    f"(--max-waiting-requests {limit}); retry later"
+                )
+            self._commands.append(_Add(seq, callback))
+            self._queued_adds += 1
+            self._wake.notify()
+
+    def _check_accepting(self) -> None:
+        if self._refusing is not None:
+            raise EngineDeadError(self._refusing)
+        if not self.is_alive:
+            raise EngineDeadError(self.engine.dead or "the engine loop has stopped")
 
     def abort(self, request_id: str) -> None:
         with self._wake:
             self._commands.append(_Abort(request_id))
+            self._wake.notify()
+
+    def abort_all(self, reason: str) -> None:
+        """Finish every request now (finish reason "abort", error ``reason``) and refuse new
+        ones: the server is shutting down, and each client gets its answer before the
+        connections drain."""
+        with self._wake:
+            self._refusing = reason
+            self._commands.append(_AbortAll(reason))
             self._wake.notify()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -101,16 +138,24 @@ class EngineLoop:
                 if not self._commands:
                     return
                 command = self._commands.popleft()
+                if isinstance(command, _Add):
+                    self._queued_adds -= 1
             if isinstance(command, _Add):
                 try:
                     self.engine.add_sequence(command.seq)
                     self._callbacks[command.seq.request_id] = command.callback
                 except Exception as exc:  # noqa: BLE001 - reported to the request
                     command.callback(_error_output(command.seq, str(exc)))
-            else:
+            elif isinstance(command, _Abort):
                 out = self.engine.abort(command.request_id)
                 if out is not None:
                     self._deliver(out)
+            else:
+                for request_id in list(self._callbacks):
+                    out = self.engine.abort(request_id)
+                    if out is not None:
+                        out.error = command.reason
+                        self._deliver(out)
 
     def _wait_while_idle(self) -> None:
         """The engine has requests but nothing it can do: block until a command arrives (an
@@ -223,15 +268,21 @@ class AsyncEngine:
     def submit(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
     ) -> RequestStream:
-        """Queue a request now (errors raise here); call from the running event loop."""
+        """Queue a request now (errors raise here); call from the running event loop. It
+        tokenizes on the calling thread: servers prepare requests elsewhere and ``enqueue``."""
+        return self.enqueue(self.engine.prepare_request(request_id, prompt, params))
+
+    def enqueue(self, seq: TokenSequence) -> RequestStream:
+        """Queue a request made by ``engine.prepare_request``; call from the running event
+        loop (errors raise here)."""
         aio = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def on_output(out: RequestOutput) -> None:
             aio.call_soon_threadsafe(queue.put_nowait, out)
 
-        rid = self.loop.submit(prompt, params, on_output, request_id=request_id)
-        return RequestStream(self.loop, rid, queue)
+        self.loop.enqueue(seq, on_output)
+        return RequestStream(self.loop, seq.request_id, queue)
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.core.config import EngineConfig
-from tandem.core.errors import ConfigError, EngineDeadError
+from tandem.core.errors import ConfigError, EngineOverloadedError
 from tandem.core.executor.executor import create_lane_executor
 from tandem.core.kv.block_manager import BlockManager
 from tandem.core.models.rec_config import RecModelConfig, load_rec_config
@@ -63,7 +63,13 @@ class RecService:
                 max_concurrency=config.pipeline.max_concurrency,
                 max_decode_rounds=self.model_config.max_decode_rounds,
             )
-            self.engine = RecEngine(self.executor, self.scheduler)
+            self.engine = RecEngine(
+                self.executor,
+                self.scheduler,
+                step_timeout_s=config.parallel.timeout_s,
+                health_timeout_s=config.parallel.health_timeout_s,
+                kv_exhaust_step=config.faults.kv_exhaust_step(),
+            )
         except BaseException:
             self.executor.shutdown()
             raise
@@ -79,10 +85,18 @@ class RecService:
     def submit(
         self, history: list[list[int]], num_candidates: int, request_id: str | None = None
     ) -> Promise[RecResult]:
-        """Raises InvalidRequestError (HTTP 400) for a request that can never be served."""
+        """Raises InvalidRequestError (HTTP 400) for a request that can never be served,
+        EngineOverloadedError (503) while too many wait already."""
         request = make_rec_request(
             history, num_candidates, self.model_config, self.beam_width, request_id
         )
+        limit = self.config.scheduler.max_waiting_requests
+        waiting = self.scheduler.num_waiting
+        if limit is not None and waiting >= limit:
+            raise EngineOverloadedError(
+                f"the server is overloaded: {waiting} requests are waiting already "
+                f"(--max-waiting-requests {limit}); retry later"
+            )
         return self.engine.submit(request)[0]
 
     def submit_many(self, requests: list[tuple[list[list[int]], int]]) -> list[Promise[RecResult]]:
@@ -101,9 +115,17 @@ class RecService:
             memory=self.executor.memory,
         )
 
+    @property
+    def dead(self) -> str | None:
+        """Why the service can no longer serve, once a step or the loop failed."""
+        return self.engine.dead
+
+    def refuse_new(self, reason: str) -> None:
+        """Shutting down: refuse new requests, fail the waiting ones (in-flight batches end)."""
+        self.engine.refuse_new(reason)
+
     def check_health(self) -> None:
-        if not self.engine.is_running:
-            raise EngineDeadError("the recommendation engine loop is not running")
+        self.engine.check_health()
         self.executor.check_health()
 
     def shutdown(self) -> None:

@@ -9,6 +9,7 @@ from tandem.collectives.torch_distributed import TORCHRUN_ADDRESS, Rendezvous
 from tandem.core import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
 from tandem.core.config import DTYPES, ParallelConfig, PipelineConfig, RecConfig
 from tandem.core.demo.pretrained import stories260k_folder
+from tandem.core.faults import FaultConfig
 
 
 def _dtype(name: str) -> str:
@@ -131,6 +132,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="sequence budget of one engine step",
     )
     g.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="requests that may wait for admission before new ones are refused with 503 "
+        "and Retry-After (default: no bound)",
+    )
+    g.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -142,6 +150,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=60.0,
         help="seconds with requests but no step launched or completed before the engine "
         "logs its state and fails them",
+    )
+    g.add_argument(
+        "--step-timeout-s",
+        type=float,
+        default=300.0,
+        help="seconds a step (or a collective) may take before the engine fails it, naming "
+        "the ranks still running",
+    )
+    g.add_argument(
+        "--health-step-timeout-s",
+        type=float,
+        default=60.0,
+        help="seconds a step may run before /health answers 503 (a stopped or stuck worker "
+        "shows this soon; the step fails at --step-timeout-s)",
     )
     g.add_argument(
         "--max-concurrency",
@@ -224,6 +246,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_seqs_per_batch=args.max_seqs_per_batch,
             enable_chunked_prefill=args.enable_chunked_prefill,
             stall_timeout_s=args.stall_timeout_s,
+            max_waiting_requests=args.max_waiting_requests,
         ),
         pipeline=PipelineConfig(
             max_concurrency=args.max_concurrency,
@@ -245,7 +268,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             dist_backend=args.dist_backend,
             local_collectives=args.local_collectives,
             process_collectives=args.process_collectives,
+            timeout_s=args.step_timeout_s,
+            health_timeout_s=args.health_step_timeout_s,
         ),
+        # Tests only; read once here and handed down (to worker processes with the config).
+        faults=FaultConfig.from_env(os.environ),
     )
 
 
