@@ -1,18 +1,38 @@
-"""The FastAPI application: routes, API-key check, body-size limit, error shapes."""
+"""The FastAPI application: routes, API-key check, body-size and body-time limits, error
+shapes."""
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import PlainTextResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tandem.core import EngineDeadError
+from tandem.core.errors import EngineUnhealthyError
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
-from tandem.server.errors import error_response, install_error_handlers
+from tandem.server.errors import (
+    SafeJSONResponse,
+    error_response,
+    install_error_handlers,
+    unavailable_response,
+)
+from tandem.server.openapi import (
+    HEALTH_RESPONSES,
+    METRICS_RESPONSES,
+    MODELS_RESPONSES,
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    TokenizeResponse,
+    drop_unused_validation_responses,
+    post_responses,
+)
 from tandem.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -23,16 +43,17 @@ from tandem.server.state import ServerState
 from tandem.server.tokenize import detokenize, tokenize
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class BodyLimitMiddleware:
-    """Refuse request bodies over ``limit`` bytes with 413, declared or streamed."""
+    """Read each request body whole before the app sees it: over ``limit`` bytes, declared
+    or streamed (chunked), it is refused with 413; one that does not arrive within
+    ``timeout_s`` (a body shorter than its Content-Length, a stalled client) gets 408 instead
+    of holding the connection for ever. The app then reads the buffered body, and what comes
+    after it (a disconnect) from the connection as usual."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, timeout_s: float = 30.0) -> None:
         self.app = app
         self.limit = limit
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -40,35 +61,50 @@ class BodyLimitMiddleware:
             return
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._reject(scope, receive, send)
+            await self._too_large(scope, receive, send)
             return
-        seen = 0
-        started = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+            except asyncio.TimeoutError:
+                text = f"The request body did not arrive within {self.timeout_s:g} s."
+                await _closing(error_response(408, text))(scope, receive, send)
+                return
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await self._too_large(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
 
-        async def counting_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _BodyTooLarge
-            return message
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
+        await self.app(scope, replay, send)
 
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await self._reject(scope, receive, send)
-
-    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"The request body is larger than the limit of {self.limit} bytes."
-        await error_response(413, message)(scope, receive, send)
+        await _closing(error_response(413, message))(scope, receive, send)
+
+
+def _closing(response: Response) -> Response:
+    """The connection closes after ``response``: the rest of the body is not read."""
+    response.headers["connection"] = "close"
+    return response
 
 
 class ApiKeyMiddleware:
@@ -80,8 +116,9 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and str(scope.get("path", "")).startswith("/v1"):
-            auth = dict(scope.get("headers", [])).get(b"authorization")
-            if auth != self.expected:
+            auth = dict(scope.get("headers", [])).get(b"authorization", b"")
+            # Constant time: how long the comparison takes says nothing about the key.
+            if not hmac.compare_digest(auth, self.expected):
                 response = error_response(
                     401,
                     "Incorrect or missing API key: send Authorization: Bearer <key>.",
@@ -98,13 +135,12 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         # Shutdown: aborts what is still running, so every open stream ends.
         state.loop.stop()
+        state.preparer.shutdown()
 
-    app = FastAPI(title="Tandem", lifespan=lifespan, docs_url=None, redoc_url=None)
-    install_error_handlers(app)
-
+    app = new_app(lifespan)
     add_health_and_metrics(app, state.loop.check_health, state.metrics.render)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=MODELS_RESPONSES)
     async def models() -> dict[str, Any]:
         engine = state.engine
         cards = [
@@ -121,49 +157,80 @@ def create_app(state: ServerState) -> FastAPI:
         ]
         return {"object": "list", "data": cards}
 
-    # Unversioned, as vLLM serves them.
-    @app.post("/tokenize")
+    # Unversioned, as vLLM serves them; off the event loop (templates, long inputs).
+    @app.post("/tokenize", responses=post_responses(TokenizeResponse, streams=False))
     async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
-        return tokenize(state, body)
+        return await state.preparer.run(lambda: tokenize(state, body))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=post_responses(DetokenizeResponse, streams=False))
     async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
-        return detokenize(state, body)
+        return await state.preparer.run(lambda: detokenize(state, body))
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
-        return await create_completion(state, body)
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses=post_responses(CompletionResponse, streams=True),
+    )
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await create_completion(state, body, request)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest) -> Any:
-        return await create_chat_completion(state, body)
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses=post_responses(ChatCompletionResponse, streams=True),
+    )
+    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        return await create_chat_completion(state, body, request)
 
-    add_limits(app, state.max_body_bytes, state.api_key)
+    add_limits(app, state.max_body_bytes, state.api_key, state.limits.body_timeout_s)
+    return app
+
+
+def new_app(lifespan: Callable[[FastAPI], Any]) -> FastAPI:
+    """The application every kind of model starts from: error shapes, JSON that survives
+    what clients echo, an OpenAPI description without FastAPI's unused 422s."""
+    app = FastAPI(
+        title="Tandem",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        default_response_class=SafeJSONResponse,
+    )
+    install_error_handlers(app)
+    drop_unused_validation_responses(app)
     return app
 
 
 def add_health_and_metrics(
     app: FastAPI, check_health: Callable[[], None], render_metrics: Callable[[], bytes]
 ) -> None:
-    """``/health`` (503 with the reason once ``check_health`` raises EngineDeadError) and
-    ``/metrics`` (Prometheus text), the same for every kind of model."""
+    """``/health`` (503 with the reason while ``check_health`` raises: the engine died, a
+    step is past the health deadline, a worker is stopped) and ``/metrics`` (Prometheus
+    text), the same for every kind of model."""
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, response_class=Response, responses=HEALTH_RESPONSES)
     async def health() -> Response:
         try:
             check_health()
-        except EngineDeadError as exc:
-            return error_response(503, f"The engine is not running: {exc}")
+        except EngineUnhealthyError as exc:
+            return unavailable_response(exc)
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_model=None,
+        response_class=PlainTextResponse,
+        responses=METRICS_RESPONSES,
+    )
     async def metrics() -> Response:
         return Response(render_metrics(), media_type="text/plain; version=0.0.4")
 
 
-def add_limits(app: FastAPI, max_body_bytes: int, api_key: str | None) -> None:
-    """The body-size limit and, with a key, the API-key check."""
+def add_limits(
+    app: FastAPI, max_body_bytes: int, api_key: str | None, body_timeout_s: float
+) -> None:
+    """The body-size and body-time limits and, with a key, the API-key check."""
     # Outermost first: the key check sees the request before the body is read.
-    app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes, timeout_s=body_timeout_s)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)

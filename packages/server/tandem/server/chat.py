@@ -7,6 +7,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi import Request
+
 from tandem.core import RequestOutput
 from tandem.server.chat_messages import template_messages
 from tandem.server.chat_output import ChoiceDelta, ChoiceReader, ToolCallDelta
@@ -22,10 +24,16 @@ from tandem.server.structured_outputs import compile_grammar, structured_output_
 from tandem.server.tool_parsers import tool_call_parser
 from tandem.server.tools import ToolPlan, plan_tools
 
-# Arguments of the template call that come from the request's own fields.
+# Arguments of the template call that come from the request's own fields, or that the
+# server sets (apply_chat_template's own, which would change what it returns).
 _RESERVED_TEMPLATE_ARGS = frozenset(
-    {"messages", "conversation", "add_generation_prompt", "chat_template", "tools", "tokenize"}
-)
+    {
+        "messages", "conversation", "add_generation_prompt", "chat_template", "tools",
+        "tokenize", "continue_final_message", "max_length", "padding", "return_dict",
+        "return_assistant_tokens_mask", "return_tensors", "time_limit_s", "tokenizer_kwargs",
+        "truncation",
+    }
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -35,13 +43,30 @@ class RenderedPrompt:
     generation_prompt: str
 
 
+def request_template(state: ServerState, template: str | None) -> str | None:
+    """The template a request brought, if the operator trusts request templates (a template
+    is code run on the server); ApiError (400) otherwise."""
+    if template is not None and not state.limits.trust_request_chat_template:
+        raise ApiError(
+            400,
+            "This server does not run chat templates sent with requests (a template is code "
+            "run on the server); leave chat_template out to use the server's. The operator "
+            "can allow them with --trust-request-chat-template.",
+            param="chat_template",
+        )
+    return template
+
+
 def render_chat(
     state: ServerState,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any],
     tools: list[dict[str, Any]] | None,
+    own_template: str | None = None,
 ) -> RenderedPrompt:
+    """The prompt ``messages`` become (run it off the event loop: a template is bounded only
+    by its time limit). ``own_template``: a trusted request's template."""
     tokenizer = state.engine.tokenizer
     taken = sorted(_RESERVED_TEMPLATE_ARGS.intersection(template_kwargs))
     if taken:
@@ -53,16 +78,23 @@ def render_chat(
     kwargs = dict(template_kwargs)
     if tools is not None:
         kwargs["tools"] = tools
-    template = state.chat.chat_template
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt, template, **kwargs)
+    template = own_template if own_template is not None else state.chat.chat_template
+    limit = state.limits.template_time_limit_s
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt, template, time_limit_s=limit, **kwargs
+    )
     generation_prompt = ""
     if add_generation_prompt and state.chat.reasoning_parser is not None:
-        bare = tokenizer.apply_chat_template(messages, False, template, **kwargs)
+        bare = tokenizer.apply_chat_template(
+            messages, False, template, time_limit_s=limit, **kwargs
+        )
         generation_prompt = text[len(bare) :] if text.startswith(bare) else text
     return RenderedPrompt(text, generation_prompt)
 
 
-async def create_chat_completion(state: ServerState, body: ChatCompletionRequest) -> Any:
+async def create_chat_completion(
+    state: ServerState, body: ChatCompletionRequest, request: Request | None = None
+) -> Any:
     check_request(state, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs=true.", param="top_logprobs")
@@ -82,13 +114,19 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         )
     spec = spec or plan.grammar
     template_kwargs = body.chat_template_kwargs or {}
-    prompt = render_chat(
-        state, messages, body.add_generation_prompt, template_kwargs, plan.template_tools
-    )
+    own_template = request_template(state, body.chat_template)
+
+    def render() -> tuple[RenderedPrompt, list[int]]:
+        prompt = render_chat(
+            state, messages, body.add_generation_prompt, template_kwargs, plan.template_tools,
+            own_template,
+        )  # fmt: skip
+        # The template writes the special tokens itself.
+        ids = state.engine.encode_prompt(prompt.text, param="messages", add_special_tokens=False)
+        return prompt, ids
+
+    prompt, prompt_ids = await state.preparer.run(render)
     tokenizer = state.engine.tokenizer
-    # The template writes the special tokens itself.
-    prompt_ids = tokenizer.encode(prompt.text, add_special_tokens=False)
-    state.engine.check_prompt_length(len(prompt_ids), param="messages")
     if spec is not None:
         await compile_grammar(state, spec)
     max_model_len = state.engine.max_model_len
@@ -124,7 +162,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         return response
 
     stream = shape.stream(jobs) if body.stream else None
-    return await respond(state, jobs, request_id, stream, complete)
+    return await respond(state, jobs, request_id, stream, complete, request)
 
 
 class _Shape:

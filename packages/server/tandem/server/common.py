@@ -7,6 +7,7 @@ import uuid
 from typing import Any
 
 from tandem.core import RequestOutput
+from tandem.core.failure_text import client_text
 from tandem.server.errors import ApiError, error_body
 from tandem.server.protocol import _SamplingFields
 from tandem.server.state import ServerState
@@ -54,18 +55,18 @@ def chunk_base(state: ServerState, request_id: str, obj: str, created: int) -> d
 
 def stream_failure(out: RequestOutput) -> dict[str, Any] | None:
     """The error event a stream ends with when its request failed or was aborted."""
-    if out.finish_reason not in ("error", "abort"):
-        return None
-    status = 500 if out.finish_reason == "error" else 503
-    message = out.error or "the request was aborted: the server is shutting down"
-    return error_body(status, f"Generation failed: {message}")
+    failed = failure([out])
+    return None if failed is None else failed[1]
 
 
 def failure(outputs: list[RequestOutput]) -> tuple[int, dict[str, Any]] | None:
-    """The error to answer with when a job could not finish normally, if any."""
+    """The error to answer with when a job could not finish normally, if any: 500 naming
+    the cause when the engine failed, 503 when the server aborted it (shutting down)."""
     for out in outputs:
         if out.finish_reason == "error":
-            return 500, error_body(500, f"Generation failed: {out.error}")
+            message = client_text(out.error or "the engine failed")
+            return 500, error_body(500, f"Generation failed: {message}")
         if out.finish_reason == "abort":
-            return 503, error_body(503, "The request was aborted: the server is shutting down.")
+            reason = client_text(out.error or "the server is shutting down")
+            return 503, error_body(503, f"The request was aborted: {reason}.")
     return None

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastapi import Request
+
 from tandem.core import RequestOutput
 from tandem.core.llm.engine import Prompt
 from tandem.core.llm.sequence import TokenLogprobs
@@ -36,7 +38,9 @@ def _prompts(body: CompletionRequest) -> list[Prompt]:
     return out
 
 
-async def create_completion(state: ServerState, body: CompletionRequest) -> Any:
+async def create_completion(
+    state: ServerState, body: CompletionRequest, request: Request | None = None
+) -> Any:
     check_request(state, body)
     requested = 16 if body.max_tokens is None else body.max_tokens
     if requested == 0 and not body.echo:
@@ -59,25 +63,39 @@ async def create_completion(state: ServerState, body: CompletionRequest) -> Any:
     prompt_logprobs = body.prompt_logprobs
     if prompt_logprobs is None and shape.score_prompt:
         prompt_logprobs = body.logprobs
+    engine = state.engine
+
+    def tokenize() -> tuple[list[list[int]], list[str]]:
+        """Each prompt's ids (text tokenized once for all n choices, after a size check)
+        and its echo: slow for long inputs, so never on the event loop."""
+        ids = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                ids.append(engine.encode_prompt(prompt))
+            else:
+                engine.check_prompt_length(len(prompt))
+                ids.append(prompt)
+        echoes = [
+            (p if isinstance(p, str) else engine.tokenizer.decode(i)) if body.echo else ""
+            for p, i in zip(prompts, ids, strict=True)
+        ]
+        return ids, echoes
+
+    prompt_ids, prompt_echoes = await state.preparer.run(tokenize)
     # Nothing to generate still takes one step: the one that computes the prompt.
     max_tokens = max(requested, 1)
     jobs = [
         Job(
             index=p * body.n + c,
-            prompt=prompt,
+            prompt=ids,
             params=sampling_params(
                 body, max_tokens, body.logprobs, c, prompt_logprobs, structured_output=spec
             ),
         )
-        for p, prompt in enumerate(prompts)
+        for p, ids in enumerate(prompt_ids)
         for c in range(body.n)
     ]
-    tokenizer = state.engine.tokenizer
-    shape.echoes = [
-        (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if body.echo else ""
-        for prompt in prompts
-        for _ in range(body.n)
-    ]
+    shape.echoes = [echo for echo in prompt_echoes for _ in range(body.n)]
     request_id = new_id("cmpl")
 
     def complete(outputs: list[RequestOutput], created: int) -> dict[str, Any]:
@@ -94,7 +112,7 @@ async def create_completion(state: ServerState, body: CompletionRequest) -> Any:
         }
 
     stream = shape.stream(jobs) if body.stream else None
-    return await respond(state, jobs, request_id, stream, complete)
+    return await respond(state, jobs, request_id, stream, complete, request)
 
 
 @dataclass

@@ -5,14 +5,24 @@ and of its final body."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
 
 from tandem.core import RequestOutput
 from tandem.server.common import chunk_base, failure, now, stream_failure, usage
-from tandem.server.generation import Job, final_outputs, merge_outputs, submit_jobs
+from tandem.server.errors import SafeJSONResponse, error_body, error_response
+from tandem.server.generation import (
+    Job,
+    RequestTimedOut,
+    final_outputs,
+    merge_outputs,
+    submit_jobs,
+)
 from tandem.server.sse import DONE, event
 from tandem.server.state import ServerState
 
@@ -46,20 +56,60 @@ async def respond(
     request_id: str,
     stream: StreamShape | None,
     complete: Callable[[list[RequestOutput], int], dict[str, Any]],
+    request: Request | None = None,
 ) -> Any:
     """Queue ``jobs`` now (a bad one fails the request before any response starts), then
-    stream with ``stream`` or answer ``complete(outputs, created)``."""
-    streams = submit_jobs(state, jobs, request_id)
+    stream with ``stream`` or answer ``complete(outputs, created)``. A non-streamed request
+    whose client goes away (``request`` disconnects) is aborted; so is any request past the
+    server's request timeout."""
+    streams = await submit_jobs(state, jobs, request_id)
     created = now()
+    limit = state.limits.request_timeout_s
+    deadline = None if limit is None else asyncio.get_running_loop().time() + limit
     if stream is not None:
         base = chunk_base(state, request_id, stream.obj, created)
-        events = _events(state, jobs, streams, stream, base)
+        events = _events(state, jobs, streams, stream, base, deadline)
         return StreamingResponse(events, media_type="text/event-stream")
-    outputs = await final_outputs(state, jobs, streams)
+    work = asyncio.ensure_future(final_outputs(state, jobs, streams, deadline))
+    try:
+        outputs = await _unless_disconnected(work, request)
+    except RequestTimedOut as exc:
+        return error_response(504, str(exc), code="timeout")
+    if outputs is None:
+        # Nobody reads this; the jobs were aborted when the client went away.
+        return Response(status_code=499)
     failed = failure(outputs)
     if failed is not None:
-        return JSONResponse(failed[1], status_code=failed[0])
+        return SafeJSONResponse(failed[1], status_code=failed[0])
     return complete(outputs, created)
+
+
+async def _unless_disconnected(
+    work: asyncio.Future[list[RequestOutput]], request: Request | None
+) -> list[RequestOutput] | None:
+    """``work``'s result, or None (``work`` cancelled, which aborts its jobs) once the
+    client of ``request`` disconnects first."""
+    if request is None:
+        return await work
+    gone = asyncio.ensure_future(_disconnected(request))
+    waiters: set[asyncio.Future[Any]] = {work, gone}
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body is read by then: what the connection
+    delivers next is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _events(
@@ -68,23 +118,30 @@ async def _events(
     streams: list[Any],
     shape: StreamShape,
     base: dict[str, Any],
+    deadline: float | None,
 ) -> AsyncGenerator[str, None]:
     for choice in shape.opening:
         yield event({**base, "choices": [choice]})
     prompt_tokens: dict[int, int] = {}
     completion_tokens = 0
-    async for index, out in merge_outputs(state, jobs, streams):
-        failed = stream_failure(out)
-        if failed is not None:
-            yield event(failed)
-            break
-        for choice in shape.chunks(index, out):
-            yield event({**base, "choices": [choice]})
-        if out.finished:
-            prompt_tokens[shape.prompt_of(index)] = len(out.prompt_token_ids)
-            completion_tokens += len(out.token_ids)
-    else:
-        if shape.include_usage:
-            totals = usage(sum(prompt_tokens.values()), completion_tokens)
-            yield event({**base, "choices": [], "usage": totals})
+    ended = True
+    try:
+        async with contextlib.aclosing(merge_outputs(state, jobs, streams, deadline)) as outputs:
+            async for index, out in outputs:
+                failed = stream_failure(out)
+                if failed is not None:
+                    yield event(failed)
+                    ended = False
+                    break
+                for choice in shape.chunks(index, out):
+                    yield event({**base, "choices": [choice]})
+                if out.finished:
+                    prompt_tokens[shape.prompt_of(index)] = len(out.prompt_token_ids)
+                    completion_tokens += len(out.token_ids)
+    except RequestTimedOut as exc:
+        yield event(error_body(504, str(exc), code="timeout"))
+        ended = False
+    if ended and shape.include_usage:
+        totals = usage(sum(prompt_tokens.values()), completion_tokens)
+        yield event({**base, "choices": [], "usage": totals})
     yield DONE

@@ -3,6 +3,7 @@ OpenAI uses, for every way a request can go wrong."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -11,7 +12,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.core import EngineDeadError, InvalidRequestError
+from tandem.core import InvalidRequestError
+from tandem.core.errors import EngineOverloadedError, EngineUnhealthyError
+from tandem.core.failure_text import client_text
 
 logger = logging.getLogger(__name__)
 
@@ -20,10 +23,21 @@ _TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable",
+    504: "timeout_error",
 }
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON whose text may hold a lone surrogate (echoed from a request): written as its
+    JSON escape instead of failing to encode (a 500 and a dropped connection)."""
+
+    def render(self, content: Any) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return text.encode("utf-8", "backslashreplace")
 
 
 class ApiError(Exception):
@@ -51,9 +65,29 @@ def error_body(
 
 
 def error_response(
-    status: int, message: str, param: str | None = None, code: str | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+    return SafeJSONResponse(
+        error_body(status, message, param, code), status_code=status, headers=headers
+    )
+
+
+def unavailable_response(error: EngineUnhealthyError) -> JSONResponse:
+    """503 for an engine that cannot serve (dead, stuck, shutting down), saying why."""
+    return error_response(503, f"The engine is not running: {client_text(str(error))}")
+
+
+def overloaded_response(error: EngineOverloadedError) -> JSONResponse:
+    return error_response(
+        503,
+        client_text(str(error)),
+        code="overloaded",
+        headers={"Retry-After": str(error.retry_after_s)},
+    )
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -66,11 +100,14 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # Only the top-level field: deeper entries mix in pydantic's union-branch names.
     param = loc[0] if loc else None
+    if first.get("type") == "missing" and param is None:
+        return "The request body is empty: send a JSON object.", None
     if first.get("type") == "missing":
         return f"Missing required parameter: '{param}'.", param
     if first.get("type") == "model_attributes_type":
         return "The request body must be a JSON object.", None
-    return f"Invalid value for '{param}': {first.get('msg', 'invalid')}.", param
+    reason = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    return f"Invalid value for '{param}': {reason}.", param
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -87,9 +124,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return error_response(400, str(exc), exc.param)
 
-    @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, f"The engine is not running: {exc}")
+    @app.exception_handler(EngineUnhealthyError)
+    async def _dead(_: Request, exc: EngineUnhealthyError) -> JSONResponse:
+        return unavailable_response(exc)
+
+    @app.exception_handler(EngineOverloadedError)
+    async def _overloaded(_: Request, exc: EngineOverloadedError) -> JSONResponse:
+        return overloaded_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

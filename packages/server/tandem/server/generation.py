@@ -11,10 +11,21 @@ from dataclasses import dataclass
 from tandem.core import RequestOutput, SamplingParams
 from tandem.core.llm.engine import Prompt
 from tandem.core.llm.engine_loop import RequestStream
+from tandem.core.llm.sequence import TokenSequence
 from tandem.core.llm.structured_output_spec import StructuredOutputSpec
 from tandem.server.errors import ApiError
 from tandem.server.protocol import _SamplingFields
 from tandem.server.state import ServerState
+
+
+class RequestTimedOut(Exception):
+    """The request ran past the server's --request-timeout-s; its jobs were aborted."""
+
+    def __init__(self, limit_s: float) -> None:
+        super().__init__(
+            f"The request ran longer than this server's limit of {limit_s:g} s "
+            "(--request-timeout-s) and was stopped."
+        )
 
 
 def sampling_params(
@@ -70,15 +81,22 @@ class Job:
     params: SamplingParams
 
 
-def submit_jobs(state: ServerState, jobs: list[Job], request_id: str) -> list[RequestStream]:
-    """Queue every job now, so a bad one fails the whole request before any response starts."""
+async def submit_jobs(state: ServerState, jobs: list[Job], request_id: str) -> list[RequestStream]:
+    """Queue every job now, so a bad one fails the whole request before any response starts.
+    Tokenizing and checking them runs off the event loop."""
     engine = state.async_engine
+
+    def prepare() -> list[TokenSequence]:
+        return [
+            engine.engine.prepare_request(f"{request_id}-{job.index}", job.prompt, job.params)
+            for job in jobs
+        ]
+
+    prepared = await state.preparer.run(prepare)
     streams: list[RequestStream] = []
     try:
-        for job in jobs:
-            streams.append(
-                engine.submit(job.prompt, job.params, request_id=f"{request_id}-{job.index}")
-            )
+        for seq in prepared:
+            streams.append(engine.enqueue(seq))
     except BaseException:
         for stream in streams:
             stream.close()
@@ -87,21 +105,22 @@ def submit_jobs(state: ServerState, jobs: list[Job], request_id: str) -> list[Re
 
 
 async def final_outputs(
-    state: ServerState, jobs: list[Job], streams: list[RequestStream]
+    state: ServerState, jobs: list[Job], streams: list[RequestStream], deadline: float | None
 ) -> list[RequestOutput]:
     """Each job's last output, in job order."""
     finals: dict[int, RequestOutput] = {}
-    async for index, out in merge_outputs(state, jobs, streams):
+    async for index, out in merge_outputs(state, jobs, streams, deadline):
         if out.finished:
             finals[index] = out
     return [finals[job.index] for job in jobs]
 
 
 async def merge_outputs(
-    state: ServerState, jobs: list[Job], streams: list[RequestStream]
+    state: ServerState, jobs: list[Job], streams: list[RequestStream], deadline: float | None
 ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Outputs of all jobs as they come, tagged with the job's index, with metrics recorded.
-    Leaving early (the client went away) aborts every unfinished job."""
+    Leaving early (the client went away) aborts every unfinished job; so does passing
+    ``deadline`` (event-loop time), which raises RequestTimedOut."""
     queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
@@ -116,8 +135,16 @@ async def merge_outputs(
     last_token_time: dict[int, float] = {}
     try:
         remaining = len(tasks)
+        aio = asyncio.get_running_loop()
         while remaining:
-            index, out = await queue.get()
+            if deadline is None:
+                index, out = await queue.get()
+            else:
+                try:
+                    index, out = await asyncio.wait_for(queue.get(), deadline - aio.time())
+                except asyncio.TimeoutError:
+                    limit = state.limits.request_timeout_s
+                    raise RequestTimedOut(limit or 0.0) from None
             if out is None:
                 remaining -= 1
                 continue

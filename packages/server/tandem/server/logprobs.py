@@ -58,8 +58,9 @@ def generated(entries: list[TokenLogprobs]) -> list[tuple[int, TokenLogprobs | N
 
 def chat_logprobs(names: TokenNames, entries: list[TokenLogprobs]) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = names(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        # The token's own bytes: a token holding part of a character has no text of its own.
+        raw = list(names.tokenizer.token_bytes(token_id))
+        return {"token": names(token_id), "logprob": logprob, "bytes": raw}
 
     return {
         "content": [

@@ -1,17 +1,50 @@
 """OpenAI request bodies, validated with the limits OpenAI documents, plus vLLM's extensions
 (top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
 include_stop_str_in_output, prompt_logprobs, structured_outputs and the older guided_*,
-chat_template_kwargs, return_tokens_as_token_ids)."""
+chat_template, chat_template_kwargs, return_tokens_as_token_ids). Every field is range-checked
+here, at the edge: numbers must fit the tensors they end up in, strings must be valid Unicode
+(JSON lets a lone surrogate through; nothing downstream can encode it)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, StrictBool
 
-from tandem.core.llm.sampling_params import MAX_LOGPROBS, MAX_REPETITION_PENALTY
+from tandem.core.llm.sampling_params import MAX_INT, MAX_LOGPROBS, MAX_REPETITION_PENALTY
 
-Number = float
+
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (it holds a lone surrogate)") from None
+    return text
+
+
+def _valid_json_text(value: Any) -> Any:
+    """Every string in a JSON value (keys included) is valid Unicode."""
+    if isinstance(value, str):
+        _valid_unicode(value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _valid_json_text(key)
+            _valid_json_text(item)
+    elif isinstance(value, list):
+        for item in value:
+            _valid_json_text(item)
+    return value
+
+
+# A string that is valid Unicode; a number that is a JSON number (not "0.5", not true); an
+# integer; a token id that fits the engine's tensors; any JSON object whose text is valid.
+StrictStr = Annotated[str, Strict(), AfterValidator(_valid_unicode)]
+Number = Annotated[float, Strict()]
+StrictInt = Annotated[int, Strict()]
+TokenId = Annotated[int, Strict(), Field(ge=0, le=MAX_INT)]
+JsonObject = Annotated[dict[StrictStr, Any], AfterValidator(_valid_json_text)]
+# Stop strings and stop token ids a request may give.
+MAX_STOPS = 64
 
 
 class _Request(BaseModel):
@@ -27,7 +60,7 @@ class JsonSchemaFormat(_Request):
     name: StrictStr = Field(min_length=1, max_length=64)
     description: StrictStr | None = None
     # "schema" would shadow pydantic's own attribute of that name.
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: JsonObject | None = Field(default=None, alias="schema")
     strict: StrictBool | None = None
 
 
@@ -39,7 +72,7 @@ class ResponseFormat(_Request):
 class StructuredOutputsParams(_Request):
     """vLLM's structured_outputs: exactly one of its constraints."""
 
-    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    json_: JsonObject | StrictStr | None = Field(default=None, alias="json")
     regex: StrictStr | None = None
     choice: list[StrictStr] | None = Field(default=None, min_length=1)
     grammar: StrictStr | None = None
@@ -50,11 +83,11 @@ class _SamplingFields(_Request):
     model: StrictStr
     temperature: Number | None = Field(default=None, ge=0.0, le=2.0)
     top_p: Number | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: StrictInt | None = Field(default=None, ge=-1)
+    top_k: StrictInt | None = Field(default=None, ge=-1, le=MAX_INT)
     n: StrictInt = Field(default=1, ge=1, le=16)
     seed: StrictInt | None = Field(default=None, ge=0, lt=2**63)
-    stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOPS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOPS)] | None = None
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -62,15 +95,15 @@ class _SamplingFields(_Request):
     frequency_penalty: Number | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: Number | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
     min_p: Number | None = Field(default=None, ge=0.0, le=1.0)
-    min_tokens: StrictInt = Field(default=0, ge=0)
+    min_tokens: StrictInt = Field(default=0, ge=0, le=MAX_INT)
     # Token ids (as strings, as OpenAI sends them) -> bias; each checked in generation.py.
-    logit_bias: dict[str, Number] | None = None
+    logit_bias: dict[StrictStr, Number] | None = None
     include_stop_str_in_output: StrictBool = False
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: StrictBool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
-    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_json: JsonObject | StrictStr | None = None
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = Field(default=None, min_length=1)
     guided_grammar: StrictStr | None = None
@@ -78,9 +111,9 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
     # 0 only with echo: the prompt scored, nothing generated (what evaluation harnesses send).
-    max_tokens: StrictInt | None = Field(default=16, ge=0)
+    max_tokens: StrictInt | None = Field(default=16, ge=0, le=MAX_INT)
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     echo: StrictBool = False
 
@@ -141,7 +174,7 @@ class ChatMessage(_Request):
 class FunctionDefinition(_Request):
     name: StrictStr = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
     description: StrictStr | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JsonObject | None = None
     strict: StrictBool | None = None
 
 
@@ -161,14 +194,17 @@ class NamedToolChoice(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_INT)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_INT)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    # A template of the request's own: refused unless the operator trusts request templates
+    # (--trust-request-chat-template).
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: JsonObject | None = None
     add_generation_prompt: StrictBool = True
 
 
@@ -182,9 +218,9 @@ class TokenizeRequest(_Request):
     add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False
     tools: list[ChatTool] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JsonObject | None = None
 
 
 class DetokenizeRequest(_Request):
     model: StrictStr | None = None
-    tokens: list[StrictInt]
+    tokens: list[TokenId]

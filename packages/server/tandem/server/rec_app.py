@@ -8,19 +8,26 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Annotated, Any, TypeVar
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from tandem.core.rec.request import RecResult
+from tandem.core.errors import EngineDeadError
+from tandem.core.failure_text import client_text
+from tandem.core.llm.sampling_params import MAX_INT
+from tandem.core.models.rec_config import RecModelConfig
+from tandem.core.rec.request import MAX_CANDIDATES, RecResult
 from tandem.core.rec.service import RecService
 from tandem.device.sync import Promise
-from tandem.server.app import add_health_and_metrics, add_limits
+from tandem.server.app import add_health_and_metrics, add_limits, new_app
 from tandem.server.common import check_model, new_id, now
-from tandem.server.errors import install_error_handlers
+from tandem.server.errors import ApiError
+from tandem.server.openapi import MODELS_RESPONSES, RecommendationResponse, post_responses
+from tandem.server.protocol import StrictInt, StrictStr
+from tandem.server.state import ServerLimits
 
 T = TypeVar("T")
 
@@ -30,8 +37,21 @@ class RecommendationRequest(BaseModel):
 
     model: StrictStr
     # Oldest first: each item is one semantic id per codebook level.
-    history: list[list[StrictInt]]
-    num_candidates: StrictInt = 10
+    history: list[list[Annotated[StrictInt, Field(ge=0, le=MAX_INT)]]]
+    num_candidates: StrictInt = Field(default=10, ge=1, le=MAX_CANDIDATES)
+
+
+def request_model_for(model: RecModelConfig) -> type[RecommendationRequest]:
+    """The request body as this model reads it (items of ``num_codebooks`` ids below
+    ``codebook_size``, at most ``max_history`` of them), so the published schema says so."""
+    code = Annotated[StrictInt, Field(ge=0, lt=model.codebook_size)]
+    item = Annotated[list[code], Field(min_length=model.num_codebooks,
+                                       max_length=model.num_codebooks)]  # fmt: skip
+    history = Annotated[list[item], Field(min_length=1, max_length=model.max_history)]
+    made: type[RecommendationRequest] = create_model(
+        "RecommendationRequest", __base__=RecommendationRequest, history=(history, ...)
+    )
+    return made
 
 
 class RecMetrics:
@@ -69,6 +89,7 @@ class RecServerState:
     metrics: RecMetrics
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
 
 async def _await(promise: Promise[T]) -> T:
@@ -113,12 +134,10 @@ def create_rec_app(state: RecServerState) -> FastAPI:
         yield
         service.shutdown()
 
-    app = FastAPI(title="Tandem", lifespan=lifespan, docs_url=None, redoc_url=None)
-    install_error_handlers(app)
-
+    app = new_app(lifespan)
     add_health_and_metrics(app, service.check_health, state.metrics.render)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=MODELS_RESPONSES)
     async def models() -> dict[str, Any]:
         mc = service.model_config
         card = {
@@ -134,14 +153,27 @@ def create_rec_app(state: RecServerState) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/recommendations")
     async def recommend(body: RecommendationRequest) -> dict[str, Any]:
         check_model(state.served_model_name, body.model)
         start = time.perf_counter()
         name = state.metrics.model_name
+        limit = state.limits.request_timeout_s
         try:
             promise = service.submit(body.history, body.num_candidates, new_id("rec"))
-            result = await _await(promise)
+            # A batch runs its rounds to the end; past the limit its result is dropped.
+            result = await asyncio.wait_for(_await(promise), limit)
+        except EngineDeadError as exc:
+            # Queued, then the engine failed under it (one that failed before answers 503).
+            state.metrics.requests.labels(name, "error").inc()
+            raise ApiError(500, f"Recommendation failed: {client_text(str(exc))}") from None
+        except asyncio.TimeoutError:
+            state.metrics.requests.labels(name, "timeout").inc()
+            raise ApiError(
+                504,
+                f"The request ran longer than this server's limit of {limit:g} s "
+                "(--request-timeout-s) and was stopped.",
+                code="timeout",
+            ) from None
         except Exception:
             state.metrics.requests.labels(name, "error").inc()
             raise
@@ -149,5 +181,12 @@ def create_rec_app(state: RecServerState) -> FastAPI:
         state.metrics.latency.labels(name).observe(time.perf_counter() - start)
         return _response(result, state.served_model_name, len(body.history))
 
-    add_limits(app, state.max_body_bytes, state.api_key)
+    # Validated (and published) as this model reads it.
+    recommend.__annotations__["body"] = request_model_for(service.model_config)
+    app.post(
+        "/v1/recommendations",
+        responses=post_responses(RecommendationResponse, streams=False),
+    )(recommend)
+
+    add_limits(app, state.max_body_bytes, state.api_key, state.limits.body_timeout_s)
     return app

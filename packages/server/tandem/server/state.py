@@ -6,6 +6,23 @@ from dataclasses import dataclass, field
 
 from tandem.core import AsyncEngine, EngineLoop, LLMEngine
 from tandem.server.metrics import ServerMetrics
+from tandem.server.preparer import RequestPreparer
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What bounds one request's time and what it may bring, besides the body size."""
+
+    # Wall-clock seconds a request may take from arrival to its last byte (None: no limit);
+    # past it the request is aborted and answered 504 (--request-timeout-s).
+    request_timeout_s: float | None = None
+    # Seconds the whole request body may take to arrive (408 after).
+    body_timeout_s: float = 30.0
+    # Run chat templates that requests bring (--trust-request-chat-template): a template is
+    # code, and the model's own is the only one trusted by default.
+    trust_request_chat_template: bool = False
+    # Seconds a chat template may take to render before it is stopped (400).
+    template_time_limit_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -29,6 +46,8 @@ class ServerState:
     # Further names clients may send (vLLM's --served-model-name A B ...).
     model_aliases: tuple[str, ...] = ()
     chat: ChatConfig = field(default_factory=ChatConfig)
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    preparer: RequestPreparer = field(default_factory=RequestPreparer)
 
     @property
     def engine(self) -> LLMEngine:

@@ -14,6 +14,7 @@ from tandem.server.state import ServerState
 
 
 def tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:
+    """(Runs on the preparer's threads: templates and long prompts take time.)"""
     if body.model is not None:
         check_model(state.served_model_name, body.model, state.model_aliases)
     tokenizer = state.engine.tokenizer
@@ -29,11 +30,12 @@ def tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:
             tools,
         )
         # The template writes the special tokens; add none unless asked.
-        tokens = tokenizer.encode(prompt.text, add_special_tokens=bool(body.add_special_tokens))
+        add = bool(body.add_special_tokens)
+        tokens = state.engine.encode_prompt(prompt.text, "messages", add, check_length=False)
     else:
         assert body.prompt is not None
         add = True if body.add_special_tokens is None else body.add_special_tokens
-        tokens = tokenizer.encode(body.prompt, add_special_tokens=add)
+        tokens = state.engine.encode_prompt(body.prompt, "prompt", add, check_length=False)
     return {
         "count": len(tokens),
         "max_model_len": state.engine.max_model_len,

@@ -221,12 +221,17 @@ class LLMEngine:
                     f"{name} names token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
                     param=name,
                 )
+
     def encode_prompt(
-        self, text: str, param: str = "prompt", add_special_tokens: bool = True
+        self,
+        text: str,
+        param: str = "prompt",
+        add_special_tokens: bool = True,
+        check_length: bool = True,
     ) -> list[int]:
         """``text``'s token ids, after a length check: a text too long for the context by
         its size alone is refused before it is tokenized (which would take seconds and
-        hundreds of MB for megabytes of text)."""
+        hundreds of MB for megabytes of text); so are its tokens, with ``check_length``."""
         # Normalization may shrink text (NFC composes characters, at most ~3x): the slack
         # keeps the bound from refusing a text that would fit.
         limit = 4 * self.tokenizer.max_token_bytes * self.max_model_len
@@ -243,7 +248,8 @@ class LLMEngine:
                 param=param,
             )
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        self.check_prompt_length(len(ids), param)
+        if check_length:
+            self.check_prompt_length(len(ids), param)
         return ids
 
     def check_prompt_length(self, num_tokens: int, param: str = "prompt") -> None:

@@ -32,9 +32,11 @@ def apply_top_k_top_p(
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     drop = ranks >= k.unsqueeze(1)
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    # Keep a token while the mass before it is below top_p; the first token always stays.
+    # Keep a token while the mass before it is below top_p; the first token always stays
+    # (a top_p below float32's smallest normal rounds to 0, which would drop every token).
     mass_before = probs.cumsum(dim=-1) - probs
     drop |= mass_before >= top_p.unsqueeze(1)
+    drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 

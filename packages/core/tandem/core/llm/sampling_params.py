@@ -14,6 +14,11 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 # Beyond this a penalty only erases every seen token; bounded so a typo is caught.
 MAX_REPETITION_PENALTY = 100.0
+# Bound of integer fields (token counts, top_k, token ids): well inside int64 tensors.
+MAX_INT = 2**31 - 1
+# Temperatures below this sample greedily: dividing logits by less overflows float32 (vLLM's
+# threshold too).
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -59,7 +64,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:
@@ -70,39 +75,26 @@ class SamplingParams:
         )
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            raise InvalidRequestError("max_tokens must be an integer", param="max_tokens")
-        if self.max_tokens < 1:
-            raise InvalidRequestError(
-                f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens"
-            )
-        if not 0.0 <= self.temperature <= 100.0 or self.temperature != self.temperature:
-            raise InvalidRequestError(
-                f"temperature must be in [0, 100], got {self.temperature}", param="temperature"
-            )
-        if not 0.0 < self.top_p <= 1.0:
+        """InvalidRequestError, naming the field, for any value out of range: every value
+        must also fit the tensors the step is built from (int64, float32)."""
+        _check_int("max_tokens", self.max_tokens, low=1, high=MAX_INT)
+        _check_float("temperature", self.temperature, low=0.0, high=100.0)
+        _check_float("top_p", self.top_p, low=0.0, high=1.0)
+        if self.top_p == 0.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
-        if self.top_k < -1:
-            raise InvalidRequestError(
-                f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}", param="top_k"
-            )
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}", param="seed")
+        # -1 and 0 both disable the cut.
+        _check_int("top_k", self.top_k, low=-1, high=MAX_INT)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0, high=2**63 - 1)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must hold non-empty strings", param="stop")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError(
-                "stop_token_ids must hold non-negative integers", param="stop_token_ids"
-            )
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequestError(
-                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs"
-            )
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise InvalidRequestError(
-                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
-                param="prompt_logprobs",
-            )
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids", token, low=0, high=MAX_INT)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
+        _check_int("min_tokens", self.min_tokens, low=0, high=MAX_INT)
         self._validate_logit_processing()
 
     def _validate_logit_processing(self) -> None:
@@ -124,7 +116,7 @@ class SamplingParams:
                 param="min_tokens",
             )
         for token, bias in self.logit_bias.items():
-            if not isinstance(token, int) or token < 0:
+            if not isinstance(token, int) or not 0 <= token <= MAX_INT:
                 raise InvalidRequestError(
                     f"logit_bias keys must be token ids (non-negative integers), got {token!r}",
                     param="logit_bias",
@@ -135,3 +127,19 @@ class SamplingParams:
                     f"got {bias} for token {token}",
                     param="logit_bias",
                 )
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
+    if low == 1 and value < 1:
+        raise InvalidRequestError(f"{name} must be at least 1, got {value}", param=name)
+    if not low <= value <= high:
+        raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {value}", param=name)
+
+
+def _check_float(name: str, value: object, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(f"{name} must be a number, got {value!r}", param=name)
+    if not low <= value <= high:  # NaN fails this too
+        raise InvalidRequestError(f"{name} must be in [{low:g}, {high:g}], got {value}", param=name)

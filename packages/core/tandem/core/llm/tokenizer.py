@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import re
 import threading
+from collections.abc import Iterator
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, cast
 
 from tandem.core.errors import InvalidRequestError, ModelLoadError
+from tandem.core.failure_text import client_text
+from tandem.core.llm.time_limit import TimeLimitExceeded, time_limit
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +50,10 @@ class Tokenizer:
         backend = getattr(tok, "backend_tokenizer", None)
         cleanup = bool(getattr(tok, "clean_up_tokenization_spaces", False))
         self._fast_decode = None if cleanup or backend is None else backend.decode
+        # The longest vocabulary entry in UTF-8 bytes bounds how much text one token covers:
+        # a text of more than max_token_bytes * N bytes has more than N tokens.
+        self.max_token_bytes = max((len(t.encode("utf-8")) for t in tok.get_vocab()), default=1)
+        self._byte_level = backend is not None and _is_byte_level(backend.to_str())
 
     @property
     def backend(self) -> Any:
@@ -88,6 +99,20 @@ class Tokenizer:
                 return str(self._tok.convert_ids_to_tokens(token_id))
         return text
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (part of a character, for some), as logprobs'
+        ``bytes`` report them."""
+        with self._lock:
+            piece = str(self._tok.convert_ids_to_tokens(token_id))
+        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        if byte is not None:
+            return bytes([int(byte.group(1), 16)])
+        decoder = _byte_decoder()
+        if self._byte_level and all(c in decoder for c in piece):
+            return bytes(decoder[c] for c in piece)
+        # SentencePiece marks a leading space with U+2581.
+        return piece.replace("\u2581", " ").encode("utf-8")
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 
@@ -96,10 +121,12 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        time_limit_s: float | None = None,
         **template_kwargs: Any,
     ) -> str:
         """The prompt text of ``messages``, rendered by ``chat_template`` (the server's
-        --chat-template) or else the model's own."""
+        --chat-template, or a trusted request's) or else the model's own; InvalidRequestError
+        if the template fails or runs longer than ``time_limit_s`` (it is stopped then)."""
         if chat_template is None and not self.has_chat_template:
             raise InvalidRequestError(
                 "this model has no chat template: start the server with --chat-template FILE, "
@@ -107,7 +134,8 @@ class Tokenizer:
                 param="messages",
             )
         try:
-            with self._lock:
+            # Rendering touches Jinja only, not the Rust tokenizer the lock guards.
+            with time_limit(time_limit_s) if time_limit_s is not None else _no_limit():
                 text = self._tok.apply_chat_template(
                     messages,
                     tokenize=False,
@@ -115,8 +143,40 @@ class Tokenizer:
                     chat_template=chat_template,
                     **template_kwargs,
                 )
+        except TimeLimitExceeded:
+            raise InvalidRequestError(
+                f"the chat template ran longer than {time_limit_s:g} s and was stopped",
+                param="messages",
+            ) from None
         except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
             raise InvalidRequestError(
-                f"the chat template failed: {exc}", param="messages"
+                f"the chat template failed: {client_text(str(exc))}", param="messages"
             ) from None
         return str(text)
+
+
+@contextlib.contextmanager
+def _no_limit() -> Iterator[None]:
+    yield
+
+
+def _is_byte_level(tokenizer_json: str) -> bool:
+    """Whether the tokenizer's decoder maps bytes to characters the GPT-2 way."""
+    decoder = json.loads(tokenizer_json).get("decoder") or {}
+    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    return any(isinstance(p, dict) and p.get("type") == "ByteLevel" for p in parts)
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-to-character table, inverted: printable bytes stand for themselves, the
+    others for the characters from U+0100 up."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
