@@ -20,7 +20,8 @@ from tandem.server.cli.chat_args import add_chat_args, chat_config_from_args
 from tandem.server.cli.engine_args import add_engine_args, engine_config_from_args
 from tandem.server.metrics import ServerMetrics
 from tandem.server.rec_app import RecMetrics, RecServerState, create_rec_app
-from tandem.server.state import ServerState
+from tandem.server.state import ServerLimits, ServerState
+from tandem.server.supervision import EXIT_ENGINE_FAILED, SupervisedServer
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,35 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
         "--shutdown-timeout",
         type=float,
         default=10.0,
-        help="seconds in-flight requests get to finish on SIGINT/SIGTERM",
+        help="seconds the connections get to drain on SIGINT/SIGTERM (requests still "
+        "generating are answered with an error first)",
+    )
+    p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=None,
+        help="wall-clock seconds a request may take; past it, it is aborted and answered "
+        "504 (default: no limit)",
+    )
+    p.add_argument(
+        "--request-body-timeout-s",
+        type=float,
+        default=30.0,
+        help="seconds a request body may take to arrive before it is answered 408",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="run chat templates that requests bring (chat_template); a template is code, "
+        "so by default only the model's own runs",
+    )
+    p.add_argument(
+        "--exit-on-engine-failure",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"once the engine fails, drain and exit with status {EXIT_ENGINE_FAILED} so a "
+        "supervisor restarts the server (--no-exit-on-engine-failure keeps it up, answering "
+        "503, for debugging)",
     )
     add_chat_args(p)
     add_engine_args(p)
@@ -105,14 +134,27 @@ def apply_model_tag(args: argparse.Namespace) -> None:
     args.model = args.model_tag
 
 
+def _limits(args: argparse.Namespace) -> ServerLimits:
+    for name in ("request_timeout_s", "request_body_timeout_s"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    return ServerLimits(
+        request_timeout_s=args.request_timeout_s,
+        body_timeout_s=args.request_body_timeout_s,
+        trust_request_chat_template=args.trust_request_chat_template,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     apply_model_tag(args)
+    limits = _limits(args)
     config = engine_config_from_args(args)
     folder = Path(config.model.model)
     names = args.served_model_name or [folder.resolve().name]
     name = names[0]
     if is_rec_folder(folder):
-        return _serve_rec(args, config, name)
+        return _serve_rec(args, config, name, limits)
     if config.parallel.node_rank > 0:
         # Node 0 serves HTTP; this node only lends its devices.
         run_follower(config, LLMRunnerFactory.from_folder(Path(config.model.model)))
@@ -130,15 +172,28 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=int(args.max_request_body_mb * (1 << 20)),
         model_aliases=tuple(names[1:]),
         chat=chat_config,
+        limits=limits,
     )
-    server = _uvicorn(create_app(state), args)
+    server = SupervisedServer(
+        _uvicorn_config(create_app(state), args),
+        abort_all=loop.abort_all,
+        engine_failure=lambda: engine.dead,
+        exit_on_engine_failure=args.exit_on_engine_failure,
+    )
     logger.info("serving %s as %r on http://%s:%d", folder, name, args.host, args.port)
     try:
         _run_server(server)
     finally:
         loop.stop()
-    logger.info("server stopped")
-    return 0
+    return _stopped(server)
+
+
+def _stopped(server: SupervisedServer) -> int:
+    if server.failure is not None:
+        logger.error("server stopped: the engine failed (%s)", server.failure)
+    else:
+        logger.info("server stopped")
+    return server.exit_code
 
 
 def _run_server(server: uvicorn.Server) -> None:
@@ -150,19 +205,19 @@ def _run_server(server: uvicorn.Server) -> None:
     server.run()
 
 
-def _uvicorn(app: Any, args: argparse.Namespace) -> uvicorn.Server:
-    return uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level="warning",
-            timeout_graceful_shutdown=int(args.shutdown_timeout),
-        )
+def _uvicorn_config(app: Any, args: argparse.Namespace) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=int(args.shutdown_timeout),
     )
 
 
-def _serve_rec(args: argparse.Namespace, config: EngineConfig, name: str) -> int:
+def _serve_rec(
+    args: argparse.Namespace, config: EngineConfig, name: str, limits: ServerLimits
+) -> int:
     """A generative recommender: the fixed-steps engine behind /v1/recommendations."""
     service = RecService(config)
     state = RecServerState(
@@ -171,13 +226,18 @@ def _serve_rec(args: argparse.Namespace, config: EngineConfig, name: str) -> int
         metrics=RecMetrics(service, name),
         api_key=args.api_key,
         max_body_bytes=int(args.max_request_body_mb * (1 << 20)),
+        limits=limits,
     )
-    server = _uvicorn(create_rec_app(state), args)
+    server = SupervisedServer(
+        _uvicorn_config(create_rec_app(state), args),
+        abort_all=service.refuse_new,
+        engine_failure=lambda: service.dead,
+        exit_on_engine_failure=args.exit_on_engine_failure,
+    )
     logger.info("serving recommender %s as %r on http://%s:%d", config.model.model, name,
                 args.host, args.port)  # fmt: skip
     try:
         _run_server(server)
     finally:
         service.shutdown()
-    logger.info("server stopped")
-    return 0
+    return _stopped(server)
