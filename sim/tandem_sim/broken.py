@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from tandem.core.executor.thread_executor import ThreadExecutor
 from tandem.core.llm.engine import LLMEngine
+from tandem.core.llm.outputs import RequestOutput
 from tandem.core.llm.scheduler import SchedulerOutput
+from tandem.core.rec.engine import RecEngine
 from tandem.core.worker.lane_stager import LaneStager
 from tandem.device.kernel_registry import KernelKey
 from tandem.device.scratch_allocator import ScratchBlock
@@ -67,3 +71,33 @@ class DecodeOnlyEngine(LLMEngine):
             return self.scheduler.schedule(), True
         share = -(-self.scheduler.num_running // self.config.pipeline.max_concurrency)
         return self.scheduler.schedule_decodes(exclude=self._busy_ids(), max_seqs=share), False
+
+
+class LeakyAbortEngine(LLMEngine):
+    """An abort that takes the request out of the queues but forgets its KV blocks."""
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort", free_blocks=False)
+        out = self._finish_output(seq)
+        self._publish_stats()
+        return out
+
+
+class NoAbortExecutor(ThreadExecutor[Any, Any]):
+    """A failure path that never aborts the communicator: ranks in a collective with the
+    failed one wait out the timeout (300 s) instead of being released."""
+
+    def _abort_lane(self, lane: int, reason: str) -> None:
+        return None
+
+
+class FailureForgetsBatchesEngine(RecEngine):
+    """On failure, fails the waiting requests but forgets the batches in flight: their
+    requests never get an answer and their blocks stay reserved."""
+
+    def _fail_everything(self, error: BaseException) -> None:
+        for request in self.scheduler.remove_waiting():
+            request.result.set_exception(error)

@@ -40,9 +40,17 @@ from tandem.device import Device, KernelKey, KernelRegistry
 from tandem.device.scratch_allocator import ScratchAllocator
 from tandem.device.sync import REAL_SYNC, Promise
 from tandem.device.task_thread import TaskThread
-from tandem_sim.broken import DecodeOnlyEngine, UnrecordedStager, UnsynchronizedRegistry
+from tandem_sim.broken import (
+    DecodeOnlyEngine,
+    FailureForgetsBatchesEngine,
+    LeakyAbortEngine,
+    NoAbortExecutor,
+    UnrecordedStager,
+    UnsynchronizedRegistry,
+)
 from tandem_sim.fake_collectives import FakeBackend
 from tandem_sim.fake_runtime import FakeNpuRuntime
+from tandem_sim.lifecycle import RANK_FAULT, REC_FAULT, engine_lifecycle, rec_lifecycle
 from tandem_sim.scheduler import DeterministicScheduler
 
 Scenario = Callable[[DeterministicScheduler], None]
@@ -554,5 +562,27 @@ SCENARIOS: dict[str, ScenarioSpec] = {
         ScenarioSpec("shared_cache_across_streams", partial(shared_cache_across_streams,
                      shared=False), "each pipeline lane stages through its own cache",
                      broken=False),
+        ScenarioSpec("engine_lifecycle", engine_lifecycle, "the whole LLM engine, TP=2: "
+                     "arrivals, aborts, preemption; every request ends once, every block free, "
+                     "tokens as alone", broken=False),
+        ScenarioSpec("engine_lifecycle_rank_fails", partial(engine_lifecycle,
+                     faults=RANK_FAULT), "the same with rank 1's collective failing mid-step: "
+                     "every request fails naming rank 1, at once, nothing blocked",
+                     broken=False),
+        ScenarioSpec("engine_lifecycle_abort_leaks_blocks", partial(engine_lifecycle,
+                     engine_class=LeakyAbortEngine), "an abort that forgets the request's KV "
+                     "blocks", broken=True),
+        ScenarioSpec("engine_lifecycle_no_communicator_abort", partial(engine_lifecycle,
+                     faults=RANK_FAULT, executor_class=NoAbortExecutor), "a failure path that "
+                     "skips the communicator abort: the other rank waits out the timeout",
+                     broken=True),
+        ScenarioSpec("rec_lifecycle", rec_lifecycle, "the whole recommender, TP=2, two lanes, "
+                     "requests waiting for blocks: every request answered once, every block, "
+                     "lane and lane state free, results as alone", broken=False),
+        ScenarioSpec("rec_lifecycle_rank_fails", partial(rec_lifecycle, faults=REC_FAULT),
+                     "the same with rank 1's collective failing mid-step", broken=False),
+        ScenarioSpec("rec_lifecycle_failure_forgets_batches", partial(rec_lifecycle,
+                     faults=REC_FAULT, engine_class=FailureForgetsBatchesEngine),
+                     "a failure that forgets the batches in flight", broken=True),
     ]
 }  # fmt: skip
