@@ -3,14 +3,17 @@ address (or torchrun's environment). gloo on CPU; the backend is a parameter (hc
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from tandem.collectives.errors import CollectiveAborted, CollectiveError, CollectiveTimeout
 from tandem.collectives.process_group import ReduceOp, check_scatterable
 
 logger = logging.getLogger(__name__)
@@ -122,14 +125,16 @@ class TorchDistributedGroup:
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         self._sequence += 1
-        dist.all_reduce(tensor, op=_OPS[op], group=self._group)
+        with _as_collective_errors():
+            dist.all_reduce(tensor, op=_OPS[op], group=self._group)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         self._sequence += 1
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self._size)]
-        dist.all_gather(parts, tensor, group=self._group)
+        with _as_collective_errors():
+            dist.all_gather(parts, tensor, group=self._group)
         return torch.cat(parts, dim=dim)
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
@@ -138,23 +143,47 @@ class TorchDistributedGroup:
         if self.backend == "gloo":
             # gloo has no reduce_scatter: reduce everything, keep this rank's slice.
             full = tensor.clone()
-            dist.all_reduce(full, op=_OPS[op], group=self._group)
+            with _as_collective_errors():
+                dist.all_reduce(full, op=_OPS[op], group=self._group)
             return full.chunk(self._size, dim=0)[self._rank].clone()
         out = torch.empty(
             (tensor.shape[0] // self._size, *tensor.shape[1:]),
             dtype=tensor.dtype,
             device=tensor.device,
         )
-        dist.reduce_scatter_tensor(out, tensor.contiguous(), op=_OPS[op], group=self._group)
+        with _as_collective_errors():
+            dist.reduce_scatter_tensor(out, tensor.contiguous(), op=_OPS[op], group=self._group)
         return out
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         if not 0 <= root < self._size:
             raise ValueError(f"root {root} is out of range for a group of size {self._size}")
         self._sequence += 1
-        dist.broadcast(tensor, src=self._ranks[root], group=self._group)
+        with _as_collective_errors():
+            dist.broadcast(tensor, src=self._ranks[root], group=self._group)
         return tensor
 
     def barrier(self) -> None:
         self._sequence += 1
-        dist.barrier(group=self._group)
+        with _as_collective_errors():
+            dist.barrier(group=self._group)
+
+
+@contextlib.contextmanager
+def _as_collective_errors() -> Iterator[None]:
+    """A failed torch.distributed collective as the collectives' own errors: a peer that went
+    away aborts this rank's collective, one that never came times it out. Callers can then
+    tell the rank that failed from the ranks that failed because of it."""
+    try:
+        yield
+    except RuntimeError as exc:
+        text = str(exc)
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            raise CollectiveTimeout(text) from exc
+        if any(sign in text for sign in _PEER_GONE):
+            raise CollectiveAborted(text) from exc
+        raise CollectiveError(text) from exc
+
+
+# What gloo and c10d say when the rank at the other end is gone.
+_PEER_GONE = ("Connection closed", "Connection reset", "Broken pipe", "Connection refused")

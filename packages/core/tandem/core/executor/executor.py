@@ -13,6 +13,11 @@ from tandem.core.worker.step_runner import MemoryFootprint, OutT, RunnerFactory,
 from tandem.device.sync import Promise
 
 StepT_contra = TypeVar("StepT_contra", contravariant=True)
+
+# How much longer than the step timeout an executor waits for a step: the collectives that
+# ranks are blocked in time out at the step timeout, and reporting theirs first tells the
+# rank that never arrived from the ranks it held up.
+STEP_TIMEOUT_GRACE_S = 2.0
 OutT_co = TypeVar("OutT_co", covariant=True)
 
 

@@ -20,10 +20,12 @@ from typing import Any, Generic
 
 from tandem.core.config import EngineConfig
 from tandem.core.errors import ConfigError, EngineDeadError, EngineUnhealthyError
+from tandem.core.executor.executor import STEP_TIMEOUT_GRACE_S
 from tandem.core.executor.transport import ShmBroadcastWriter
 from tandem.core.executor.worker_process import STOP, WorkerFailure, WorkerSpec, worker_main
 from tandem.core.kv.cache_sizing import CacheSize
 from tandem.core.parallel.collective_choice import resolve_collectives
+from tandem.core.parallel.groups import STARTUP_TIMEOUT_S
 from tandem.core.parallel.topology import Topology
 from tandem.core.worker.step_runner import MemoryFootprint, OutT, RunnerFactory, StepT
 
@@ -85,7 +87,8 @@ class ProcessExecutor(Generic[StepT, OutT]):
                 self._procs.append(proc)
                 self._notes.append(notes_w)
                 self._results.append(results_r)
-            ready = [self._receive(i, "ready", self._timeout) for i in range(len(self._procs))]
+            startup = max(self._timeout, STARTUP_TIMEOUT_S)
+            ready = [self._receive(i, "ready", startup) for i in range(len(self._procs))]
         except BaseException:
             self.shutdown()
             raise
@@ -144,7 +147,9 @@ class ProcessExecutor(Generic[StepT, OutT]):
         """Rank 0's output once every rank in ``targets`` answered the step; otherwise (a
         rank failed, died or did not answer within the timeout) every worker is stopped and
         the error names the rank that caused it."""
-        deadline = time.monotonic() + self._timeout
+        # The ranks' own collectives time out at the step timeout: waiting a little longer
+        # lets them report first, so a rank that never arrived is told from those it held up.
+        deadline = time.monotonic() + self._timeout + STEP_TIMEOUT_GRACE_S
         waiting = set(targets)
         out: Any = None
         failures: dict[int, WorkerFailure] = {}
@@ -190,19 +195,24 @@ class ProcessExecutor(Generic[StepT, OutT]):
         late: list[int],
         timed_out: bool,
     ) -> EngineDeadError:
-        parts = [
+        # The cause first: a rank's own failure or death, then ranks that never finished,
+        # and only then the failures they caused elsewhere (aborted, timed out).
+        by_time = sorted(failures.items(), key=lambda item: item[1].at)
+        own = [(i, f) for i, f in by_time if not f.consequence]
+        caused = [(i, f) for i, f in by_time if f.consequence]
+        parts = [rank_failure_text(self._rank_name(i), f.cause) for i, f in own]
+        parts += [
             f"{self._rank_name(i)}: {self._exit_text(i)}"
             for i in sorted(exited, key=lambda i: (self._procs[i].exitcode or 0) >= 0)
         ]
-        for index, failure in sorted(failures.items(), key=lambda item: item[1].at):
-            parts.append(rank_failure_text(self._rank_name(index), failure.cause))
         for index in late:
             if timed_out:
                 parts.append(
                     f"{self._rank_name(index)} did not finish the step within {self._timeout:g} s"
                 )
             else:
-                parts.append(f"{self._rank_name(index)} had not finished the step")
+                parts.append(f"{self._rank_name(index)} did not finish the step")
+        parts += [rank_failure_text(self._rank_name(i), f.cause) for i, f in caused]
         message = "; ".join(parts[:3])
         logger.error("a step failed: %s", message)
         self._dead = message

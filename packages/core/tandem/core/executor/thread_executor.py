@@ -18,7 +18,7 @@ import torch.distributed as dist
 from tandem.collectives import ProcessGroup, SingleRankGroup, TwoLevelGroup
 from tandem.core.config import EngineConfig
 from tandem.core.errors import ConfigError, EngineDeadError
-from tandem.core.executor.executor import check_lanes_fit
+from tandem.core.executor.executor import STEP_TIMEOUT_GRACE_S, check_lanes_fit
 from tandem.core.executor.rank_failure import step_failure
 from tandem.core.parallel.collective_choice import CollectiveChoice, resolve_collectives
 from tandem.core.parallel.groups import (
@@ -283,7 +283,9 @@ class ThreadExecutor(Generic[StepT, OutT]):
         if self._control is not None:
             # Other nodes get the step over the network; local workers get the object itself.
             dist.broadcast_object_list([step], src=0, group=self._control)
-        out = self.on_all(lambda w: w.execute(step), timeout=self._timeout)[0]
+        out = self.on_all(lambda w: w.execute(step), timeout=self._timeout + STEP_TIMEOUT_GRACE_S)[
+            0
+        ]
         if out is None:
             raise RuntimeError("rank 0 returned no output")
         return out

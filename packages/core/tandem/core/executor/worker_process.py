@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tandem.collectives import CollectiveAborted, CollectiveTimeout
 from tandem.core.config import EngineConfig
 from tandem.core.executor.transport import ShmBroadcastReader
 from tandem.core.failure_text import describe
@@ -35,6 +36,8 @@ class WorkerFailure:
     cause: str
     # time.time() when it failed: the earliest failure of a step is its cause.
     at: float
+    # It failed because another rank did (its collective was aborted or timed out).
+    consequence: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,8 @@ def worker_main(
         if results is not None:
             # When it failed, so the engine can tell the first failure (the cause) from the
             # collectives it broke on other ranks.
-            failure = WorkerFailure(spec.rank, describe(exc), time.time())
+            consequence = isinstance(exc, (CollectiveAborted, CollectiveTimeout))
+            failure = WorkerFailure(spec.rank, describe(exc), time.time(), consequence)
             with contextlib.suppress(OSError):
                 results.send(("error", failure))
         raise SystemExit(1) from None

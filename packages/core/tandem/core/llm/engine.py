@@ -21,6 +21,7 @@ from tandem.core.errors import (
     InvalidRequestError,
 )
 from tandem.core.executor.executor import (
+    STEP_TIMEOUT_GRACE_S,
     Executor,
     LaneExecutor,
     create_executor,
@@ -402,7 +403,7 @@ class LLMEngine:
         assert lanes is not None
 
         def wait() -> SamplerOutput:
-            left = flight.launched_at + timeout - self._sync.monotonic()
+            left = flight.launched_at + timeout + STEP_TIMEOUT_GRACE_S - self._sync.monotonic()
             try:
                 return flight.promise.result(timeout=max(left, 0.0))
             except TimeoutError:

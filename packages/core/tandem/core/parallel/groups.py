@@ -4,9 +4,12 @@ of a process, created at once."""
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+import torch.distributed as dist
 
 from tandem.collectives import (
     ProcessGroup,
@@ -38,15 +41,21 @@ class CommunicatorHandles:
 NO_COMMUNICATOR = CommunicatorHandles(abortable=None, closeable=None)
 
 
+# Seconds the processes may take to meet and load, whatever the step timeout: spawning and
+# loading take long on a busy machine, and a step timeout of seconds must not cut them off.
+STARTUP_TIMEOUT_S = 300.0
+
+
 def join_process_world(
     address: str, world_size: int, rank: int, choice: CollectiveChoice, timeout_s: float
 ) -> None:
-    """Meet the other processes at ``address`` (HOST:PORT or torchrun's env://)."""
+    """Meet the other processes at ``address`` (HOST:PORT or torchrun's env://), waiting
+    ``STARTUP_TIMEOUT_S`` at least."""
     try:
         rdzv = Rendezvous.parse(address, world_size, rank)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    init_distributed(rdzv, choice.dist_backend, timeout_s=timeout_s)
+    init_distributed(rdzv, choice.dist_backend, timeout_s=max(timeout_s, STARTUP_TIMEOUT_S))
 
 
 def make_process_group(
@@ -57,10 +66,14 @@ def make_process_group(
     size: int,
     timeout_s: float,
 ) -> ProcessGroup:
-    """The group among processes: torch.distributed's, or the library's communicator made
-    from an id rank 0 shares over the world group."""
+    """The group among processes: torch.distributed's (its collectives time out after
+    ``timeout_s``, the step timeout), or the library's communicator made from an id rank 0
+    shares over the world group."""
     if choice.process == TORCH:
-        return TorchDistributedGroup(choice.dist_backend)
+        steps = dist.new_group(
+            backend=choice.dist_backend, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        return TorchDistributedGroup(choice.dist_backend, group=steps)
     return get_collective_backend(choice.process).process_group(
         device, runtime, rank, size, timeout_s
     )

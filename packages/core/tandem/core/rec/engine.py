@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from tandem.core.errors import EngineDeadError, EngineUnhealthyError
+from tandem.core.executor.executor import STEP_TIMEOUT_GRACE_S
 from tandem.core.failure_text import describe
 from tandem.core.rec.fixed_steps_scheduler import FixedStepsScheduler, RecBatch
 from tandem.core.rec.request import RecRequest, RecResult
@@ -77,6 +78,7 @@ class RecEngine:
         # The oldest of those (None: nothing in flight); /health reads it from other threads.
         self._busy_since: float | None = None
         self._step_timeout_s = step_timeout_s
+        self._step_deadline_s = step_timeout_s + STEP_TIMEOUT_GRACE_S
         self._health_timeout_s = health_timeout_s
         self._kv_exhaust_step = kv_exhaust_step
         self._wake = False
@@ -139,7 +141,7 @@ class RecEngine:
                             self._cond.wait()
                             continue
                         oldest = min(self._launched_at.values())
-                        left = oldest + self._step_timeout_s - self._sync.monotonic()
+                        left = oldest + self._step_deadline_s - self._sync.monotonic()
                         if left <= 0:
                             break
                         self._cond.wait(left)
@@ -190,7 +192,7 @@ class RecEngine:
     def _check_step_timeout(self) -> None:
         now = self._sync.monotonic()
         for batch_id, at in list(self._launched_at.items()):
-            if now - at >= self._step_timeout_s:
+            if now - at >= self._step_deadline_s:
                 lane = self._in_flight[batch_id].lane
                 error = self.steps.timed_out(lane, self._step_timeout_s)
                 raise _EngineFailed(f"the engine failed: {error}")
