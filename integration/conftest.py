@@ -27,9 +27,9 @@ def start_server(
 ) -> Iterator[ServerFactory]:
     servers: list[Server] = []
 
-    def start(*extra: str, demo_model: bool = True) -> Server:
+    def start(*extra: str, demo_model: bool = True, env: dict[str, str] | None = None) -> Server:
         """A server of the demo model (or, with ``demo_model=False``, of whatever ``extra``
-        names: by default the bundled stories260k)."""
+        names: by default the bundled stories260k), with ``env`` added to its environment."""
         port = free_port()
         log = tmp_path_factory.mktemp("server") / "server.log"
         model = ["--model", str(model_dir), "--served-model-name", MODEL_NAME] if demo_model else []
@@ -51,7 +51,7 @@ def start_server(
         ]
         with log.open("wb") as sink:
             process = subprocess.Popen(
-                command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ}
+                command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
             )
         server = Server(process, f"http://127.0.0.1:{port}", log)
         servers.append(server)
