@@ -93,15 +93,8 @@ async def submit_jobs(state: ServerState, jobs: list[Job], request_id: str) -> l
         ]
 
     prepared = await state.preparer.run(prepare)
-    streams: list[RequestStream] = []
-    try:
-        for seq in prepared:
-            streams.append(engine.enqueue(seq))
-    except BaseException:
-        for stream in streams:
-            stream.close()
-        raise
-    return streams
+    # All choices or none: a request is admitted (or refused as overloaded) whole.
+    return engine.enqueue_together(prepared)
 
 
 async def final_outputs(

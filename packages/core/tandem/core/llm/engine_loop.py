@@ -92,6 +92,12 @@ class EngineLoop:
 
     def enqueue(self, seq: TokenSequence, callback: OutputCallback) -> None:
         """Queue a request made by ``engine.prepare_request`` (on any thread)."""
+        self.enqueue_together([(seq, callback)])
+
+    def enqueue_together(self, requests: list[tuple[TokenSequence, OutputCallback]]) -> None:
+        """Queue requests all or none (the choices of one API request): refused together
+        (EngineOverloadedError) when ``--max-waiting-requests`` wait already, so a request
+        with more choices than the bound still gets in when the queue is short."""
         with self._wake:
             self._check_accepting()
             limit = self.engine.config.scheduler.max_waiting_requests
@@ -101,8 +107,9 @@ class EngineLoop:
                     f"the server is overloaded: {waiting} requests are waiting already "
                     f"(--max-waiting-requests {limit}); retry later"
                 )
-            self._commands.append(_Add(seq, callback))
-            self._queued_adds += 1
+            for seq, callback in requests:
+                self._commands.append(_Add(seq, callback))
+            self._queued_adds += len(requests)
             self._wake.notify()
 
     def _check_accepting(self) -> None:
@@ -275,14 +282,23 @@ class AsyncEngine:
     def enqueue(self, seq: TokenSequence) -> RequestStream:
         """Queue a request made by ``engine.prepare_request``; call from the running event
         loop (errors raise here)."""
+        return self.enqueue_together([seq])[0]
+
+    def enqueue_together(self, seqs: list[TokenSequence]) -> list[RequestStream]:
+        """Queue requests all or none (``EngineLoop.enqueue_together``)."""
         aio = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        streams: list[RequestStream] = []
+        requests: list[tuple[TokenSequence, OutputCallback]] = []
+        for seq in seqs:
+            queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
-        def on_output(out: RequestOutput) -> None:
-            aio.call_soon_threadsafe(queue.put_nowait, out)
+            def on_output(out: RequestOutput, queue: asyncio.Queue[RequestOutput] = queue) -> None:
+                aio.call_soon_threadsafe(queue.put_nowait, out)
 
-        self.loop.enqueue(seq, on_output)
-        return RequestStream(self.loop, seq.request_id, queue)
+            requests.append((seq, on_output))
+            streams.append(RequestStream(self.loop, seq.request_id, queue))
+        self.loop.enqueue_together(requests)
+        return streams
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
