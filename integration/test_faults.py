@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -106,7 +107,7 @@ def _fail_requests(server: Server, expected: str) -> None:
 def _wait_exit(server: Server, within: float) -> int:
     try:
         return server.process.wait(within)
-    except Exception:
+    except subprocess.TimeoutExpired:
         server.process.kill()
         raise AssertionError(f"the server did not exit within {within} s") from None
 
