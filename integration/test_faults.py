@@ -12,12 +12,14 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from harness import MODEL_NAME, Server, ServerFactory, free_port
 
+from tandem.core.demo.rec_demo_model import tiny_rec_spec, write_rec_demo_model
 from tandem.server.supervision import EXIT_ENGINE_FAILED
 
 # fault -> (TANDEM_FAULTS, extra flags, what every failed request's error must say)
@@ -143,3 +145,41 @@ def test_by_default_a_failed_engine_drains_and_exits_non_zero_by_itself(
     _fail_requests(server, expected)
     assert _wait_exit(server, EXIT_WITHIN_S) == EXIT_ENGINE_FAILED
     assert "the engine failed" in server.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def rec_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_rec_demo_model(tmp_path_factory.mktemp("rec"), tiny_rec_spec())
+
+
+REC_FAULTS = {
+    "collective_fail": ("collective_fail:rank=1,step=4", "rank 1 (cpu:1) failed: CollectiveError"),
+    "kv_exhaust": ("kv_exhaust:step=1", "could not admit"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(REC_FAULTS))
+def test_a_fault_in_the_recommender_fails_its_requests_and_exits(
+    start_server: ServerFactory, rec_model: Path, fault: str
+) -> None:
+    spec, expected = REC_FAULTS[fault]
+    server = start_server(
+        "--model", str(rec_model), "--served-model-name", "rec", "--devices", "cpu:0,cpu:1",
+        "--max-concurrency", "2", "--rec-max-batch-size", "2",
+        env={"TANDEM_ENABLE_SINGLE_PROCESS": "1", "TANDEM_FAULTS": spec},
+    )  # fmt: skip
+    body = {"model": "rec", "history": [[1, 2, 3]] * 20, "num_candidates": 3}
+
+    def recommend(_: int) -> httpx.Response:
+        return httpx.post(f"{server.base_url}/v1/recommendations", json=body, timeout=30)
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(recommend, range(8)))
+    assert time.monotonic() - started < FAIL_WITHIN_S + 5
+    failed = [a for a in answers if a.status_code != 200]
+    assert failed, "no request saw the fault"
+    for answer in failed:
+        assert answer.status_code in (500, 503), answer.text
+        assert expected in answer.json()["error"]["message"], answer.text
+    assert _wait_exit(server, EXIT_WITHIN_S) == EXIT_ENGINE_FAILED

@@ -3,10 +3,12 @@ only the block pool and holds steps open on demand (``tandem_sim.fake_engine``).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from tandem_sim.fake_engine import FakeEngine
 
-from tandem.core.errors import EngineDeadError, InvalidRequestError
+from tandem.core.errors import EngineDeadError, EngineUnhealthyError, InvalidRequestError
 from tandem.core.models.rec_config import RecModelConfig
 from tandem.core.rec.engine import RecEngine
 from tandem.core.rec.fixed_steps_scheduler import FixedStepsScheduler
@@ -176,3 +178,38 @@ def test_requests_queued_together_batch_the_same_at_every_width() -> None:
         batches[width] = [[d.candidates[0][0]] for d in done]
         engine.stop()
     assert batches[1] == batches[2] == batches[4] == [[0]] * 3 + [[1]] * 3 + [[2]] * 2
+
+
+def test_a_step_past_the_health_deadline_is_unhealthy_and_one_past_the_timeout_fails() -> None:
+    fake = FakeEngine(num_blocks=64, block_size=16, max_decode_rounds=ROUNDS)
+    scheduler = FixedStepsScheduler(
+        fake.blocks, max_batch_size=1, max_concurrency=1, max_decode_rounds=ROUNDS
+    )
+    engine = RecEngine(fake, scheduler, step_timeout_s=1.0, health_timeout_s=0.2)
+    fake.hold()
+    held = request(history_len=3)
+    engine.submit(held)
+    fake.wait_open(1)
+    time.sleep(0.4)
+    with pytest.raises(EngineUnhealthyError) as unhealthy:
+        engine.check_health()
+    assert not isinstance(unhealthy.value, EngineDeadError)
+    # Past the step timeout (and its grace) the engine fails the request, saying so.
+    with pytest.raises(EngineDeadError, match="held lane 0"):
+        held.result.result(timeout=10)
+    with pytest.raises(EngineDeadError, match="held lane 0"):
+        engine.check_health()
+    assert fake.blocks.num_free_blocks == 64
+    fake.release()
+    engine.stop()
+
+
+def test_blocks_that_leaked_fail_the_waiting_requests_instead_of_holding_them() -> None:
+    fake = FakeEngine(num_blocks=4, block_size=16, max_decode_rounds=ROUNDS)
+    engine, _ = start(fake, max_concurrency=1)
+    fake.blocks.reserve(3)  # a leak: only one block is left, and nothing will return any
+    stuck = request(history_len=20)  # needs two
+    engine.submit(stuck)
+    with pytest.raises(EngineDeadError, match="could not admit 1 waiting"):
+        stuck.result.result(timeout=10)
+    assert not engine.is_running
