@@ -62,6 +62,14 @@ class ServerMetrics:
             registry=self.registry,
         )
         slots.labels(**labels).set_function(lambda: engine.stats.state_slot_usage)
+        # A gauge over the engine's own running count (vLLM: vllm:num_preemptions_total).
+        preemptions = Gauge(
+            "tandem:num_preemptions_total",
+            "Sequences preempted (to be recomputed) since start.",
+            ["model_name"],
+            registry=self.registry,
+        )
+        preemptions.labels(**labels).set_function(lambda: engine.stats.num_preemptions)
         self._prompt_tokens = Counter(
             "tandem:prompt_tokens",
             "Prompt tokens of finished requests.",
