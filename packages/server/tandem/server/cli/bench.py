@@ -15,6 +15,9 @@ import httpx
 from tandem.server.bench.rec import SETTINGS, Workload, format_rec_table, run_interleaved, run_one
 from tandem.server.bench.report import format_table
 from tandem.server.bench.runner import BenchConfig, run_benchmark
+from tandem.server.bench.soak import SoakConfig, format_report, run_soak
+from tandem.server.bench.soak_server import TOPOLOGIES
+from tandem.server.bench.soak_workload import Mix
 
 
 def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -81,6 +84,81 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
     r.add_argument("--result-json", default=None)
     r.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     r.set_defaults(func=run_rec)
+
+    k: argparse.ArgumentParser = kinds.add_parser(
+        "soak",
+        help="start a server and hold it under mixed, adversarial load for a bounded time: "
+        "outcomes, latency, memory and threads over the run, and a server back at rest",
+        parents=parents,
+    )
+    k.add_argument("--model", required=True, help="a model folder (LLM or recommender)")
+    k.add_argument("--topology", choices=TOPOLOGIES, default="tp1")
+    k.add_argument("--duration", type=float, default=600.0, help="seconds of load")
+    k.add_argument("--concurrency", type=int, default=128, help="requests kept in flight")
+    k.add_argument("--disconnect-rate", type=float, default=0.2,
+                   help="share of requests the client abandons at a random point")  # fmt: skip
+    k.add_argument("--malformed-rate", type=float, default=0.05,
+                   help="share of requests malformed on purpose (must get a 4xx)")  # fmt: skip
+    k.add_argument("--max-prompt", type=int, default=300, help="longest prompt, in tokens")
+    k.add_argument("--max-tokens", type=int, default=64, help="most tokens a request asks for")
+    k.add_argument("--num-blocks", type=int, default=48,
+                   help="the server's KV blocks (few: long prompts force preemption)")  # fmt: skip
+    k.add_argument("--max-waiting-requests", type=int, default=96,
+                   help="the server's bound on waiting requests (503 past it)")  # fmt: skip
+    k.add_argument("--server-arg", action="append", default=[],
+                   help="one more flag for tandem serve (repeat for several)")  # fmt: skip
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--result-json", default=None, help="also write the figures to this file")
+    k.set_defaults(func=run_soak_command)
+
+
+def run_soak_command(args: argparse.Namespace) -> int:
+    for name in ("duration", "concurrency", "num_blocks", "max_waiting_requests", "max_prompt",
+                 "max_tokens"):  # fmt: skip
+        if getattr(args, name) <= 0:
+            print(f"error: --{name.replace('_', '-')} must be > 0", file=sys.stderr)
+            return 2
+    for name in ("disconnect_rate", "malformed_rate"):
+        if not 0 <= getattr(args, name) <= 1:
+            print(f"error: --{name.replace('_', '-')} must be in [0, 1]", file=sys.stderr)
+            return 2
+    config = SoakConfig(
+        model=Path(args.model),
+        topology=args.topology,
+        duration_s=args.duration,
+        concurrency=args.concurrency,
+        mix=Mix(
+            disconnect_rate=args.disconnect_rate,
+            malformed_rate=args.malformed_rate,
+            max_prompt=args.max_prompt,
+            max_tokens=args.max_tokens,
+        ),
+        server_args=[
+            "--num-blocks",
+            str(args.num_blocks),
+            "--max-waiting-requests",
+            str(args.max_waiting_requests),
+            *args.server_arg,
+        ],
+        seed=args.seed,
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        report = run_soak(config)
+    except (OSError, RuntimeError, httpx.HTTPError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    if args.result_json:
+        figures = {
+            "kind": report.kind, "topology": report.topology, "duration_s": report.duration_s,
+            "concurrency": report.concurrency, "outcomes": dict(report.outcomes),
+            "samples": {k: vars(v) for k, v in report.samples.items()},
+            "rest": report.rest, "exit_status": report.exit_status,
+            "problems": report.problems(),
+        }  # fmt: skip
+        Path(args.result_json).write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+    return 0 if not report.problems() else 1
 
 
 def run_rec(args: argparse.Namespace) -> int:
