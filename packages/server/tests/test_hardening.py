@@ -164,9 +164,9 @@ def test_every_field_is_range_checked_at_the_edge(
         ({"return_dict": True}, "chat_template_kwargs"),
         ({"conversation": []}, "chat_template_kwargs"),
         ({"padding": True}, "chat_template_kwargs"),
-        ({"tools": 5}, "messages"),
+        ({"tools": 5}, "chat_template_kwargs"),
         ({"documents": "x"}, "messages"),
-        ({"chat_template": "{{ 'x' }}"}, "chat_template"),
+        ({"chat_template": "{{ 'x' }}"}, "chat_template_kwargs"),
     ],
 )
 def test_malformed_chat_template_kwargs_are_a_400_without_internals(
