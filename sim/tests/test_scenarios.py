@@ -40,15 +40,16 @@ def test_broken_variant_is_caught_by_exhaustive_search(name: str) -> None:
 # Scenarios that run steps of the real executor per schedule: fewer in the suite, 10,000 in
 # `tox -e sim-deep`. hybrid_first_request runs the whole engine over four steps on two lanes
 # (about 0.1 s a schedule): 300 here; 2,000 and 10,000 are in sim/README.md. The lifecycle
-# ones run a whole engine (tens of TP=2 steps, ~0.5 s a schedule on one core): 100 here
-# keeps the suite short; sim-deep runs them 10,000 times.
+# ones run a whole engine (tens of TP=2 steps, 0.2-0.5 s a schedule on one core; the
+# recommender's the slowest): 100 (50) here keeps the suite short; sim-deep runs them 10,000
+# times.
 SUITE_SCHEDULES = {
     "tp_lanes": 500,
     "llm_lanes_kv_pressure": 500,
     "hybrid_first_request": 300,
     "engine_lifecycle": 100,
     "engine_lifecycle_rank_fails": 100,
-    "rec_lifecycle": 100,
+    "rec_lifecycle": 50,
     "rec_lifecycle_rank_fails": 100,
 }
 
