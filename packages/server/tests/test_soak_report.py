@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tandem.server.bench.soak import SoakReport, format_report
+from tandem.server.bench.soak import SoakReport, format_report, summarize_trace
 from tandem.server.bench.soak_server import Sample
 
 
@@ -44,3 +44,15 @@ def test_each_problem_fails_the_run() -> None:
     for report, problem in cases:
         assert any(problem in p for p in report.problems()), (problem, report.problems())
         assert "FAIL" in format_report(report)
+
+
+def test_memory_is_read_as_medians_so_a_spike_is_not_a_trend() -> None:
+    flat = [(float(t), Sample(400.0, 12, 1)) for t in range(101)]
+    spiky = [(t, Sample(480.0, 12, 1)) if t in (50.0, 99.0) else (t, s) for t, s in flat]
+    samples = summarize_trace(spiky, duration_s=100)
+    assert samples["middle"].rss_mib == samples["end"].rss_mib == 400.0
+    growing = [(t, Sample(400.0 + t, 12 + int(t > 90), 1)) for t, _ in flat]
+    samples = summarize_trace(growing, duration_s=100)
+    assert samples["start"].rss_mib == 415.0
+    assert samples["middle"].rss_mib == 450.0 and samples["end"].rss_mib == 495.0
+    assert samples["end"].threads == 13

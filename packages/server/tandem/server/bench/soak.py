@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import statistics
 import tempfile
 import time
 from collections import Counter
@@ -26,6 +27,31 @@ from tandem.server.bench.soak_workload import OUTCOMES, LLMWorkload, Mix, RecWor
 MAX_RSS_GROWTH = 0.05
 # What the server's Retry-After says when it is overloaded.
 RETRY_AFTER_S = 1.0
+# How often the server's memory and threads are read, and the share of the run around each
+# moment (start, middle, end) whose median stands for it: single readings catch the spikes
+# of one large batch, not a trend.
+SAMPLE_EVERY_S = 1.0
+WINDOW = 0.1
+
+
+def summarize_trace(trace: list[tuple[float, Sample]], duration_s: float) -> dict[str, Sample]:
+    """The median RSS (and the most threads) in a window at the start (after the first
+    tenth, the warm-up), around the middle and at the end of the run."""
+    width = max(WINDOW * duration_s, SAMPLE_EVERY_S)
+    windows = {
+        "start": (width, 2 * width),
+        "middle": (duration_s / 2 - width / 2, duration_s / 2 + width / 2),
+        "end": (duration_s - width, float("inf")),
+    }
+    samples = {}
+    for moment, (low, high) in windows.items():
+        chosen = [s for t, s in trace if low <= t <= high] or [trace[-1][1]]
+        samples[moment] = Sample(
+            statistics.median(s.rss_mib for s in chosen),
+            max(s.threads for s in chosen),
+            max(s.processes for s in chosen),
+        )
+    return samples
 
 
 @dataclass(frozen=True)
@@ -48,6 +74,7 @@ class SoakReport:
     outcomes: Counter[str] = field(default_factory=Counter)
     latencies_s: list[float] = field(default_factory=list)
     samples: dict[str, Sample] = field(default_factory=dict)
+    peak_rss_mib: float = 0.0
     rest: dict[str, float] = field(default_factory=dict)
     exit_status: int | None = None
     errors: list[str] = field(default_factory=list)
@@ -105,6 +132,7 @@ def format_report(report: SoakReport) -> str:
                          f"{sample.threads} threads, {sample.processes} processes")  # fmt: skip
     if "middle" in report.samples and "end" in report.samples:
         lines.append(f"{'RSS growth middle -> end:':<34}{100 * report.rss_growth:+.2f}%")
+        lines.append(f"{'Peak RSS:':<34}{report.peak_rss_mib:.0f} MiB")
     rest = report.rest
     lines.append(
         f"{'After the load:':<34}running {rest.get('tandem:num_requests_running', 0):.0f}, "
@@ -153,16 +181,19 @@ async def _load(server: SoakServer, config: SoakConfig, report: SoakReport) -> N
                 elif result.outcome in ("error", "transport_error", "malformed_accepted"):
                     report.errors.append(f"{result.outcome}: {result.detail}")
 
+        trace: list[tuple[float, Sample]] = []
+
         async def watch() -> None:
-            await asyncio.sleep(min(5.0, config.duration_s / 10))
-            report.samples["start"] = server.sample()
-            await asyncio.sleep(max(0.0, started + config.duration_s / 2 - time.monotonic()))
-            report.samples["middle"] = server.sample()
+            while True:
+                trace.append((time.monotonic() - started, server.sample()))
+                await asyncio.sleep(SAMPLE_EVERY_S)
 
         watcher = asyncio.create_task(watch())
         await asyncio.gather(*(worker(i) for i in range(config.concurrency)))
-        report.samples["end"] = server.sample()
-        await watcher
+        trace.append((time.monotonic() - started, server.sample()))
+        watcher.cancel()
+        report.samples = summarize_trace(trace, config.duration_s)
+        report.peak_rss_mib = max(sample.rss_mib for _, sample in trace)
 
 
 def run_soak(config: SoakConfig) -> SoakReport:

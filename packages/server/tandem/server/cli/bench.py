@@ -154,6 +154,7 @@ def run_soak_command(args: argparse.Namespace) -> int:
             "kind": report.kind, "topology": report.topology, "duration_s": report.duration_s,
             "concurrency": report.concurrency, "outcomes": dict(report.outcomes),
             "samples": {k: vars(v) for k, v in report.samples.items()},
+            "peak_rss_mib": report.peak_rss_mib,
             "rest": report.rest, "exit_status": report.exit_status,
             "problems": report.problems(),
         }  # fmt: skip
