@@ -80,7 +80,7 @@ class LeakyAbortEngine(LLMEngine):
         seq = self.sequences.get(request_id)
         if seq is None:
             return None
-        self.scheduler.finish(seq, "abort", free_blocks=False)
+        self.scheduler.finish(seq, "abort", free_now=False)
         out = self._finish_output(seq)
         self._publish_stats()
         return out

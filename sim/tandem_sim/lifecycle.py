@@ -5,8 +5,10 @@ requests while steps run, aborts some at points the schedule picks, and the KV c
 small enough to force preemption. The recommender gets the same (``rec_lifecycle``).
 
 Checked after every schedule (``LifecycleCheck``): every request ends exactly once
-(finished, aborted, failed, or refused at submission); every KV block is free (and, for the
-recommender, every lane and every lane's batch state); no thread is left blocked (every
+(finished, aborted, failed, or refused at submission); every KV block is free, and every
+state slot (the hybrid variant: a Qwen3.5 model whose linear-attention layers hold a state
+slot per sequence, fewer slots than requests) (for the recommender, every lane and every
+lane's batch state); no thread is left blocked (every
 worker, lane and loop thread has ended once the engine is stopped); the failure of a rank
 reaches every request within a bound of virtual time; and the tokens of every request that
 ran to its end equal a run of that request alone.
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from tandem.core.config import (
     RecConfig,
 )
 from tandem.core.demo.demo_model import tiny_spec, write_demo_model
+from tandem.core.demo.family_demo_model import Qwen3_5DemoSpec, write_qwen3_5_demo_model
 from tandem.core.demo.rec_demo_model import tiny_rec_spec, write_rec_demo_model
 from tandem.core.errors import EngineDeadError
 from tandem.core.executor.thread_executor import ThreadExecutor
@@ -77,15 +80,32 @@ NO_FAULTS = FaultConfig()
 END_WITHIN_S = 60.0
 
 
-@lru_cache(maxsize=1)
-def lifecycle_model() -> Path:
-    return write_demo_model(Path(tempfile.mkdtemp(prefix="tandem-sim-")) / "tiny", tiny_spec())
+# The hybrid variant's state slots: fewer than the requests, so some wait for one.
+HYBRID_STATE_SLOTS = 3
 
 
-def _config(faults: FaultConfig, tp: int = 2, kind: str = "npu") -> EngineConfig:
+@lru_cache(maxsize=2)
+def lifecycle_model(hybrid: bool = False) -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="tandem-sim-"))
+    if not hybrid:
+        return write_demo_model(folder / "tiny", tiny_spec())
+    # Two layers (Gated DeltaNet, then gated full attention), heads that split over 2 ranks.
+    spec = Qwen3_5DemoSpec(
+        hidden_size=32, intermediate_size=64, num_layers=2, full_attention_interval=2,
+        num_heads=2, num_kv_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        vocab_size=512, max_position_embeddings=128, init_std=0.2,
+    )  # fmt: skip
+    return write_qwen3_5_demo_model(folder / "hybrid", spec)
+
+
+def _config(
+    faults: FaultConfig, tp: int = 2, kind: str = "npu", hybrid: bool = False
+) -> EngineConfig:
+    slots = HYBRID_STATE_SLOTS if hybrid else None
     return EngineConfig(
-        model=ModelLoadConfig(model=str(lifecycle_model())),
-        cache=LIFECYCLE_CACHE,
+        model=ModelLoadConfig(model=str(lifecycle_model(hybrid))),
+        cache=replace(LIFECYCLE_CACHE, num_state_slots=slots),
         parallel=ParallelConfig(
             devices=",".join(f"{kind}:{i}" for i in range(tp)), single_process=tp > 1
         ),
@@ -93,10 +113,10 @@ def _config(faults: FaultConfig, tp: int = 2, kind: str = "npu") -> EngineConfig
     )
 
 
-@lru_cache(maxsize=1)
-def solo_tokens() -> dict[tuple[int, ...], tuple[int, ...]]:
+@lru_cache(maxsize=2)
+def solo_tokens(hybrid: bool = False) -> dict[tuple[int, ...], tuple[int, ...]]:
     """Each prompt's tokens run alone, TP=1, on real threads."""
-    engine = LLMEngine(_config(FaultConfig(), tp=1, kind="cpu"))
+    engine = LLMEngine(_config(FaultConfig(), tp=1, kind="cpu", hybrid=hybrid))
     try:
         return {
             prompt: tuple(engine.generate([list(prompt)], LIFECYCLE_PARAMS)[0].token_ids)
@@ -183,11 +203,11 @@ def engine_lifecycle(
     faults: FaultConfig = NO_FAULTS,
     engine_class: type[LLMEngine] = LLMEngine,
     executor_class: ExecutorClass = ThreadExecutor,
+    hybrid: bool = False,
 ) -> None:
-    config = _config(faults)
-    executor = lifecycle_executor(
-        s, config, LLMRunnerFactory(ModelConfig.from_folder(lifecycle_model())), executor_class
-    )
+    config = _config(faults, hybrid=hybrid)
+    factory = LLMRunnerFactory(ModelConfig.from_folder(lifecycle_model(hybrid)))
+    executor = lifecycle_executor(s, config, factory, executor_class)
     engine = engine_class(config, executor=executor, sync=s)
     loop = EngineLoop(engine, sync=s)
     ids = [f"r{i}" for i in range(len(LIFECYCLE_PROMPTS))]
@@ -237,8 +257,16 @@ def engine_lifecycle(
         blocks.num_free_blocks == blocks.num_blocks,
         f"{blocks.num_blocks - blocks.num_free_blocks} KV blocks still held",
     )
+    slots = engine.state_slots
+    if hybrid:
+        check.expect(slots is not None, "the hybrid model got no state slots")
+    if slots is not None:
+        check.expect(
+            slots.num_free == slots.num_slots,
+            f"{slots.num_slots - slots.num_free} state slots still held",
+        )
     check.check_threads_ended([*executor._threads, loop._thread], "a thread")
-    solo = solo_tokens()
+    solo = solo_tokens(hybrid)
     for rid, prompt in zip(ids, LIFECYCLE_PROMPTS, strict=True):
         out = outputs.get(rid)
         if out is None:

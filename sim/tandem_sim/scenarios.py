@@ -569,6 +569,9 @@ SCENARIOS: dict[str, ScenarioSpec] = {
                      faults=RANK_FAULT), "the same with rank 1's collective failing mid-step: "
                      "every request fails naming rank 1, at once, nothing blocked",
                      broken=False),
+        ScenarioSpec("engine_lifecycle_hybrid", partial(engine_lifecycle, hybrid=True),
+                     "the same with a Qwen3.5 hybrid and 3 state slots for 4 requests: every "
+                     "state slot free too", broken=False),
         ScenarioSpec("engine_lifecycle_abort_leaks_blocks", partial(engine_lifecycle,
                      engine_class=LeakyAbortEngine), "an abort that forgets the request's KV "
                      "blocks", broken=True),

@@ -49,6 +49,7 @@ SUITE_SCHEDULES = {
     "hybrid_first_request": 300,
     "engine_lifecycle": 100,
     "engine_lifecycle_rank_fails": 100,
+    "engine_lifecycle_hybrid": 100,
     "rec_lifecycle": 50,
     "rec_lifecycle_rank_fails": 100,
 }
