@@ -20,6 +20,7 @@ REST_GAUGES = (
     "tandem:num_requests_running",
     "tandem:num_requests_waiting",
     "tandem:kv_cache_usage_perc",
+    "tandem:state_slot_usage_perc",
 )
 # The server's flags for each topology the soak knows.
 TOPOLOGIES = ("tp1", "tp2-single-process", "tp2-multi-process")
