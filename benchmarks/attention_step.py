@@ -32,12 +32,15 @@ from tandem.core.kv.cache_sizing import CacheSize
 from tandem.core.layers import attention as attention_module
 from tandem.core.layers import embedding, linear
 from tandem.core.layers.attention import PagedAttention
+from tandem.core.layers.packed_linear import pack_linear_weights
 from tandem.core.layers.paged_attention_cpu import native_paged_attention
+from tandem.core.layers.replicated_linear import ReplicatedLinear
 from tandem.core.llm.attention_metadata import build_attention_metadata
 from tandem.core.llm.forward_input import ForwardInput, SamplingBatch
 from tandem.core.llm.model_runner import ModelRunner
 from tandem.core.models.decoder import DecoderForCausalLM
 from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.registry import CausalLM
 
 BENCH_SHAPE: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -152,7 +155,7 @@ def decode_step(batch: int, context: int, block_size: int, seed: int) -> tuple[F
     return fi, num_blocks
 
 
-def use_path(model: DecoderForCausalLM, dtype: torch.dtype, native: bool) -> None:
+def use_path(model: CausalLM, dtype: torch.dtype, native: bool) -> None:
     kernel = native_paged_attention()
     for layer in model.attention_layers():
         if native:
@@ -164,18 +167,18 @@ def use_path(model: DecoderForCausalLM, dtype: torch.dtype, native: bool) -> Non
 
 
 def run_steps(
-    runner: ModelRunner,
     fi: ForwardInput,
     steps: int,
     timers: Timers,
-    paths: Sequence[Callable[[], None]],
+    paths: Sequence[tuple[ModelRunner, Callable[[], None]]],
 ) -> list[dict[str, float]]:
-    """Median ms per step of each category, per attention path, over ``steps`` timed steps
-    each (after two warm-up steps): the forward, the logits and greedy choice, as the runner
-    does them. The paths take turns step by step, so load from other processes falls on
-    all of them alike instead of on whichever ran during a busy second."""
+    """Median ms per step of each category, per path (a runner and how its attention is set
+    up), over ``steps`` timed steps each (after two warm-up steps): the forward, the logits
+    and greedy choice, as the runner does them. The paths take turns step by step, so load
+    from other processes falls on all of them alike instead of on whichever ran during a
+    busy second."""
 
-    def one_step() -> None:
+    def one_step(runner: ModelRunner) -> None:
         meta = build_attention_metadata(fi, runner.device)
         hidden = runner.model(fi.input_ids, fi.positions, meta)
         logits = runner.model.compute_logits(hidden[fi.sample_indices])
@@ -183,17 +186,17 @@ def run_steps(
 
     per_step: list[dict[str, list[float]]] = [defaultdict(list) for _ in paths]
     with torch.inference_mode():
-        for use in paths:
+        for runner, use in paths:
             use()
             for _ in range(2):
-                one_step()
+                one_step(runner)
         for _ in range(steps):
-            for use, figures in zip(paths, per_step, strict=True):
+            for (runner, use), figures in zip(paths, per_step, strict=True):
                 use()
                 timers.totals.clear()
                 timers.enabled = True
                 start = time.perf_counter()
-                one_step()
+                one_step(runner)
                 total = time.perf_counter() - start
                 timers.enabled = False
                 figures["step"].append(total)
@@ -226,15 +229,21 @@ def gemm_shapes(config: ModelConfig) -> list[tuple[str, int, int]]:
     ]
 
 
-def measure_gemm(rows: int, k: int, n: int, dtype: torch.dtype, seconds: float = 0.25) -> float:
-    """GFLOP/s of ``x @ w.T`` for x [rows, k], w [n, k] (as F.linear runs the model)."""
+def measure_gemm(
+    rows: int, k: int, n: int, dtype: torch.dtype, packed: bool, seconds: float = 0.25
+) -> float:
+    """GFLOP/s of ``x @ w.T`` for x [rows, k], w [n, k], as the model runs it: ``F.linear``
+    on a plain weight, or oneDNN on the weight packed at load."""
+    layer = ReplicatedLinear(k, n)
+    layer.weight.data = torch.randn(n, k).to(dtype)
+    if packed and not pack_linear_weights(layer, torch.device("cpu"), dtype):
+        return float("nan")
     x = torch.randn(rows, k).to(dtype)
-    w = torch.randn(n, k).to(dtype)
-    torch.nn.functional.linear(x, w)
+    layer(x)
     reps = 0
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
-        torch.nn.functional.linear(x, w)
+        layer(x)
         reps += 1
     elapsed = time.perf_counter() - start
     return 2.0 * rows * k * n * reps / elapsed / 1e9
@@ -294,39 +303,57 @@ def main() -> None:
     fi, num_blocks = decode_step(args.batch, args.context, args.block_size, args.seed)
     flops = gemm_flops(config, args.batch)
     header = (
-        f"{'dtype':9} {'attention':10} {'step ms':>8} {'GEMM ms':>8} {'attn ms':>8} "
+        f"{'dtype':9} {'attention, weights':17} {'step ms':>8} {'GEMM ms':>8} {'attn ms':>8} "
         f"{'other ms':>8} {'GEMM GFLOP/s':>13}"
     )
     print(header)
     print("-" * len(header))
     timers = Timers()
     for dtype in dtypes:
-        model, _ = build_model(dtype, args.seed)
-        runner = ModelRunner(model, torch.device("cpu"), dtype, seed=0, samples=False)
-        runner.init_kv_cache(CacheSize(num_blocks), args.block_size)
-        with torch.no_grad():
-            for k_cache, v_cache in runner.kv_caches:
-                k_cache.normal_()
-                v_cache.normal_()
-        paths = [("old: copy", False)] + ([("new: in place", True)] if kernel else [])
-        uses = [partial(use_path, model, dtype, native) for _, native in paths]
+        runners = {}
+        for weights in ("plain", "packed"):
+            model, _ = build_model(dtype, args.seed)
+            if weights == "packed":
+                pack_linear_weights(model, torch.device("cpu"), dtype)
+            runner = ModelRunner(model, torch.device("cpu"), dtype, seed=0, samples=False)
+            runner.init_kv_cache(CacheSize(num_blocks), args.block_size)
+            with torch.no_grad():
+                for k_cache, v_cache in runner.kv_caches:
+                    k_cache.normal_()
+                    v_cache.normal_()
+            runners[weights] = runner
+        # (label, weights, attention in place): before this work, then each change on its own.
+        paths = [("copy, plain", "plain", False)]
+        if kernel:
+            paths += [("in place, plain", "plain", True), ("in place, packed", "packed", True)]
+        uses = [
+            (runners[weights], partial(use_path, runners[weights].model, dtype, native))
+            for _, weights, native in paths
+        ]
         with instrumented(timers):
-            results = run_steps(runner, fi, args.steps, timers, uses)
-            for (label, _), r in zip(paths, results, strict=True):
+            results = run_steps(fi, args.steps, timers, uses)
+            for (label, _, _), r in zip(paths, results, strict=True):
                 print(
-                    f"{str(dtype).removeprefix('torch.'):9} {label:14} {r['step']:8.1f} "
+                    f"{str(dtype).removeprefix('torch.'):9} {label:17} {r['step']:8.1f} "
                     f"{r['gemm']:8.1f} {r['attention']:8.1f} {r['other']:8.1f} "
                     f"{flops / r['gemm'] / 1e6:13.0f}"
                 )
-        del runner, model
+        del runners, uses
     print()
     print(f"GEMM throughput at the step's shapes (x [{args.batch}, k] @ w.T), GFLOP/s:")
-    print(f"{'layer':14} {'k x n':>12} " + " ".join(f"{str(d)[6:]:>9}" for d in dtypes))
+    print(
+        f"{'layer':14} {'k x n':>12} "
+        + " ".join(f"{str(d)[6:] + ' ' + w:>16}" for d in dtypes for w in ("plain", "packed"))
+    )
     for name, k, n in gemm_shapes(config):
-        rates = [measure_gemm(args.batch, k, n, dtype) for dtype in dtypes]
-        print(f"{name:14} {f'{k}x{n}':>12} " + " ".join(f"{r:9.0f}" for r in rates))
-    big = [measure_gemm(1024, 1024, 2816, dtype) for dtype in dtypes]
-    print(f"{'(prefill-size)':14} {'1024 rows':>12} " + " ".join(f"{r:9.0f}" for r in big))
+        rates = [
+            measure_gemm(args.batch, k, n, dtype, packed)
+            for dtype in dtypes
+            for packed in (False, True)
+        ]
+        print(f"{name:14} {f'{k}x{n}':>12} " + " ".join(f"{r:16.0f}" for r in rates))
+    big = [measure_gemm(1024, 1024, 2816, d, packed) for d in dtypes for packed in (False, True)]
+    print(f"{'(prefill-size)':14} {'1024 rows':>12} " + " ".join(f"{r:16.0f}" for r in big))
     threads = sorted({1, torch.get_num_threads()})
     print()
     print(f"one elementwise op (x * x, x [{args.batch}, {config.hidden_size}]), us:")

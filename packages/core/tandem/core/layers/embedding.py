@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.collectives import ProcessGroup
+from tandem.core.layers.packed_linear import PackableLinear
 from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
 
 
@@ -41,11 +42,11 @@ class VocabParallelEmbedding(nn.Module):
         return self.group.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     """Logits over this rank's vocab range, gathered across ranks into the full vocabulary."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = self.matmul(hidden)
         if self.group.size > 1:
             logits = self.group.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]

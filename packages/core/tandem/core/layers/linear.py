@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.collectives import ProcessGroup
+from tandem.core.layers.packed_linear import PackableLinear
 from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
 
 
@@ -16,7 +16,7 @@ def _divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(PackableLinear):
     """y = x W^T + b with W split by output rows; the output stays sharded."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group: ProcessGroup):
@@ -33,7 +33,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param.data, read_shard(loaded, 0, start, self.out_per_rank), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -90,7 +90,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         copy_checked(param.data.narrow(0, offset, size), read_shard(loaded, 0, start, size), name)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableLinear):
     """y = x W^T + b with W split by input columns; partial sums are all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group: ProcessGroup):
@@ -109,6 +109,11 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.group.all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        y = self.group.all_reduce(self.matmul(x))
         return y + self.bias if self.bias is not None else y
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum, without the bias, for a caller that reduces it together
+        with others."""
+        return self.matmul(x)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tandem.core.layers.packed_linear import PackableLinear
 from tandem.core.layers.weights import LazyTensor, copy_checked
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(PackableLinear):
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -18,4 +18,4 @@ class ReplicatedLinear(nn.Module):
         copy_checked(param.data, loaded[:, :], name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self.matmul(x)

@@ -11,7 +11,6 @@ experts split their intermediate dimension, and their partial sums meet in one a
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.collectives import ProcessGroup
@@ -29,7 +28,7 @@ class TopKRouter(ReplicatedLinear):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights (model dtype) and expert ids, each [T, top_k]."""
-        logits = F.linear(x, self.weight)
+        logits = self.matmul(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
@@ -50,7 +49,7 @@ class SharedExpert(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum; the block reduces it together with the routed experts'."""
-        return F.linear(self.act(self.gate_up_proj(x)), self.down_proj.weight)
+        return self.down_proj.partial(self.act(self.gate_up_proj(x)))
 
 
 class SparseMoeBlock(nn.Module):

@@ -15,6 +15,7 @@ from tandem.core.layers.linear_attention_state import (
     allocate_linear_attention_state,
     state_bytes_per_slot,
 )
+from tandem.core.layers.packed_linear import packed_bytes
 from tandem.core.layers.weights import parameter_bytes
 from tandem.core.llm.attention_metadata import build_attention_metadata
 from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
@@ -49,7 +50,7 @@ class ModelRunner:
         )
 
     def weight_bytes(self) -> int:
-        return parameter_bytes(self.model)
+        return parameter_bytes(self.model) + packed_bytes(self.model)
 
     def block_bytes(self, block_size: int) -> int:
         layers = self.model.attention_layers()

@@ -1,0 +1,92 @@
+"""Linear layers whose weight is packed once, at load, into oneDNN's blocked layout (CPU).
+
+``F.linear`` on CPU hands oneDNN (bfloat16) or MKL (float32) a plain row-major weight, which
+the library reorders into its blocked layout on every call. At decode batch sizes a step is
+bound by memory traffic, and that reorder reads and writes every weight once more per step.
+vLLM's CPU build packs its weights once (``create_onednn_mm``), as inductor does when it
+freezes a model; so do we. Measured on an AMX Xeon (2 threads, x [48, 1024] against a
+[5632, 1024] weight): bfloat16 964 -> 1685 GFLOP/s, float32 250 -> 366 (see
+``benchmarks/attention_step.py`` for the whole step).
+
+Packing is a choice of weight layout made once per model after loading
+(``pack_linear_weights``), on CPU, for float32 and bfloat16 where oneDNN is built in;
+``TANDEM_GEMM=torch`` keeps plain weights and ``F.linear`` (said once in the log). A packed
+layer drops its plain weight (no second copy of the model) unless another module shares it
+(an LM head tied to the embedding keeps the embedding's).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# The batch size oneDNN picks the blocked layout for. Measured on AMX, bf16 and fp32: any hint
+# from 48 to 2048 gives the same throughput from decode (M = 8) to prefill (M = 2048); a hint
+# of 1 loses 15-20% at M = 48.
+_LAYOUT_BATCH_HINT = 128
+_PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class PackableLinear(nn.Module):
+    """A layer computing ``x W^T (+ b)`` with W = ``self.weight`` [out, in]; once packed,
+    ``self.packed`` holds W in oneDNN's layout and ``weight`` may be empty."""
+
+    weight: nn.Parameter
+    packed: torch.Tensor | None = None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        packed = self.packed
+        if packed is None:
+            return F.linear(x, self.weight, bias)
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return out
+
+
+@functools.cache
+def packing_enabled(dtype: torch.dtype) -> bool:
+    """Whether CPU weights of ``dtype`` are packed (decided once per process and dtype)."""
+    if os.environ.get("TANDEM_GEMM", "").lower() == "torch":
+        logger.info("TANDEM_GEMM=torch: linear layers keep plain weights (F.linear)")
+        return False
+    if dtype not in _PACKABLE_DTYPES or not torch._C._has_mkldnn:
+        return False
+    # oneDNN runs bf16 only where the CPU has AVX512-BF16/AMX (or emulates it with AVX512).
+    return dtype is not torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """Pack every ``PackableLinear`` of a loaded CPU model; returns how many were packed."""
+    if device.type != "cpu" or not packing_enabled(dtype):
+        return 0
+    owners: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        owners[id(param)] = owners.get(id(param), 0) + 1
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, PackableLinear) or module.packed is not None:
+            continue
+        weight = module.weight
+        if weight.dtype is not dtype or weight.dim() != 2 or weight.numel() == 0:
+            continue
+        module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _LAYOUT_BATCH_HINT)
+        if owners[id(weight)] == 1:
+            weight.data = torch.empty((0, weight.shape[1]), dtype=dtype, device=device)
+        count += 1
+    logger.info("packed %d linear weights into oneDNN's layout (%s)", count, dtype)
+    return count
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """Bytes the packed weights of ``model`` take (beside its parameters)."""
+    return sum(
+        m.packed.numel() * m.packed.element_size()
+        for m in model.modules()
+        if isinstance(m, PackableLinear) and m.packed is not None
+    )
