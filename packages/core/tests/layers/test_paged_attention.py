@@ -108,7 +108,10 @@ def _run(
 
 
 STEPS = {
+    # Under 4 tokens per thread (2 threads): one work item per (token, KV head).
     "decode": ([37, 1, 300, 129, 16, 64, 17], []),
+    # Enough tokens for one work item per token, all heads, reading each block front to back.
+    "decode_wide": ([37, 1, 300, 129, 16, 64, 17, 90, 2, 33, 250, 48], []),
     "prefill_fresh": ([], [(0, 19), (0, 1), (0, 40)]),
     # Short chunks after cached tokens: the kernel reads the cached part in place.
     "prefill_cached": ([], [(48, 7), (0, 12), (135, 9), (16, 1)]),
@@ -165,7 +168,7 @@ def test_native_bfloat16_stays_within_rounding_of_float32(step: str) -> None:
     _force_reference(exact_layer, torch.float32)
     exact = _run(exact_layer, tuple(x.float() for x in qkv), meta)
     error = (native.float() - exact).abs()
-    if step == "decode":
+    if step.startswith("decode"):
         # Computed in float32, rounded once: within half a bfloat16 unit in the last place.
         assert bool((error <= exact.abs() * 2.0**-8 + 1e-5).all())
     else:

@@ -1,9 +1,11 @@
 // Paged attention on CPU, reading K/V from the paged cache in place.
 //
-// One work item is (query token, KV head): the query heads that share that KV head (GQA)
-// are handled together, so every cached K/V row is read once per item and used by all of
-// them. The cache layout is the engine's own, [num_blocks, block_size, kv_heads, head_dim],
-// so writing new tokens and the torch reference path need no change.
+// A work item is a query token with all its heads (`run_rows`, for batches of at least
+// 4 tokens per thread) or a (query token, KV head) pair (`run`, for fewer tokens, so every
+// thread has work). Either way the query heads that share a KV head (GQA) are handled
+// together, so every cached K/V row is read once per query token and used by all of them.
+// The cache layout is the engine's own, [num_blocks, block_size, kv_heads, head_dim], so
+// writing new tokens and the torch reference path need no change.
 //
 // Per item, exact softmax in two passes over a row of scores kept in a per-thread buffer:
 // scores = (q * scale) . k over the item's keys (one pass over K, tracking the maximum),
@@ -15,6 +17,7 @@
 // Built by tandem.core.layers.paged_attention_cpu with the system C++ compiler and
 // -march=native; called through ctypes (no torch headers, so the build takes seconds).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -244,6 +247,76 @@ inline void prefetch_block(const T* rows, int64_t n, int64_t token_stride) {
 #endif
 }
 
+// Ask for `n` elements from `p` on (a whole cache block: all heads of its tokens).
+template <typename T>
+inline void prefetch_span(const T* p, int64_t n) {
+#if !defined(TANDEM_PA_NO_PREFETCH)
+  constexpr int64_t kLine = 64 / sizeof(T);
+  for (int64_t e = 0; e < n; e += kLine) __builtin_prefetch(p + e, 0, 3);
+#else
+  (void)p;
+  (void)n;
+#endif
+}
+
+#if defined(__AVX512F__)
+// Scores of `g` query rows (float32, pre-scaled, D apart) against one key row.
+template <typename T, int D>
+inline void score_rows(const float* q, const T* k, int64_t g, float* out, int64_t out_stride) {
+  __m512 kv[D / 16];
+  for (int c = 0; c < D / 16; ++c) kv[c] = load16(k + 16 * c);
+  for (int64_t r = 0; r < g; ++r) {
+    const float* qr = q + r * D;
+    __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
+    __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(qr + 16), kv[1]);
+    for (int c = 2; c + 1 < D / 16; c += 2) {
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), kv[c], a0);
+      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * (c + 1)), kv[c + 1], a1);
+    }
+    out[r * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  }
+}
+
+// acc[r] += p[r * p_stride] * v for `g` rows of D floats held in memory.
+template <typename T, int D>
+inline void add_rows(float* acc, const float* p, int64_t p_stride, int64_t g, const T* v) {
+  __m512 vv[D / 16];
+  for (int c = 0; c < D / 16; ++c) vv[c] = load16(v + 16 * c);
+  for (int64_t r = 0; r < g; ++r) {
+    const __m512 w = _mm512_set1_ps(p[r * p_stride]);
+    float* ar = acc + r * D;
+    for (int c = 0; c < D / 16; ++c) {
+      _mm512_storeu_ps(ar + 16 * c, _mm512_fmadd_ps(w, vv[c], _mm512_loadu_ps(ar + 16 * c)));
+    }
+  }
+}
+#else
+template <typename T, int D>
+inline void score_rows(const float* q, const T* k, int64_t g, float* out, int64_t out_stride) {
+  float kf[D];
+  load_row(k, kf, D, 1.0f);
+  for (int64_t r = 0; r < g; ++r) {
+    const float* qr = q + r * D;
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < D; ++i) s += qr[i] * kf[i];
+    out[r * out_stride] = s;
+  }
+}
+
+template <typename T, int D>
+inline void add_rows(float* acc, const float* p, int64_t p_stride, int64_t g, const T* v) {
+  float vf[D];
+  load_row(v, vf, D, 1.0f);
+  for (int64_t r = 0; r < g; ++r) {
+    const float w = p[r * p_stride];
+    float* ar = acc + r * D;
+#pragma omp simd
+    for (int i = 0; i < D; ++i) ar[i] += w * vf[i];
+  }
+}
+#endif
+
 struct Args {
   void* out;
   float* lse;
@@ -360,10 +433,110 @@ void run(const Args& a) {
   }
 }
 
+// Every head of one query token per work item, for batches with enough tokens to keep
+// every thread busy (decode batches, prefill chunks). A block of the cache holds all KV
+// heads of its tokens side by side, so walking it token by token, head by head, reads it
+// front to back: one contiguous stream per block that the hardware prefetchers follow and
+// the software prefetch keeps a block ahead of, where an item per (token, KV head) reads
+// one 2-line row every cache_token_stride and leaves the rest of each page to other items.
+// The output accumulators of all heads live in a per-thread buffer (L1-resident: H * D
+// floats, 4 KiB for 16 heads of 64).
+template <typename T, int D>
+void run_rows(const Args& a) {
+  const int64_t heads = a.num_heads;
+  const int64_t kv_heads = a.num_kv_heads;
+  const int64_t group = heads / kv_heads;
+  int64_t max_len = 0;
+  for (int64_t i = 0; i < a.num_queries; ++i) {
+    max_len = a.kv_lens[i] > max_len ? a.kv_lens[i] : max_len;
+  }
+  const int64_t stride = max_len > 0 ? max_len : 1;
+  const T* q_all = static_cast<const T*>(a.q);
+  const T* k_all = static_cast<const T*>(a.k_cache);
+  const T* v_all = static_cast<const T*>(a.v_cache);
+  T* out_all = static_cast<T*>(a.out);
+  // Elements of one block that hold this layer's tokens (the caches are contiguous).
+  const int64_t block_elems = a.block_size * a.cache_token_stride;
+
+#pragma omp parallel
+  {
+    std::vector<float> qbuf(heads * D);
+    std::vector<float> scores(heads * stride);
+    std::vector<float> acc(heads * D);
+    std::vector<float> sums(heads);
+
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < a.num_queries; ++i) {
+      const int64_t len = a.kv_lens[i];
+      const int64_t* table = a.block_tables + a.table_row[i] * a.table_stride;
+      const int64_t num_blocks = (len + a.block_size - 1) / a.block_size;
+      T* out = out_all + i * a.out_stride;
+      float* lse = a.lse != nullptr ? a.lse + i * a.num_heads : nullptr;
+      if (len <= 0) {
+        std::memset(out, 0, sizeof(T) * heads * D);
+        for (int64_t h = 0; lse != nullptr && h < heads; ++h) {
+          lse[h] = -std::numeric_limits<float>::infinity();
+        }
+        continue;
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        load_row(q_all + i * a.q_stride + h * D, qbuf.data() + h * D, D, a.scale);
+      }
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const T* kb = k_all + table[b] * a.cache_block_stride;
+        const int64_t t0 = b * a.block_size;
+        const int64_t n = (len - t0) < a.block_size ? (len - t0) : a.block_size;
+        const T* next = b + 1 < num_blocks ? k_all + table[b + 1] * a.cache_block_stride
+                                           : v_all + table[0] * a.cache_block_stride;
+        prefetch_span(next, block_elems);
+        for (int64_t t = 0; t < n; ++t) {
+          const T* row = kb + t * a.cache_token_stride;
+          for (int64_t h = 0; h < kv_heads; ++h) {
+            score_rows<T, D>(qbuf.data() + h * group * D, row + h * D, group,
+                             scores.data() + h * group * stride + t0 + t, stride);
+          }
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        float* s = scores.data() + h * stride;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
+        sums[h] = exp_and_sum(s, len, m);
+        if (lse != nullptr) lse[h] = m + std::log(sums[h]);
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const T* vb = v_all + table[b] * a.cache_block_stride;
+        const int64_t t0 = b * a.block_size;
+        const int64_t n = (len - t0) < a.block_size ? (len - t0) : a.block_size;
+        if (b + 1 < num_blocks) {
+          prefetch_span(v_all + table[b + 1] * a.cache_block_stride, block_elems);
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          const T* row = vb + t * a.cache_token_stride;
+          for (int64_t h = 0; h < kv_heads; ++h) {
+            add_rows<T, D>(acc.data() + h * group * D,
+                           scores.data() + h * group * stride + t0 + t, stride, group, row + h * D);
+          }
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        store_row(acc.data() + h * D, out + h * D, D, 1.0f / sums[h]);
+      }
+    }
+  }
+}
+
 // The largest head chunk G dividing the group whose G * D accumulators fit in 16 vector
 // registers (32 float32 lanes each... of 16), leaving the rest for the K/V row.
 template <typename T, int D>
-int dispatch_group(const Args& a) {
+int dispatch_group(const Args& a, int32_t threads) {
+#if !defined(TANDEM_PA_ITEM_PER_HEAD)
+  if (a.num_queries >= 4 * static_cast<int64_t>(threads > 0 ? threads : 1)) {
+    run_rows<T, D>(a);
+    return 0;
+  }
+#endif
   const int64_t group = a.num_heads / a.num_kv_heads;
   constexpr int kMaxFloats = 256;
   if (group % 8 == 0 && 8 * D <= kMaxFloats) {
@@ -379,14 +552,14 @@ int dispatch_group(const Args& a) {
 }
 
 template <typename T>
-int dispatch_dim(const Args& a, int64_t head_dim) {
+int dispatch_dim(const Args& a, int64_t head_dim, int32_t threads) {
   switch (head_dim) {
     case 64:
-      return dispatch_group<T, 64>(a);
+      return dispatch_group<T, 64>(a, threads);
     case 128:
-      return dispatch_group<T, 128>(a);
+      return dispatch_group<T, 128>(a, threads);
     case 256:
-      return dispatch_group<T, 256>(a);
+      return dispatch_group<T, 256>(a, threads);
     default:
       return 2;
   }
@@ -429,8 +602,8 @@ int tandem_paged_attention(void* out, float* lse, const void* q, const void* k_c
          block_tables, table_row,  kv_lens,   num_queries, num_heads,
          num_kv_heads, block_size, q_stride,  out_stride,  table_stride,
          cache_block_stride, cache_token_stride, scale};
-  if (dtype == kFloat32) return dispatch_dim<float>(a, head_dim);
-  if (dtype == kBFloat16) return dispatch_dim<uint16_t>(a, head_dim);
+  if (dtype == kFloat32) return dispatch_dim<float>(a, head_dim, num_threads);
+  if (dtype == kBFloat16) return dispatch_dim<uint16_t>(a, head_dim, num_threads);
   return 3;
 }
 
