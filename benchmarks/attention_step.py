@@ -14,8 +14,12 @@ shapes fixed implies a vocabulary of ~16K).
 
 from __future__ import annotations
 
-import argparse
 import os
+
+# Large tensors on 2 MiB pages, as `tandem` runs them (tandem/server/cli/__init__.py).
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import argparse
 import platform
 import statistics
 import time
