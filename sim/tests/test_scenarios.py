@@ -39,28 +39,33 @@ def test_broken_variant_is_caught_by_exhaustive_search(name: str) -> None:
 
 # Scenarios that run steps of the real executor per schedule: fewer in the suite, 10,000 in
 # `tox -e sim-deep`. hybrid_first_request runs the whole engine over four steps on two lanes
-# (about 0.1 s a schedule): 300 here; 2,000 and 10,000 are in sim/README.md. The lifecycle
-# ones run a whole engine (tens of TP=2 steps, 0.2-0.5 s a schedule on one core; the
-# recommender's the slowest): 100 (50) here keeps the suite short; sim-deep runs them 10,000
-# times.
+# (about 0.1 s a schedule): 300 here; 2,000 and 10,000 are in sim/README.md.
 SUITE_SCHEDULES = {
     "tp_lanes": 500,
     "llm_lanes_kv_pressure": 500,
     "hybrid_first_request": 300,
-    "engine_lifecycle": 100,
-    "engine_lifecycle_rank_fails": 100,
-    "engine_lifecycle_hybrid": 100,
-    "rec_lifecycle": 50,
-    "rec_lifecycle_rank_fails": 100,
 }
+# The lifecycle scenarios run a whole engine per schedule (tens of TP=2 steps, 0.07-0.25 s on
+# one core, the recommender's the slowest): their 2,000 run as four seeds of 500 each, so the
+# suite's workers share them.
+LIFECYCLE = sorted(name for name in CORRECT if "lifecycle" in name)
+LIFECYCLE_SEEDS, LIFECYCLE_PER_SEED = 4, 500
 
 
-@pytest.mark.parametrize("name", CORRECT)
+@pytest.mark.parametrize("name", [name for name in CORRECT if name not in LIFECYCLE])
 def test_correct_variant_passes_2000_schedules(name: str) -> None:
     schedules = SUITE_SCHEDULES.get(name, 2000)
     result = explore(SCENARIOS[name], "pct", schedules=schedules, seed=0)
     assert result.failure is None, result.failure.describe() if result.failure else ""
     assert result.runs == schedules
+
+
+@pytest.mark.parametrize("seed", range(LIFECYCLE_SEEDS))
+@pytest.mark.parametrize("name", LIFECYCLE)
+def test_whole_engine_lifecycle_passes_2000_schedules(name: str, seed: int) -> None:
+    result = explore(SCENARIOS[name], "pct", schedules=LIFECYCLE_PER_SEED, seed=seed)
+    assert result.failure is None, result.failure.describe() if result.failure else ""
+    assert result.runs == LIFECYCLE_PER_SEED
 
 
 def test_failures_say_what_went_wrong() -> None:
