@@ -183,9 +183,11 @@ def write_chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_title(label)
         ax.set_xlabel("round")
         ax.set_xticks(rounds)
-    axes[0].legend()
+    # One legend under the title, clear of every bar.
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", ncol=len(systems), frameon=False)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=110)
 
 
