@@ -12,7 +12,12 @@ from tandem.collectives import SingleRankGroup
 from tandem.core.layers import packed_linear
 from tandem.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.core.layers.linear import RowParallelLinear
-from tandem.core.layers.packed_linear import pack_linear_weights, packed_bytes, packing_enabled
+from tandem.core.layers.packed_linear import (
+    pack_linear_weights,
+    packed_bytes,
+    packing_enabled,
+    padded_rows,
+)
 from tandem.core.layers.replicated_linear import ReplicatedLinear
 from tandem.core.layers.weights import parameter_bytes
 
@@ -94,3 +99,12 @@ def test_packing_is_off_off_cpu_and_when_asked(monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.delenv("TANDEM_GEMM")
         packing_enabled.cache_clear()
     assert packed_linear.packing_enabled(torch.float32) is torch._C._has_mkldnn
+
+
+def test_row_counts_round_to_few_shapes_and_little_padding() -> None:
+    counts = range(1, 2049)
+    padded = [padded_rows(m) for m in counts]
+    assert all(m <= p <= m * 1.125 for m, p in zip(counts, padded, strict=True))
+    assert len(set(padded)) <= 80
+    # Common batch sizes run as they are.
+    assert [padded_rows(m) for m in (1, 8, 16, 48, 64, 256, 2048)] == [1, 8, 16, 48, 64, 256, 2048]

@@ -45,8 +45,24 @@ class PackableLinear(nn.Module):
         packed = self.packed
         if packed is None:
             return F.linear(x, self.weight, bias)
+        rows = x.shape[0]
+        padded = padded_rows(rows)
+        if x.dim() == 2 and padded != rows:
+            x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        return out
+        return out[:rows]
+
+
+def padded_rows(rows: int) -> int:
+    """``rows`` rounded up to three significant bits (at most 1/8 more rows; batch sizes
+    like 48 or 2048 stay as they are). oneDNN keeps memory for every input shape it has run
+    (measured: ~0.6 MB a row count, for good), and a server runs every token count from 1
+    to its batch budget; rounded, a budget of 2048 gives ~70 shapes instead of 2048
+    (+1.2 GB of RSS for four weights over every count, +0.1-0.2 GB rounded)."""
+    if rows <= 8:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
 
 
 @functools.cache
