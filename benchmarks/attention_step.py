@@ -14,12 +14,8 @@ shapes fixed implies a vocabulary of ~16K).
 
 from __future__ import annotations
 
-import os
-
-# Large tensors on 2 MiB pages, as `tandem` runs them (tandem/server/cli/__init__.py).
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
 import argparse
+import os
 import platform
 import statistics
 import time

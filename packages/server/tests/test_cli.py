@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -180,29 +179,3 @@ def test_bad_serve_flags_get_a_message(args: list[str], expected: str) -> None:
     result = tandem("serve", *args, timeout=60)
     assert result.returncode != 0
     assert expected in result.stderr and "Traceback" not in result.stderr
-
-
-def _huge_pages_possible() -> bool:
-    try:
-        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return False
-    return "[never]" not in mode
-
-
-@pytest.mark.skipif(not _huge_pages_possible(), reason="transparent huge pages are off here")
-def test_the_command_puts_large_tensors_on_huge_pages() -> None:
-    """What the ``tandem`` entry point sets before torch loads; a user's setting wins."""
-    probe = (
-        "import tandem.server.cli, torch\n"
-        "x = torch.zeros(64 * 2**20 // 4)\n"
-        "print([l.split()[1] for l in open('/proc/self/smaps_rollup') if 'AnonHuge' in l][0])\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    huge = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
-    assert int(huge.stdout) >= 32 * 1024, huge.stderr
-    if "[madvise]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
-        # Only torch's madvise asks for them in this mode, so turning it off shows.
-        env["THP_MEM_ALLOC_ENABLE"] = "0"
-        run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
-        assert int(run.stdout) < 32 * 1024, run.stderr
