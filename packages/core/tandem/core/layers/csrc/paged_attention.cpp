@@ -141,12 +141,12 @@ inline float exp_and_sum(float* s, int64_t n, float max) {
   return _mm512_reduce_add_ps(acc);
 }
 
-// Scores of G query rows (float32, pre-scaled) against one key row: out[r * out_stride].
-template <typename T, int D, int G>
-inline void score_row(const float* q, const T* k, float* out, int64_t out_stride) {
+// Scores of `g` query rows (float32, pre-scaled, D apart) against one key row.
+template <typename T, int D>
+inline void score_rows(const float* q, const T* k, int64_t g, float* out, int64_t out_stride) {
   __m512 kv[D / 16];
   for (int c = 0; c < D / 16; ++c) kv[c] = load16(k + 16 * c);
-  for (int r = 0; r < G; ++r) {
+  for (int64_t r = 0; r < g; ++r) {
     const float* qr = q + r * D;
     __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
     __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(qr + 16), kv[1]);
@@ -156,6 +156,12 @@ inline void score_row(const float* q, const T* k, float* out, int64_t out_stride
     }
     out[r * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
   }
+}
+
+// The same with G fixed at compile time (the per-(token, KV head) items' loop).
+template <typename T, int D, int G>
+inline void score_row(const float* q, const T* k, float* out, int64_t out_stride) {
+  score_rows<T, D>(q, k, G, out, out_stride);
 }
 
 // acc[r] += p[r * p_stride] * v for G rows of D floats; acc stays in registers when the
@@ -198,11 +204,11 @@ inline float exp_and_sum(float* s, int64_t n, float max) {
   return sum;
 }
 
-template <typename T, int D, int G>
-inline void score_row(const float* q, const T* k, float* out, int64_t out_stride) {
+template <typename T, int D>
+inline void score_rows(const float* q, const T* k, int64_t g, float* out, int64_t out_stride) {
   float kf[D];
   load_row(k, kf, D, 1.0f);
-  for (int r = 0; r < G; ++r) {
+  for (int64_t r = 0; r < g; ++r) {
     const float* qr = q + r * D;
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -211,6 +217,10 @@ inline void score_row(const float* q, const T* k, float* out, int64_t out_stride
   }
 }
 
+template <typename T, int D, int G>
+inline void score_row(const float* q, const T* k, float* out, int64_t out_stride) {
+  score_rows<T, D>(q, k, G, out, out_stride);
+}
 template <int D, int G>
 struct Accumulator {
   float v[G][D];
@@ -260,23 +270,6 @@ inline void prefetch_span(const T* p, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-// Scores of `g` query rows (float32, pre-scaled, D apart) against one key row.
-template <typename T, int D>
-inline void score_rows(const float* q, const T* k, int64_t g, float* out, int64_t out_stride) {
-  __m512 kv[D / 16];
-  for (int c = 0; c < D / 16; ++c) kv[c] = load16(k + 16 * c);
-  for (int64_t r = 0; r < g; ++r) {
-    const float* qr = q + r * D;
-    __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
-    __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(qr + 16), kv[1]);
-    for (int c = 2; c + 1 < D / 16; c += 2) {
-      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), kv[c], a0);
-      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * (c + 1)), kv[c + 1], a1);
-    }
-    out[r * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-  }
-}
-
 // acc[r] += p[r * p_stride] * v for `g` rows of D floats held in memory.
 template <typename T, int D>
 inline void add_rows(float* acc, const float* p, int64_t p_stride, int64_t g, const T* v) {
@@ -291,19 +284,6 @@ inline void add_rows(float* acc, const float* p, int64_t p_stride, int64_t g, co
   }
 }
 #else
-template <typename T, int D>
-inline void score_rows(const float* q, const T* k, int64_t g, float* out, int64_t out_stride) {
-  float kf[D];
-  load_row(k, kf, D, 1.0f);
-  for (int64_t r = 0; r < g; ++r) {
-    const float* qr = q + r * D;
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int i = 0; i < D; ++i) s += qr[i] * kf[i];
-    out[r * out_stride] = s;
-  }
-}
-
 template <typename T, int D>
 inline void add_rows(float* acc, const float* p, int64_t p_stride, int64_t g, const T* v) {
   float vf[D];
