@@ -12,7 +12,11 @@
 // p = exp(s - max) and its sum, then out = (sum_t p_t v_t) / sum (one pass over V).
 // Arithmetic is float32 throughout; bfloat16 rows are widened on load and the output is
 // rounded to nearest-even once, as torch rounds. Decode attention is bound by reading the
-// cache, so the point is to touch each K/V row exactly once and never copy it.
+// cache, so the point is to touch each K/V row exactly once and never copy it, and to spend
+// few instructions per row so that two cores keep up with memory: `run_rows` scores 16 keys
+// per query row at once (dot products finished by one transposing reduction, on CPUs with
+// AVX512-BF16 as bfloat16 pair products, which are exact in float32) and keeps a KV head's
+// output accumulators in registers across the rows of a block.
 //
 // Built by tandem.core.layers.paged_attention_cpu with the system C++ compiler and
 // -march=native; called through ctypes (no torch headers, so the build takes seconds).
@@ -415,13 +419,158 @@ void run(const Args& a) {
 
 // Every head of one query token per work item, for batches with enough tokens to keep
 // every thread busy (decode batches, prefill chunks). A block of the cache holds all KV
-// heads of its tokens side by side, so walking it token by token, head by head, reads it
-// front to back: one contiguous stream per block that the hardware prefetchers follow and
-// the software prefetch keeps a block ahead of, where an item per (token, KV head) reads
-// one 2-line row every cache_token_stride and leaves the rest of each page to other items.
-// The output accumulators of all heads live in a per-thread buffer (L1-resident: H * D
-// floats, 4 KiB for 16 heads of 64).
+// heads of its tokens side by side, so walking it block by block reads it front to back:
+// one contiguous stream per block that the hardware prefetchers follow and the software
+// prefetch keeps a block ahead of, where an item per (token, KV head) reads one 2-line row
+// every cache_token_stride and leaves the rest of each page to other items.
+#if defined(__AVX512F__)
+
+// Lane t of the result is the sum of the 16 lanes of a[t]: sixteen dot products finished
+// together in 45 shuffles and adds, where one horizontal reduction each costs ~8 dependent
+// operations (what a score per key row used to pay).
+inline __m512 transpose_sum16(const __m512 (&a)[16]) {
+  __m512 b[8];
+  for (int k = 0; k < 8; ++k) {
+    // Per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] for x = a[2k], y = a[2k+1].
+    b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]),
+                         _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  }
+  __m512 c[4];
+  for (int m = 0; m < 4; ++m) {
+    // Per 128-bit lane: partial sums of rows 4m .. 4m+3, in order.
+    c[m] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * m], b[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * m], b[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // Fold the four 128-bit lanes of each c[m] together.
+  __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The query rows as the score pass reads them. float32 (and bfloat16 on CPUs without
+// AVX512-BF16): widened, times the scale, scores need no further scaling. bfloat16 with
+// AVX512-BF16: the rows as they are (bfloat16 products are exact in float32, so
+// vdpbf16ps sums the same products the widening path would) and the scale applied to
+// each finished score.
 template <typename T, int D>
+struct Queries {
+  std::vector<float> rows;
+  explicit Queries(int64_t heads) : rows(heads * D) {}
+  void load(const T* q, int64_t heads, float scale) {
+    for (int64_t h = 0; h < heads; ++h) load_row(q + h * D, rows.data() + h * D, D, scale);
+  }
+  // Row `r` in registers, for many keys.
+  struct Row {
+    __m512 v[D / 16];
+    // 16 lanes whose sum is this row . key row `k`.
+    inline __m512 partial(const T* k) const {
+      __m512 a0 = _mm512_mul_ps(v[0], load16(k));
+      __m512 a1 = _mm512_mul_ps(v[1], load16(k + 16));
+      for (int c = 2; c + 1 < D / 16; c += 2) {
+        a0 = _mm512_fmadd_ps(v[c], load16(k + 16 * c), a0);
+        a1 = _mm512_fmadd_ps(v[c + 1], load16(k + 16 * (c + 1)), a1);
+      }
+      return _mm512_add_ps(a0, a1);
+    }
+    inline __m512 finish(__m512 s) const { return s; }
+  };
+  inline Row row(int64_t r) const {
+    Row out;
+    for (int c = 0; c < D / 16; ++c) out.v[c] = _mm512_loadu_ps(rows.data() + r * D + 16 * c);
+    return out;
+  }
+};
+
+#if defined(__AVX512BF16__)
+template <int D>
+struct Queries<uint16_t, D> {
+  std::vector<uint16_t> rows;
+  float scale = 1.0f;
+  explicit Queries(int64_t heads) : rows(heads * D) {}
+  void load(const uint16_t* q, int64_t heads, float s) {
+    std::memcpy(rows.data(), q, sizeof(uint16_t) * heads * D);
+    scale = s;
+  }
+  struct Row {
+    __m512bh v[D / 32];
+    __m512 scale;
+    inline __m512 partial(const uint16_t* k) const {
+      __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), v[0],
+                                    (__m512bh)_mm512_loadu_si512(k));
+      for (int c = 1; c < D / 32; ++c) {
+        acc = _mm512_dpbf16_ps(acc, v[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+      }
+      return acc;
+    }
+    inline __m512 finish(__m512 s) const { return _mm512_mul_ps(s, scale); }
+  };
+  inline Row row(int64_t r) const {
+    Row out;
+    for (int c = 0; c < D / 32; ++c) {
+      out.v[c] = (__m512bh)_mm512_loadu_si512(rows.data() + r * D + 32 * c);
+    }
+    out.scale = _mm512_set1_ps(scale);
+    return out;
+  }
+};
+#endif
+
+// Scores of query rows [r0, r0 + g) against keys t0 .. t0 + n (n <= 16) of one head in
+// one block, into scores[(r - r0) * stride ..].
+template <typename T, int D>
+inline void score_tile(const Queries<T, D>& q, int64_t r0, int64_t g, const T* keys,
+                       int64_t token_stride, int64_t n, float* scores, int64_t stride) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
+  for (int64_t r = r0; r < r0 + g; ++r) {
+    const auto row = q.row(r);
+    __m512 part[16];
+    if (n == 16) {
+      for (int t = 0; t < 16; ++t) part[t] = row.partial(keys + t * token_stride);
+    } else {
+      for (int t = 0; t < 16; ++t) {
+        part[t] = t < n ? row.partial(keys + t * token_stride) : _mm512_setzero_ps();
+      }
+    }
+    _mm512_mask_storeu_ps(scores + (r - r0) * stride, mask, row.finish(transpose_sum16(part)));
+  }
+}
+
+// acc[r] += p[r * p_stride + t] * v_t for GC query rows and n value rows of one head; the
+// GC * D / 16 accumulators stay in registers across the rows.
+template <typename T, int D, int GC>
+inline void accumulate_tile(float* acc, const float* p, int64_t p_stride, const T* values,
+                            int64_t token_stride, int64_t n) {
+  __m512 sum[GC][D / 16];
+  for (int r = 0; r < GC; ++r)
+    for (int c = 0; c < D / 16; ++c) sum[r][c] = _mm512_loadu_ps(acc + r * D + 16 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* v = values + t * token_stride;
+    __m512 vv[D / 16];
+    for (int c = 0; c < D / 16; ++c) vv[c] = load16(v + 16 * c);
+    for (int r = 0; r < GC; ++r) {
+      const __m512 w = _mm512_set1_ps(p[r * p_stride + t]);
+      for (int c = 0; c < D / 16; ++c) sum[r][c] = _mm512_fmadd_ps(w, vv[c], sum[r][c]);
+    }
+  }
+  for (int r = 0; r < GC; ++r)
+    for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(acc + r * D + 16 * c, sum[r][c]);
+}
+
+inline float row_max(const float* s, int64_t n) {
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + i));
+  if (i < n) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    m = _mm512_mask_max_ps(m, mask, m, _mm512_maskz_loadu_ps(mask, s + i));
+  }
+  return _mm512_reduce_max_ps(m);
+}
+
+template <typename T, int D, int GC>
 void run_rows(const Args& a) {
   const int64_t heads = a.num_heads;
   const int64_t kv_heads = a.num_kv_heads;
@@ -436,6 +585,90 @@ void run_rows(const Args& a) {
   const T* v_all = static_cast<const T*>(a.v_cache);
   T* out_all = static_cast<T*>(a.out);
   // Elements of one block that hold this layer's tokens (the caches are contiguous).
+  const int64_t block_elems = a.block_size * a.cache_token_stride;
+  const int64_t ts = a.cache_token_stride;
+
+#pragma omp parallel
+  {
+    Queries<T, D> queries(heads);
+    std::vector<float> scores(heads * stride);
+    // Output accumulators of all heads: H * D floats (4 KiB for 16 heads of 64), in L1.
+    std::vector<float> acc(heads * D);
+    std::vector<float> sums(heads);
+
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < a.num_queries; ++i) {
+      const int64_t len = a.kv_lens[i];
+      const int64_t* table = a.block_tables + a.table_row[i] * a.table_stride;
+      const int64_t num_blocks = (len + a.block_size - 1) / a.block_size;
+      T* out = out_all + i * a.out_stride;
+      float* lse = a.lse != nullptr ? a.lse + i * a.num_heads : nullptr;
+      if (len <= 0) {
+        std::memset(out, 0, sizeof(T) * heads * D);
+        for (int64_t h = 0; lse != nullptr && h < heads; ++h) {
+          lse[h] = -std::numeric_limits<float>::infinity();
+        }
+        continue;
+      }
+      queries.load(q_all + i * a.q_stride, heads, a.scale);
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const T* kb = k_all + table[b] * a.cache_block_stride;
+        const int64_t t0 = b * a.block_size;
+        const int64_t n = (len - t0) < a.block_size ? (len - t0) : a.block_size;
+        const T* next = b + 1 < num_blocks ? k_all + table[b + 1] * a.cache_block_stride
+                                           : v_all + table[0] * a.cache_block_stride;
+        prefetch_span(next, block_elems);
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          for (int64_t s0 = 0; s0 < n; s0 += 16) {
+            score_tile<T, D>(queries, h * group, group, kb + s0 * ts + h * D, ts,
+                             n - s0 < 16 ? n - s0 : 16, scores.data() + h * group * stride + t0 + s0,
+                             stride);
+          }
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        float* s = scores.data() + h * stride;
+        const float m = row_max(s, len);
+        sums[h] = exp_and_sum(s, len, m);
+        if (lse != nullptr) lse[h] = m + std::log(sums[h]);
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const T* vb = v_all + table[b] * a.cache_block_stride;
+        const int64_t t0 = b * a.block_size;
+        const int64_t n = (len - t0) < a.block_size ? (len - t0) : a.block_size;
+        if (b + 1 < num_blocks) {
+          prefetch_span(v_all + table[b + 1] * a.cache_block_stride, block_elems);
+        }
+        for (int64_t r = 0; r < heads; r += GC) {
+          const int64_t h = r / group;
+          accumulate_tile<T, D, GC>(acc.data() + r * D, scores.data() + r * stride + t0, stride,
+                                    vb + h * D, ts, n);
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        store_row(acc.data() + h * D, out + h * D, D, 1.0f / sums[h]);
+      }
+    }
+  }
+}
+
+#else  // portable path
+
+template <typename T, int D, int GC>
+void run_rows(const Args& a) {
+  const int64_t heads = a.num_heads;
+  const int64_t kv_heads = a.num_kv_heads;
+  const int64_t group = heads / kv_heads;
+  int64_t max_len = 0;
+  for (int64_t i = 0; i < a.num_queries; ++i) {
+    max_len = a.kv_lens[i] > max_len ? a.kv_lens[i] : max_len;
+  }
+  const int64_t stride = max_len > 0 ? max_len : 1;
+  const T* q_all = static_cast<const T*>(a.q);
+  const T* k_all = static_cast<const T*>(a.k_cache);
+  const T* v_all = static_cast<const T*>(a.v_cache);
+  T* out_all = static_cast<T*>(a.out);
   const int64_t block_elems = a.block_size * a.cache_token_stride;
 
 #pragma omp parallel
@@ -507,17 +740,29 @@ void run_rows(const Args& a) {
   }
 }
 
+#endif
+
 // The largest head chunk G dividing the group whose G * D accumulators fit in 16 vector
 // registers (32 float32 lanes each... of 16), leaving the rest for the K/V row.
 template <typename T, int D>
 int dispatch_group(const Args& a, int32_t threads) {
 #if !defined(TANDEM_PA_ITEM_PER_HEAD)
+  const int64_t group = a.num_heads / a.num_kv_heads;
   if (a.num_queries >= 4 * static_cast<int64_t>(threads > 0 ? threads : 1)) {
-    run_rows<T, D>(a);
+    // Query rows per value pass: as many of a KV head's as keep their accumulators (GC * D
+    // floats) within 16 vector registers.
+    if (group % 4 == 0 && 4 * D <= 256) {
+      run_rows<T, D, (4 * D <= 256 ? 4 : 1)>(a);
+    } else if (group % 2 == 0 && 2 * D <= 256) {
+      run_rows<T, D, (2 * D <= 256 ? 2 : 1)>(a);
+    } else {
+      run_rows<T, D, 1>(a);
+    }
     return 0;
   }
-#endif
+#else
   const int64_t group = a.num_heads / a.num_kv_heads;
+#endif
   constexpr int kMaxFloats = 256;
   if (group % 8 == 0 && 8 * D <= kMaxFloats) {
     run<T, D, (8 * D <= kMaxFloats ? 8 : 1)>(a);
