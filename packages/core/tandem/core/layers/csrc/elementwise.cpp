@@ -19,6 +19,10 @@
 
 #include <omp.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float bf16_to_float(uint16_t v) {
@@ -32,9 +36,10 @@ inline float bf16_to_float(uint16_t v) {
 inline uint16_t float_to_bf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof(bits));
-  if (std::isnan(f)) return 0x7FC0;
   uint32_t bias = ((bits >> 16) & 1u) + 0x7FFFu;
-  return static_cast<uint16_t>((bits + bias) >> 16);
+  uint16_t rounded = static_cast<uint16_t>((bits + bias) >> 16);
+  // A select, not a branch, so loops over rows vectorize.
+  return f != f ? static_cast<uint16_t>(0x7FC0) : rounded;
 }
 
 // A value as torch stores it in the tensor's dtype: rounded to bfloat16, or left as is.
@@ -106,17 +111,27 @@ void add_rms_norm(T* out, T* residual, const T* x, const T* weight, int64_t rows
   }
 }
 
-// Rotate-half rotary on one head of D values at table row `pos` (cos/sin [*, D/2]), in place:
-// o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin, each product and sum stored as torch stores it.
+// The RMSNorm of one row as norm_row stores it, as floats into `dst` (which may be `h`).
 template <typename T>
-inline void rotate_head(T* x, const T* cos, const T* sin, int64_t half) {
+inline void norm_row_values(const float* h, const T* weight, float* dst, int64_t dim,
+                            float eps) {
+  float sumsq = 0.f;
+#pragma omp simd reduction(+ : sumsq)
+  for (int64_t i = 0; i < dim; ++i) sumsq += h[i] * h[i];
+  float inv = 1.f / std::sqrt(sumsq / static_cast<float>(dim) + eps);
+  for (int64_t i = 0; i < dim; ++i) dst[i] = stored<T>(load<T>(weight, i) * stored<T>(h[i] * inv));
+}
+
+// Rotate-half rotary of one head of D values `h` at table row `pos` (cos/sin [*, D/2]) into
+// `x`: o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin, each product and sum stored as torch
+// stores it. Reading a float copy, not `x` itself, lets the loop vectorize.
+template <typename T>
+inline void rotate_head(const float* h, T* x, const T* cos, const T* sin, int64_t half) {
   for (int64_t i = 0; i < half; ++i) {
-    float x1 = load<T>(x, i), x2 = load<T>(x, i + half);
+    float x1 = h[i], x2 = h[i + half];
     float c = load<T>(cos, i), s = load<T>(sin, i);
-    float o1 = stored<T>(stored<T>(x1 * c) - stored<T>(x2 * s));
-    float o2 = stored<T>(stored<T>(x2 * c) + stored<T>(x1 * s));
-    store<T>(x, i, o1);
-    store<T>(x, i + half, o2);
+    store<T>(x, i, stored<T>(x1 * c) - stored<T>(x2 * s));
+    store<T>(x, i + half, stored<T>(x2 * c) + stored<T>(x1 * s));
   }
 }
 
@@ -138,14 +153,136 @@ void qk_norm_rotary(T* q, T* k, const T* q_weight, const T* k_weight, const T* c
       const bool is_q = j < q_heads;
       T* x = is_q ? q + t * q_stride + j * head_dim : k + t * k_stride + (j - q_heads) * head_dim;
       const T* w = is_q ? q_weight : k_weight;
-      if (w != nullptr) {
-        for (int64_t i = 0; i < head_dim; ++i) h[i] = load<T>(x, i);
-        norm_row<T>(h, w, x, head_dim, eps);
-      }
-      rotate_head<T>(x, cos, sin, half);
+      for (int64_t i = 0; i < head_dim; ++i) h[i] = load<T>(x, i);
+      if (w != nullptr) norm_row_values<T>(h, w, h, head_dim, eps);
+      rotate_head<T>(h, x, cos, sin, half);
     }
   }
 }
+
+#if defined(__AVX512F__)
+// The same per head, 16 elements per vector, for head sizes the compiler cannot be trusted
+// to vectorize through the per-element rounding (a bfloat16 result rounded wherever torch
+// stores one, as above, with the same round-to-nearest-even and NaN).
+template <typename T>
+inline __m512 vload(const T* p);
+template <>
+inline __m512 vload<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 vload<uint16_t>(const uint16_t* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <typename T>
+inline __m512 vstored(__m512 x);
+template <>
+inline __m512 vstored<float>(__m512 x) { return x; }
+template <>
+inline __m512 vstored<uint16_t>(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), nan,
+                            _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+}
+
+// Stores a value vstored<T> already rounded.
+template <typename T>
+inline void vstore(T* p, __m512 x);
+template <>
+inline void vstore<float>(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+template <>
+inline void vstore<uint16_t>(uint16_t* p, __m512 x) {
+  const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(x), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
+}
+
+template <typename T, int D>
+void qk_norm_rotary_vec(T* q, T* k, const T* q_weight, const T* k_weight, const T* cos_table,
+                        const T* sin_table, const int64_t* positions, int64_t tokens,
+                        int64_t q_heads, int64_t k_heads, int64_t q_stride, int64_t k_stride,
+                        int64_t table_stride, float eps, int threads) {
+  constexpr int C = D / 16;
+  constexpr int HC = C / 2;
+  const int64_t heads = q_heads + k_heads;
+  __m512 wq[C], wk[C];
+  for (int c = 0; c < C; ++c) {
+    wq[c] = q_weight != nullptr ? vload(q_weight + 16 * c) : _mm512_setzero_ps();
+    wk[c] = k_weight != nullptr ? vload(k_weight + 16 * c) : _mm512_setzero_ps();
+  }
+#pragma omp parallel for num_threads(threads_for(tokens * heads * D, threads)) schedule(static)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t pos = positions[t];
+    __m512 cv[HC], sv[HC];
+    for (int c = 0; c < HC; ++c) {
+      cv[c] = vload(cos_table + pos * table_stride + 16 * c);
+      sv[c] = vload(sin_table + pos * table_stride + 16 * c);
+    }
+    for (int64_t j = 0; j < heads; ++j) {
+      const bool is_q = j < q_heads;
+      T* x = is_q ? q + t * q_stride + j * D : k + t * k_stride + (j - q_heads) * D;
+      const bool norm = (is_q ? q_weight : k_weight) != nullptr;
+      const __m512* w = is_q ? wq : wk;
+      __m512 h[C];
+      for (int c = 0; c < C; ++c) h[c] = vload(x + 16 * c);
+      if (norm) {
+        __m512 acc = _mm512_mul_ps(h[0], h[0]);
+        for (int c = 1; c < C; ++c) acc = _mm512_add_ps(acc, _mm512_mul_ps(h[c], h[c]));
+        const float sumsq = _mm512_reduce_add_ps(acc);
+        const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(sumsq / static_cast<float>(D) + eps));
+        for (int c = 0; c < C; ++c) {
+          h[c] = vstored<T>(_mm512_mul_ps(w[c], vstored<T>(_mm512_mul_ps(h[c], inv))));
+        }
+      }
+      for (int c = 0; c < HC; ++c) {
+        const __m512 x1 = h[c], x2 = h[c + HC];
+        const __m512 o1 = vstored<T>(_mm512_sub_ps(vstored<T>(_mm512_mul_ps(x1, cv[c])),
+                                                   vstored<T>(_mm512_mul_ps(x2, sv[c]))));
+        const __m512 o2 = vstored<T>(_mm512_add_ps(vstored<T>(_mm512_mul_ps(x2, cv[c])),
+                                                   vstored<T>(_mm512_mul_ps(x1, sv[c]))));
+        vstore(x + 16 * c, o1);
+        vstore(x + 16 * (c + HC), o2);
+      }
+    }
+  }
+}
+
+// The vectorized kernel for the head sizes models use; false for others.
+template <typename T>
+bool qk_norm_rotary_fast(T* q, T* k, const T* q_weight, const T* k_weight, const T* cos_table,
+                         const T* sin_table, const int64_t* positions, int64_t tokens,
+                         int64_t q_heads, int64_t k_heads, int64_t head_dim, int64_t q_stride,
+                         int64_t k_stride, int64_t table_stride, float eps, int threads) {
+  switch (head_dim) {
+    case 64:
+      qk_norm_rotary_vec<T, 64>(q, k, q_weight, k_weight, cos_table, sin_table, positions,
+                                tokens, q_heads, k_heads, q_stride, k_stride, table_stride, eps,
+                                threads);
+      return true;
+    case 128:
+      qk_norm_rotary_vec<T, 128>(q, k, q_weight, k_weight, cos_table, sin_table, positions,
+                                 tokens, q_heads, k_heads, q_stride, k_stride, table_stride, eps,
+                                 threads);
+      return true;
+    case 256:
+      qk_norm_rotary_vec<T, 256>(q, k, q_weight, k_weight, cos_table, sin_table, positions,
+                                 tokens, q_heads, k_heads, q_stride, k_stride, table_stride, eps,
+                                 threads);
+      return true;
+    default:
+      return false;
+  }
+}
+#else
+template <typename T>
+bool qk_norm_rotary_fast(T*, T*, const T*, const T*, const T*, const T*, const int64_t*, int64_t,
+                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int) {
+  return false;
+}
+#endif
 
 // exp(x) in float: x = n ln2 + r, exp(r) by a degree-6 polynomial, 2^n by exponent bits.
 // Written without calls so the loop below vectorizes; within 2 ulp of expf.
@@ -215,12 +352,27 @@ int tandem_qk_norm_rotary(void* q, void* k, const void* q_weight, const void* k_
                           int32_t dtype, int32_t threads) {
   if (head_dim > 1024 || head_dim % 2 != 0) return 2;
   if (dtype == 0) {
+    if (qk_norm_rotary_fast<float>(
+            static_cast<float*>(q), static_cast<float*>(k), static_cast<const float*>(q_weight),
+            static_cast<const float*>(k_weight), static_cast<const float*>(cos_table),
+            static_cast<const float*>(sin_table), positions, tokens, q_heads, k_heads, head_dim,
+            q_stride, k_stride, table_stride, eps, threads)) {
+      return 0;
+    }
     qk_norm_rotary<float>(static_cast<float*>(q), static_cast<float*>(k),
                           static_cast<const float*>(q_weight), static_cast<const float*>(k_weight),
                           static_cast<const float*>(cos_table),
                           static_cast<const float*>(sin_table), positions, tokens, q_heads,
                           k_heads, head_dim, q_stride, k_stride, table_stride, eps, threads);
   } else if (dtype == 1) {
+    if (qk_norm_rotary_fast<uint16_t>(
+            static_cast<uint16_t*>(q), static_cast<uint16_t*>(k),
+            static_cast<const uint16_t*>(q_weight), static_cast<const uint16_t*>(k_weight),
+            static_cast<const uint16_t*>(cos_table), static_cast<const uint16_t*>(sin_table),
+            positions, tokens, q_heads, k_heads, head_dim, q_stride, k_stride, table_stride, eps,
+            threads)) {
+      return 0;
+    }
     qk_norm_rotary<uint16_t>(
         static_cast<uint16_t*>(q), static_cast<uint16_t*>(k),
         static_cast<const uint16_t*>(q_weight), static_cast<const uint16_t*>(k_weight),
