@@ -104,3 +104,47 @@ def test_bad_request_raises_on_the_callers_thread(
         assert outs[-1].finish_reason == "length"
     finally:
         loop.stop()
+
+
+def test_outputs_posted_together_wake_the_event_loop_once_and_keep_their_order() -> None:
+    from tandem.core.llm.engine_loop import _Mailbox
+    from tandem.core.llm.outputs import RequestOutput
+
+    def output(request: str, n: int) -> RequestOutput:
+        return RequestOutput(
+            request_id=request, prompt_token_ids=[1], token_ids=list(range(n + 1)), text="",
+            new_token_ids=[n], delta_text="", finished=False,
+        )  # fmt: skip
+
+    async def scenario() -> tuple[int, dict[str, list[int]]]:
+        aio = asyncio.get_running_loop()
+        wakeups = 0
+        schedule = aio.call_soon_threadsafe
+
+        def counting(*args: object) -> object:
+            nonlocal wakeups
+            wakeups += 1
+            return schedule(*args)  # type: ignore[arg-type]
+
+        aio.call_soon_threadsafe = counting  # type: ignore[method-assign,assignment]
+        mailbox = _Mailbox(aio)
+        queues = {name: asyncio.Queue[RequestOutput]() for name in ("a", "b", "c")}
+
+        def engine_step() -> None:
+            # One step's outputs, posted from the engine thread while the loop is busy.
+            for n in range(5):
+                for name, queue in queues.items():
+                    mailbox.post(queue, output(name, n))
+
+        worker = threading.Thread(target=engine_step)
+        worker.start()
+        worker.join()
+        got = {
+            name: [(await queue.get()).new_token_ids[0] for _ in range(5)]
+            for name, queue in queues.items()
+        }
+        return wakeups, got
+
+    wakeups, got = asyncio.run(scenario())
+    assert wakeups == 1
+    assert got == {name: [0, 1, 2, 3, 4] for name in ("a", "b", "c")}
