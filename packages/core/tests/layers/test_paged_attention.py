@@ -113,6 +113,8 @@ STEPS = {
     # Enough tokens for one work item per token, all heads, reading each block front to back.
     "decode_wide": ([37, 1, 300, 129, 16, 64, 17, 90, 2, 33, 250, 48], []),
     "prefill_fresh": ([], [(0, 19), (0, 1), (0, 40)]),
+    # Chunks of one length: read as views of the step's rows, nothing gathered.
+    "prefill_dense": ([], [(0, 24), (0, 24), (0, 24)]),
     # Short chunks after cached tokens: the kernel reads the cached part in place.
     "prefill_cached": ([], [(48, 7), (0, 12), (135, 9), (16, 1)]),
     # Long chunks after cached tokens: copied out once (the reference way).

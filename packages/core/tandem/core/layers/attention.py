@@ -51,6 +51,9 @@ class AttentionGroup:
     # tokens those sequences have on average.
     has_cached_context: bool = True
     queries_per_cached_sequence: float = 0.0
+    # Prefill: every chunk has the same length, so query_index is the identity laid out
+    # [B, Q] and the chunks need no gathering or padding.
+    dense: bool = False
 
 
 @dataclass
@@ -179,15 +182,26 @@ def native_prefill(kernel: NativePagedAttention) -> GroupKernel:
         assert group.query_index is not None and group.valid_queries is not None
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k.shape[1]
-        # Padded rows repeat a sequence's last token; causality keeps real queries off them.
-        qp = q[group.query_index].transpose(1, 2)  # [B, H, Q, D]
-        kp = k[group.query_index].transpose(1, 2)  # [B, Hkv, Q, D]
-        vp = v[group.query_index].transpose(1, 2)
+        batch, max_q = group.query_index.shape
+        if group.dense:
+            # Chunks of one length: [B, Q] views of the step's rows, nothing gathered.
+            qp = q.view(batch, max_q, num_heads, head_dim).transpose(1, 2)  # [B, H, Q, D]
+            kp = k.view(batch, max_q, num_kv_heads, head_dim).transpose(1, 2)
+            vp = v.view(batch, max_q, num_kv_heads, head_dim).transpose(1, 2)
+        else:
+            # Padded rows repeat a sequence's last token; causality keeps real queries off
+            # them.
+            qp = q[group.query_index].transpose(1, 2)  # [B, H, Q, D]
+            kp = k[group.query_index].transpose(1, 2)  # [B, Hkv, Q, D]
+            vp = v[group.query_index].transpose(1, 2)
         if not group.has_cached_context:
             o = F.scaled_dot_product_attention(
                 qp, kp, vp, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads
             )
-            out.copy_(o.transpose(1, 2).reshape(-1, num_heads, head_dim)[group.valid_queries])
+            if group.dense:
+                out.view(batch, max_q, num_heads, head_dim).copy_(o.transpose(1, 2))
+            else:
+                out.copy_(o.transpose(1, 2).reshape(-1, num_heads, head_dim)[group.valid_queries])
             return out
         if group.queries_per_cached_sequence > IN_PLACE_CONTEXT_MAX_QUERIES:
             return reference_prefill(q, k, v, k_cache, v_cache, group, scale, out)

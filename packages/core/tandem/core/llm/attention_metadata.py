@@ -64,18 +64,20 @@ def _prefill_group(fi: ForwardInput, device: torch.device) -> AttentionGroup:
     cached = ctx - qlens
     with_context = cached > 0
     has_context = bool(with_context.any())
+    num_tokens = int(qlens.sum())
     return AttentionGroup(
         gather_blocks=blocks,
         mask=mask,
         query_index=query_index,
         valid_queries=valid,
-        num_tokens=int(qlens.sum()),
+        num_tokens=num_tokens,
         kv_lens=cached[seq_of_token],
         table_row=seq_of_token,
         has_cached_context=has_context,
         queries_per_cached_sequence=float(qlens[with_context].float().mean())
         if has_context
         else 0.0,
+        dense=num_tokens == max_q * qlens.shape[0],
     )
 
 
