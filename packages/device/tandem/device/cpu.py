@@ -74,6 +74,39 @@ def keep_freed_memory_in_heap() -> bool:
     return no_mmap == 1 and no_trim == 1 and arenas == 1
 
 
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 << 20
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Ask Linux to back the 2 MiB-aligned part of a CPU tensor's memory with huge pages
+    when it is first touched (call before filling it); False where that cannot be asked.
+
+    For big tensors that live as long as the process, like the KV cache: attention reads it
+    block by block from scattered places, and with 4 KiB pages every block costs TLB misses
+    and restarts the hardware prefetchers at each page (measured: decode steps ~2-3%
+    faster on the bench model). Not for activations: 2 MiB pages for every large
+    allocation (torch's THP_MEM_ALLOC_ENABLE) made the resident size jump between steps.
+    Where transparent huge pages are off ("never"), the advice is accepted and ignored.
+    """
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return False
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first = -(-start // _HUGE_PAGE) * _HUGE_PAGE
+    last = end // _HUGE_PAGE * _HUGE_PAGE
+    if last <= first:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return int(madvise(first, last - first, _MADV_HUGEPAGE)) == 0
+
+
 class CpuRuntime:
     kind = "cpu"
 

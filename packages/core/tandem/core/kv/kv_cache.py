@@ -9,6 +9,7 @@ import torch
 from tandem.core.config import CacheConfig
 from tandem.core.errors import ConfigError
 from tandem.device import Device, MemoryInfo
+from tandem.device.cpu import advise_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -90,5 +91,8 @@ def allocate_kv_cache(
     from uninitialised memory would still poison the output (0 * NaN).
     """
     shape = (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim)
-    slab = torch.zeros(shape, dtype=dtype, device=device)
+    slab = torch.empty(shape, dtype=dtype, device=device)
+    if device.type == "cpu" and not advise_huge_pages(slab):
+        logger.debug("the KV cache stays on 4 KiB pages (no madvise here)")
+    slab.zero_()
     return [(slab[i, 0], slab[i, 1]) for i in range(num_layers)]
