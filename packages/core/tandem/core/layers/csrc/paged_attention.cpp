@@ -261,12 +261,13 @@ inline void prefetch_block(const T* rows, int64_t n, int64_t token_stride) {
 #endif
 }
 
-// Ask for `n` elements from `p` on (a whole cache block: all heads of its tokens).
+// Ask for `n` elements from `p` on (a cache block, or one head's share of one), into L2:
+// the block is read once, a head at a time, while the next one arrives.
 template <typename T>
 inline void prefetch_span(const T* p, int64_t n) {
 #if !defined(TANDEM_PA_NO_PREFETCH)
   constexpr int64_t kLine = 64 / sizeof(T);
-  for (int64_t e = 0; e < n; e += kLine) __builtin_prefetch(p + e, 0, 3);
+  for (int64_t e = 0; e < n; e += kLine) __builtin_prefetch(p + e, 0, 1);
 #else
   (void)p;
   (void)n;
@@ -586,6 +587,7 @@ void run_rows(const Args& a) {
   T* out_all = static_cast<T*>(a.out);
   // Elements of one block that hold this layer's tokens (the caches are contiguous).
   const int64_t block_elems = a.block_size * a.cache_token_stride;
+  const int64_t share = block_elems / kv_heads;
   const int64_t ts = a.cache_token_stride;
 
 #pragma omp parallel
@@ -617,8 +619,10 @@ void run_rows(const Args& a) {
         const int64_t n = (len - t0) < a.block_size ? (len - t0) : a.block_size;
         const T* next = b + 1 < num_blocks ? k_all + table[b + 1] * a.cache_block_stride
                                            : v_all + table[0] * a.cache_block_stride;
-        prefetch_span(next, block_elems);
         for (int64_t h = 0; h < kv_heads; ++h) {
+          // The next block asked for a share per head, spread over this block's work rather
+          // than in one burst the core's miss queues cannot hold.
+          prefetch_span(next + h * share, share);
           for (int64_t s0 = 0; s0 < n; s0 += 16) {
             score_tile<T, D>(queries, h * group, group, kb + s0 * ts + h * D, ts,
                              n - s0 < 16 ? n - s0 : 16, scores.data() + h * group * stride + t0 + s0,
@@ -637,11 +641,10 @@ void run_rows(const Args& a) {
         const T* vb = v_all + table[b] * a.cache_block_stride;
         const int64_t t0 = b * a.block_size;
         const int64_t n = (len - t0) < a.block_size ? (len - t0) : a.block_size;
-        if (b + 1 < num_blocks) {
-          prefetch_span(v_all + table[b + 1] * a.cache_block_stride, block_elems);
-        }
+        const T* next = b + 1 < num_blocks ? v_all + table[b + 1] * a.cache_block_stride : nullptr;
         for (int64_t r = 0; r < heads; r += GC) {
           const int64_t h = r / group;
+          if (next != nullptr && r % group == 0) prefetch_span(next + h * share, share);
           accumulate_tile<T, D, GC>(acc.data() + r * D, scores.data() + r * stride + t0, stride,
                                     vb + h * D, ts, n);
         }
