@@ -1,7 +1,8 @@
-"""The native CPU paged-attention kernel against the torch reference path: ragged lengths,
-grouped-query heads, head sizes 64 and 128, block sizes 16 and 32, float32 and bfloat16;
-decode steps and prefill chunks with and without tokens cached before them; how it is
-built, shared and resolved through the kernel registry."""
+"""The native CPU attention kernels (decode and prefill) through the attention layer against
+the torch reference path: ragged lengths, grouped-query heads, head sizes 64 and 128, block
+sizes 16 and 32, float32 and bfloat16; decode steps and prefill chunks with and without
+tokens cached before them; how the kernels are built, shared and resolved through the
+kernel registry. (The prefill kernel's own shapes and builds: test_prefill_attention.py.)"""
 
 from __future__ import annotations
 
@@ -16,10 +17,8 @@ import pytest
 import torch
 
 from tandem.core.layers import attention as attention_module
-from tandem.core.layers import native_build, paged_attention_cpu
+from tandem.core.layers import native_build, paged_attention_cpu, prefill_attention_cpu
 from tandem.core.layers.attention import (
-    AttentionMetadata,
-    PagedAttention,
     group_kernel_handle,
     reference_decode,
     reference_prefill,
@@ -30,81 +29,17 @@ from tandem.core.layers.paged_attention_cpu import (
     build_library,
     native_paged_attention,
 )
+from tandem.core.layers.prefill_attention_cpu import native_prefill_attention
 from tandem.core.llm.attention_metadata import build_attention_metadata
-from tandem.core.llm.forward_input import ForwardInput, SamplingBatch
 from tandem.device import Device, KernelKey, process_kernel_registry
 
+from .attention_steps import force_reference, make_layer, make_step, run_layer
+
 NATIVE = native_paged_attention()
-needs_native = pytest.mark.skipif(NATIVE is None, reason="no C++ compiler to build the kernel")
-
-
-def _no_sampling() -> SamplingBatch:
-    return SamplingBatch(
-        temperatures=torch.zeros(0),
-        top_p=torch.ones(0),
-        top_k=torch.zeros(0, dtype=torch.int64),
-        seeds=(),
-        steps=(),
-        all_greedy=True,
-        needs_top_k_top_p=False,
-        max_logprobs=None,
-    )
-
-
-def _step(
-    decode_lens: list[int],
-    prefills: list[tuple[int, int]],
-    block_size: int,
-    num_blocks: int,
-    gen: torch.Generator,
-) -> ForwardInput:
-    """A step of decodes (context lengths) then prefill chunks ((cached before, new)),
-    each sequence on its own randomly scattered cache blocks."""
-    seqs = [(n - 1, 1) for n in decode_lens] + prefills
-    totals = [cached + new for cached, new in seqs]
-    width = max(-(-t // block_size) for t in totals)
-    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    tables = torch.zeros(len(seqs), width, dtype=torch.int64)  # padded with the null block
-    for row, total in enumerate(totals):
-        for col in range(-(-total // block_size)):
-            tables[row, col] = free.pop()
-    positions = torch.cat([torch.arange(c, c + n) for c, n in seqs])
-    rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([n for _, n in seqs]))
-    slots = tables[rows, positions // block_size] * block_size + positions % block_size
-    return ForwardInput(
-        input_ids=torch.zeros(positions.shape[0], dtype=torch.int64),
-        positions=positions,
-        slot_mapping=slots,
-        query_lens=torch.tensor([n for _, n in seqs]),
-        context_lens=torch.tensor(totals),
-        block_tables=tables,
-        state_slots=torch.zeros(len(seqs), dtype=torch.int64),
-        num_decodes=len(decode_lens),
-        sample_indices=torch.zeros(0, dtype=torch.int64),
-        sampling=_no_sampling(),
-        block_size=block_size,
-    )
-
-
-def _layer(
-    heads: tuple[int, int], head_dim: int, caches: tuple[torch.Tensor, torch.Tensor]
-) -> PagedAttention:
-    layer = PagedAttention(heads[0], heads[1], head_dim, scale=head_dim**-0.5)
-    layer.bind_cache(caches[0].clone(), caches[1].clone())
-    return layer
-
-
-def _force_reference(layer: PagedAttention, dtype: torch.dtype) -> None:
-    layer._decode._resolved = (dtype, reference_decode)
-    layer._prefill._resolved = (dtype, reference_prefill)
-
-
-def _run(
-    layer: PagedAttention, qkv: tuple[torch.Tensor, ...], meta: AttentionMetadata
-) -> torch.Tensor:
-    with torch.inference_mode():
-        out: torch.Tensor = layer(*qkv, meta)
-    return out
+needs_native = pytest.mark.skipif(
+    NATIVE is None or native_prefill_attention() is None,
+    reason="no C++ compiler to build the kernels",
+)
 
 
 STEPS = {
@@ -113,11 +48,9 @@ STEPS = {
     # Enough tokens for one work item per token, all heads, reading each block front to back.
     "decode_wide": ([37, 1, 300, 129, 16, 64, 17, 90, 2, 33, 250, 48], []),
     "prefill_fresh": ([], [(0, 19), (0, 1), (0, 40)]),
-    # Chunks of one length: read as views of the step's rows, nothing gathered.
     "prefill_dense": ([], [(0, 24), (0, 24), (0, 24)]),
-    # Short chunks after cached tokens: the kernel reads the cached part in place.
+    # Chunks after cached tokens, short and long: both parts read in place.
     "prefill_cached": ([], [(48, 7), (0, 12), (135, 9), (16, 1)]),
-    # Long chunks after cached tokens: copied out once (the reference way).
     "prefill_cached_long": ([], [(48, 30), (0, 12), (135, 40)]),
     "mixed": ([5, 211, 33], [(0, 9), (77, 5)]),
 }
@@ -135,7 +68,7 @@ def test_native_float32_matches_the_reference_path(
     num_blocks = 80
     shape = (num_blocks, block_size, heads[1], head_dim)
     caches = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
-    fi = _step(*STEPS[step], block_size=block_size, num_blocks=num_blocks, gen=gen)
+    fi = make_step(*STEPS[step], block_size=block_size, num_blocks=num_blocks, gen=gen)
     t = fi.num_tokens
     qkv = (
         torch.randn(t, heads[0], head_dim, generator=gen),
@@ -143,10 +76,10 @@ def test_native_float32_matches_the_reference_path(
         torch.randn(t, heads[1], head_dim, generator=gen),
     )
     meta = build_attention_metadata(fi, torch.device("cpu"))
-    native = _run(_layer(heads, head_dim, caches), qkv, meta)
-    reference_layer = _layer(heads, head_dim, caches)
-    _force_reference(reference_layer, torch.float32)
-    reference = _run(reference_layer, qkv, meta)
+    native = run_layer(make_layer(heads, head_dim, caches), qkv, meta)
+    reference_layer = make_layer(heads, head_dim, caches)
+    force_reference(reference_layer, torch.float32)
+    reference = run_layer(reference_layer, qkv, meta)
     assert (native - reference).abs().max().item() <= 1e-5
 
 
@@ -157,33 +90,37 @@ def test_native_bfloat16_stays_within_rounding_of_float32(step: str) -> None:
     heads, head_dim, block_size, num_blocks = (16, 8), 64, 16, 80
     shape = (num_blocks, block_size, heads[1], head_dim)
     caches = tuple(torch.randn(shape, generator=gen).bfloat16() for _ in range(2))
-    fi = _step(*STEPS[step], block_size=block_size, num_blocks=num_blocks, gen=gen)
+    fi = make_step(*STEPS[step], block_size=block_size, num_blocks=num_blocks, gen=gen)
     t = fi.num_tokens
     qkv = tuple(
         torch.randn(t, h, head_dim, generator=gen).bfloat16() for h in (heads[0], *heads[1:] * 2)
     )
     meta = build_attention_metadata(fi, torch.device("cpu"))
-    native = _run(_layer(heads, head_dim, (caches[0], caches[1])), qkv, meta)
+    native = run_layer(make_layer(heads, head_dim, (caches[0], caches[1])), qkv, meta)
     assert native.dtype is torch.bfloat16
     # The same bfloat16 values, attended in float32 by the reference path.
-    exact_layer = _layer(heads, head_dim, (caches[0].float(), caches[1].float()))
-    _force_reference(exact_layer, torch.float32)
-    exact = _run(exact_layer, tuple(x.float() for x in qkv), meta)
+    exact_layer = make_layer(heads, head_dim, (caches[0].float(), caches[1].float()))
+    force_reference(exact_layer, torch.float32)
+    exact = run_layer(exact_layer, tuple(x.float() for x in qkv), meta)
     error = (native.float() - exact).abs()
     if step.startswith("decode"):
         # Computed in float32, rounded once: within half a bfloat16 unit in the last place.
         assert bool((error <= exact.abs() * 2.0**-8 + 1e-5).all())
     else:
-        # Prefill merges two rounded parts: a couple of units at most.
+        # Prefill rounds the probabilities to bfloat16 for the value product, as torch's
+        # CPU flash attention does: a couple of units at most.
         assert error.max().item() <= 2e-2
 
 
 @needs_native
-@pytest.mark.parametrize(("step", "in_place"), [("prefill_cached", True), ("mixed", True),
-                                                ("prefill_cached_long", False)])  # fmt: skip
-def test_short_chunks_read_the_cached_context_in_place(
-    step: str, in_place: bool, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    "step", ["prefill_fresh", "prefill_cached", "prefill_cached_long", "mixed"]
+)
+def test_every_prefill_chunk_reads_the_cache_in_place(
+    step: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Short or long, after cached tokens or not: no chunk is copied out (the reference
+    way); the prefill kernel reads its cached context and its own tokens in place."""
     gen = torch.Generator().manual_seed(3)
     calls: list[str] = []
 
@@ -193,11 +130,14 @@ def test_short_chunks_read_the_cached_context_in_place(
 
     monkeypatch.setattr(attention_module, "reference_prefill", counted)
     caches = (torch.randn(80, 16, 2, 64, generator=gen), torch.randn(80, 16, 2, 64, generator=gen))
-    fi = _step(*STEPS[step], block_size=16, num_blocks=80, gen=gen)
+    fi = make_step(*STEPS[step], block_size=16, num_blocks=80, gen=gen)
     t = fi.num_tokens
     qkv = tuple(torch.randn(t, h, 64, generator=gen) for h in (4, 2, 2))
-    _run(_layer((4, 2), 64, caches), qkv, build_attention_metadata(fi, torch.device("cpu")))
-    assert calls == ([] if in_place else ["reference"])
+    layer = make_layer((4, 2), 64, caches)
+    run_layer(layer, qkv, build_attention_metadata(fi, torch.device("cpu")))
+    assert calls == []
+    assert layer._prefill._resolved is not None
+    assert layer._prefill._resolved[1] not in (reference_prefill, counted)
 
 
 @needs_native
@@ -205,30 +145,29 @@ def test_queries_split_from_a_wider_projection_are_read_right() -> None:
     """A gated query arrives as a strided view (query and gate interleaved per head)."""
     gen = torch.Generator().manual_seed(5)
     caches = (torch.randn(40, 16, 2, 64, generator=gen), torch.randn(40, 16, 2, 64, generator=gen))
-    fi = _step([30, 70], [(20, 3)], block_size=16, num_blocks=40, gen=gen)
+    fi = make_step([30, 70], [(20, 3)], block_size=16, num_blocks=40, gen=gen)
     t = fi.num_tokens
     q = torch.randn(t, 4, 128, generator=gen)[..., :64]
     assert not q.is_contiguous()
     kv = tuple(torch.randn(t, 2, 64, generator=gen) for _ in range(2))
     meta = build_attention_metadata(fi, torch.device("cpu"))
-    native = _run(_layer((4, 2), 64, caches), (q, *kv), meta)
-    reference_layer = _layer((4, 2), 64, caches)
-    _force_reference(reference_layer, torch.float32)
-    reference = _run(reference_layer, (q.contiguous(), *kv), meta)
+    native = run_layer(make_layer((4, 2), 64, caches), (q, *kv), meta)
+    reference_layer = make_layer((4, 2), 64, caches)
+    force_reference(reference_layer, torch.float32)
+    reference = run_layer(reference_layer, (q.contiguous(), *kv), meta)
     assert (native - reference).abs().max().item() <= 1e-5
 
 
 @needs_native
-def test_a_sequence_with_nothing_cached_gets_zero_and_minus_infinity() -> None:
+def test_a_query_with_nothing_to_attend_gets_zero() -> None:
     assert NATIVE is not None
     q = torch.randn(2, 4, 64)
     cache = torch.randn(4, 16, 2, 64)
     out = torch.full_like(q, 7.0)
-    lse = torch.zeros(2, 4)
     tables = torch.tensor([[1, 2], [3, 0]])
-    NATIVE(out, q, cache, cache, tables, torch.tensor([0, 1]), torch.tensor([0, 20]), 0.125, lse)
-    assert bool((out[0] == 0).all()) and bool(torch.isneginf(lse[0]).all())
-    assert bool(torch.isfinite(lse[1]).all())
+    NATIVE(out, q, cache, cache, tables, torch.tensor([0, 1]), torch.tensor([0, 20]), 0.125)
+    assert bool((out[0] == 0).all()) and bool(torch.isfinite(out[1]).all())
+    assert not bool((out[1] == 0).all())
 
 
 @needs_native
@@ -245,10 +184,10 @@ def test_the_kernel_refuses_rows_it_cannot_read() -> None:
 
 @needs_native
 def test_the_layer_resolves_the_native_kernel_through_the_process_registry() -> None:
-    layer = _layer((4, 2), 64, (torch.zeros(8, 16, 2, 64), torch.zeros(8, 16, 2, 64)))
-    fi = _step([5, 9], [], block_size=16, num_blocks=8, gen=torch.Generator().manual_seed(0))
+    layer = make_layer((4, 2), 64, (torch.zeros(8, 16, 2, 64), torch.zeros(8, 16, 2, 64)))
+    fi = make_step([5, 9], [], block_size=16, num_blocks=8, gen=torch.Generator().manual_seed(0))
     qkv = (torch.randn(2, 4, 64), torch.randn(2, 2, 64), torch.randn(2, 2, 64))
-    _run(layer, qkv, build_attention_metadata(fi, torch.device("cpu")))
+    run_layer(layer, qkv, build_attention_metadata(fi, torch.device("cpu")))
     key = KernelKey("paged_attention_decode", Device("cpu", 0), "torch.float32,head_dim=64")
     handle = process_kernel_registry().lookup(key)
     assert handle is not None and handle is not reference_decode
@@ -263,10 +202,10 @@ def test_a_head_size_the_kernel_lacks_does_not_decide_for_others() -> None:
     resolved = []
     for head_dim in (32, 64):
         cache = torch.zeros(8, 16, 2, head_dim)
-        layer = _layer((4, 2), head_dim, (cache, cache))
-        fi = _step([5, 9], [], block_size=16, num_blocks=8, gen=gen)
+        layer = make_layer((4, 2), head_dim, (cache, cache))
+        fi = make_step([5, 9], [], block_size=16, num_blocks=8, gen=gen)
         qkv = tuple(torch.randn(2, h, head_dim) for h in (4, 2, 2))
-        _run(layer, qkv, build_attention_metadata(fi, torch.device("cpu")))
+        run_layer(layer, qkv, build_attention_metadata(fi, torch.device("cpu")))
         assert layer._decode._resolved is not None
         resolved.append(layer._decode._resolved[1])
     assert resolved[0] is reference_decode and resolved[1] is not reference_decode
@@ -281,17 +220,20 @@ def test_without_a_native_kernel_the_reference_is_chosen_and_said(
     assert "torch reference path" in caplog.text
     with pytest.raises(KernelBuildError, match="no C\\+\\+ compiler"):
         build_library(Path("/nonexistent"))
-    monkeypatch.setattr("tandem.core.layers.attention.native_paged_attention", lambda: None)
-    slot = group_kernel_handle("x", reference_decode, lambda kernel: reference_prefill, 64)
+    slot = group_kernel_handle(
+        "x", reference_decode, lambda: None, lambda kernel: reference_prefill, 64
+    )
     assert slot.choose("cpu", torch.float32) is reference_decode
 
 
 @needs_native
 def test_an_unhandled_dtype_falls_back_once_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
-    slots = [group_kernel_handle("fp16_probe", reference_decode, lambda k: reference_prefill, 64)]
-    slots.append(
-        group_kernel_handle("fp16_probe", reference_decode, lambda k: reference_prefill, 64)
-    )
+    slots = [
+        group_kernel_handle(
+            "fp16_probe", reference_decode, native_paged_attention, lambda k: reference_prefill, 64
+        )
+        for _ in range(2)
+    ]
     with caplog.at_level(logging.INFO, logger=attention_module.__name__):
         chosen = [slot.choose("cpu", torch.float16) for slot in slots]
     assert chosen == [reference_decode, reference_decode]
@@ -301,6 +243,7 @@ def test_an_unhandled_dtype_falls_back_once_in_the_log(caplog: pytest.LogCapture
 def test_the_torch_switch_forces_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_PAGED_ATTENTION", "torch")
     assert paged_attention_cpu.load_native_paged_attention() is None
+    assert prefill_attention_cpu.load_native_prefill_attention() is None
 
 
 @needs_native

@@ -2,12 +2,13 @@
 
 The step's tokens are laid out decodes first (one query each), then prefill chunks. Each
 group's attention is a kernel resolved through the kernel registry per (kernel, device,
-dtype): on CPU, the native kernel of ``paged_attention_cpu`` reads K/V from the cache in
-place; elsewhere, or where it cannot be built, the torch reference copies each sequence's
-cache blocks out in order (whole blocks through the block tables), so a chunk sees every
-earlier token, cached prefix included, and masks hide what lies past each sequence's end or
-ahead of each query. Indices and masks are built once per step (``AttentionMetadata``) and
-shared by all layers.
+dtype): on CPU, native kernels read K/V from the cache in place (``paged_attention_cpu``
+for decodes, ``prefill_attention_cpu`` for prefill chunks, cached context and the chunk's
+own tokens in one pass); elsewhere, or where they cannot be built, the torch reference
+copies each sequence's cache blocks out in order (whole blocks through the block tables),
+so a chunk sees every earlier token, cached prefix included, and masks hide what lies past
+each sequence's end or ahead of each query. Indices and masks are built once per step
+(``AttentionMetadata``) and shared by all layers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,10 @@ from tandem.core.layers.linear_attention_metadata import LinearAttentionMetadata
 from tandem.core.layers.paged_attention_cpu import (
     NativePagedAttention,
     native_paged_attention,
+)
+from tandem.core.layers.prefill_attention_cpu import (
+    NativePrefillAttention,
+    native_prefill_attention,
 )
 
 logger = logging.getLogger(__name__)
@@ -42,18 +48,15 @@ class AttentionGroup:
     query_index: torch.Tensor | None  # [B, Q]
     valid_queries: torch.Tensor | None  # [N] indices into B*Q of the real queries
     num_tokens: int
-    # For kernels reading the cache in place, per query token: how many cached tokens it
-    # reads (decode: the whole context; prefill: those before the chunk) and which row of
-    # gather_blocks holds its sequence's blocks.
+    # For the decode kernel reading the cache in place, per query token: how many cached
+    # tokens it reads and which row of gather_blocks holds its sequence's blocks.
     kv_lens: torch.Tensor | None = None  # [num_tokens] int64
     table_row: torch.Tensor | None = None  # [num_tokens] int64
-    # Prefill: whether any sequence had tokens cached before this chunk, and how many new
-    # tokens those sequences have on average.
-    has_cached_context: bool = True
-    queries_per_cached_sequence: float = 0.0
-    # Prefill: every chunk has the same length, so query_index is the identity laid out
-    # [B, Q] and the chunks need no gathering or padding.
-    dense: bool = False
+    # For the prefill kernel, per sequence (row of gather_blocks): its first query row in
+    # the group, its query count and the tokens it attends (cached ones and its own).
+    seq_query_start: torch.Tensor | None = None  # [B] int64
+    seq_query_len: torch.Tensor | None = None  # [B] int64
+    seq_kv_len: torch.Tensor | None = None  # [B] int64
 
 
 @dataclass
@@ -156,18 +159,9 @@ def native_decode(kernel: NativePagedAttention) -> GroupKernel:
     return decode
 
 
-# Above this many new tokens per sequence with cached context, copying the context out once
-# and running SDPA beats the kernel reading it in place once per query token. Measured on
-# the bench model's shapes: the copy costs ~128 ns per cached token and KV head, the kernel
-# ~14 ns per query, cached token and KV head, SDPA ~3.5.
-IN_PLACE_CONTEXT_MAX_QUERIES = 12
-
-
-def native_prefill(kernel: NativePagedAttention) -> GroupKernel:
-    """Each chunk attends its own new tokens (causal SDPA on this step's k/v, never read
-    back from the cache) and, where the sequence had tokens cached before the chunk, those
-    too, read in place by the kernel; the two parts merge through their log-sum-exps.
-    Long chunks after a cached context go the reference way (see the constant above)."""
+def native_prefill(kernel: NativePrefillAttention) -> GroupKernel:
+    """Each chunk attends causally its sequence's cached tokens and its own, all read from
+    the cache in place (the layer has written the chunk's K/V there)."""
 
     def prefill(
         q: torch.Tensor,
@@ -179,64 +173,29 @@ def native_prefill(kernel: NativePagedAttention) -> GroupKernel:
         scale: float,
         out: torch.Tensor,
     ) -> torch.Tensor:
-        assert group.query_index is not None and group.valid_queries is not None
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k.shape[1]
-        batch, max_q = group.query_index.shape
-        if group.dense:
-            # Chunks of one length: [B, Q] views of the step's rows, nothing gathered.
-            qp = q.view(batch, max_q, num_heads, head_dim).transpose(1, 2)  # [B, H, Q, D]
-            kp = k.view(batch, max_q, num_kv_heads, head_dim).transpose(1, 2)
-            vp = v.view(batch, max_q, num_kv_heads, head_dim).transpose(1, 2)
-        else:
-            # Padded rows repeat a sequence's last token; causality keeps real queries off
-            # them.
-            qp = q[group.query_index].transpose(1, 2)  # [B, H, Q, D]
-            kp = k[group.query_index].transpose(1, 2)  # [B, Hkv, Q, D]
-            vp = v[group.query_index].transpose(1, 2)
-        if not group.has_cached_context:
-            o = F.scaled_dot_product_attention(
-                qp, kp, vp, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads
-            )
-            if group.dense:
-                out.view(batch, max_q, num_heads, head_dim).copy_(o.transpose(1, 2))
-            else:
-                out.copy_(o.transpose(1, 2).reshape(-1, num_heads, head_dim)[group.valid_queries])
-            return out
-        if group.queries_per_cached_sequence > IN_PLACE_CONTEXT_MAX_QUERIES:
-            return reference_prefill(q, k, v, k_cache, v_cache, group, scale, out)
-        assert group.kv_lens is not None and group.table_row is not None
-        if num_heads != num_kv_heads:
-            kp = kp.repeat_interleave(num_heads // num_kv_heads, dim=1)
-            vp = vp.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qp, kp, vp, 0.0, True, scale=scale
-        )
-        own = o.transpose(1, 2).reshape(-1, num_heads, head_dim)[group.valid_queries].float()
-        own_lse = lse.transpose(1, 2).reshape(-1, num_heads)[group.valid_queries].float()
-        cached = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        cached_lse = torch.empty(q.shape[0], num_heads, dtype=torch.float32, device=q.device)
+        assert group.seq_query_start is not None and group.seq_query_len is not None
+        assert group.seq_kv_len is not None
         kernel(
-            cached,
+            out,
             _rows(q),
             k_cache,
             v_cache,
             group.gather_blocks,
-            group.table_row,
-            group.kv_lens,
+            group.seq_query_start,
+            group.seq_query_len,
+            group.seq_kv_len,
             scale,
-            cached_lse,
         )
-        # Softmax over the union of both key sets: weigh each part by its share of the sum.
-        top = torch.maximum(own_lse, cached_lse)
-        w_own = torch.exp(own_lse - top).unsqueeze(-1)
-        w_cached = torch.exp(cached_lse - top).unsqueeze(-1)
-        merged = (own * w_own + cached.float() * w_cached) / (w_own + w_cached)
-        out.copy_(merged)
         return out
 
     return prefill
 
+
+class NativeKernel(Protocol):
+    def supports(self, head_dim: int, dtype: torch.dtype) -> bool: ...
+
+
+K = TypeVar("K", bound=NativeKernel)
 
 # (kernel, head_dim, dtype) combinations already reported as falling back: once per process,
 # not once per layer.
@@ -244,13 +203,13 @@ _said: set[tuple[str, int, torch.dtype]] = set()
 
 
 def native_group_kernel(
-    name: str, native: Callable[[NativePagedAttention], GroupKernel], head_dim: int
+    name: str, load: Callable[[], K | None], native: Callable[[K], GroupKernel], head_dim: int
 ) -> NativeChoice[torch.Tensor]:
-    """The native CPU attention kernel for a dtype, where it is built and handles the head
-    size; a fallback is said once per process."""
+    """The native CPU attention kernel ``load`` gives, for a dtype, where it is built and
+    handles the head size; a fallback is said once per process."""
 
     def choose(dtype: torch.dtype) -> GroupKernel | None:
-        kernel = native_paged_attention()
+        kernel = load()
         if kernel is not None and kernel.supports(head_dim, dtype):
             return native(kernel)
         if kernel is not None and (name, head_dim, dtype) not in _said:
@@ -270,13 +229,14 @@ def native_group_kernel(
 def group_kernel_handle(
     name: str,
     reference: GroupKernel,
-    native: Callable[[NativePagedAttention], GroupKernel],
+    load: Callable[[], K | None],
+    native: Callable[[K], GroupKernel],
     head_dim: int,
 ) -> KernelHandle[torch.Tensor]:
     """One attention layer's handle on a group kernel, resolved through the kernel registry
     on first use per (kernel, device, dtype, head size) like the models' other kernels."""
     return KernelHandle(
-        name, reference, native_group_kernel(name, native, head_dim), f"head_dim={head_dim}"
+        name, reference, native_group_kernel(name, load, native, head_dim), f"head_dim={head_dim}"
     )
 
 
@@ -292,10 +252,18 @@ class PagedAttention(nn.Module):
         self._k_slots = torch.empty(0)
         self._v_slots = torch.empty(0)
         self._decode = group_kernel_handle(
-            "paged_attention_decode", reference_decode, native_decode, head_dim
+            "paged_attention_decode",
+            reference_decode,
+            native_paged_attention,
+            native_decode,
+            head_dim,
         )
         self._prefill = group_kernel_handle(
-            "paged_attention_prefill", reference_prefill, native_prefill, head_dim
+            "paged_attention_prefill",
+            reference_prefill,
+            native_prefill_attention,
+            native_prefill,
+            head_dim,
         )
 
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

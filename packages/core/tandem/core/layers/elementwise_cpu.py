@@ -9,12 +9,11 @@ import ctypes
 import logging
 import os
 import platform
-import threading
 from pathlib import Path
 
 import torch
 
-from tandem.core.layers.native_build import CSRC, KernelBuildError, build_library
+from tandem.core.layers.native_build import CSRC, KernelBuildError, ProcessOnce, build_library
 
 logger = logging.getLogger(__name__)
 
@@ -153,13 +152,5 @@ def load_native_elementwise(build_dir: Path | None = None) -> NativeElementwise 
         return None
 
 
-_lock = threading.Lock()
-_loaded: list[NativeElementwise | None] = []
-
-
-def native_elementwise() -> NativeElementwise | None:
-    """The process's kernels, built and loaded on first use (so the outcome is logged once)."""
-    with _lock:
-        if not _loaded:
-            _loaded.append(load_native_elementwise())
-        return _loaded[0]
+# The process's kernel, built and loaded on first use.
+native_elementwise = ProcessOnce(load_native_elementwise)

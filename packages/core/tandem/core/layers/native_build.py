@@ -21,9 +21,11 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import torch
 
@@ -84,6 +86,9 @@ def library_path(
 ) -> Path:
     digest = hashlib.sha256()
     digest.update(source.read_bytes())
+    # The headers beside it (shared helpers) are part of what gets built.
+    for header in sorted(source.parent.glob("*.h")):
+        digest.update(header.read_bytes())
     digest.update(" ".join((compiler, *flags, *openmp_link_args())).encode())
     digest.update(_cpu_fingerprint().encode())
     return build_dir / f"lib{stem}-{digest.hexdigest()[:16]}.so"
@@ -133,3 +138,23 @@ def build_library(
             target,
         )
     return target
+
+
+T = TypeVar("T")
+
+
+class ProcessOnce(Generic[T]):
+    """A kernel library loaded on first use and kept for the life of the process (or None
+    where it cannot be had): one thread loads it while the others wait, so the outcome is
+    logged once."""
+
+    def __init__(self, load: Callable[[], T]) -> None:
+        self._load = load
+        self._lock = threading.Lock()
+        self._loaded: list[T] = []
+
+    def __call__(self) -> T:
+        with self._lock:
+            if not self._loaded:
+                self._loaded.append(self._load())
+            return self._loaded[0]

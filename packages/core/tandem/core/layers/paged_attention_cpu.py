@@ -1,4 +1,4 @@
-"""The CPU paged-attention kernel (``csrc/paged_attention.cpp``): built on first use (see
+"""The CPU decode-attention kernel (``csrc/paged_attention.cpp``): built on first use (see
 ``native_build``), loaded with ctypes, called on tensors in place. Where no compiler exists or
 the build fails, callers get None and use the torch reference path; that is logged once per
 process.
@@ -9,18 +9,17 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 from pathlib import Path
 
 import torch
 
-from tandem.core.layers.native_build import CSRC, KernelBuildError
+from tandem.core.layers.attention_library import DTYPE_CODES, AttentionLibrary
+from tandem.core.layers.native_build import CSRC, KernelBuildError, ProcessOnce
 from tandem.core.layers.native_build import build_library as build_native
 
 logger = logging.getLogger(__name__)
 
 SOURCE = CSRC / "paged_attention.cpp"
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 _i64p = ctypes.POINTER(ctypes.c_int64)
 
@@ -30,20 +29,15 @@ def build_library(build_dir: Path | None = None) -> Path:
     return build_native(SOURCE, "tandem_paged_attention", build_dir=build_dir)
 
 
-class NativePagedAttention:
+class NativePagedAttention(AttentionLibrary):
     """The loaded kernel. Callers pass contiguous int64 index tensors and rows whose last
     dimension is contiguous; the kernel reads the caches where they are."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        lib = ctypes.CDLL(str(path))
-        self._supports = lib.tandem_pa_supports
-        self._supports.argtypes = [ctypes.c_int64, ctypes.c_int32]
-        self._supports.restype = ctypes.c_int
-        self._run = lib.tandem_paged_attention
+        super().__init__(path, "tandem_pa_supports")
+        self._run = self.lib.tandem_paged_attention
         self._run.argtypes = [
             ctypes.c_void_p,  # out
-            ctypes.c_void_p,  # lse
             ctypes.c_void_p,  # q
             ctypes.c_void_p,  # k_cache
             ctypes.c_void_p,  # v_cache
@@ -57,10 +51,6 @@ class NativePagedAttention:
         ]
         self._run.restype = ctypes.c_int
 
-    def supports(self, head_dim: int, dtype: torch.dtype) -> bool:
-        code = _DTYPES.get(dtype)
-        return code is not None and bool(self._supports(head_dim, code))
-
     def __call__(
         self,
         out: torch.Tensor,
@@ -71,27 +61,15 @@ class NativePagedAttention:
         table_row: torch.Tensor,
         kv_lens: torch.Tensor,
         scale: float,
-        lse: torch.Tensor | None = None,
     ) -> None:
         """Query token i attends the first ``kv_lens[i]`` cached tokens of the sequence in
-        row ``table_row[i]`` of ``block_tables``. ``q``/``out`` [N, H, D]; caches
-        [num_blocks, block_size, Hkv, D]; ``lse`` (float32 [N, H]) receives the log-sum-exp
-        of each row's scaled scores, for merging with attention computed elsewhere."""
+        row ``table_row[i]`` of ``block_tables`` (none: a zero output). ``q``/``out``
+        [N, H, D]; caches [num_blocks, block_size, Hkv, D]."""
         num_queries, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        for t in (q, out):
-            if t.stride(2) != 1 or t.stride(1) != head_dim:
-                raise ValueError("q and out need contiguous [H, D] rows")
-        for t in (block_tables, table_row, kv_lens):
-            if t.dtype is not torch.int64 or t.stride(-1) != 1:
-                raise ValueError("index tensors must be int64 with a contiguous last dim")
-        if k_cache.stride() != v_cache.stride() or not k_cache.is_contiguous():
-            raise ValueError("the K and V caches must be contiguous and alike")
-        if lse is not None and (lse.dtype is not torch.float32 or not lse.is_contiguous()):
-            raise ValueError("lse must be a contiguous float32 [N, H] tensor")
+        self.check((q, out), k_cache, v_cache, (block_tables, table_row, kv_lens))
         code = self._run(
             out.data_ptr(),
-            lse.data_ptr() if lse is not None else None,
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -109,7 +87,7 @@ class NativePagedAttention:
             k_cache.stride(0),
             k_cache.stride(1),
             scale,
-            _DTYPES[q.dtype],
+            DTYPE_CODES[q.dtype],
             torch.get_num_threads(),
         )
         if code != 0:
@@ -136,13 +114,5 @@ def load_native_paged_attention(build_dir: Path | None = None) -> NativePagedAtt
         return None
 
 
-_lock = threading.Lock()
-_loaded: list[NativePagedAttention | None] = []
-
-
-def native_paged_attention() -> NativePagedAttention | None:
-    """The process's kernel, built and loaded on first use (so the outcome is logged once)."""
-    with _lock:
-        if not _loaded:
-            _loaded.append(load_native_paged_attention())
-        return _loaded[0]
+# The process's kernel, built and loaded on first use.
+native_paged_attention = ProcessOnce(load_native_paged_attention)

@@ -58,26 +58,15 @@ def _prefill_group(fi: ForwardInput, device: torch.device) -> AttentionGroup:
     ctx_pos = torch.arange(blocks.shape[1] * fi.block_size, device=device)
     mask = (ctx_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)).unsqueeze(1)  # [B, 1, Q, L]
     valid = (j < qlens.unsqueeze(1)).reshape(-1).nonzero().squeeze(1)
-    # For kernels that read the cache in place: each token's sequence and how many of that
-    # sequence's tokens were cached before this chunk (the chunk itself is attended apart).
-    seq_of_token = torch.repeat_interleave(torch.arange(qlens.shape[0], device=device), qlens)
-    cached = ctx - qlens
-    with_context = cached > 0
-    has_context = bool(with_context.any())
-    num_tokens = int(qlens.sum())
     return AttentionGroup(
         gather_blocks=blocks,
         mask=mask,
         query_index=query_index,
         valid_queries=valid,
-        num_tokens=num_tokens,
-        kv_lens=cached[seq_of_token],
-        table_row=seq_of_token,
-        has_cached_context=has_context,
-        queries_per_cached_sequence=float(qlens[with_context].float().mean())
-        if has_context
-        else 0.0,
-        dense=num_tokens == max_q * qlens.shape[0],
+        num_tokens=int(qlens.sum()),
+        seq_query_start=starts,
+        seq_query_len=qlens,
+        seq_kv_len=ctx,
     )
 
 

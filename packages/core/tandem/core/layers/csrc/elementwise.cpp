@@ -19,28 +19,12 @@
 
 #include <omp.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 
 namespace {
 
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-// Round to nearest even, as c10::BFloat16 does; NaN stays NaN.
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  uint32_t bias = ((bits >> 16) & 1u) + 0x7FFFu;
-  uint16_t rounded = static_cast<uint16_t>((bits + bias) >> 16);
-  // A select, not a branch, so loops over rows vectorize.
-  return f != f ? static_cast<uint16_t>(0x7FC0) : rounded;
-}
+using tandem::bf16_to_float;
+using tandem::float_to_bf16;
 
 // A value as torch stores it in the tensor's dtype: rounded to bfloat16, or left as is.
 template <typename T>

@@ -1,4 +1,5 @@
-// Paged attention on CPU, reading K/V from the paged cache in place.
+// Decode attention on CPU, reading K/V from the paged cache in place (prefill chunks,
+// bound by arithmetic rather than by reading the cache, have prefill_attention.cpp).
 //
 // A work item is a query token with all its heads (`run_rows`, for batches of at least
 // 4 tokens per thread) or a (query token, KV head) pair (`run`, for fewer tokens, so every
@@ -28,9 +29,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -38,92 +37,9 @@
 
 namespace {
 
-enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1 };
-
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  if (std::isnan(f)) {
-    return static_cast<uint16_t>((bits >> 16) | 0x40);
-  }
-  // Round to nearest, ties to even: what torch does when it casts to bfloat16.
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-// Widen `n` elements of a row (float32 or bfloat16) into `dst`, times `scale`.
-template <typename T>
-inline void load_row(const T* src, float* dst, int64_t n, float scale);
-
-template <>
-inline void load_row<float>(const float* src, float* dst, int64_t n, float scale) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * scale;
-}
-
-template <>
-inline void load_row<uint16_t>(const uint16_t* src, float* dst, int64_t n, float scale) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]) * scale;
-}
-
-template <typename T>
-inline void store_row(const float* src, T* dst, int64_t n, float scale);
-
-template <>
-inline void store_row<float>(const float* src, float* dst, int64_t n, float scale) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * scale;
-}
-
-template <>
-inline void store_row<uint16_t>(const float* src, uint16_t* dst, int64_t n, float scale) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i] * scale);
-}
+using namespace tandem;
 
 #if defined(__AVX512F__)
-
-template <typename T>
-inline __m512 load16(const T* p);
-
-template <>
-inline __m512 load16<float>(const float* p) {
-  return _mm512_loadu_ps(p);
-}
-
-template <>
-inline __m512 load16<uint16_t>(const uint16_t* p) {
-  // bfloat16 is the top half of a float32: widen and shift.
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// exp(x) for x <= 0 (scores minus their maximum). Range reduction x = n ln2 + r with
-// |r| <= ln2 / 2, a degree-7 Taylor polynomial (truncation below 1e-8 relative), and
-// scalef for 2^n, which also flushes very negative x to 0 instead of wrapping.
-inline __m512 exp16(__m512 x) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
-  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-  r = _mm512_fnmadd_ps(n, ln2_lo, r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // p[i] = exp(s[i] - max); returns the sum of p.
 inline float exp_and_sum(float* s, int64_t n, float max) {
@@ -304,7 +220,6 @@ inline void add_rows(float* acc, const float* p, int64_t p_stride, int64_t g, co
 
 struct Args {
   void* out;
-  float* lse;
   const void* q;
   const void* k_cache;
   const void* v_cache;
@@ -357,14 +272,9 @@ void run(const Args& a) {
       const int64_t num_blocks = (len + a.block_size - 1) / a.block_size;
       for (int64_t head0 = h * group; head0 < (h + 1) * group; head0 += G) {
         T* out = out_all + i * a.out_stride + head0 * D;
-        float* lse = a.lse != nullptr ? a.lse + i * a.num_heads + head0 : nullptr;
         if (len <= 0) {
-          // Nothing to attend to (an empty cached context): zero output and a log-sum-exp
-          // of -inf, which merges with other partial results as "no contribution".
+          // Nothing to attend to: a zero output.
           std::memset(out, 0, sizeof(T) * G * D);
-          for (int r = 0; lse != nullptr && r < G; ++r) {
-            lse[r] = -std::numeric_limits<float>::infinity();
-          }
           continue;
         }
         for (int r = 0; r < G; ++r) {
@@ -393,7 +303,6 @@ void run(const Args& a) {
           float m = -std::numeric_limits<float>::infinity();
           for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
           sums[r] = exp_and_sum(s, len, m);
-          if (lse != nullptr) lse[r] = m + std::log(sums[r]);
         }
         acc.zero();
         for (int64_t b = 0; b < num_blocks; ++b) {
@@ -604,12 +513,8 @@ void run_rows(const Args& a) {
       const int64_t* table = a.block_tables + a.table_row[i] * a.table_stride;
       const int64_t num_blocks = (len + a.block_size - 1) / a.block_size;
       T* out = out_all + i * a.out_stride;
-      float* lse = a.lse != nullptr ? a.lse + i * a.num_heads : nullptr;
       if (len <= 0) {
         std::memset(out, 0, sizeof(T) * heads * D);
-        for (int64_t h = 0; lse != nullptr && h < heads; ++h) {
-          lse[h] = -std::numeric_limits<float>::infinity();
-        }
         continue;
       }
       queries.load(q_all + i * a.q_stride, heads, a.scale);
@@ -634,7 +539,6 @@ void run_rows(const Args& a) {
         float* s = scores.data() + h * stride;
         const float m = row_max(s, len);
         sums[h] = exp_and_sum(s, len, m);
-        if (lse != nullptr) lse[h] = m + std::log(sums[h]);
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t b = 0; b < num_blocks; ++b) {
@@ -687,12 +591,8 @@ void run_rows(const Args& a) {
       const int64_t* table = a.block_tables + a.table_row[i] * a.table_stride;
       const int64_t num_blocks = (len + a.block_size - 1) / a.block_size;
       T* out = out_all + i * a.out_stride;
-      float* lse = a.lse != nullptr ? a.lse + i * a.num_heads : nullptr;
       if (len <= 0) {
         std::memset(out, 0, sizeof(T) * heads * D);
-        for (int64_t h = 0; lse != nullptr && h < heads; ++h) {
-          lse[h] = -std::numeric_limits<float>::infinity();
-        }
         continue;
       }
       for (int64_t h = 0; h < heads; ++h) {
@@ -718,7 +618,6 @@ void run_rows(const Args& a) {
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
         sums[h] = exp_and_sum(s, len, m);
-        if (lse != nullptr) lse[h] = m + std::log(sums[h]);
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t b = 0; b < num_blocks; ++b) {
@@ -806,11 +705,11 @@ int tandem_pa_supports(int64_t head_dim, int32_t dtype) {
 // Attention of each query token over the first kv_lens[i] tokens of the sequence whose
 // block table is row table_row[i]. q: [num_queries, num_heads, head_dim] rows q_stride
 // apart; out likewise with out_stride; caches [num_blocks, block_size, num_kv_heads,
-// head_dim] with the given block and token strides (elements). lse (optional) receives
-// [num_queries, num_heads] natural-log sums of exp of the scaled scores.
+// head_dim] with the given block and token strides (elements). A query with no tokens to
+// attend gets a zero output.
 // num_threads: the OpenMP threads to use (torch.get_num_threads()). Returns 0, or non-zero
 // for arguments this build does not handle.
-int tandem_paged_attention(void* out, float* lse, const void* q, const void* k_cache,
+int tandem_paged_attention(void* out, const void* q, const void* k_cache,
                            const void* v_cache, const int64_t* block_tables,
                            const int64_t* table_row, const int64_t* kv_lens,
                            int64_t num_queries, int64_t num_heads, int64_t num_kv_heads,
@@ -826,10 +725,10 @@ int tandem_paged_attention(void* out, float* lse, const void* q, const void* k_c
   (void)num_threads;
 #endif
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size <= 0) return 1;
-  Args a{out,        lse,          q,         k_cache,     v_cache,
-         block_tables, table_row,  kv_lens,   num_queries, num_heads,
-         num_kv_heads, block_size, q_stride,  out_stride,  table_stride,
-         cache_block_stride, cache_token_stride, scale};
+  Args a{out,          q,          k_cache,  v_cache,     block_tables,
+         table_row,    kv_lens,    num_queries, num_heads, num_kv_heads,
+         block_size,   q_stride,   out_stride, table_stride, cache_block_stride,
+         cache_token_stride, scale};
   if (dtype == kFloat32) return dispatch_dim<float>(a, head_dim, num_threads);
   if (dtype == kBFloat16) return dispatch_dim<uint16_t>(a, head_dim, num_threads);
   return 3;

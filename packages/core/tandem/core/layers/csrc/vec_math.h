@@ -1,0 +1,100 @@
+// Numeric helpers shared by the CPU attention kernels: bfloat16 <-> float32 conversions
+// as torch rounds them, row loads and stores in either dtype, and (with AVX-512) a 16-lane
+// exp for softmax. Header-only; each kernel library compiles its own copy.
+
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace tandem {
+
+enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1 };
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// Round to nearest even, as c10::BFloat16 does; NaN becomes torch's quiet NaN. A select,
+// not a branch, so loops over rows vectorize.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  uint32_t bias = ((bits >> 16) & 1u) + 0x7FFFu;
+  uint16_t rounded = static_cast<uint16_t>((bits + bias) >> 16);
+  return f != f ? static_cast<uint16_t>(0x7FC0) : rounded;
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) { return bf16_to_float(v); }
+
+// Widen `n` elements of a row (float32 or bfloat16) into `dst`, times `scale`.
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]) * scale;
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n, float scale);
+
+template <>
+inline void store_row<float>(const float* src, float* dst, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * scale;
+}
+
+template <>
+inline void store_row<uint16_t>(const float* src, uint16_t* dst, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i] * scale);
+}
+
+#if defined(__AVX512F__)
+
+template <typename T>
+inline __m512 load16(const T* p);
+
+template <>
+inline __m512 load16<float>(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+
+template <>
+inline __m512 load16<uint16_t>(const uint16_t* p) {
+  // bfloat16 is the top half of a float32: widen and shift.
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp(x) for x <= 0 (scores minus their maximum). Range reduction x = n ln2 + r with
+// |r| <= ln2 / 2, a degree-7 Taylor polynomial (truncation below 1e-8 relative), and
+// scalef for 2^n, which also flushes very negative x to 0 instead of wrapping.
+inline __m512 exp16(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
+  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+  r = _mm512_fnmadd_ps(n, ln2_lo, r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+#endif  // __AVX512F__
+
+}  // namespace tandem
