@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tandem.core.kv.block_pool import NULL_BLOCK
@@ -18,44 +19,49 @@ from tandem.core.llm.sequence import TokenSequence
 
 
 def build_forward_input(out: SchedulerOutput, block_size: int) -> ForwardInput:
+    """The step's tensors, built with numpy on the host: a handful of small array ops that
+    never release the GIL (each torch op would, and under a busy event loop every release
+    can cost a wait for the GIL back), then handed to torch without a copy."""
     entries = out.scheduled
-    input_ids: list[int] = []
-    starts: list[int] = []
+    num_seqs = len(entries)
     query_lens: list[int] = []
-    max_blocks = max(len(e.seq.block_table) for e in entries)
-    tables: list[list[int]] = []
-    for e in entries:
+    starts: list[int] = []
+    input_ids: list[int] = []
+    sample_rows: list[int] = []
+    max_blocks = 0
+    for row, e in enumerate(entries):
         seq = e.seq
         start = seq.num_computed_tokens
-        input_ids.extend(seq.token_ids[start : start + e.num_new_tokens])
+        input_ids += seq.token_ids[start : start + e.num_new_tokens]
         starts.append(start)
         query_lens.append(e.num_new_tokens)
-        tables.append(seq.block_table + [NULL_BLOCK] * (max_blocks - len(seq.block_table)))
-
-    qlens = torch.tensor(query_lens, dtype=torch.int64)
-    start_t = torch.tensor(starts, dtype=torch.int64)
-    block_tables = torch.tensor(tables, dtype=torch.int64)
-    num_tokens = len(input_ids)
-    seq_of_token = torch.repeat_interleave(torch.arange(len(entries)), qlens)
-    first_token = torch.cumsum(qlens, 0) - qlens
-    positions = start_t[seq_of_token] + torch.arange(num_tokens) - first_token[seq_of_token]
+        max_blocks = max(max_blocks, len(seq.block_table))
+        if e.samples:
+            sample_rows.append(row)
+    tables = np.full((num_seqs, max_blocks), NULL_BLOCK, dtype=np.int64)
+    for row, e in enumerate(entries):
+        table = e.seq.block_table
+        tables[row, : len(table)] = table
+    qlens = np.array(query_lens, dtype=np.int64)
+    start_arr = np.array(starts, dtype=np.int64)
+    ends = np.cumsum(qlens)
+    first_token = ends - qlens
+    seq_of_token = np.repeat(np.arange(num_seqs), qlens)
+    positions = np.arange(len(input_ids), dtype=np.int64) + (start_arr - first_token)[seq_of_token]
     slot_mapping = (
-        block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     )
     num_decodes = sum(1 for q in query_lens if q == 1)
-
-    sample_rows = [i for i, e in enumerate(entries) if e.samples]
-    sample_indices = (torch.cumsum(qlens, 0) - 1)[sample_rows]
     return ForwardInput(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=positions,
-        slot_mapping=slot_mapping,
-        query_lens=qlens,
-        context_lens=start_t + qlens,
-        block_tables=block_tables,
-        state_slots=torch.tensor([e.seq.state_slot for e in entries], dtype=torch.int64),
+        input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)),
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slot_mapping),
+        query_lens=torch.from_numpy(qlens),
+        context_lens=torch.from_numpy(start_arr + qlens),
+        block_tables=torch.from_numpy(tables),
+        state_slots=torch.from_numpy(np.array([e.seq.state_slot for e in entries], np.int64)),
         num_decodes=num_decodes,
-        sample_indices=sample_indices,
+        sample_indices=torch.from_numpy(ends[sample_rows] - 1),
         sampling=_sampling_batch(out, sample_rows),
         block_size=block_size,
         prompt_logprobs=_prompt_logprobs(out, starts, first_token.tolist()),
