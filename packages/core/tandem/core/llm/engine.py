@@ -42,6 +42,7 @@ from tandem.core.llm.stats import EngineStats
 from tandem.core.llm.structured_output import StructuredOutputs
 from tandem.core.llm.tokenizer import Tokenizer
 from tandem.device.sync import REAL_SYNC, Promise, Sync
+from tandem.device.task_thread import TaskThread
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,11 @@ class LLMEngine:
         )
         # Pipelined stepping (--max-concurrency > 1): steps in flight on the workers' lanes.
         self._pipelined = config.pipeline.max_concurrency > 1
+        # One step at a time, the next launched ahead of the host work on the last one's
+        # outputs where nothing but decodes follows (see _launch_ahead): run by a thread of
+        # its own, so the engine's thread is free while it runs.
+        self._overlap = config.pipeline.launches_ahead(config.parallel.devices)
+        self._launcher = TaskThread("tandem-step-launcher", sync) if self._overlap else None
         self.executor: Executor[ForwardInput, SamplerOutput]
         self._lanes: LaneExecutor[ForwardInput, SamplerOutput] | None = None
         if executor is not None:
@@ -131,6 +137,7 @@ class LLMEngine:
         # Outputs of requests failed while their batch was built, delivered with the step's.
         self._early: list[RequestOutput] = []
         self._steps_taken = 0
+        self._num_launched_ahead = 0
         self._kv_fault_step = config.faults.kv_exhaust_step()
         self.stats = EngineStats()
         self._publish_stats()
@@ -296,7 +303,9 @@ class LLMEngine:
         return out
 
     def has_unfinished(self) -> bool:
-        return bool(self.sequences)
+        """Requests not finished yet, or steps still running (whose end frees what finished
+        requests held)."""
+        return bool(self.sequences) or bool(self._in_flight)
 
     def check_health(self) -> None:
         """Raise EngineDeadError if the engine died or a worker is gone (also while idle), and
@@ -321,6 +330,7 @@ class LLMEngine:
             num_blocks=self.block_manager.num_blocks,
             num_free_blocks=self.block_manager.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            num_steps_launched_ahead=self._num_launched_ahead,
             num_state_slots=self.state_slots.num_slots if self.state_slots is not None else 0,
             num_free_state_slots=self.state_slots.num_free if self.state_slots is not None else 0,
         )
@@ -353,6 +363,11 @@ class LLMEngine:
         self._steps_taken += 1
 
     def _step_one(self) -> list[RequestOutput]:
+        """One step at a time: schedule, run, process; or complete the step launched ahead
+        while the previous one's outputs were processed."""
+        if self._in_flight:
+            flight = self._in_flight.popleft()
+            return self._run_step(flight.out, lambda: self._wait_ahead(flight))
         sched_out = self._schedule_full()
         if sched_out.is_empty():
             self.idle = True
@@ -361,10 +376,59 @@ class LLMEngine:
         if fi is None:
             return []
         self._busy_since = self._sync.monotonic()
+
+        def run() -> SamplerOutput:
+            try:
+                return self.executor.execute(fi)
+            finally:
+                self._busy_since = None
+
+        return self._run_step(sched_out, run)
+
+    def _wait_ahead(self, flight: _InFlight) -> SamplerOutput:
+        # The executor fails a step past the step timeout itself, naming the late ranks; this
+        # is the backstop should it not answer at all.
+        limit = 2 * self.config.parallel.timeout_s + STEP_TIMEOUT_GRACE_S
+        left = flight.launched_at + limit - self._sync.monotonic()
         try:
-            return self._run_step(sched_out, lambda: self.executor.execute(fi))
+            return flight.promise.result(timeout=max(left, 0.0))
+        except TimeoutError:
+            raise EngineDeadError(
+                f"a step has run for over {limit:g} s without its workers answering"
+            ) from None
         finally:
             self._busy_since = None
+            self._release_deferred()
+
+    def _launch_ahead(self, sampled: list[tuple[TokenSequence, int]]) -> None:
+        """Launch the next step before the outputs of the one that just completed are
+        processed, when it can only be every running sequence's next decode: its input is
+        the tokens just sampled (already appended), and nothing the processing decides can
+        change it, except that a request may end on a stop string, whose row is then wasted
+        and whose blocks are freed when the step completes (like an abort's). Requests whose
+        next input depends on that processing (grammars, penalties), waiting requests (the
+        full path admits them) and tight KV space (the full path preempts) rule it out; so do
+        requests that end here on a stop token or their length, which are left out."""
+        sched = self.scheduler
+        if self.dead is not None or self._launcher is None or len(sampled) != sched.num_running:
+            return
+        if sched.needs_full_step() or not sched.decodes_fit():
+            return
+        if any(seq.grammar is not None or seq.params.has_penalties for seq, _ in sampled):
+            return
+        ending = {seq.request_id for seq, _ in sampled if seq.check_stop_token() is not None}
+        out = sched.schedule_decodes(exclude=ending, max_seqs=sched.config.max_seqs_per_batch)
+        if out.is_empty():
+            return
+        fi = self._build(out)
+        if fi is None:
+            return
+        promise = self._launcher.submit(lambda: self.executor.execute(fi))
+        now = self._sync.monotonic()
+        ids = frozenset(e.seq.request_id for e in out.scheduled)
+        self._in_flight.append(_InFlight(0, out, promise, ids, False, now))
+        self._busy_since = self._last_progress = now
+        self._num_launched_ahead += 1
 
     def _build(self, out: SchedulerOutput) -> ForwardInput | None:
         """The batch's step input. A request whose part cannot be built fails alone (its
@@ -545,42 +609,54 @@ class LLMEngine:
         self._deferred_free = keep
 
     def _process(self, sched_out: SchedulerOutput, result: SamplerOutput) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
         if result.prompt_logprobs is not None:
             _record_prompt_logprobs(sched_out, result.prompt_logprobs)
+        # The sampled tokens first: with them the next step can be launched (_launch_ahead)
+        # while the rest (logprobs, text, stop strings, outputs) is done beside it.
+        sampled: list[tuple[TokenSequence, int]] = []
         row = 0
         for entry in sched_out.scheduled:
-            seq = entry.seq
             if not entry.samples:
                 continue
-            token = result.token_ids[row]
-            if seq.status is SequenceStatus.RUNNING:
-                seq.token_ids.append(token)
-                if seq.params.logprobs is not None and result.logprobs is not None:
-                    assert result.top_token_ids is not None and result.top_logprobs is not None
-                    n = seq.params.logprobs
-                    seq.logprobs.append(
-                        TokenLogprobs(
-                            token_id=token,
-                            logprob=result.logprobs[row],
-                            top=list(
-                                zip(
-                                    result.top_token_ids[row][:n],
-                                    result.top_logprobs[row][:n],
-                                    strict=True,
-                                )
-                            ),
-                        )
-                    )
-                reason = self.outputs.on_token(seq) or seq.check_stop_token()
-                if reason is None and seq.grammar is not None:
-                    reason = _advance_grammar(seq, token)
-                if reason is not None:
-                    self.scheduler.finish(seq, reason, error=seq.error)
-                    outputs.append(self._finish_output(seq))
-                else:
-                    outputs.append(self.outputs.make_output(seq))
+            if entry.seq.status is SequenceStatus.RUNNING:
+                entry.seq.token_ids.append(result.token_ids[row])
+                sampled.append((entry.seq, row))
             row += 1
+        if self._overlap:
+            self._launch_ahead(sampled)
+        busy = self._busy_ids()
+        outputs: list[RequestOutput] = []
+        for seq, row in sampled:
+            token = seq.token_ids[-1]
+            if seq.params.logprobs is not None and result.logprobs is not None:
+                assert result.top_token_ids is not None and result.top_logprobs is not None
+                n = seq.params.logprobs
+                seq.logprobs.append(
+                    TokenLogprobs(
+                        token_id=token,
+                        logprob=result.logprobs[row],
+                        top=list(
+                            zip(
+                                result.top_token_ids[row][:n],
+                                result.top_logprobs[row][:n],
+                                strict=True,
+                            )
+                        ),
+                    )
+                )
+            reason = self.outputs.on_token(seq) or seq.check_stop_token()
+            if reason is None and seq.grammar is not None:
+                reason = _advance_grammar(seq, token)
+            if reason is not None:
+                # A request ending on a stop string may be in the step launched ahead: its
+                # blocks are freed when that step completes.
+                in_flight = seq.request_id in busy
+                self.scheduler.finish(seq, reason, error=seq.error, free_now=not in_flight)
+                if in_flight:
+                    self._deferred_free.append(seq)
+                outputs.append(self._finish_output(seq))
+            else:
+                outputs.append(self.outputs.make_output(seq))
         return outputs
 
     def _finish_output(self, seq: TokenSequence) -> RequestOutput:
@@ -618,10 +694,16 @@ class LLMEngine:
             if self.idle and len(finished) < len(ids):
                 # Offline nothing else can change the engine's state: waiting would never end.
                 finished.update((o.request_id, o) for o in self.fail_stalled())
+        # A step launched ahead may still run for requests that ended on a stop string.
+        while self._in_flight and self.dead is None:
+            self.step()
         return [finished[i] for i in ids]
 
     def shutdown(self) -> None:
         self.structured_outputs.shutdown()
+        if self._launcher is not None:
+            # A step still running past this ends when the executor shuts its workers down.
+            self._launcher.stop(timeout=5.0)
         self.executor.shutdown()
 
 

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
-    # Steps launched on pipeline lanes and not completed yet.
+    # Steps launched (on pipeline lanes, or one launched ahead) and not completed yet.
     num_steps_in_flight: int = 0
+    # Steps launched ahead of the processing of the previous one's outputs, since start.
+    num_steps_launched_ahead: int = 0
     num_blocks: int = 0
     num_free_blocks: int = 0
     # Preemptions since start (each one recomputes a sequence later).

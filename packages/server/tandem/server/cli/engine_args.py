@@ -173,6 +173,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(one copy of the weights)",
     )
     g.add_argument(
+        "--overlap-steps",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with one step at a time, launch the next decode step before processing the "
+        "last one's outputs, so that host work runs beside the forward (default: on for "
+        "NPU/CUDA devices, off on CPU, where it takes cores from the forward)",
+    )
+    g.add_argument(
         "--serialize-prepare",
         action="store_true",
         help="experiment: let one lane at a time prepare its inputs",
@@ -252,6 +260,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_concurrency=args.max_concurrency,
             serialize_prepare=args.serialize_prepare,
             serialize_forward=args.serialize_forward,
+            overlap_steps=args.overlap_steps,
         ),
         rec=RecConfig(
             max_batch_size=args.rec_max_batch_size,
