@@ -121,20 +121,38 @@ async def merge_outputs(
             await queue.put((index, out))
         await queue.put((index, None))
 
-    tasks = [
-        asyncio.create_task(pump(job.index, stream))
-        for job, stream in zip(jobs, streams, strict=True)
-    ]
+    async def next_of_one() -> tuple[int, RequestOutput | None]:
+        # One job (n = 1, the usual case): read its stream directly, without a pump task
+        # and a second queue between the engine's output and the response (each a task
+        # switch per token on the event loop, which shares the GIL with the engine).
+        try:
+            return jobs[0].index, await streams[0].__anext__()
+        except StopAsyncIteration:
+            return jobs[0].index, None
+
+    async def next_of_many() -> tuple[int, RequestOutput | None]:
+        return await queue.get()
+
+    single = len(jobs) == 1
+    tasks = (
+        []
+        if single
+        else [
+            asyncio.create_task(pump(job.index, stream))
+            for job, stream in zip(jobs, streams, strict=True)
+        ]
+    )
+    get_next = next_of_one if single else next_of_many
     last_token_time: dict[int, float] = {}
     try:
-        remaining = len(tasks)
+        remaining = len(jobs)
         aio = asyncio.get_running_loop()
         while remaining:
             if deadline is None:
-                index, out = await queue.get()
+                index, out = await get_next()
             else:
                 try:
-                    index, out = await asyncio.wait_for(queue.get(), deadline - aio.time())
+                    index, out = await asyncio.wait_for(get_next(), deadline - aio.time())
                 except asyncio.TimeoutError:
                     limit = state.limits.request_timeout_s
                     raise RequestTimedOut(limit or 0.0) from None
