@@ -198,9 +198,22 @@ def post_responses(success: type[BaseModel], streams: bool) -> dict[int | str, d
     ok: dict[str, Any] = {"model": success, "description": "The result."}
     if streams:
         ok["description"] = "The result, or with stream=true server-sent events."
-        ok["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+        ok["content"] = {"text/event-stream": {"schema": SSE_EVENT}}
     return {200: ok, **_errors(400, 401, 404, 408, 413, 500, 503, 504)}
 
+
+# One server-sent event of a stream, as SSE readers (and schemathesis) parse it: its data is
+# a chunk of JSON, or [DONE] at the end; OpenAI streams set no event name, id or retry.
+SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "data": {"type": "string", "description": "A JSON chunk, or [DONE] after the last."},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+    "required": ["data"],
+}
 
 MODELS_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"model": ModelList, "description": "The served model."},
