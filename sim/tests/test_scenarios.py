@@ -37,12 +37,16 @@ def test_broken_variant_is_caught_by_exhaustive_search(name: str) -> None:
     assert result.failure is not None
 
 
-# Scenarios that run steps of the real executor per schedule: fewer in the suite, 10,000 in
+# Scenarios that run steps of the real executor per schedule: fewer in the suite (each of
+# these runs 10-90 ms a schedule; CI stays well under a quarter of an hour), 10,000 in
 # `tox -e sim-deep`. hybrid_first_request runs the whole engine over four steps on two lanes
 # (about 0.1 s a schedule): 300 here; 2,000 and 10,000 are in sim/README.md.
 SUITE_SCHEDULES = {
-    "tp_lanes": 500,
-    "llm_lanes_kv_pressure": 500,
+    "tp_forward": 500,
+    "tp_forward_4": 300,
+    "rank_dies_mid_collective": 500,
+    "tp_lanes": 300,
+    "llm_lanes_kv_pressure": 250,
     "hybrid_first_request": 300,
 }
 # The lifecycle scenarios run a whole engine per schedule (tens of TP=2 steps, 0.07-0.25 s on
