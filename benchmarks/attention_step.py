@@ -2,7 +2,8 @@
 milliseconds go (GEMMs, attention, the rest), for float32 and bfloat16, with the old
 attention path (copy every sequence's KV blocks out of the cache, then SDPA) against the
 native kernel that reads the cache in place, next to the GEMM throughput this machine
-reaches at the step's own shapes.
+reaches at the step's own shapes; then the same for a prefill step of fresh prompts
+(8 x 256 tokens by default), torch's SDPA on the chunks against the native prefill kernel.
 
     .venv/bin/python benchmarks/attention_step.py [--batch 48] [--context 384] [--steps 5]
 
@@ -34,6 +35,7 @@ from tandem.core.layers import embedding, linear
 from tandem.core.layers.attention import PagedAttention
 from tandem.core.layers.packed_linear import pack_linear_weights
 from tandem.core.layers.paged_attention_cpu import native_paged_attention
+from tandem.core.layers.prefill_attention_cpu import native_prefill_attention
 from tandem.core.layers.replicated_linear import ReplicatedLinear
 from tandem.core.llm.attention_metadata import build_attention_metadata
 from tandem.core.llm.forward_input import ForwardInput, SamplingBatch
@@ -155,6 +157,77 @@ def decode_step(batch: int, context: int, block_size: int, seed: int) -> tuple[F
     return fi, num_blocks
 
 
+def prefill_step(seqs: int, length: int, block_size: int, seed: int) -> tuple[ForwardInput, int]:
+    """One prefill step of ``seqs`` fresh prompts of ``length`` tokens, on scattered blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    width = -(-length // block_size)
+    num_blocks = seqs * width + 1
+    tables = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(seqs, width)
+    positions = torch.arange(length).repeat(seqs)
+    rows = torch.arange(seqs).repeat_interleave(length)
+    slots = tables[rows, positions // block_size] * block_size + positions % block_size
+    sampling = SamplingBatch(
+        temperatures=torch.zeros(seqs),
+        top_p=torch.ones(seqs),
+        top_k=torch.zeros(seqs, dtype=torch.int64),
+        seeds=(None,) * seqs,
+        steps=(0,) * seqs,
+        all_greedy=True,
+        needs_top_k_top_p=False,
+        max_logprobs=None,
+    )
+    fi = ForwardInput(
+        input_ids=torch.randint(0, BENCH_SHAPE["vocab_size"], (seqs * length,), generator=gen),
+        positions=positions,
+        slot_mapping=slots,
+        query_lens=torch.full((seqs,), length),
+        context_lens=torch.full((seqs,), length),
+        block_tables=tables,
+        state_slots=torch.zeros(seqs, dtype=torch.int64),
+        num_decodes=0,
+        sample_indices=torch.arange(1, seqs + 1) * length - 1,
+        sampling=sampling,
+        block_size=block_size,
+    )
+    return fi, num_blocks
+
+
+def sdpa_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: attention_module.AttentionGroup,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """What fresh prefill chunks ran before the native kernel: torch's causal SDPA over each
+    chunk's own q/k/v (equal-length chunks, viewed without copies)."""
+    assert group.query_index is not None
+    batch, length = group.query_index.shape
+    heads, head_dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
+    qp = q.view(batch, length, heads, head_dim).transpose(1, 2)
+    kp = k.view(batch, length, kv_heads, head_dim).transpose(1, 2)
+    vp = v.view(batch, length, kv_heads, head_dim).transpose(1, 2)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        qp, kp, vp, is_causal=True, scale=scale, enable_gqa=heads != kv_heads
+    )
+    out.view(batch, length, heads, head_dim).copy_(o.transpose(1, 2))
+    return out
+
+
+def use_prefill_path(model: CausalLM, dtype: torch.dtype, native: bool) -> None:
+    kernel = native_prefill_attention()
+    for layer in model.attention_layers():
+        if native:
+            assert kernel is not None
+            impl = attention_module.native_prefill(kernel)
+        else:
+            impl = sdpa_prefill
+        layer._prefill._resolved = (dtype, impl)
+
+
 def use_path(model: CausalLM, dtype: torch.dtype, native: bool) -> None:
     kernel = native_paged_attention()
     for layer in model.attention_layers():
@@ -207,6 +280,43 @@ def run_steps(
         {name: statistics.median(values) * 1e3 for name, values in figures.items()}
         for figures in per_step
     ]
+
+
+def prefill_breakdown(
+    args: argparse.Namespace, dtypes: list[torch.dtype], config: ModelConfig, timers: Timers
+) -> None:
+    if native_prefill_attention() is None:
+        return
+    tokens = args.prefill_seqs * args.prefill_len
+    print()
+    print(f"step: prefill, {args.prefill_seqs} fresh prompts of {args.prefill_len} tokens")
+    header = (
+        f"{'dtype':9} {'attention':17} {'step ms':>8} {'GEMM ms':>8} {'attn ms':>8} "
+        f"{'other ms':>8} {'GEMM GFLOP/s':>13}"
+    )
+    print(header)
+    print("-" * len(header))
+    fi, num_blocks = prefill_step(args.prefill_seqs, args.prefill_len, args.block_size, args.seed)
+    # Logits only for each prompt's last token, as the runner computes them.
+    flops = gemm_flops(config, tokens) - 2.0 * (tokens - args.prefill_seqs) * (
+        config.hidden_size * config.vocab_size
+    )
+    for dtype in dtypes:
+        model, _ = build_model(dtype, args.seed)
+        pack_linear_weights(model, torch.device("cpu"), dtype)
+        runner = ModelRunner(model, torch.device("cpu"), dtype, seed=0, samples=False)
+        runner.init_kv_cache(CacheSize(num_blocks), args.block_size)
+        paths = [("torch SDPA", False), ("native kernel", True)]
+        uses = [(runner, partial(use_prefill_path, model, dtype, native)) for _, native in paths]
+        with instrumented(timers):
+            results = run_steps(fi, max(3, args.steps // 2), timers, uses)
+        for (label, _), r in zip(paths, results, strict=True):
+            print(
+                f"{str(dtype).removeprefix('torch.'):9} {label:17} {r['step']:8.1f} "
+                f"{r['gemm']:8.1f} {r['attention']:8.1f} {r['other']:8.1f} "
+                f"{flops / r['gemm'] / 1e6:13.0f}"
+            )
+        del runner, uses, model
 
 
 def gemm_flops(config: ModelConfig, tokens: int) -> float:
@@ -277,6 +387,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="default: torch's")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefill-seqs", type=int, default=8)
+    parser.add_argument("--prefill-len", type=int, default=256)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -339,6 +451,7 @@ def main() -> None:
                     f"{flops / r['gemm'] / 1e6:13.0f}"
                 )
         del runners, uses
+    prefill_breakdown(args, dtypes, config, timers)
     print()
     print(f"GEMM throughput at the step's shapes (x [{args.batch}, k] @ w.T), GFLOP/s:")
     print(
