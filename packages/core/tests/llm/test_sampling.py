@@ -11,7 +11,7 @@ import torch
 
 from tandem.core import InvalidRequestError, LLMEngine, SamplingParams
 from tandem.core.llm.forward_input import SamplingBatch
-from tandem.core.llm.sampler import Sampler, apply_top_k_top_p
+from tandem.core.llm.sampler import Sampler, apply_top_k_top_p, inverse_cdf_sample
 
 
 def _batch(n: int, **kw: object) -> SamplingBatch:
@@ -46,6 +46,33 @@ def test_sampling_follows_the_distribution() -> None:
     freq = torch.bincount(tokens, minlength=4).float() / 4000
     assert freq[3] == 0
     assert torch.allclose(freq, probs, atol=0.04)
+
+
+def test_tokens_of_probability_zero_are_never_drawn() -> None:
+    # Zeros first, between and last: each is a flat step of the cumulative sums, which the
+    # inversion must never land on, and the rest keep their shares.
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.0, 0.25, 0.0, 0.25, 0.0])
+    logits = torch.log(probs).expand(8000, 8).clone()
+    tokens = torch.tensor(Sampler(seed=2)(logits, _batch(8000)).token_ids)
+    freq = torch.bincount(tokens, minlength=8).float() / 8000
+    assert freq[probs == 0].sum() == 0
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 16384, 151936])
+def test_inverse_cdf_matches_a_whole_vocabulary_running_sum(vocab: int) -> None:
+    # The two-level search picks the token a float64 running sum over the whole row picks,
+    # for vocabularies that fill their last block and ones that do not, with most of the
+    # mass on few tokens (as after top-k) and some rows where it ends in a zero.
+    gen = torch.Generator().manual_seed(vocab)
+    probs = (torch.randn(64, vocab, generator=gen) * 4).softmax(dim=-1)
+    probs[::3, vocab // 2 :] = 0.0
+    uniform = torch.rand(64, 1, dtype=torch.float64, generator=gen)
+    cdf = probs.double().cumsum(dim=-1)
+    expected = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+    assert torch.equal(inverse_cdf_sample(probs, uniform), expected)
+    edges = inverse_cdf_sample(probs, torch.tensor([[0.0], [1.0 - 2**-53]]).repeat(32, 1))
+    assert bool((probs.gather(1, edges.unsqueeze(1)) > 0).all())
 
 
 def test_seeded_row_ignores_its_neighbours() -> None:

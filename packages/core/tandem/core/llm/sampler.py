@@ -1,19 +1,28 @@
 """Batched sampling: logit edits (grammar, min_tokens, logit_bias, penalties), greedy,
 temperature, min_p, top-k, top-p and per-request seeds.
 
-Random rows use the exponential race (argmax of p / E, E ~ Exp(1)), which draws exactly from
-p. A seeded row draws its noise from a generator keyed by (seed, step), so its tokens do not
-depend on which other requests share the batch, nor on preemption.
+Random rows are drawn by inverting their cumulative distribution with one uniform number a
+row: the first token whose cumulative probability exceeds u * total. That draws from p as
+exactly as float32 sums of it can say (no token's share moves by more than ~1e-7 of its
+block's) in one pass over the vocabulary, where the exponential race (argmax of p / E,
+E ~ Exp(1)) needs a random number per token: drawn by one CPU generator on one thread, 17 ms
+a step at 48 rows of a 16K vocabulary. The sums are taken in two levels (blocks of the
+vocabulary, then the tokens of the one block the number falls in), since a running sum over
+the whole vocabulary is a chain of dependent adds: 0.3 ms against 4.3 ms for torch.cumsum
+(measured, 2 threads). A seeded row draws its number from a generator keyed by (seed, step),
+so its tokens do not depend on which other requests share the batch, nor on preemption.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tandem.core.llm.forward_input import SamplerOutput, SamplingBatch
 from tandem.core.llm.logits_processors import apply_min_p, process_logits
 
 _SEED_MIX = 0x9E3779B97F4A7C15
+_CDF_BLOCK = 128
 
 
 def _row_generator(seed: int, step: int) -> torch.Generator:
@@ -39,6 +48,36 @@ def apply_top_k_top_p(
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def inverse_cdf_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row of ``probs`` [rows, vocab] (not necessarily normalized), the first token whose
+    cumulative probability exceeds ``uniform`` [rows, 1] (in [0, 1), float64) times the
+    row's total. The number is kept under the total, so some token's sum exceeds it, and a
+    token of probability 0 (whose sum equals its predecessor's) is never the first to. The
+    block's own sums may round a hair below the block total the number was placed by, so its
+    offset is kept under the last of them (reached first by the block's last token of
+    nonzero probability); the clamps only guard rows without a finite distribution."""
+    rows, vocab = probs.shape
+    pad = -vocab % _CDF_BLOCK
+    blocks = (F.pad(probs, (0, pad)) if pad else probs).view(rows, -1, _CDF_BLOCK)
+    # Block sums in float32 (torch sums pairwise: off by ~1e-7 of the block at most), which
+    # places the blocks; everything after is float64. Widening first would copy every row.
+    block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)
+    total = block_cdf[:, -1:]
+    # u * total rounds to total for u a hair under 1; one step below it is still past
+    # every sum short of the total, and a sum reaching it ends a block with mass.
+    below_total = torch.nextafter(total, torch.zeros_like(total))
+    target = torch.minimum(uniform.to(probs.device) * total, below_total)
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[1] - 1)
+    before = block_cdf.gather(1, (block - 1).clamp(min=0)).masked_fill_(block == 0, 0.0)
+    inner = blocks.gather(1, block.unsqueeze(-1).expand(rows, 1, _CDF_BLOCK)).squeeze(1)
+    inner_cdf = inner.cumsum(dim=-1, dtype=torch.float64)
+    last = inner_cdf[:, -1:]
+    within = torch.minimum(target - before, torch.nextafter(last, torch.zeros_like(last)))
+    offset = torch.searchsorted(inner_cdf, within, right=True)
+    tokens = block * _CDF_BLOCK + offset.clamp_(max=_CDF_BLOCK - 1)
+    return tokens.squeeze(1).clamp_(max=vocab - 1)
 
 
 class Sampler:
@@ -76,12 +115,15 @@ class Sampler:
                 scaled, batch.top_k.to(logits.device), batch.top_p.to(logits.device)
             )
         probs = scaled.softmax(dim=-1)
-        # Noise is drawn on the CPU, where the generators live, so a seed means the same
-        # tokens on every device kind.
-        noise = torch.empty(probs.shape, dtype=torch.float32)
-        noise.exponential_(generator=self.generator)
+        # The uniforms are drawn on the CPU, where the generators live, so a seed means the
+        # same tokens on every device kind.
+        uniform = torch.rand(probs.shape[0], 1, dtype=torch.float64, generator=self.generator)
         for row, seed in enumerate(batch.seeds):
             if seed is not None:
-                noise[row].exponential_(generator=_row_generator(seed, batch.steps[row]))
-        sampled = (probs / noise.to(probs.device)).argmax(dim=-1)
+                uniform[row] = torch.rand(
+                    1, dtype=torch.float64, generator=_row_generator(seed, batch.steps[row])
+                )
+        sampled = inverse_cdf_sample(probs, uniform)
+        if not bool((batch.temperatures == 0).any()):
+            return sampled
         return torch.where(greedy, logits.max(dim=-1).indices, sampled)
