@@ -33,7 +33,10 @@ def _anon_huge_kib(tensor: torch.Tensor) -> int:
 
 @linux
 def test_a_big_tensor_is_advised_and_keeps_its_data() -> None:
-    tensor = torch.empty(16 << 20, dtype=torch.uint8)
+    # Over glibc's largest mmap threshold (32 MiB), so the tensor is a fresh mapping: a
+    # smaller one may reuse heap memory earlier tests touched (their pages are small
+    # already, and the advice only shapes pages faulted in after it).
+    tensor = torch.empty(64 << 20, dtype=torch.uint8)
     assert advise_huge_pages(tensor)
     tensor.fill_(7)
     assert int(tensor.min()) == 7 and int(tensor.max()) == 7
@@ -41,7 +44,7 @@ def test_a_big_tensor_is_advised_and_keeps_its_data() -> None:
         enabled = "[never]" not in mode.read()
     if enabled:
         # The kernel may still fall back to small pages when memory is fragmented; on a
-        # fresh test process it has not been seen to.
+        # fresh mapping it has not been seen to.
         assert _anon_huge_kib(tensor) >= 2048
 
 

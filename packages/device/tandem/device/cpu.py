@@ -88,6 +88,8 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     faster on the bench model). Not for activations: 2 MiB pages for every large
     allocation (torch's THP_MEM_ALLOC_ENABLE) made the resident size jump between steps.
     Where transparent huge pages are off ("never"), the advice is accepted and ignored.
+    Memory already touched keeps its small pages (khugepaged may merge them later): a
+    tensor under glibc's mmap threshold (up to 32 MiB) can reuse such heap memory.
     """
     if tensor.device.type != "cpu" or tensor.numel() == 0:
         return False
