@@ -11,7 +11,12 @@ import torch
 
 from tandem.core import InvalidRequestError, LLMEngine, SamplingParams
 from tandem.core.llm.forward_input import SamplingBatch
-from tandem.core.llm.sampler import Sampler, apply_top_k_top_p, inverse_cdf_sample
+from tandem.core.llm.sampler import (
+    Sampler,
+    apply_top_k_top_p,
+    inverse_cdf_sample,
+    top_k_top_p_by_sort,
+)
 
 
 def _batch(n: int, **kw: object) -> SamplingBatch:
@@ -36,6 +41,25 @@ def test_top_k_top_p_masks() -> None:
     assert kept.tolist() == [[True, True, False, False], [True, True, False, False]]
     # Kept logits are unchanged.
     assert torch.equal(out[kept], logits[kept])
+
+
+@pytest.mark.parametrize("vocab", [600, 20000])
+def test_the_cut_among_the_largest_logits_equals_a_full_sort(vocab: int) -> None:
+    # Rows of every kind: peaked and flat distributions (a flat one's nucleus is thousands
+    # of tokens, past the first candidate width), small and huge top-k, top-p alone, both,
+    # neither; against the full-sort reference.
+    gen = torch.Generator().manual_seed(vocab)
+    scales = torch.tensor([8.0, 8.0, 3.0, 0.5, 0.5, 8.0, 3.0, 1.0, 0.1, 2.0])
+    logits = torch.randn(10, vocab, generator=gen) * scales.unsqueeze(1)
+    top_k = torch.tensor([0, 5, 0, 0, vocab - 1, 40, 2000, 0, 0, 9000])
+    top_p = torch.tensor([0.9, 1.0, 0.9, 0.95, 1.0, 0.5, 0.8, 1.0, 0.3, 0.99])
+    fast = apply_top_k_top_p(logits, top_k, top_p)
+    slow = top_k_top_p_by_sort(logits, top_k, top_p)
+    assert torch.equal(torch.isfinite(fast), torch.isfinite(slow))
+    kept = torch.isfinite(fast)
+    assert torch.equal(fast[kept], logits[kept])
+    # Real cuts happened (the case is not vacuous): the peaked top-p row keeps few tokens.
+    assert 0 < int(kept[0].sum()) < vocab // 10 and int(kept[1].sum()) == 5
 
 
 def test_sampling_follows_the_distribution() -> None:

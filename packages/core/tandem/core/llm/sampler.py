@@ -23,6 +23,8 @@ from tandem.core.llm.logits_processors import apply_min_p, process_logits
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 _CDF_BLOCK = 128
+# Candidate widths tried before a full sort (see apply_top_k_top_p).
+_CUT_CANDIDATES = (1024, 8192)
 
 
 def _row_generator(seed: int, step: int) -> torch.Generator:
@@ -34,15 +36,69 @@ def _row_generator(seed: int, step: int) -> torch.Generator:
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
-    """Set logits outside each row's top-k / nucleus to -inf."""
+    """Set logits outside each row's top-k / nucleus to -inf.
+
+    A full sort of the vocabulary is what the cut needs in general, and on CPU it is slow
+    (48 rows: 26 ms at 16K tokens, 290 ms at 152K). The cut is first looked for among each
+    row's largest logits (topk of 1024: 4 / 14 ms; of 8192: 40 ms at 152K): a row whose
+    top-k is within them, or without top-k whose nucleus is (their probability reaches
+    top_p), is decided there; only rows that no candidate width decides are sorted. Rows
+    with neither filter are left as they are."""
+    vocab = logits.shape[-1]
+    out = torch.empty_like(logits)
+    untouched = ((top_k <= 0) | (top_k >= vocab)) & (top_p >= 1.0)
+    if bool(untouched.any()):
+        out[untouched] = logits[untouched]
+    rest = ~untouched
+    for width in _CUT_CANDIDATES:
+        if not bool(rest.any()) or width >= vocab:
+            break
+        cut, decided = _cut_among_largest(logits[rest], top_k[rest], top_p[rest], width)
+        rows = rest.nonzero().squeeze(1)
+        out[rows[decided]] = cut[decided]
+        rest[rows[decided]] = False
+    if bool(rest.any()):
+        out[rest] = top_k_top_p_by_sort(logits[rest], top_k[rest], top_p[rest])
+    return out
+
+
+def _cut_among_largest(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cut as decided among each row's ``width`` largest logits, and which rows it
+    decides (their top-k, or their nucleus, lies within those)."""
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    values, order = logits.topk(width, dim=-1)
+    drop = torch.arange(width, device=logits.device).unsqueeze(0) >= k.unsqueeze(1)
+    within = k <= width
+    # Probabilities after the top-k cut: normalized over the kept candidates when top-k
+    # falls among them, over the whole row when there is no top-k; a top-k past the
+    # candidates normalizes over tokens they do not hold, so such a row is not decided here.
+    kept_norm = values.masked_fill(drop, float("-inf")).logsumexp(dim=-1)
+    norm = torch.where(within, kept_norm, logits.logsumexp(dim=-1))
+    probs = (values - norm.unsqueeze(1)).exp().masked_fill(drop, 0.0)
+    mass = probs.cumsum(dim=-1)
+    # Keep a token while the mass before it is below top_p; the first token always stays
+    # (a top_p below float32's smallest normal rounds to 0, which would drop every token).
+    drop |= (mass - probs) >= top_p.unsqueeze(1)
+    drop[:, 0] = False
+    out = torch.full_like(logits, float("-inf"))
+    out.scatter_(-1, order, values.masked_fill(drop, float("-inf")))
+    return out, within | ((k >= vocab) & (mass[:, -1] >= top_p))
+
+
+def top_k_top_p_by_sort(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """``apply_top_k_top_p`` over a full sort of each row: the rows the candidates cannot
+    decide, and the reference the faster path is tested against."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     drop = ranks >= k.unsqueeze(1)
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    # Keep a token while the mass before it is below top_p; the first token always stays
-    # (a top_p below float32's smallest normal rounds to 0, which would drop every token).
     mass_before = probs.cumsum(dim=-1) - probs
     drop |= mass_before >= top_p.unsqueeze(1)
     drop[:, 0] = False
@@ -114,7 +170,10 @@ class Sampler:
             scaled = apply_top_k_top_p(
                 scaled, batch.top_k.to(logits.device), batch.top_p.to(logits.device)
             )
-        probs = scaled.softmax(dim=-1)
+        # Unnormalized probabilities are all the inversion needs (it scales by the row's
+        # total), computed in place: `scaled` is this call's own tensor, and a fresh
+        # [rows, vocab] one costs its page faults (at 48 x 152K: 29 MB, ~4 ms).
+        probs = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
         # The uniforms are drawn on the CPU, where the generators live, so a seed means the
         # same tokens on every device kind.
         uniform = torch.rand(probs.shape[0], 1, dtype=torch.float64, generator=self.generator)
