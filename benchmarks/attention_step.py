@@ -131,16 +131,6 @@ def decode_step(batch: int, context: int, block_size: int, seed: int) -> tuple[F
     positions = lens - 1
     slots = tables[torch.arange(batch), positions // block_size] * block_size
     slots += positions % block_size
-    sampling = SamplingBatch(
-        temperatures=torch.zeros(batch),
-        top_p=torch.ones(batch),
-        top_k=torch.zeros(batch, dtype=torch.int64),
-        seeds=(None,) * batch,
-        steps=(0,) * batch,
-        all_greedy=True,
-        needs_top_k_top_p=False,
-        max_logprobs=None,
-    )
     fi = ForwardInput(
         input_ids=torch.randint(0, BENCH_SHAPE["vocab_size"], (batch,), generator=gen),
         positions=positions,
@@ -151,7 +141,7 @@ def decode_step(batch: int, context: int, block_size: int, seed: int) -> tuple[F
         state_slots=torch.zeros(batch, dtype=torch.int64),
         num_decodes=batch,
         sample_indices=torch.arange(batch),
-        sampling=sampling,
+        sampling=SamplingBatch.uniform(batch),
         block_size=block_size,
     )
     return fi, num_blocks
@@ -166,16 +156,6 @@ def prefill_step(seqs: int, length: int, block_size: int, seed: int) -> tuple[Fo
     positions = torch.arange(length).repeat(seqs)
     rows = torch.arange(seqs).repeat_interleave(length)
     slots = tables[rows, positions // block_size] * block_size + positions % block_size
-    sampling = SamplingBatch(
-        temperatures=torch.zeros(seqs),
-        top_p=torch.ones(seqs),
-        top_k=torch.zeros(seqs, dtype=torch.int64),
-        seeds=(None,) * seqs,
-        steps=(0,) * seqs,
-        all_greedy=True,
-        needs_top_k_top_p=False,
-        max_logprobs=None,
-    )
     fi = ForwardInput(
         input_ids=torch.randint(0, BENCH_SHAPE["vocab_size"], (seqs * length,), generator=gen),
         positions=positions,
@@ -186,7 +166,7 @@ def prefill_step(seqs: int, length: int, block_size: int, seed: int) -> tuple[Fo
         state_slots=torch.zeros(seqs, dtype=torch.int64),
         num_decodes=0,
         sample_indices=torch.arange(1, seqs + 1) * length - 1,
-        sampling=sampling,
+        sampling=SamplingBatch.uniform(seqs),
         block_size=block_size,
     )
     return fi, num_blocks

@@ -24,19 +24,6 @@ from tandem.core.llm.sampler import Sampler, apply_top_k_top_p, top_k_top_p_by_s
 _WIDTHS = (5, 7, 8, 9, 10, 8, 9, 9)
 
 
-def _batch(rows: int, temperature: float, top_p: float) -> SamplingBatch:
-    return SamplingBatch(
-        temperatures=torch.full((rows,), temperature),
-        top_p=torch.full((rows,), top_p),
-        top_k=torch.zeros(rows, dtype=torch.int64),
-        seeds=(None,) * rows,
-        steps=(0,) * rows,
-        all_greedy=temperature == 0.0,
-        needs_top_k_top_p=top_p < 1.0,
-        max_logprobs=None,
-    )
-
-
 def exponential_race(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> list[int]:
     """The previous way to draw: one Exp(1) number per vocabulary entry."""
     probs = (logits / temperature).softmax(dim=-1)
@@ -72,7 +59,7 @@ def main() -> None:
             logits = torch.randn(rows, vocab, generator=gen) * args.logit_scale
             figures = []
             for temperature, top_p in ((0.0, 1.0), (0.8, 1.0), (0.8, 0.9)):
-                batch = _batch(rows, temperature, top_p)
+                batch = SamplingBatch.uniform(rows, temperature, top_p)
                 figures.append(_median_ms(partial(sampler, logits, batch), args.repeats))
             no_top_k = torch.zeros(rows, dtype=torch.int64)
             nucleus = torch.full((rows,), 0.9)

@@ -65,6 +65,21 @@ class SamplingBatch:
     penalties: PenaltyBatch | None = None
     min_p: torch.Tensor | None = None  # [S] float32
 
+    @classmethod
+    def uniform(cls, rows: int, temperature: float = 0.0, top_p: float = 1.0) -> SamplingBatch:
+        """``rows`` rows sampled alike: one temperature (0 = greedy) and top_p, unseeded, no
+        top-k, logprobs or logit edits (what benchmarks and probes run)."""
+        return cls(
+            temperatures=torch.full((rows,), temperature),
+            top_p=torch.full((rows,), top_p),
+            top_k=torch.zeros(rows, dtype=torch.int64),
+            seeds=(None,) * rows,
+            steps=(0,) * rows,
+            all_greedy=temperature == 0.0,
+            needs_top_k_top_p=top_p < 1.0,
+            max_logprobs=None,
+        )
+
     @property
     def edits_logits(self) -> bool:
         return (

@@ -183,6 +183,6 @@ class Sampler:
                     1, dtype=torch.float64, generator=_row_generator(seed, batch.steps[row])
                 )
         sampled = inverse_cdf_sample(probs, uniform)
-        if not bool((batch.temperatures == 0).any()):
+        if not bool(greedy.any()):
             return sampled
         return torch.where(greedy, logits.max(dim=-1).indices, sampled)
