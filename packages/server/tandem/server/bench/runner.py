@@ -5,15 +5,28 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 from tandem.server.bench.client import RequestResult, send_completion
 from tandem.server.bench.dataset import random_requests
 from tandem.server.bench.report import summarize
+
+T = TypeVar("T")
+
+
+def run_on_fast_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` on uvloop where it is installed (the server depends on it; not on
+    Windows), else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 @dataclass(frozen=True)
@@ -33,10 +46,10 @@ class BenchConfig:
     vocab_size: int | None
 
 
-async def _model_card(client: httpx.AsyncClient, config: BenchConfig) -> dict[str, Any]:
-    response = await client.get(f"{config.base_url}/v1/models", headers=_headers(config))
-    response.raise_for_status()
-    cards: list[dict[str, Any]] = response.json()["data"]
+async def _model_card(session: aiohttp.ClientSession, config: BenchConfig) -> dict[str, Any]:
+    url = f"{config.base_url}/v1/models"
+    async with session.get(url, headers=_headers(config), raise_for_status=True) as response:
+        cards: list[dict[str, Any]] = (await response.json())["data"]
     if config.model is None:
         return cards[0]
     for card in cards:
@@ -50,10 +63,11 @@ def _headers(config: BenchConfig) -> dict[str, str]:
 
 
 async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=(config.max_concurrency or config.num_prompts) + 8)
-    timeout = httpx.Timeout(connect=10.0, read=600.0, write=30.0, pool=600.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        card = await _model_card(client, config)
+    connector = aiohttp.TCPConnector(limit=(config.max_concurrency or config.num_prompts) + 8)
+    # No total limit: a long generation may stream for minutes; a silent socket may not.
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=600.0)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        card = await _model_card(session, config)
         vocab = config.vocab_size or int(card.get("vocab_size") or 0)
         if vocab <= 16:
             raise ValueError("the server does not report vocab_size; pass --vocab-size")
@@ -73,7 +87,7 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
         async def one(request: Any, bar: tqdm[Any] | None) -> RequestResult:
             async with limit:
                 result = await send_completion(
-                    client, url, card["id"], request, config.ignore_eos, headers
+                    session, url, card["id"], request, config.ignore_eos, headers
                 )
             if bar is not None:
                 bar.update(1)

@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 from tandem.server.bench.rec import SETTINGS, Workload, format_rec_table, run_interleaved, run_one
 from tandem.server.bench.report import format_table
-from tandem.server.bench.runner import BenchConfig, run_benchmark
+from tandem.server.bench.runner import BenchConfig, run_benchmark, run_on_fast_loop
 from tandem.server.bench.soak import SoakConfig, format_report, run_soak
 from tandem.server.bench.soak_server import TOPOLOGIES
 from tandem.server.bench.soak_workload import Mix
@@ -219,11 +220,9 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         vocab_size=args.vocab_size,
     )
-    # One line per request from the HTTP client would bury the progress bar.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        figures = asyncio.run(run_benchmark(config))
-    except (OSError, ValueError, httpx.HTTPError) as exc:
+        figures = run_on_fast_loop(run_benchmark(config))
+    except (OSError, ValueError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_table(figures))

@@ -1,0 +1,121 @@
+"""The benchmark's client: SSE payloads from pieces cut anywhere, and one streamed request
+timed against a real HTTP server (aiohttp's), errors included."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from tandem.server.bench.client import RequestResult, send_completion, sse_data
+from tandem.server.bench.dataset import BenchRequest
+
+STREAM = (
+    b": a comment\n\n"
+    b'data: {"choices": [{"text": "a"}]}\n\n'
+    b"event: ping\n\n"
+    b'data: {"choices": [{"text": "' + b"x" * 200_000 + b'"}]}\n\n'
+    b'data:{"choices": [{"text": ""}], "usage": {"completion_tokens": 2, "prompt_tokens": 3}}\n\n'
+    b"data: [DONE]"
+)
+
+
+async def _pieces(data: bytes, size: int) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), size):
+        yield data[start : start + size]
+
+
+async def _collect(data: bytes, size: int) -> list[bytes]:
+    return [payload async for payload in sse_data(_pieces(data, size))]
+
+
+def test_sse_payloads_do_not_depend_on_where_the_socket_cuts() -> None:
+    expected = asyncio.run(_collect(STREAM, size=len(STREAM)))
+    assert len(expected) == 4 and expected[-1] == b"[DONE]"
+    assert json.loads(expected[1])["choices"][0]["text"] == "x" * 200_000
+    for size in (1, 7, 64, 4096):
+        assert asyncio.run(_collect(STREAM, size=size)) == expected
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def _run_against(handler: Handler) -> tuple[RequestResult, dict[str, object]]:
+    seen: dict[str, object] = {}
+
+    async def recording(request: web.Request) -> web.StreamResponse:
+        seen.update(await request.json())
+        return await handler(request)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", recording)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with aiohttp.ClientSession() as session:
+            result = await send_completion(
+                session,
+                f"http://127.0.0.1:{port}/v1/completions",
+                model="m",
+                request=BenchRequest(prompt_token_ids=[5, 6, 7], output_len=2),
+                ignore_eos=True,
+                headers={},
+            )
+    finally:
+        await runner.cleanup()
+    return result, seen
+
+
+async def _streamed(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for text in ("a", "b"):
+        await response.write(f'data: {{"choices": [{{"text": "{text}"}}]}}\n\n'.encode())
+        await asyncio.sleep(0.05)
+    usage = {"completion_tokens": 2, "prompt_tokens": 3}
+    await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+def test_a_streamed_request_is_timed_and_counted() -> None:
+    result, sent = asyncio.run(_run_against(_streamed))
+    assert result.success and result.error == ""
+    assert (result.prompt_tokens, result.output_tokens) == (3, 2)
+    assert len(result.itl) == 1 and result.itl[0] >= 0.04
+    assert 0 < result.ttft < result.latency
+    assert sent["prompt"] == [5, 6, 7] and sent["stream"] is True and sent["ignore_eos"] is True
+
+
+async def _refused(request: web.Request) -> web.StreamResponse:
+    return web.json_response({"error": {"message": "max_tokens too large"}}, status=400)
+
+
+async def _error_in_stream(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(b'data: {"error": {"message": "the engine failed"}}\n\n')
+    return response
+
+
+async def _cut_short(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+    return response
+
+
+def test_failures_come_back_as_errors_not_exceptions() -> None:
+    refused, _ = asyncio.run(_run_against(_refused))
+    assert not refused.success and refused.error.startswith("HTTP 400")
+    assert "max_tokens too large" in refused.error
+    failed, _ = asyncio.run(_run_against(_error_in_stream))
+    assert not failed.success and failed.error == "the engine failed"
+    short, _ = asyncio.run(_run_against(_cut_short))
+    assert not short.success and "without usage" in short.error
