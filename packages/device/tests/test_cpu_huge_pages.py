@@ -1,5 +1,6 @@
-"""Huge pages for long-lived CPU tensors (the KV cache): asked for the aligned 2 MiB part
-only, before first touch, and harmless to the data."""
+"""Huge pages for long-lived CPU tensors: the KV cache asked for the aligned 2 MiB part
+only, before first touch; memory already written (packed weights) collapsed onto them; both
+harmless to the data."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tandem.device.cpu import advise_huge_pages
+from tandem.device.cpu import advise_huge_pages, collapse_to_huge_pages, huge_page_runs
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
 
@@ -68,3 +69,43 @@ def test_a_big_tensor_is_advised_and_keeps_its_data() -> None:
 def test_what_holds_no_whole_huge_page_is_left_alone() -> None:
     assert not advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8))
     assert not advise_huge_pages(torch.empty(0))
+
+
+def test_huge_page_runs_cover_every_range_and_merge_neighbours() -> None:
+    page = _HUGE
+    # Two ranges sharing a page, one a page apart, one empty.
+    ranges = [(page + 10, 2 * page + 5), (2 * page + 100, 3 * page)]
+    ranges += [(5 * page - 1, 5 * page + 1), (7 * page, 7 * page)]
+    runs = huge_page_runs(ranges)
+    assert runs == [(page, 3 * page), (4 * page, 6 * page)]
+    assert huge_page_runs([]) == []
+
+
+def _anon_huge_kib(first: int, last: int) -> int:
+    """AnonHugePages of the mappings that overlap [first, last)."""
+    total, overlaps = 0, False
+    with open("/proc/self/smaps", encoding="ascii") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(part, 16) for part in head.split("-"))
+                overlaps = low < last and high > first
+            elif overlaps and head == "AnonHugePages:":
+                total += int(line.split()[1])
+    return total
+
+
+@linux
+def test_written_memory_moves_to_huge_pages_with_its_data() -> None:
+    tensor = torch.randn(4 << 20)  # 16 MiB, already written, as packed weights are
+    before = tensor.clone()
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    moved = collapse_to_huge_pages([(start, end)])
+    assert torch.equal(tensor, before)
+    assert moved % _HUGE == 0 and moved <= end - start + 2 * _HUGE
+    if moved:
+        # What the kernel said it did is what smaps shows: some of the range on huge pages.
+        assert _anon_huge_kib(start, end) * 1024 >= _HUGE
+    tensor.add_(1)
+    assert torch.equal(tensor, before + 1)

@@ -3,6 +3,8 @@ another module shares it, and are counted in the model's weight bytes."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,7 @@ from tandem.core.layers.packed_linear import (
 )
 from tandem.core.layers.replicated_linear import ReplicatedLinear
 from tandem.core.layers.weights import parameter_bytes
+from tandem.device.cpu import collapse_to_huge_pages
 
 CPU = torch.device("cpu")
 # float32: the same products summed in another order; bfloat16: one rounding of the output.
@@ -108,3 +111,39 @@ def test_row_counts_round_to_few_shapes_and_little_padding() -> None:
     assert len(set(padded)) <= 80
     # Common batch sizes run as they are.
     assert [padded_rows(m) for m in (1, 8, 16, 48, 64, 256, 2048)] == [1, 8, 16, 48, 64, 256, 2048]
+
+
+def _three_layers(dtype: torch.dtype) -> nn.Sequential:
+    gen = torch.Generator().manual_seed(3)
+    model = nn.Sequential(*(ReplicatedLinear(1024, 2048) for _ in range(3)))
+    for layer in model:
+        layer.weight.data = torch.randn(2048, 1024, generator=gen).to(dtype)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weights_are_moved_to_huge_pages_whole_and_compute_the_same(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _need_packing(dtype)
+    x = torch.randn(48, 1024, generator=torch.Generator().manual_seed(4)).to(dtype)
+    monkeypatch.setattr(packed_linear, "collapse_to_huge_pages", lambda ranges: 0)
+    unmoved = _three_layers(dtype)
+    pack_linear_weights(unmoved, CPU, dtype)
+    expected = [layer(x) for layer in unmoved]
+
+    handed: list[tuple[int, int]] = []
+
+    def collapse(ranges: Iterable[tuple[int, int]]) -> int:
+        handed.extend(ranges)
+        return collapse_to_huge_pages(handed)
+
+    monkeypatch.setattr(packed_linear, "collapse_to_huge_pages", collapse)
+    model = _three_layers(dtype)
+    assert pack_linear_weights(model, CPU, dtype) == 3
+    # Each packed buffer whole (at least the weight's bytes), and the same outputs, bit for
+    # bit, as weights that stayed where oneDNN put them.
+    assert len(handed) == 3
+    for start, end in handed:
+        assert end - start >= 2048 * 1024 * x.element_size()
+    assert all(torch.equal(layer(x), want) for layer, want in zip(model, expected, strict=True))

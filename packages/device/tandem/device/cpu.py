@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -107,6 +108,61 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
     return int(madvise(first, last - first, _MADV_HUGEPAGE)) == 0
+
+
+_MADV_COLLAPSE = 25
+
+
+def huge_page_runs(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The 2 MiB-aligned spans, merged, that cover the byte ranges ``(start, end)``."""
+    pages = sorted(
+        {
+            page
+            for start, end in ranges
+            if end > start
+            for page in range(start // _HUGE_PAGE, -(-end // _HUGE_PAGE))
+        }
+    )
+    runs: list[tuple[int, int]] = []
+    for page in pages:
+        if runs and runs[-1][1] == page * _HUGE_PAGE:
+            runs[-1] = (runs[-1][0], (page + 1) * _HUGE_PAGE)
+        else:
+            runs.append((page * _HUGE_PAGE, (page + 1) * _HUGE_PAGE))
+    return runs
+
+
+def collapse_to_huge_pages(ranges: Iterable[tuple[int, int]]) -> int:
+    """Move memory already written, such as weights packed at load, onto 2 MiB pages
+    (Linux's MADV_COLLAPSE, 6.1 and later); returns how many bytes moved, 0 where it
+    cannot be done. The data stays as it is.
+
+    Whole huge pages are collapsed, so the ranges' neighbours in the heap may move too:
+    harmless, since every page stays mapped and holds what it held. A decode step streams
+    every weight once, and on 4 KiB pages that is a TLB miss every 4 KiB, with the hardware
+    prefetchers stopping at each page (measured on an AMX Xeon, 33 packed weights of the
+    bench model at 48 rows: bfloat16 3-13% and float32 4% less GEMM time). Unlike
+    ``advise_huge_pages`` this needs no say over where the memory was allocated: oneDNN
+    allocates the packed weights itself.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    moved = 0
+    for first, last in huge_page_runs(ranges):
+        # Page by page, so that one page that cannot move (EINVAL before Linux 6.1, where
+        # THP is "never" or on memory that is not plain anonymous; EAGAIN/ENOMEM without a
+        # free huge page) leaves only itself on small pages.
+        for page in range(first, last, _HUGE_PAGE):
+            if int(madvise(page, _HUGE_PAGE, _MADV_COLLAPSE)) == 0:
+                moved += _HUGE_PAGE
+            elif page == first and ctypes.get_errno() == errno.EINVAL:
+                break
+    return moved
 
 
 class CpuRuntime:

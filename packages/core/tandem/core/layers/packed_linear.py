@@ -12,7 +12,8 @@ Packing is a choice of weight layout made once per model after loading
 (``pack_linear_weights``), on CPU, for float32 and bfloat16 where oneDNN is built in;
 ``TANDEM_GEMM=torch`` keeps plain weights and ``F.linear`` (said once in the log). A packed
 layer drops its plain weight (no second copy of the model) unless another module shares it
-(an LM head tied to the embedding keeps the embedding's).
+(an LM head tied to the embedding keeps the embedding's). The packed weights are then moved
+onto 2 MiB pages where Linux can (``collapse_to_huge_pages``): a decode step streams them all.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tandem.device.cpu import collapse_to_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +98,24 @@ def pack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dty
         if owners[id(weight)] == 1:
             weight.data = torch.empty((0, weight.shape[1]), dtype=dtype, device=device)
         count += 1
-    logger.info("packed %d linear weights into oneDNN's layout (%s)", count, dtype)
+    moved = collapse_to_huge_pages(
+        _memory_range(m.packed)
+        for m in model.modules()
+        if isinstance(m, PackableLinear) and m.packed is not None
+    )
+    logger.info(
+        "packed %d linear weights into oneDNN's layout (%s); %.0f MiB of them on 2 MiB pages",
+        count,
+        dtype,
+        moved / 2**20,
+    )
     return count
+
+
+def _memory_range(packed: torch.Tensor) -> tuple[int, int]:
+    """Where a packed (oneDNN, opaque) tensor's bytes lie: [start, end)."""
+    start = int(torch.ops.mkldnn.data_ptr(packed))
+    return start, start + int(torch.ops.mkldnn._nbytes(packed))
 
 
 def packed_bytes(model: nn.Module) -> int:
