@@ -3,7 +3,9 @@ milliseconds go (GEMMs, attention, the rest), for float32 and bfloat16, with the
 attention path (copy every sequence's KV blocks out of the cache, then SDPA) against the
 native kernel that reads the cache in place, next to the GEMM throughput this machine
 reaches at the step's own shapes; then the same for a prefill step of fresh prompts
-(8 x 256 tokens by default), torch's SDPA on the chunks against the native prefill kernel.
+(8 x 256 tokens by default), torch's SDPA on the chunks against the native prefill kernel
+and, where the engine would (bfloat16 on AMX), the kernel with long fresh prompts through
+flash attention.
 
     .venv/bin/python benchmarks/attention_step.py [--batch 48] [--context 384] [--steps 5]
 
@@ -33,6 +35,7 @@ from tandem.core.kv.cache_sizing import CacheSize
 from tandem.core.layers import attention as attention_module
 from tandem.core.layers import embedding, linear
 from tandem.core.layers.attention import PagedAttention
+from tandem.core.layers.flash_prefill import flash_prefill_dtypes
 from tandem.core.layers.packed_linear import pack_linear_weights
 from tandem.core.layers.paged_attention_cpu import native_paged_attention
 from tandem.core.layers.prefill_attention_cpu import native_prefill_attention
@@ -197,14 +200,18 @@ def sdpa_prefill(
     return out
 
 
-def use_prefill_path(model: CausalLM, dtype: torch.dtype, native: bool) -> None:
+def use_prefill_path(model: CausalLM, dtype: torch.dtype, path: str) -> None:
+    """``path``: "sdpa" (torch's SDPA on every chunk), "native" (the native kernel on every
+    chunk) or "serving" (what the engine picks on this CPU: long fresh prompts through flash
+    attention where that is faster, see ``layers/flash_prefill.py``)."""
     kernel = native_prefill_attention()
     for layer in model.attention_layers():
-        if native:
-            assert kernel is not None
-            impl = attention_module.native_prefill(kernel)
-        else:
+        if path == "sdpa":
             impl = sdpa_prefill
+        else:
+            assert kernel is not None
+            flash = None if path == "serving" else frozenset[torch.dtype]()
+            impl = attention_module.native_prefill(kernel, flash_dtypes=flash)
         layer._prefill._resolved = (dtype, impl)
 
 
@@ -286,8 +293,10 @@ def prefill_breakdown(
         pack_linear_weights(model, torch.device("cpu"), dtype)
         runner = ModelRunner(model, torch.device("cpu"), dtype, seed=0, samples=False)
         runner.init_kv_cache(CacheSize(num_blocks), args.block_size)
-        paths = [("torch SDPA", False), ("native kernel", True)]
-        uses = [(runner, partial(use_prefill_path, model, dtype, native)) for _, native in paths]
+        paths = [("torch SDPA", "sdpa"), ("native kernel", "native")]
+        if dtype in flash_prefill_dtypes():
+            paths.append(("native + flash", "serving"))
+        uses = [(runner, partial(use_prefill_path, model, dtype, path)) for _, path in paths]
         with instrumented(timers):
             results = run_steps(fi, max(3, args.steps // 2), timers, uses)
         for (label, _), r in zip(paths, results, strict=True):

@@ -22,6 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.core.layers.flash_prefill import (
+    FLASH_MIN_TOKENS,
+    NativeShare,
+    PrefillSplit,
+    flash_attend,
+    flash_prefill_dtypes,
+    split_prefill,
+)
 from tandem.core.layers.kernels import KernelHandle, NativeChoice
 from tandem.core.layers.linear_attention_metadata import LinearAttentionMetadata
 from tandem.core.layers.paged_attention_cpu import (
@@ -57,6 +65,9 @@ class AttentionGroup:
     seq_query_start: torch.Tensor | None = None  # [B] int64
     seq_query_len: torch.Tensor | None = None  # [B] int64
     seq_kv_len: torch.Tensor | None = None  # [B] int64
+    # How the prefill kernel divides the group between flash attention and itself: made by
+    # the first layer that needs it, the same for every layer of the step.
+    split: PrefillSplit | None = None
 
 
 @dataclass
@@ -159,9 +170,23 @@ def native_decode(kernel: NativePagedAttention) -> GroupKernel:
     return decode
 
 
-def native_prefill(kernel: NativePrefillAttention) -> GroupKernel:
+def native_prefill(
+    kernel: NativePrefillAttention, flash_dtypes: frozenset[torch.dtype] | None = None
+) -> GroupKernel:
     """Each chunk attends causally its sequence's cached tokens and its own, all read from
-    the cache in place (the layer has written the chunk's K/V there)."""
+    the cache in place (the layer has written the chunk's K/V there); in ``flash_dtypes``
+    (by default those this CPU runs faster so, see ``flash_prefill``), long fresh prompts
+    through torch's flash attention instead."""
+    flash = flash_prefill_dtypes() if flash_dtypes is None else flash_dtypes
+    for dtype in flash:
+        if ("flash_prefill", 0, dtype) not in _said:
+            _said.add(("flash_prefill", 0, dtype))
+            logger.info(
+                "prefill attention in %s: fresh prompts of %d tokens or more through torch's "
+                "flash attention (AMX tiles here), the rest through the native kernel",
+                dtype,
+                FLASH_MIN_TOKENS,
+            )
 
     def prefill(
         q: torch.Tensor,
@@ -175,17 +200,21 @@ def native_prefill(kernel: NativePrefillAttention) -> GroupKernel:
     ) -> torch.Tensor:
         assert group.seq_query_start is not None and group.seq_query_len is not None
         assert group.seq_kv_len is not None
-        kernel(
-            out,
-            _rows(q),
-            k_cache,
-            v_cache,
+        whole: NativeShare = (
             group.gather_blocks,
             group.seq_query_start,
             group.seq_query_len,
             group.seq_kv_len,
-            scale,
         )
+        native: NativeShare | None = whole
+        if q.dtype in flash:
+            if group.split is None:
+                group.split = split_prefill(*whole)
+            flash_attend(q, k, v, group.split.flash, scale, out)
+            native = group.split.native
+        if native is not None:
+            blocks, starts, query_lens, kv_lens = native
+            kernel(out, _rows(q), k_cache, v_cache, blocks, starts, query_lens, kv_lens, scale)
         return out
 
     return prefill
