@@ -14,6 +14,8 @@ Packing is a choice of weight layout made once per model after loading
 layer drops its plain weight (no second copy of the model) unless another module shares it
 (an LM head tied to the embedding keeps the embedding's). The packed weights are then moved
 onto 2 MiB pages where Linux can (``collapse_to_huge_pages``): a decode step streams them all.
+On CPUs with AMX, bfloat16 batches of up to ``amx_linear.MAX_ROWS`` rows read the same packed
+weights through the AMX kernel of ``amx_linear`` (faster at decode sizes).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.core.layers.amx_linear import MAX_ROWS, AmxWeight, amx_linear
 from tandem.device.cpu import collapse_to_huge_pages
 
 logger = logging.getLogger(__name__)
@@ -43,12 +46,17 @@ class PackableLinear(nn.Module):
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
+    # The packed weight as the AMX kernel reads it (bfloat16 on AMX CPUs), else None.
+    amx: AmxWeight | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         packed = self.packed
         if packed is None:
             return F.linear(x, self.weight, bias)
         rows = x.shape[0]
+        amx = self.amx
+        if amx is not None and bias is None and x.dim() == 2 and rows <= MAX_ROWS:
+            return amx.matmul(x if x.stride(1) == 1 else x.contiguous())
         padded = padded_rows(rows)
         if x.dim() == 2 and padded != rows:
             x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
@@ -87,17 +95,22 @@ def pack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dty
     owners: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         owners[id(param)] = owners.get(id(param), 0) + 1
-    count = 0
+    count = adopted = 0
+    amx = amx_linear() if dtype is torch.bfloat16 else None
     for module in model.modules():
         if not isinstance(module, PackableLinear) or module.packed is not None:
             continue
         weight = module.weight
         if weight.dtype is not dtype or weight.dim() != 2 or weight.numel() == 0:
             continue
+        out_features, in_features = weight.shape
         module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _LAYOUT_BATCH_HINT)
         if owners[id(weight)] == 1:
             weight.data = torch.empty((0, weight.shape[1]), dtype=dtype, device=device)
         count += 1
+        if amx is not None:
+            module.amx = amx.adopt(module.packed, out_features, in_features)
+            adopted += module.amx is not None
     moved = collapse_to_huge_pages(
         _memory_range(m.packed)
         for m in model.modules()
@@ -109,6 +122,10 @@ def pack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dty
         dtype,
         moved / 2**20,
     )
+    if amx is not None:
+        logger.info(
+            "%d of them read by the AMX kernel at batches of up to %d rows", adopted, MAX_ROWS
+        )
     return count
 
 

@@ -1,0 +1,126 @@
+"""bfloat16 linear layers at decode batch sizes on AMX tiles (``csrc/amx_linear.cpp``).
+
+A decode step streams every weight once; oneDNN's AMX kernels read the packed weights at
+~16 GB/s at M = 48 on a 2-core host, this kernel at ~20 (the weight stream one sequential
+read per thread, prefetched a block ahead). It reads the weight where oneDNN packed it, so
+the model keeps one copy: prefill-size batches (more than ``MAX_ROWS`` rows) stay with
+oneDNN. oneDNN does not document its packed layout; each weight is adopted only after the
+kernel's product with it matched oneDNN's on a probe batch (``AmxLinear.adopt``).
+
+Only where the CPU has AMX-BF16 and Linux grants the tile state; ``TANDEM_GEMM=onednn``
+keeps oneDNN at every batch size (said once in the log).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.core.layers.native_build import (
+    BASE_FLAGS,
+    CSRC,
+    KernelBuildError,
+    ProcessOnce,
+    build_library,
+)
+from tandem.device.cpu import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+SOURCE = CSRC / "amx_linear.cpp"
+# Batches up to this many rows go to the AMX kernel (decode and small mixed steps).
+MAX_ROWS = 64
+_REQUIRED_FLAGS = frozenset({"amx_bf16", "amx_tile", "avx512_bf16"})
+# Rows of the probe batch: two full tiles and a partial third, so both passes of the kernel
+# and its partial-row stores are checked against oneDNN.
+_PROBE_ROWS = 37
+_vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+
+
+@dataclass(frozen=True)
+class AmxWeight:
+    """A packed bfloat16 weight [out_features, in_features] the kernel was checked on."""
+
+    kernel: AmxLinear
+    packed: torch.Tensor
+    out_features: int
+    in_features: int
+    # Where the packed bytes lie; they stay there (moving them onto huge pages keeps the
+    # address), and asking oneDNN per call costs a dispatch per layer per step.
+    address: int
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel.matmul(x, self)
+
+
+class AmxLinear:
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        if int(lib.tandem_amx_built()) != 1:
+            raise OSError("the compiler did not target AMX-BF16 for this CPU")
+        if int(lib.tandem_amx_request()) != 0:
+            raise OSError("Linux did not grant the AMX tile state (arch_prctl)")
+        self._linear = lib.tandem_amx_linear
+        self._linear.argtypes = [_vp, _vp, _vp, *[_i64] * 5, _i32]
+        self._linear.restype = ctypes.c_int
+
+    def matmul(self, x: torch.Tensor, weight: AmxWeight) -> torch.Tensor:
+        """``x`` [M, in_features] bfloat16 (M <= MAX_ROWS, rows contiguous) -> [M, out]."""
+        rows = x.shape[0]
+        out = torch.empty(rows, weight.out_features, dtype=torch.bfloat16)
+        code = self._linear(
+            out.data_ptr(), x.data_ptr(), weight.address, rows,
+            weight.out_features, weight.in_features, x.stride(0), out.stride(0),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"the AMX linear kernel refused its arguments (code {code})")
+        return out
+
+    def adopt(self, packed: torch.Tensor, out_features: int, in_features: int) -> AmxWeight | None:
+        """``packed`` (oneDNN's bfloat16 layout of an [out, in] weight) as an AmxWeight, or
+        None where the kernel cannot read it: shapes off its 32-blocks, a buffer of another
+        size, or a probe product that disagrees with oneDNN's (another layout)."""
+        if out_features % 32 or in_features % 32:
+            return None
+        if int(torch.ops.mkldnn._nbytes(packed)) != out_features * in_features * 2:
+            return None
+        address = int(torch.ops.mkldnn.data_ptr(packed))
+        weight = AmxWeight(self, packed, out_features, in_features, address)
+        probe = torch.randn(
+            _PROBE_ROWS, in_features, generator=torch.Generator().manual_seed(0)
+        ).to(torch.bfloat16)
+        ours = weight.matmul(probe).float()
+        theirs = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "").float()
+        # Summed in another order, each output may differ by a bfloat16 rounding or two; a
+        # different layout pairs the wrong weights and misses by the outputs' own size.
+        scale = float(theirs.abs().max())
+        if float((ours - theirs).abs().max()) > 2e-2 * scale + 1e-6:
+            return None
+        return weight
+
+
+def load_amx_linear(build_dir: Path | None = None) -> AmxLinear | None:
+    """Build (if needed) and load the kernel; None where this CPU or process cannot run it
+    (the reason logged)."""
+    if os.environ.get("TANDEM_GEMM", "").lower() == "onednn":
+        logger.info("TANDEM_GEMM=onednn: bfloat16 linear layers use oneDNN at every batch size")
+        return None
+    missing = _REQUIRED_FLAGS - cpu_flags()
+    if missing:
+        logger.debug("no AMX linear kernel: the CPU lacks %s", " ".join(sorted(missing)))
+        return None
+    try:
+        return AmxLinear(build_library(SOURCE, "tandem_amx_linear", BASE_FLAGS, build_dir))
+    except (KernelBuildError, OSError) as exc:
+        logger.warning("no AMX linear kernel (%s); decode batches use oneDNN", exc)
+        return None
+
+
+# The process's kernel, built and loaded on first use.
+amx_linear = ProcessOnce(load_amx_linear)

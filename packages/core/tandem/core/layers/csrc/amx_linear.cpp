@@ -1,0 +1,205 @@
+// out[M, N] = x[M, K] . W[N, K]^T in bfloat16 on AMX tiles, for decode-size M, reading the
+// weight where oneDNN packed it.
+//
+// Why: at decode batch sizes a step streams every weight once, and oneDNN's AMX kernels at
+// M = 48 reach ~16 GB/s of weight on a 2-core host whose memory gives ~28; this kernel keeps
+// the weight stream one sequential read per thread (the packed layout is already in tile
+// order), software-prefetched a block ahead, and measured 19.5-20.7 GB/s on the same weights.
+// Prefill-size M stays with oneDNN, which reuses each weight tile over many rows better.
+//
+// The packed layout (what torch.ops.mkldnn._reorder_linear_weight gives for bfloat16 on AMX
+// CPUs when N and K are multiples of 32): [N / 32][K / 32][16 k-pairs][32 n][2 k], i.e. per
+// 32-column unit and 32-deep K step one 2 KiB block whose two 16-column halves are AMX B
+// tiles (64-byte rows 128 bytes apart). oneDNN does not promise this layout, so the Python
+// side checks each weight against oneDNN's own product before it hands the weight here.
+//
+// Rounding: products are exact in float32 and summed in float32 (in another order than
+// oneDNN's), the result rounded to nearest-even bfloat16 as oneDNN rounds it.
+//
+// Plain C entry points; pointers with row strides (elements).
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Every tile 16 rows of 64 bytes: A (x) 16 rows x 32 bf16, B (weight) 16 k-pairs x 16 n x 2,
+// C 16 x 16 float32. Short M tiles are zero-padded in the packed x instead of reconfigured.
+inline void configure_tiles() {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+constexpr int64_t kBlock = 1024;     // elements of one packed 32 x 32 block
+constexpr int64_t kTile = 512;       // elements of one 16 x 32 x tile
+constexpr int64_t kBStride = 128;    // bytes between the rows of a B tile within a block
+
+// rows [0, valid) of a 16 x 16 float32 tile, rounded to bfloat16, into out (row stride ldo).
+inline void store_rows(uint16_t* out, int64_t ldo, const float* c, int64_t valid) {
+  for (int64_t m = 0; m < valid; ++m) {
+    const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(c + m * 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * ldo), reinterpret_cast<const __m256i&>(b));
+  }
+}
+
+// Two x tiles against one 32-column unit over all of K: C0..C3. Reads the unit's weight
+// from memory (the first pass over it), a block ahead of the tiles.
+inline void pass_2x2(const uint16_t* xp, int64_t x_step, const uint16_t* w, int64_t steps,
+                     uint16_t* out, int64_t ldo, int64_t rows_hi) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint16_t* b = w + s * kBlock;
+    const char* ahead = reinterpret_cast<const char*>(b + kBlock);
+    for (int line = 0; line < 2 * kBlock; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    const uint16_t* a = xp + s * x_step;
+    _tile_loadd(6, b, kBStride);
+    _tile_loadd(7, b + 32, kBStride);
+    _tile_loadd(4, a, 64);
+    _tile_loadd(5, a + kTile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float c[256];
+  _tile_stored(0, c, 64);
+  store_rows(out, ldo, c, 16);
+  _tile_stored(1, c, 64);
+  store_rows(out + 16, ldo, c, 16);
+  _tile_stored(2, c, 64);
+  store_rows(out + 16 * ldo, ldo, c, rows_hi);
+  _tile_stored(3, c, 64);
+  store_rows(out + 16 * ldo + 16, ldo, c, rows_hi);
+}
+
+// One x tile against one unit: C0, C1. `fetch`: the first pass over the unit (prefetch).
+inline void pass_1x2(const uint16_t* xp, int64_t x_step, const uint16_t* w, int64_t steps,
+                     uint16_t* out, int64_t ldo, int64_t rows, bool fetch) {
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint16_t* b = w + s * kBlock;
+    if (fetch) {
+      const char* ahead = reinterpret_cast<const char*>(b + kBlock);
+      for (int line = 0; line < 2 * kBlock; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
+    _tile_loadd(6, b, kBStride);
+    _tile_loadd(7, b + 32, kBStride);
+    _tile_loadd(4, xp + s * x_step, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  alignas(64) float c[256];
+  _tile_stored(0, c, 64);
+  store_rows(out, ldo, c, rows);
+  _tile_stored(1, c, 64);
+  store_rows(out + 16, ldo, c, rows);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Asks Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+// 0 when granted. Without it the first tile instruction kills the process.
+int tandem_amx_request() {
+  return static_cast<int>(syscall(SYS_arch_prctl, 0x1023, 18)) == 0 ? 0 : 1;
+}
+
+int tandem_amx_built() { return 1; }
+
+// out[m, n] (row stride ldo) = sum_k x[m, k] (row stride ldx) w[n, k], w packed as above.
+// Returns 0, or 1 for shapes this kernel does not take (M outside 1..64, N or K not a
+// multiple of 32).
+int tandem_amx_linear(void* out, const void* x, const void* w, int64_t M, int64_t N, int64_t K,
+                      int64_t ldx, int64_t ldo, int32_t num_threads) {
+  if (M < 1 || M > 64 || N % 32 != 0 || K % 32 != 0 || N <= 0 || K <= 0) return 1;
+  const int64_t steps = K / 32;
+  const int64_t x_tiles = (M + 15) / 16;
+  const int64_t units = N / 32;
+  const int64_t x_step = x_tiles * kTile;  // elements of packed x per K step
+  // x in tile order, [K / 32][x_tiles][16 rows][32], zero rows past M: each A tile one
+  // contiguous KiB that stays in L2 across the units.
+  thread_local std::vector<uint16_t> packed_x;
+  packed_x.resize(steps * x_step + 32);
+  uint16_t* xp = reinterpret_cast<uint16_t*>(
+      (reinterpret_cast<uintptr_t>(packed_x.data()) + 63) & ~static_cast<uintptr_t>(63));
+  const uint16_t* xs = static_cast<const uint16_t*>(x);
+  const uint16_t* wp = static_cast<const uint16_t*>(w);
+  uint16_t* o = static_cast<uint16_t*>(out);
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, units)));
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for
+    for (int64_t s = 0; s < steps; ++s) {
+      for (int64_t m = 0; m < M; ++m) {
+        _mm512_store_si512(xp + s * x_step + (m / 16) * kTile + (m % 16) * 32,
+                           _mm512_loadu_si512(xs + m * ldx + s * 32));
+      }
+      for (int64_t m = M; m < x_tiles * 16; ++m) {
+        _mm512_store_si512(xp + s * x_step + (m / 16) * kTile + (m % 16) * 32,
+                           _mm512_setzero_si512());
+      }
+    }
+    configure_tiles();
+    const int team = omp_get_num_threads();
+    const int id = omp_get_thread_num();
+    const int64_t lo = units * id / team;
+    const int64_t hi = units * (id + 1) / team;
+    for (int64_t u = lo; u < hi; ++u) {
+      const uint16_t* wu = wp + u * steps * kBlock;
+      uint16_t* ou = o + u * 32;
+      int64_t t = 0;
+      for (; t + 2 <= x_tiles; t += 2) {
+        const int64_t rows_hi = std::min<int64_t>(16, M - (t + 1) * 16);
+        pass_2x2(xp + t * kTile, x_step, wu, steps, ou + t * 16 * ldo, ldo, rows_hi);
+      }
+      if (t < x_tiles) {
+        pass_1x2(xp + t * kTile, x_step, wu, steps, ou + t * 16 * ldo, ldo,
+                 std::min<int64_t>(16, M - t * 16), t == 0);
+      }
+    }
+    _tile_release();
+  }
+  return 0;
+}
+
+}  // extern "C"
+
+#else  // no AMX in this build's target
+
+extern "C" {
+int tandem_amx_request() { return 1; }
+int tandem_amx_built() { return 0; }
+int tandem_amx_linear(void*, const void*, const void*, int64_t, int64_t, int64_t, int64_t,
+                      int64_t, int32_t) {
+  return 1;
+}
+}  // extern "C"
+
+#endif
