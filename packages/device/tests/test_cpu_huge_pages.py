@@ -4,12 +4,15 @@ harmless to the data."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+from tandem.device import cpu
 from tandem.device.cpu import advise_huge_pages, collapse_to_huge_pages, huge_page_runs
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
@@ -109,3 +112,33 @@ def test_written_memory_moves_to_huge_pages_with_its_data() -> None:
         assert _anon_huge_kib(start, end) * 1024 >= _HUGE
     tensor.add_(1)
     assert torch.equal(tensor, before + 1)
+
+
+def _fake_madvise(monkeypatch: pytest.MonkeyPatch, errors: dict[int, int]) -> list[int]:
+    """Stands in for libc's madvise: fails the pages in ``errors`` with their errno,
+    moves every other; returns the pages asked, in order."""
+    asked: list[int] = []
+
+    def madvise(address: int, length: int, advice: int) -> int:
+        asked.append(address)
+        if address in errors:
+            ctypes.set_errno(errors[address])
+            return -1
+        return 0
+
+    monkeypatch.setattr(cpu, "_madvise", lambda: madvise)
+    return asked
+
+
+def test_a_kernel_without_madv_collapse_is_asked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = _fake_madvise(monkeypatch, {_HUGE: errno.EINVAL})
+    # Two runs: before Linux 6.1 the second would be refused the same way.
+    assert collapse_to_huge_pages([(_HUGE, 3 * _HUGE), (5 * _HUGE, 6 * _HUGE)]) == 0
+    assert asked == [_HUGE]
+
+
+def test_a_page_that_cannot_move_leaves_only_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = _fake_madvise(monkeypatch, {2 * _HUGE: errno.EAGAIN, 5 * _HUGE: errno.EINVAL})
+    moved = collapse_to_huge_pages([(_HUGE, 3 * _HUGE), (5 * _HUGE, 7 * _HUGE)])
+    assert asked == [_HUGE, 2 * _HUGE, 5 * _HUGE, 6 * _HUGE]
+    assert moved == 2 * _HUGE

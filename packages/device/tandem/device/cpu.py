@@ -79,6 +79,18 @@ _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
 
 
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise, with errno kept for ``ctypes.get_errno``; None where there is none."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """Ask Linux to back the 2 MiB-aligned part of a CPU tensor's memory with huge pages
     when it is first touched (call before filling it); False where that cannot be asked.
@@ -100,13 +112,9 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     last = end // _HUGE_PAGE * _HUGE_PAGE
     if last <= first:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
+    madvise = _madvise()
+    if madvise is None:
         return False
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
     return int(madvise(first, last - first, _MADV_HUGEPAGE)) == 0
 
 
@@ -145,23 +153,22 @@ def collapse_to_huge_pages(ranges: Iterable[tuple[int, int]]) -> int:
     ``advise_huge_pages`` this needs no say over where the memory was allocated: oneDNN
     allocates the packed weights itself.
     """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
+    madvise = _madvise()
+    if madvise is None:
         return 0
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
+    runs = huge_page_runs(ranges)
     moved = 0
-    for first, last in huge_page_runs(ranges):
-        # Page by page, so that one page that cannot move (EINVAL before Linux 6.1, where
-        # THP is "never" or on memory that is not plain anonymous; EAGAIN/ENOMEM without a
-        # free huge page) leaves only itself on small pages.
+    for first, last in runs:
+        # Page by page, so that one page that cannot move (EINVAL where THP is "never" or
+        # on memory that is not plain anonymous; EAGAIN/ENOMEM without a free huge page)
+        # leaves only itself on small pages.
         for page in range(first, last, _HUGE_PAGE):
             if int(madvise(page, _HUGE_PAGE, _MADV_COLLAPSE)) == 0:
                 moved += _HUGE_PAGE
-            elif page == first and ctypes.get_errno() == errno.EINVAL:
-                break
+            elif page == runs[0][0] and ctypes.get_errno() == errno.EINVAL:
+                # A kernel before Linux 6.1 does not know MADV_COLLAPSE and answers every
+                # call so: no later page or run could move, and none was asked before.
+                return 0
     return moved
 
 

@@ -179,8 +179,8 @@ def native_prefill(
     through torch's flash attention instead."""
     flash = flash_prefill_dtypes() if flash_dtypes is None else flash_dtypes
     for dtype in flash:
-        if ("flash_prefill", 0, dtype) not in _said:
-            _said.add(("flash_prefill", 0, dtype))
+        if dtype not in _said_flash:
+            _said_flash.add(dtype)
             logger.info(
                 "prefill attention in %s: fresh prompts of %d tokens or more through torch's "
                 "flash attention (AMX tiles here), the rest through the native kernel",
@@ -229,6 +229,9 @@ K = TypeVar("K", bound=NativeKernel)
 # (kernel, head_dim, dtype) combinations already reported as falling back: once per process,
 # not once per layer.
 _said: set[tuple[str, int, torch.dtype]] = set()
+# dtypes whose long fresh prompts were reported as going to flash attention: once per
+# process, not once per layer.
+_said_flash: set[torch.dtype] = set()
 
 
 def native_group_kernel(
