@@ -1,11 +1,12 @@
 """bfloat16 linear layers at decode batch sizes on AMX tiles (``csrc/amx_linear.cpp``).
 
 A decode step streams every weight once; oneDNN's AMX kernels read the packed weights at
-~16 GB/s at M = 48 on a 2-core host, this kernel at ~20 (the weight stream one sequential
-read per thread, prefetched a block ahead). It reads the weight where oneDNN packed it, so
-the model keeps one copy: prefill-size batches (more than ``MAX_ROWS`` rows) stay with
-oneDNN. oneDNN does not document its packed layout; each weight is adopted only after the
-kernel's product with it matched oneDNN's on a probe batch (``AmxLinear.adopt``).
+16-18 GB/s at M = 48 on a 2-core host, this kernel at ~19 (the weight stream one sequential
+read per thread, prefetched a block ahead; 1.7 ms less per decode step of the bench model).
+It reads the weight where oneDNN packed it, so the model keeps one copy: prefill-size
+batches (more than ``MAX_ROWS`` rows) stay with oneDNN. oneDNN does not document its packed
+layout; each weight is adopted only after the kernel's product with it matched oneDNN's on a
+probe batch (``AmxLinear.adopt``).
 
 Only where the CPU has AMX-BF16 and Linux grants the tile state; ``TANDEM_GEMM=onednn``
 keeps oneDNN at every batch size (said once in the log).

@@ -2,9 +2,10 @@
 // weight where oneDNN packed it.
 //
 // Why: at decode batch sizes a step streams every weight once, and oneDNN's AMX kernels at
-// M = 48 reach ~16 GB/s of weight on a 2-core host whose memory gives ~28; this kernel keeps
+// M = 48 read 16-18 GB/s of weight on a 2-core host whose memory gives ~28; this kernel keeps
 // the weight stream one sequential read per thread (the packed layout is already in tile
-// order), software-prefetched a block ahead, and measured 19.5-20.7 GB/s on the same weights.
+// order), software-prefetched a block ahead: 19 GB/s on the same weights, and 1.7 ms less
+// per decode step of the 111M-parameter bench model (benchmarks/attention_step.py).
 // Prefill-size M stays with oneDNN, which reuses each weight tile over many rows better.
 //
 // The packed layout (what torch.ops.mkldnn._reorder_linear_weight gives for bfloat16 on AMX
@@ -64,18 +65,21 @@ inline void store_rows(uint16_t* out, int64_t ldo, const float* c, int64_t valid
   }
 }
 
-// Two x tiles against one 32-column unit over all of K: C0..C3. Reads the unit's weight
-// from memory (the first pass over it), a block ahead of the tiles.
+// Two x tiles against one 32-column unit over all of K: C0..C3. `fetch`: the first pass
+// over the unit, which reads its weight from memory, a block ahead of the tiles (later passes
+// find it in L2).
 inline void pass_2x2(const uint16_t* xp, int64_t x_step, const uint16_t* w, int64_t steps,
-                     uint16_t* out, int64_t ldo, int64_t rows_hi) {
+                     uint16_t* out, int64_t ldo, int64_t rows_hi, bool fetch) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t s = 0; s < steps; ++s) {
     const uint16_t* b = w + s * kBlock;
-    const char* ahead = reinterpret_cast<const char*>(b + kBlock);
-    for (int line = 0; line < 2 * kBlock; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    if (fetch) {
+      const char* ahead = reinterpret_cast<const char*>(b + kBlock);
+      for (int line = 0; line < 2 * kBlock; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
     const uint16_t* a = xp + s * x_step;
     _tile_loadd(6, b, kBStride);
     _tile_loadd(7, b + 32, kBStride);
@@ -97,7 +101,7 @@ inline void pass_2x2(const uint16_t* xp, int64_t x_step, const uint16_t* w, int6
   store_rows(out + 16 * ldo + 16, ldo, c, rows_hi);
 }
 
-// One x tile against one unit: C0, C1. `fetch`: the first pass over the unit (prefetch).
+// One x tile against one unit: C0, C1; `fetch` as for pass_2x2.
 inline void pass_1x2(const uint16_t* xp, int64_t x_step, const uint16_t* w, int64_t steps,
                      uint16_t* out, int64_t ldo, int64_t rows, bool fetch) {
   _tile_zero(0);
@@ -177,7 +181,7 @@ int tandem_amx_linear(void* out, const void* x, const void* w, int64_t M, int64_
       int64_t t = 0;
       for (; t + 2 <= x_tiles; t += 2) {
         const int64_t rows_hi = std::min<int64_t>(16, M - (t + 1) * 16);
-        pass_2x2(xp + t * kTile, x_step, wu, steps, ou + t * 16 * ldo, ldo, rows_hi);
+        pass_2x2(xp + t * kTile, x_step, wu, steps, ou + t * 16 * ldo, ldo, rows_hi, t == 0);
       }
       if (t < x_tiles) {
         pass_1x2(xp + t * kTile, x_step, wu, steps, ou + t * 16 * ldo, ldo,
