@@ -96,7 +96,8 @@ def test_packed_layers_use_the_kernel_only_where_it_applies() -> None:
     weights = {id(layer): layer.weight.detach().clone() for layer in (plain, biased)}
     assert pack_linear_weights(plain, CPU, torch.bfloat16) == 1
     assert pack_linear_weights(biased, CPU, torch.bfloat16) == 1
-    assert plain.amx is not None and biased.amx is not None
+    for layer in (plain, biased):
+        assert layer.small_batch is not None and isinstance(layer.small_batch.kernel, AmxLinear)
 
     for rows in (1, 48, MAX_ROWS, MAX_ROWS + 1, 300):
         x = torch.randn(rows, 256).bfloat16()
@@ -113,10 +114,11 @@ def test_packed_layers_use_the_kernel_only_where_it_applies() -> None:
     assert torch.equal(plain(x), _onednn(x, plain.packed))
 
 
-def test_float32_layers_are_not_adopted() -> None:
+def test_float32_layers_are_not_adopted_by_the_amx_kernel() -> None:
     _kernel()
     if not packing_enabled(torch.float32):
         pytest.skip("oneDNN cannot pack float32 weights on this build")
     layer = ColumnParallelLinear(64, 64, bias=False, group=SingleRankGroup())
     assert pack_linear_weights(layer, CPU, torch.float32) == 1
-    assert layer.packed is not None and layer.amx is None
+    assert layer.packed is not None
+    assert layer.small_batch is None or not isinstance(layer.small_batch.kernel, AmxLinear)

@@ -6,7 +6,7 @@ read per thread, prefetched a block ahead; 1.7 ms less per decode step of the be
 It reads the weight where oneDNN packed it, so the model keeps one copy: prefill-size
 batches (more than ``MAX_ROWS`` rows) stay with oneDNN. oneDNN does not document its packed
 layout; each weight is adopted only after the kernel's product with it matched oneDNN's on a
-probe batch (``AmxLinear.adopt``).
+probe batch (``small_batch_linear.PackedWeightKernel.adopt``).
 
 Only where the CPU has AMX-BF16 and Linux grants the tile state; ``TANDEM_GEMM=onednn``
 keeps oneDNN at every batch size (said once in the log).
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +27,7 @@ from tandem.core.layers.native_build import (
     ProcessOnce,
     build_library,
 )
+from tandem.core.layers.small_batch_linear import AdoptedWeight, PackedWeightKernel, onednn_only
 from tandem.device.cpu import cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -43,23 +42,14 @@ _PROBE_ROWS = 37
 _vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 
-@dataclass(frozen=True)
-class AmxWeight:
-    """A packed bfloat16 weight [out_features, in_features] the kernel was checked on."""
+class AmxLinear(PackedWeightKernel):
+    name = "AMX"
+    dtype = torch.bfloat16
+    max_rows = MAX_ROWS
+    probe_rows = _PROBE_ROWS
+    # Summed in another order, each output may differ by a bfloat16 rounding or two.
+    tolerance = 2e-2
 
-    kernel: AmxLinear
-    packed: torch.Tensor
-    out_features: int
-    in_features: int
-    # Where the packed bytes lie; they stay there (moving them onto huge pages keeps the
-    # address), and asking oneDNN per call costs a dispatch per layer per step.
-    address: int
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel.matmul(x, self)
-
-
-class AmxLinear:
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
         if int(lib.tandem_amx_built()) != 1:
@@ -70,46 +60,27 @@ class AmxLinear:
         self._linear.argtypes = [_vp, _vp, _vp, *[_i64] * 5, _i32]
         self._linear.restype = ctypes.c_int
 
-    def matmul(self, x: torch.Tensor, weight: AmxWeight) -> torch.Tensor:
-        """``x`` [M, in_features] bfloat16 (M <= MAX_ROWS, rows contiguous) -> [M, out]."""
-        rows = x.shape[0]
-        out = torch.empty(rows, weight.out_features, dtype=torch.bfloat16)
-        code = self._linear(
-            out.data_ptr(), x.data_ptr(), weight.address, rows,
-            weight.out_features, weight.in_features, x.stride(0), out.stride(0),
-            torch.get_num_threads(),
-        )  # fmt: skip
-        if code != 0:
-            raise ValueError(f"the AMX linear kernel refused its arguments (code {code})")
-        return out
+    def readable(self, out_features: int, in_features: int) -> bool:
+        # Shapes off the 32-blocks are padded by oneDNN; the kernel does not walk padding.
+        return out_features % 32 == 0 and in_features % 32 == 0
 
-    def adopt(self, packed: torch.Tensor, out_features: int, in_features: int) -> AmxWeight | None:
-        """``packed`` (oneDNN's bfloat16 layout of an [out, in] weight) as an AmxWeight, or
-        None where the kernel cannot read it: shapes off its 32-blocks, a buffer of another
-        size, or a probe product that disagrees with oneDNN's (another layout)."""
-        if out_features % 32 or in_features % 32:
-            return None
-        if int(torch.ops.mkldnn._nbytes(packed)) != out_features * in_features * 2:
-            return None
-        address = int(torch.ops.mkldnn.data_ptr(packed))
-        weight = AmxWeight(self, packed, out_features, in_features, address)
-        probe = torch.randn(
-            _PROBE_ROWS, in_features, generator=torch.Generator().manual_seed(0)
-        ).to(torch.bfloat16)
-        ours = weight.matmul(probe).float()
-        theirs = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "").float()
-        # Summed in another order, each output may differ by a bfloat16 rounding or two; a
-        # different layout pairs the wrong weights and misses by the outputs' own size.
-        scale = float(theirs.abs().max())
-        if float((ours - theirs).abs().max()) > 2e-2 * scale + 1e-6:
-            return None
-        return weight
+    def packed_bytes(self, out_features: int, in_features: int) -> int:
+        return out_features * in_features * 2
+
+    def run(self, out: torch.Tensor, x: torch.Tensor, weight: AdoptedWeight) -> int:
+        return int(
+            self._linear(
+                out.data_ptr(), x.data_ptr(), weight.address, x.shape[0],
+                weight.out_features, weight.in_features, x.stride(0), out.stride(0),
+                torch.get_num_threads(),
+            )
+        )  # fmt: skip
 
 
 def load_amx_linear(build_dir: Path | None = None) -> AmxLinear | None:
     """Build (if needed) and load the kernel; None where this CPU or process cannot run it
     (the reason logged)."""
-    if os.environ.get("TANDEM_GEMM", "").lower() == "onednn":
+    if onednn_only():
         logger.info("TANDEM_GEMM=onednn: bfloat16 linear layers use oneDNN at every batch size")
         return None
     missing = _REQUIRED_FLAGS - cpu_flags()

@@ -14,8 +14,9 @@ Packing is a choice of weight layout made once per model after loading
 layer drops its plain weight (no second copy of the model) unless another module shares it
 (an LM head tied to the embedding keeps the embedding's). The packed weights are then moved
 onto 2 MiB pages where Linux can (``collapse_to_huge_pages``): a decode step streams them all.
-On CPUs with AMX, bfloat16 batches of up to ``amx_linear.MAX_ROWS`` rows read the same packed
-weights through the AMX kernel of ``amx_linear`` (faster at decode sizes).
+Decode-size batches read the same packed weights through our own kernels where the CPU has
+them (``small_batch_linear``): bfloat16 through ``amx_linear`` on AMX CPUs, float32 through
+``avx512_linear`` on AVX-512 CPUs.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.core.layers.amx_linear import MAX_ROWS, AmxWeight, amx_linear
+from tandem.core.layers.amx_linear import amx_linear
+from tandem.core.layers.avx512_linear import avx512_linear
+from tandem.core.layers.small_batch_linear import AdoptedWeight, PackedWeightKernel
 from tandem.device.cpu import collapse_to_huge_pages
 
 logger = logging.getLogger(__name__)
@@ -46,17 +49,17 @@ class PackableLinear(nn.Module):
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
-    # The packed weight as the AMX kernel reads it (bfloat16 on AMX CPUs), else None.
-    amx: AmxWeight | None = None
+    # The packed weight as a decode-size kernel reads it, where one adopted it, else None.
+    small_batch: AdoptedWeight | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         packed = self.packed
         if packed is None:
             return F.linear(x, self.weight, bias)
         rows = x.shape[0]
-        amx = self.amx
-        if amx is not None and bias is None and x.dim() == 2 and rows <= MAX_ROWS:
-            return amx.matmul(x if x.stride(1) == 1 else x.contiguous())
+        small = self.small_batch
+        if small is not None and bias is None and x.dim() == 2 and rows <= small.max_rows:
+            return small.matmul(x if x.stride(1) == 1 else x.contiguous())
         padded = padded_rows(rows)
         if x.dim() == 2 and padded != rows:
             x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
@@ -96,7 +99,7 @@ def pack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dty
     for _, param in model.named_parameters(remove_duplicate=False):
         owners[id(param)] = owners.get(id(param), 0) + 1
     count = adopted = 0
-    amx = amx_linear() if dtype is torch.bfloat16 else None
+    kernel = small_batch_kernel(dtype)
     for module in model.modules():
         if not isinstance(module, PackableLinear) or module.packed is not None:
             continue
@@ -108,9 +111,9 @@ def pack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dty
         if owners[id(weight)] == 1:
             weight.data = torch.empty((0, weight.shape[1]), dtype=dtype, device=device)
         count += 1
-        if amx is not None:
-            module.amx = amx.adopt(module.packed, out_features, in_features)
-            adopted += module.amx is not None
+        if kernel is not None:
+            module.small_batch = kernel.adopt(module.packed, out_features, in_features)
+            adopted += module.small_batch is not None
     moved = collapse_to_huge_pages(
         _memory_range(m.packed)
         for m in model.modules()
@@ -122,11 +125,18 @@ def pack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dty
         dtype,
         moved / 2**20,
     )
-    if amx is not None:
-        logger.info(
-            "%d of them read by the AMX kernel at batches of up to %d rows", adopted, MAX_ROWS
-        )
+    if kernel is not None:
+        logger.info("%d of them read by the %s kernel at decode batch sizes", adopted, kernel.name)
     return count
+
+
+def small_batch_kernel(dtype: torch.dtype) -> PackedWeightKernel | None:
+    """Our decode-size kernel for weights of ``dtype`` on this CPU, or None (oneDNN only)."""
+    if dtype is torch.bfloat16:
+        return amx_linear()
+    if dtype is torch.float32:
+        return avx512_linear()
+    return None
 
 
 def _memory_range(packed: torch.Tensor) -> tuple[int, int]:

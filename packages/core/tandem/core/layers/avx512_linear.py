@@ -1,0 +1,100 @@
+"""float32 linear layers at decode batch sizes on AVX-512 FMAs (``csrc/avx512_linear.cpp``).
+
+At M = 48 on a 2-core AVX-512 host (AMD Zen 5), oneDNN's float32 kernels reach ~300-350
+GFLOP/s on the packed weights, where the FMA units give ~460: each weight panel comes from
+memory in one burst and is then computed from cache while nothing streams. This kernel
+prefetches the next K chunk of a panel while it computes the current one for every row
+block, so the weight stream and the FMAs overlap (see the source for the figures). It reads
+the weight where oneDNN packed it, so the model keeps one copy; batches of more than
+``MAX_ROWS`` rows stay with oneDNN, which is as fast or faster there. Each weight is adopted
+only after the kernel's product with it matched oneDNN's on a probe batch
+(``small_batch_linear.PackedWeightKernel.adopt``).
+
+Only where the CPU has AVX-512F; ``TANDEM_GEMM=onednn`` keeps oneDNN at every batch size
+(said once in the log).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+
+from tandem.core.layers.native_build import (
+    BASE_FLAGS,
+    CSRC,
+    KernelBuildError,
+    ProcessOnce,
+    build_library,
+)
+from tandem.core.layers.small_batch_linear import AdoptedWeight, PackedWeightKernel, onednn_only
+from tandem.device.cpu import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+SOURCE = CSRC / "avx512_linear.cpp"
+# Batches up to this many rows go to the kernel (decode and small mixed steps). Measured on
+# the bench weights: ahead of oneDNN from M = 8 (~25%) to M = 128 (~4%), behind at M = 304.
+MAX_ROWS = 128
+# The columns of one packed panel (the kernel reads only whole panels), and the multiple
+# oneDNN pads a panel's K rows to.
+PANEL = 64
+K_PAD = 16
+# Rows of the probe batch: six full register blocks of six and a partial seventh of five.
+_PROBE_ROWS = 41
+_vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+
+
+class Avx512Linear(PackedWeightKernel):
+    name = "AVX-512 float32"
+    dtype = torch.float32
+    max_rows = MAX_ROWS
+    probe_rows = _PROBE_ROWS
+    # Summed in another order, each output differs by float32 roundings (~1e-6).
+    tolerance = 1e-4
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        if int(lib.tandem_avx512_built()) != 1:
+            raise OSError("the compiler did not target AVX-512 for this CPU")
+        self._linear = lib.tandem_avx512_linear
+        self._linear.argtypes = [_vp, _vp, _vp, *[_i64] * 5, _i32, _i32]
+        self._linear.restype = ctypes.c_int
+
+    def readable(self, out_features: int, in_features: int) -> bool:
+        # Columns off the 64-wide panels are padded by oneDNN; the kernel does not walk them.
+        return out_features % PANEL == 0 and in_features >= 1
+
+    def packed_bytes(self, out_features: int, in_features: int) -> int:
+        return out_features * (-(-in_features // K_PAD) * K_PAD) * 4
+
+    def run(self, out: torch.Tensor, x: torch.Tensor, weight: AdoptedWeight) -> int:
+        return int(
+            self._linear(
+                out.data_ptr(), x.data_ptr(), weight.address, x.shape[0],
+                weight.out_features, weight.in_features, x.stride(0), out.stride(0),
+                MAX_ROWS, torch.get_num_threads(),
+            )
+        )  # fmt: skip
+
+
+def load_avx512_linear(build_dir: Path | None = None) -> Avx512Linear | None:
+    """Build (if needed) and load the kernel; None where this CPU or process cannot run it
+    (the reason logged)."""
+    if onednn_only():
+        logger.info("TANDEM_GEMM=onednn: float32 linear layers use oneDNN at every batch size")
+        return None
+    if "avx512f" not in cpu_flags():
+        logger.debug("no AVX-512 linear kernel: the CPU lacks avx512f")
+        return None
+    try:
+        return Avx512Linear(build_library(SOURCE, "tandem_avx512_linear", BASE_FLAGS, build_dir))
+    except (KernelBuildError, OSError) as exc:
+        logger.warning("no AVX-512 linear kernel (%s); float32 decode batches use oneDNN", exc)
+        return None
+
+
+# The process's kernel, built and loaded on first use.
+avx512_linear = ProcessOnce(load_avx512_linear)
