@@ -1,4 +1,5 @@
-"""float32 linear layers at decode batch sizes on AVX-512 FMAs (``csrc/avx512_linear.cpp``).
+"""float32 and bfloat16 linear layers at decode batch sizes on AVX-512 FMAs and AVX512-BF16
+dot products (``csrc/avx512_linear.cpp``), for CPUs without AMX.
 
 At M = 48 on a 2-core AVX-512 host (AMD Zen 5), oneDNN's float32 kernels reach ~300-350
 GFLOP/s on the packed weights, where the FMA units give ~460: each weight panel comes from
@@ -10,7 +11,8 @@ the weight where oneDNN packed it, so the model keeps one copy; batches of more 
 only after the kernel's product with it matched oneDNN's on a probe batch
 (``small_batch_linear.PackedWeightKernel.adopt``).
 
-Only where the CPU has AVX-512F; ``TANDEM_GEMM=onednn`` keeps oneDNN at every batch size
+float32 only where the CPU has AVX-512F, bfloat16 where it has AVX512-BF16 too (on AMX CPUs
+the AMX kernel takes bfloat16); ``TANDEM_GEMM=onednn`` keeps oneDNN at every batch size
 (said once in the log).
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,10 +39,11 @@ logger = logging.getLogger(__name__)
 
 SOURCE = CSRC / "avx512_linear.cpp"
 # Batches up to this many rows go to the kernel (decode and small mixed steps). Measured on
-# the bench weights: ahead of oneDNN from M = 8 (~25%) to M = 128 (~4%), behind at M = 304.
+# the bench weights in float32: ahead of oneDNN from M = 8 (~25%) to M = 128 (~4%), behind
+# at M = 304.
 MAX_ROWS = 128
 # The columns of one packed panel (the kernel reads only whole panels), and the multiple
-# oneDNN pads a panel's K rows to.
+# oneDNN pads a float32 panel's K rows to.
 PANEL = 64
 K_PAD = 16
 # Rows of the probe batch: six full register blocks of six and a partial seventh of five.
@@ -48,26 +52,36 @@ _vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 
 class Avx512Linear(PackedWeightKernel):
-    name = "AVX-512 float32"
-    dtype = torch.float32
+    """The kernel for one dtype: float32 (AVX-512F FMAs) or bfloat16 (AVX512-BF16)."""
+
     max_rows = MAX_ROWS
     probe_rows = _PROBE_ROWS
-    # Summed in another order, each output differs by float32 roundings (~1e-6).
-    tolerance = 1e-4
 
-    def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
-        if int(lib.tandem_avx512_built()) != 1:
-            raise OSError("the compiler did not target AVX-512 for this CPU")
-        self._linear = lib.tandem_avx512_linear
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        if dtype is torch.float32:
+            self.name = "AVX-512 float32"
+            self._linear = lib.tandem_avx512_linear_f32
+            # Summed in another order, each output differs by float32 roundings (~1e-6).
+            self.tolerance = 1e-4
+        else:
+            self.name = "AVX512-BF16"
+            self._linear = lib.tandem_avx512_linear_bf16
+            # Summed in another order, each output may differ by a bfloat16 rounding or two.
+            self.tolerance = 2e-2
         self._linear.argtypes = [_vp, _vp, _vp, *[_i64] * 5, _i32, _i32]
         self._linear.restype = ctypes.c_int
 
     def readable(self, out_features: int, in_features: int) -> bool:
         # Columns off the 64-wide panels are padded by oneDNN; the kernel does not walk them.
+        # bfloat16 K is padded too (to 32 seen here): taken only where it needs none.
+        if self.dtype is torch.bfloat16:
+            return out_features % PANEL == 0 and in_features % 32 == 0
         return out_features % PANEL == 0 and in_features >= 1
 
     def packed_bytes(self, out_features: int, in_features: int) -> int:
+        if self.dtype is torch.bfloat16:
+            return out_features * in_features * 2
         return out_features * (-(-in_features // K_PAD) * K_PAD) * 4
 
     def run(self, out: torch.Tensor, x: torch.Tensor, weight: AdoptedWeight) -> int:
@@ -80,21 +94,34 @@ class Avx512Linear(PackedWeightKernel):
         )  # fmt: skip
 
 
-def load_avx512_linear(build_dir: Path | None = None) -> Avx512Linear | None:
-    """Build (if needed) and load the kernel; None where this CPU or process cannot run it
+@dataclass(frozen=True)
+class Avx512Kernels:
+    float32: Avx512Linear
+    # None where the CPU lacks AVX512-BF16.
+    bfloat16: Avx512Linear | None
+
+
+def load_avx512_linear(build_dir: Path | None = None) -> Avx512Kernels | None:
+    """Build (if needed) and load the kernels; None where this CPU or process cannot run them
     (the reason logged)."""
     if onednn_only():
-        logger.info("TANDEM_GEMM=onednn: float32 linear layers use oneDNN at every batch size")
+        logger.info("TANDEM_GEMM=onednn: float32 and AVX512-BF16 linear layers use oneDNN")
         return None
     if "avx512f" not in cpu_flags():
         logger.debug("no AVX-512 linear kernel: the CPU lacks avx512f")
         return None
     try:
-        return Avx512Linear(build_library(SOURCE, "tandem_avx512_linear", BASE_FLAGS, build_dir))
+        lib = ctypes.CDLL(str(build_library(SOURCE, "tandem_avx512_linear", BASE_FLAGS, build_dir)))
     except (KernelBuildError, OSError) as exc:
-        logger.warning("no AVX-512 linear kernel (%s); float32 decode batches use oneDNN", exc)
+        logger.warning("no AVX-512 linear kernel (%s); decode batches use oneDNN", exc)
         return None
+    built = int(lib.tandem_avx512_built())
+    if built == 0:
+        logger.warning("no AVX-512 linear kernel (the compiler did not target AVX-512)")
+        return None
+    bf16 = Avx512Linear(lib, torch.bfloat16) if built == 2 else None
+    return Avx512Kernels(float32=Avx512Linear(lib, torch.float32), bfloat16=bf16)
 
 
-# The process's kernel, built and loaded on first use.
+# The process's kernels, built and loaded on first use.
 avx512_linear = ProcessOnce(load_avx512_linear)

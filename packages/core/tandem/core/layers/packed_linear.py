@@ -15,8 +15,8 @@ layer drops its plain weight (no second copy of the model) unless another module
 (an LM head tied to the embedding keeps the embedding's). The packed weights are then moved
 onto 2 MiB pages where Linux can (``collapse_to_huge_pages``): a decode step streams them all.
 Decode-size batches read the same packed weights through our own kernels where the CPU has
-them (``small_batch_linear``): bfloat16 through ``amx_linear`` on AMX CPUs, float32 through
-``avx512_linear`` on AVX-512 CPUs.
+them (``small_batch_linear``): bfloat16 through ``amx_linear`` on AMX CPUs, float32 (and
+bfloat16 without AMX) through ``avx512_linear`` on AVX-512 CPUs.
 """
 
 from __future__ import annotations
@@ -132,11 +132,15 @@ def pack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dty
 
 def small_batch_kernel(dtype: torch.dtype) -> PackedWeightKernel | None:
     """Our decode-size kernel for weights of ``dtype`` on this CPU, or None (oneDNN only)."""
-    if dtype is torch.bfloat16:
-        return amx_linear()
+    amx = amx_linear() if dtype is torch.bfloat16 else None
+    if amx is not None:
+        return amx
+    avx512 = avx512_linear()
+    if avx512 is None:
+        return None
     if dtype is torch.float32:
-        return avx512_linear()
-    return None
+        return avx512.float32
+    return avx512.bfloat16 if dtype is torch.bfloat16 else None
 
 
 def _memory_range(packed: torch.Tensor) -> tuple[int, int]:

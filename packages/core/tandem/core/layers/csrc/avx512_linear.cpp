@@ -1,22 +1,26 @@
-// out[M, N] = x[M, K] . W[N, K]^T in float32 with AVX-512 FMAs, for decode-size M, reading
-// the weight where oneDNN packed it.
+// out[M, N] = x[M, K] . W[N, K]^T with AVX-512 FMAs (float32) or AVX512-BF16 dot products
+// (bfloat16), for decode-size M, reading the weight where oneDNN packed it.
 //
-// Why: at decode batch sizes oneDNN's float32 kernels on a 2-core AVX-512 host (AMD Zen 5)
-// reach ~300 GFLOP/s on the packed weights, where its FMA units give ~460 and memory ~37
-// GB/s: it pulls each weight panel from memory in one burst, in the first pass over it, and
-// computes from cache while nothing streams. This kernel cuts each 64-column panel into
-// K chunks and, while it computes one chunk for every row block, prefetches the next chunk,
-// spread over those passes: the weight stream and the FMAs overlap. Measured on all 33
-// weights of the bench model at M = 48: ~28 ms per decode step against oneDNN's ~32-35.
+// Why: at decode batch sizes oneDNN's kernels on a 2-core AVX-512 host (AMD Zen 5) leave
+// the FMA units a third idle: they pull each weight panel from memory in one burst, in the
+// first pass over it, and then compute from cache while nothing streams. This kernel cuts
+// each 64-column panel into K chunks and, while it computes one chunk for every row block,
+// prefetches the next chunk, spread over those passes: the weight stream and the FMAs
+// overlap. Measured on all 33 float32 weights of the bench model at M = 48: ~27-29 ms per
+// decode step against oneDNN's ~31-35 (FMA peak ~460 GFLOP/s, memory ~37 GB/s).
 //
-// The packed layout (what torch.ops.mkldnn._reorder_linear_weight gives for float32 on
-// AVX-512 CPUs when N is a multiple of 64): [N / 64][Kp][64] with Kp = K rounded up to 16,
-// i.e. per 64-column panel Kp rows of 64 floats (the rows past K zero), each row four zmm
-// vectors. oneDNN does not promise this layout, so the
-// Python side checks each weight against oneDNN's own product before it hands it here.
+// The packed layouts (what torch.ops.mkldnn._reorder_linear_weight gives on AVX-512 CPUs
+// without AMX when N is a multiple of 64), per 64-column panel, one 256-byte step after the
+// other, each step four zmm vectors of weights for 16 columns each:
+//   float32:  [N / 64][Kp][64] with Kp = K rounded up to 16 (rows past K zero);
+//   bfloat16: [N / 64][K / 2][64][2], the VNNI pairs VDPBF16PS multiplies (K a multiple
+//             of 32 here: no padding).
+// oneDNN does not promise these layouts, so the Python side checks each weight against
+// oneDNN's own product before it hands it here.
 //
-// Rounding: each output is one float32 FMA chain over k in order (oneDNN sums in another
-// order; results differ by float32 roundings).
+// Rounding: each output is one float32 chain of FMAs (or pair dot products) over K in
+// order; oneDNN sums in another order. bfloat16 outputs are rounded to nearest-even once,
+// at the end, as oneDNN rounds them.
 //
 // Plain C entry points; pointers with row strides (elements).
 
@@ -24,6 +28,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include <omp.h>
 
@@ -31,116 +37,208 @@
 
 namespace {
 
-constexpr int64_t kPanel = 64;    // columns of one packed panel
-constexpr int64_t kRows = 6;      // rows of one register block: 6 x 4 accumulators
-constexpr int64_t kChunk = 384;   // K rows of a panel computed for every row block at once
-constexpr int64_t kLine = 64;     // bytes of a cache line
-constexpr int64_t kKPad = 16;     // a panel's K rows are padded to a multiple of this
+constexpr int64_t kPanel = 64;       // columns of one packed panel
+constexpr int64_t kStepBytes = 256;  // bytes of one panel step: four zmm vectors
+constexpr int64_t kRows = 6;         // rows of one register block: 6 x 4 accumulators
+constexpr int64_t kChunk = 384;      // panel steps computed for every row block at once
+constexpr int64_t kLine = 64;        // bytes of a cache line
+constexpr int64_t kMaxRows = 128;    // the most rows the bfloat16 partial sums hold
 
-// The thread's next weight bytes to prefetch, up to `end`, `lines` cache lines per K step.
+// The thread's next weight bytes to prefetch, up to `end`, `lines` cache lines per step.
 struct Prefetch {
   const char* next;
   const char* end;
   int lines;
 };
 
-// out rows [0, MR) x 64 columns (+)= x rows [0, MR) x chunk [kc] . panel chunk.
-template <int MR, bool FIRST>
-inline void block(float* out, int64_t ldo, const float* x, int64_t ldx, const float* w,
-                  int64_t kc, Prefetch& fetch) {
+struct Float32 {
+  using Elem = float;
+  static constexpr int64_t kPerStep = 1;  // k values one panel step holds per column
+  static constexpr int64_t kPad = 16;     // oneDNN pads K to a multiple of this
+  static __m512 a(const float* x, int64_t step) { return _mm512_set1_ps(x[step]); }
+  static __m512 fma(__m512 acc, __m512 a, const char* w) {
+    return _mm512_fmadd_ps(a, _mm512_load_ps(reinterpret_cast<const float*>(w)), acc);
+  }
+};
+
+#if defined(__AVX512BF16__)
+struct BFloat16 {
+  using Elem = uint16_t;
+  static constexpr int64_t kPerStep = 2;
+  static constexpr int64_t kPad = 2;
+  static __m512 a(const uint16_t* x, int64_t step) {
+    int32_t pair;  // x[2 step], x[2 step + 1]: one 32-bit lane, in every lane
+    std::memcpy(&pair, x + 2 * step, sizeof(pair));
+    return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+  }
+  static __m512 fma(__m512 acc, __m512 a, const char* w) {
+    const __m512i b = _mm512_load_si512(reinterpret_cast<const void*>(w));
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+  }
+};
+
+// 16 float32 -> bfloat16, rounded to nearest-even.
+inline void store_bf16(uint16_t* out, __m512 v) {
+  const __m256bh h = _mm512_cvtneps_pbh(v);
+  std::memcpy(out, &h, sizeof(h));
+}
+#endif
+
+// Rows [0, MR) x 64 columns: sums (float32, row stride lds) (+)= x rows [0, MR) (row stride
+// ldx) . `steps` panel steps from w. FIRST starts the sums at zero; FINAL (bfloat16) rounds
+// them into out (row stride ldo) instead of keeping them.
+template <class Kind, int MR, bool FIRST, bool FINAL>
+inline void block(float* sums, int64_t lds, typename Kind::Elem* out, int64_t ldo,
+                  const typename Kind::Elem* x, int64_t ldx, const char* w, int64_t steps,
+                  Prefetch& fetch) {
   __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m) {
     for (int j = 0; j < 4; ++j) {
-      acc[m][j] = FIRST ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * ldo + 16 * j);
+      acc[m][j] = FIRST ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + m * lds + 16 * j);
     }
   }
-  for (int64_t k = 0; k < kc; ++k) {
+  for (int64_t s = 0; s < steps; ++s) {
     for (int l = 0; l < fetch.lines && fetch.next < fetch.end; ++l) {
       _mm_prefetch(fetch.next, _MM_HINT_T0);
       fetch.next += kLine;
     }
-    const float* wk = w + k * kPanel;
-    const __m512 b0 = _mm512_load_ps(wk);
-    const __m512 b1 = _mm512_load_ps(wk + 16);
-    const __m512 b2 = _mm512_load_ps(wk + 32);
-    const __m512 b3 = _mm512_load_ps(wk + 48);
+    const char* ws = w + s * kStepBytes;
     for (int m = 0; m < MR; ++m) {
-      const __m512 a = _mm512_set1_ps(x[m * ldx + k]);
-      acc[m][0] = _mm512_fmadd_ps(a, b0, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(a, b1, acc[m][1]);
-      acc[m][2] = _mm512_fmadd_ps(a, b2, acc[m][2]);
-      acc[m][3] = _mm512_fmadd_ps(a, b3, acc[m][3]);
+      const __m512 a = Kind::a(x + m * ldx, s);
+      for (int j = 0; j < 4; ++j) acc[m][j] = Kind::fma(acc[m][j], a, ws + 64 * j);
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + m * ldo + 16 * j, acc[m][j]);
+  if constexpr (FINAL && !std::is_same_v<Kind, Float32>) {
+#if defined(__AVX512BF16__)
+    for (int m = 0; m < MR; ++m) {
+      for (int j = 0; j < 4; ++j) store_bf16(out + m * ldo + 16 * j, acc[m][j]);
+    }
+#endif
+  } else {
+    for (int m = 0; m < MR; ++m) {
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(sums + m * lds + 16 * j, acc[m][j]);
+    }
   }
 }
 
-template <bool FIRST>
-inline void rows(int64_t mr, float* out, int64_t ldo, const float* x, int64_t ldx,
-                 const float* w, int64_t kc, Prefetch& fetch) {
+template <class Kind, bool FIRST, bool FINAL>
+inline void rows(int64_t mr, float* sums, int64_t lds, typename Kind::Elem* out, int64_t ldo,
+                 const typename Kind::Elem* x, int64_t ldx, const char* w, int64_t steps,
+                 Prefetch& fetch) {
   switch (mr) {
-    case 6: block<6, FIRST>(out, ldo, x, ldx, w, kc, fetch); break;
-    case 5: block<5, FIRST>(out, ldo, x, ldx, w, kc, fetch); break;
-    case 4: block<4, FIRST>(out, ldo, x, ldx, w, kc, fetch); break;
-    case 3: block<3, FIRST>(out, ldo, x, ldx, w, kc, fetch); break;
-    case 2: block<2, FIRST>(out, ldo, x, ldx, w, kc, fetch); break;
-    default: block<1, FIRST>(out, ldo, x, ldx, w, kc, fetch); break;
+    case 6: block<Kind, 6, FIRST, FINAL>(sums, lds, out, ldo, x, ldx, w, steps, fetch); break;
+    case 5: block<Kind, 5, FIRST, FINAL>(sums, lds, out, ldo, x, ldx, w, steps, fetch); break;
+    case 4: block<Kind, 4, FIRST, FINAL>(sums, lds, out, ldo, x, ldx, w, steps, fetch); break;
+    case 3: block<Kind, 3, FIRST, FINAL>(sums, lds, out, ldo, x, ldx, w, steps, fetch); break;
+    case 2: block<Kind, 2, FIRST, FINAL>(sums, lds, out, ldo, x, ldx, w, steps, fetch); break;
+    default: block<Kind, 1, FIRST, FINAL>(sums, lds, out, ldo, x, ldx, w, steps, fetch); break;
   }
 }
 
-}  // namespace
+// One chunk of one panel for every row block. float32 keeps its partial sums in out itself;
+// bfloat16 in a float32 scratch panel [M][64], rounded into out in the last chunk.
+template <class Kind>
+inline void chunk(int64_t first, int64_t last, int64_t M, float* sums, int64_t lds,
+                  typename Kind::Elem* out, int64_t ldo, const typename Kind::Elem* x,
+                  int64_t ldx, const char* w, int64_t steps, Prefetch& fetch) {
+  constexpr bool kSumsInOut = std::is_same_v<Kind, Float32>;
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+    const int64_t mr = std::min(kRows, M - m0);
+    float* s = sums + m0 * lds;
+    typename Kind::Elem* o = out + m0 * ldo;
+    const typename Kind::Elem* xr = x + m0 * ldx;
+    if (first && (kSumsInOut || !last)) {
+      rows<Kind, true, false>(mr, s, lds, o, ldo, xr, ldx, w, steps, fetch);
+    } else if (first) {
+      rows<Kind, true, true>(mr, s, lds, o, ldo, xr, ldx, w, steps, fetch);
+    } else if (kSumsInOut || !last) {
+      rows<Kind, false, false>(mr, s, lds, o, ldo, xr, ldx, w, steps, fetch);
+    } else {
+      rows<Kind, false, true>(mr, s, lds, o, ldo, xr, ldx, w, steps, fetch);
+    }
+  }
+}
 
-extern "C" {
-
-int tandem_avx512_built() { return 1; }
-
-// out[m, n] (row stride ldo) = sum_k x[m, k] (row stride ldx) w[n, k], w packed as above.
-// Returns 0, or 1 for shapes this kernel does not take (M outside 1..max_rows, N not a
-// multiple of 64, K < 1).
-int tandem_avx512_linear(float* out, const float* x, const float* w, int64_t M, int64_t N,
-                         int64_t K, int64_t ldx, int64_t ldo, int32_t max_rows,
-                         int32_t num_threads) {
-  if (M < 1 || M > max_rows || N <= 0 || N % kPanel != 0 || K < 1) return 1;
+template <class Kind>
+int linear(typename Kind::Elem* out, const typename Kind::Elem* x, const void* w, int64_t M,
+           int64_t N, int64_t K, int64_t ldx, int64_t ldo, int32_t max_rows,
+           int32_t num_threads) {
+  if (M < 1 || M > max_rows || M > kMaxRows || N <= 0 || N % kPanel != 0 || K < 1 ||
+      K % Kind::kPerStep != 0) {
+    return 1;
+  }
   const int64_t panels = N / kPanel;
-  const int64_t kp = (K + kKPad - 1) / kKPad * kKPad;
+  const int64_t steps = K / Kind::kPerStep;
+  const int64_t panel_bytes = (K + Kind::kPad - 1) / Kind::kPad * Kind::kPad / Kind::kPerStep *
+                              kStepBytes;
   const int64_t blocks = (M + kRows - 1) / kRows;
-  // One chunk is kc * 4 lines; the row blocks together prefetch the next one.
+  // One chunk is 4 lines a step; the row blocks together prefetch the next one.
   const int lines = static_cast<int>((4 + blocks - 1) / blocks);
   const int threads =
       static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, panels)));
+  const char* wb = static_cast<const char*>(w);
 #pragma omp parallel num_threads(threads)
   {
     const int team = omp_get_num_threads();
     const int id = omp_get_thread_num();
     const int64_t lo = panels * id / team;
     const int64_t hi = panels * (id + 1) / team;
+    alignas(64) float scratch[std::is_same_v<Kind, Float32> ? 1 : kMaxRows * kPanel];
     // The thread's panels are one contiguous stream of weight bytes.
-    const char* stream_end = reinterpret_cast<const char*>(w + hi * kp * kPanel);
-    Prefetch fetch{reinterpret_cast<const char*>(w + lo * kp * kPanel), stream_end, lines};
+    const char* stream_end = wb + hi * panel_bytes;
+    Prefetch fetch{wb + lo * panel_bytes, stream_end, lines};
     for (int64_t p = lo; p < hi; ++p) {
-      const float* panel = w + p * kp * kPanel;
-      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-        const int64_t kc = std::min(kChunk, K - k0);
-        const float* chunk = panel + k0 * kPanel;
-        const char* following = reinterpret_cast<const char*>(chunk + kc * kPanel);
+      typename Kind::Elem* op = out + p * kPanel;
+      float* sums = reinterpret_cast<float*>(op);
+      int64_t lds = ldo;
+      if constexpr (!std::is_same_v<Kind, Float32>) {
+        sums = scratch;
+        lds = kPanel;
+      }
+      for (int64_t s0 = 0; s0 < steps; s0 += kChunk) {
+        const int64_t n = std::min(kChunk, steps - s0);
+        const char* wc = wb + p * panel_bytes + s0 * kStepBytes;
+        const char* following = wc + n * kStepBytes;
         fetch.next = std::max(fetch.next, following);
-        fetch.end = std::min(stream_end, following + kChunk * kPanel * sizeof(float));
-        for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-          float* o = out + m0 * ldo + p * kPanel;
-          const float* xr = x + m0 * ldx + k0;
-          const int64_t mr = std::min(kRows, M - m0);
-          if (k0 == 0) {
-            rows<true>(mr, o, ldo, xr, ldx, chunk, kc, fetch);
-          } else {
-            rows<false>(mr, o, ldo, xr, ldx, chunk, kc, fetch);
-          }
-        }
+        fetch.end = std::min(stream_end, following + kChunk * kStepBytes);
+        chunk<Kind>(s0 == 0, s0 + n == steps, M, sums, lds, op, ldo,
+                    x + s0 * Kind::kPerStep, ldx, wc, n, fetch);
       }
     }
   }
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 where the compiler targeted AVX-512F (float32), 2 where AVX512-BF16 too, else 0.
+int tandem_avx512_built() {
+#if defined(__AVX512BF16__)
+  return 2;
+#else
+  return 1;
+#endif
+}
+
+// out[m, n] (row stride ldo) = sum_k x[m, k] (row stride ldx) w[n, k], w packed as above.
+// Returns 0, or 1 for shapes this kernel does not take (M outside 1..max_rows, N not a
+// multiple of 64, K < 1, odd K for bfloat16).
+int tandem_avx512_linear_f32(float* out, const float* x, const void* w, int64_t M, int64_t N,
+                             int64_t K, int64_t ldx, int64_t ldo, int32_t max_rows,
+                             int32_t num_threads) {
+  return linear<Float32>(out, x, w, M, N, K, ldx, ldo, max_rows, num_threads);
+}
+
+int tandem_avx512_linear_bf16(uint16_t* out, const uint16_t* x, const void* w, int64_t M,
+                              int64_t N, int64_t K, int64_t ldx, int64_t ldo,
+                              int32_t max_rows, int32_t num_threads) {
+#if defined(__AVX512BF16__)
+  return linear<BFloat16>(out, x, w, M, N, K, ldx, ldo, max_rows, num_threads);
+#else
+  return 1;
+#endif
 }
 
 }  // extern "C"
@@ -149,8 +247,12 @@ int tandem_avx512_linear(float* out, const float* x, const float* w, int64_t M, 
 
 extern "C" {
 int tandem_avx512_built() { return 0; }
-int tandem_avx512_linear(float*, const float*, const float*, int64_t, int64_t, int64_t,
-                         int64_t, int64_t, int32_t, int32_t) {
+int tandem_avx512_linear_f32(float*, const float*, const void*, int64_t, int64_t, int64_t,
+                             int64_t, int64_t, int32_t, int32_t) {
+  return 1;
+}
+int tandem_avx512_linear_bf16(uint16_t*, const uint16_t*, const void*, int64_t, int64_t,
+                              int64_t, int64_t, int64_t, int32_t, int32_t) {
   return 1;
 }
 }  // extern "C"
