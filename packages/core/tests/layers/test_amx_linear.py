@@ -97,7 +97,7 @@ def test_packed_layers_use_the_kernel_only_where_it_applies() -> None:
     assert pack_linear_weights(plain, CPU, torch.bfloat16) == 1
     assert pack_linear_weights(biased, CPU, torch.bfloat16) == 1
     for layer in (plain, biased):
-        assert layer.small_batch is not None and isinstance(layer.small_batch.kernel, AmxLinear)
+        assert layer.native is not None and isinstance(layer.native.kernel, AmxLinear)
 
     for rows in (1, 48, MAX_ROWS, MAX_ROWS + 1, 300):
         x = torch.randn(rows, 256).bfloat16()
@@ -121,4 +121,4 @@ def test_float32_layers_are_not_adopted_by_the_amx_kernel() -> None:
     layer = ColumnParallelLinear(64, 64, bias=False, group=SingleRankGroup())
     assert pack_linear_weights(layer, CPU, torch.float32) == 1
     assert layer.packed is not None
-    assert layer.small_batch is None or not isinstance(layer.small_batch.kernel, AmxLinear)
+    assert layer.native is None or not isinstance(layer.native.kernel, AmxLinear)

@@ -15,9 +15,9 @@ from tandem.collectives import SingleRankGroup
 from tandem.core.layers.avx512_linear import MAX_ROWS, Avx512Linear, avx512_linear
 from tandem.core.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tandem.core.layers.packed_linear import (
+    native_kernel,
     pack_linear_weights,
     packing_enabled,
-    small_batch_kernel,
 )
 
 CPU = torch.device("cpu")
@@ -31,7 +31,7 @@ def _kernel(dtype: torch.dtype) -> Avx512Linear:
         kernel = kernels.float32 if dtype is torch.float32 else kernels.bfloat16
     if kernel is None or not packing_enabled(dtype):
         pytest.skip(f"no AVX-512 kernel for {dtype} on this CPU (or no oneDNN packing)")
-    if small_batch_kernel(dtype) is not kernel:
+    if native_kernel(dtype) is not kernel:
         pytest.skip(f"{dtype} weights go to another kernel on this CPU (AMX)")
     return kernel
 
@@ -72,6 +72,20 @@ def test_products_match_float64(dtype: torch.dtype, shape: tuple[int, int], rows
     assert got.dtype is dtype and got.shape == (rows, out_features)
     exact = _reference(x, weight)
     assert (got.double() - exact).abs().max().item() <= _tolerance(dtype, exact, in_features)
+
+
+# Prefill sizes: row groups of 512, the last one partial.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [512, 515, 1100])
+def test_prefill_size_batches_pass_in_row_groups(dtype: torch.dtype, rows: int) -> None:
+    kernel = _kernel(dtype)
+    weight, packed = _packed(192, 1024, dtype, seed=rows)
+    adopted = kernel.adopt(packed, 192, 1024)
+    assert adopted is not None
+    x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(2)).to(dtype)
+    exact = _reference(x, weight)
+    got = adopted.matmul(x)
+    assert (got.double() - exact).abs().max().item() <= _tolerance(dtype, exact, 1024)
 
 
 def test_float32_reads_weights_whose_k_onednn_padded() -> None:
@@ -139,7 +153,7 @@ def test_packed_layers_use_the_kernel_only_where_it_applies(dtype: torch.dtype) 
     assert pack_linear_weights(plain, CPU, dtype) == 1
     assert pack_linear_weights(biased, CPU, dtype) == 1
     for layer in (plain, biased):
-        assert layer.small_batch is not None and layer.small_batch.kernel is kernel
+        assert layer.native is not None and layer.native.kernel is kernel
 
     for rows in (1, 48, MAX_ROWS, MAX_ROWS + 1, 300):
         x = torch.randn(rows, 256).to(dtype)

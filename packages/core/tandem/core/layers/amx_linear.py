@@ -6,7 +6,7 @@ read per thread, prefetched a block ahead; 1.7 ms less per decode step of the be
 It reads the weight where oneDNN packed it, so the model keeps one copy: prefill-size
 batches (more than ``MAX_ROWS`` rows) stay with oneDNN. oneDNN does not document its packed
 layout; each weight is adopted only after the kernel's product with it matched oneDNN's on a
-probe batch (``small_batch_linear.PackedWeightKernel.adopt``).
+probe batch (``native_linear.PackedWeightKernel.adopt``).
 
 Only where the CPU has AMX-BF16 and Linux grants the tile state; ``TANDEM_GEMM=onednn``
 keeps oneDNN at every batch size (said once in the log).
@@ -27,7 +27,7 @@ from tandem.core.layers.native_build import (
     ProcessOnce,
     build_library,
 )
-from tandem.core.layers.small_batch_linear import AdoptedWeight, PackedWeightKernel, onednn_only
+from tandem.core.layers.native_linear import AdoptedWeight, PackedWeightKernel, onednn_only
 from tandem.device.cpu import cpu_flags
 
 logger = logging.getLogger(__name__)

@@ -1,19 +1,21 @@
-"""float32 and bfloat16 linear layers at decode batch sizes on AVX-512 FMAs and AVX512-BF16
-dot products (``csrc/avx512_linear.cpp``), for CPUs without AMX.
+"""float32 and bfloat16 linear layers on AVX-512 FMAs and AVX512-BF16 dot products
+(``csrc/avx512_linear.cpp``), for CPUs without AMX, at every batch size the engine runs.
 
-At M = 48 on a 2-core AVX-512 host (AMD Zen 5), oneDNN's float32 kernels reach ~300-350
-GFLOP/s on the packed weights, where the FMA units give ~460: each weight panel comes from
-memory in one burst and is then computed from cache while nothing streams. This kernel
-prefetches the next K chunk of a panel while it computes the current one for every row
-block, so the weight stream and the FMAs overlap (see the source for the figures). It reads
-the weight where oneDNN packed it, so the model keeps one copy; batches of more than
-``MAX_ROWS`` rows stay with oneDNN, which is as fast or faster there. Each weight is adopted
-only after the kernel's product with it matched oneDNN's on a probe batch
-(``small_batch_linear.PackedWeightKernel.adopt``).
+On a 2-core AVX-512 host (AMD Zen 5) oneDNN's kernels leave the FMA units idle part of the
+time: at decode sizes each weight panel comes from memory in one burst and is then computed
+from cache while nothing streams, and at prefill sizes its blocking re-reads more than it
+needs. This kernel prefetches the next K chunk of a panel while it computes the current one
+for a group of up to 512 rows, so the weight stream and the FMAs overlap. Measured on the
+33 weights of the bench model (2 threads, interleaved, medians; see the source):
+float32 28.9 against 36.8 ms at M = 48 and 1200 against 1371 ms at M = 2048; bfloat16 14.3
+against 18.9 ms at M = 48 and 575 against 691 ms at M = 2048. It reads the weight where
+oneDNN packed it, so the model keeps one copy. Each weight is adopted only after the
+kernel's product with it matched oneDNN's on a probe batch
+(``native_linear.PackedWeightKernel.adopt``).
 
 float32 only where the CPU has AVX-512F, bfloat16 where it has AVX512-BF16 too (on AMX CPUs
-the AMX kernel takes bfloat16); ``TANDEM_GEMM=onednn`` keeps oneDNN at every batch size
-(said once in the log).
+the AMX kernel takes bfloat16 decode batches); ``TANDEM_GEMM=onednn`` keeps oneDNN at every
+batch size (said once in the log).
 """
 
 from __future__ import annotations
@@ -32,16 +34,16 @@ from tandem.core.layers.native_build import (
     ProcessOnce,
     build_library,
 )
-from tandem.core.layers.small_batch_linear import AdoptedWeight, PackedWeightKernel, onednn_only
+from tandem.core.layers.native_linear import AdoptedWeight, PackedWeightKernel, onednn_only
 from tandem.device.cpu import cpu_flags
 
 logger = logging.getLogger(__name__)
 
 SOURCE = CSRC / "avx512_linear.cpp"
-# Batches up to this many rows go to the kernel (decode and small mixed steps). Measured on
-# the bench weights in float32: ahead of oneDNN from M = 8 (~25%) to M = 128 (~4%), behind
-# at M = 304.
-MAX_ROWS = 128
+# Batches up to this many rows go to the kernel: every step of the default token budget
+# (2048) and more; measured ahead of oneDNN from M = 8 to M = 4096 (float32 2443 against
+# 2727 ms), level around M = 300. Larger batches go to oneDNN.
+MAX_ROWS = 8192
 # The columns of one packed panel (the kernel reads only whole panels), and the multiple
 # oneDNN pads a float32 panel's K rows to.
 PANEL = 64

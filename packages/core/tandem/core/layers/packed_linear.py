@@ -14,9 +14,9 @@ Packing is a choice of weight layout made once per model after loading
 layer drops its plain weight (no second copy of the model) unless another module shares it
 (an LM head tied to the embedding keeps the embedding's). The packed weights are then moved
 onto 2 MiB pages where Linux can (``collapse_to_huge_pages``): a decode step streams them all.
-Decode-size batches read the same packed weights through our own kernels where the CPU has
-them (``small_batch_linear``): bfloat16 through ``amx_linear`` on AMX CPUs, float32 (and
-bfloat16 without AMX) through ``avx512_linear`` on AVX-512 CPUs.
+Where the CPU has them, our own kernels read the same packed weights (``native_linear``):
+``amx_linear`` takes bfloat16 decode batches on AMX CPUs, ``avx512_linear`` float32 (and
+bfloat16 without AMX) batches of every size on AVX-512 CPUs.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import nn
 
 from tandem.core.layers.amx_linear import amx_linear
 from tandem.core.layers.avx512_linear import avx512_linear
-from tandem.core.layers.small_batch_linear import AdoptedWeight, PackedWeightKernel
+from tandem.core.layers.native_linear import AdoptedWeight, PackedWeightKernel
 from tandem.device.cpu import collapse_to_huge_pages
 
 logger = logging.getLogger(__name__)
@@ -49,17 +49,17 @@ class PackableLinear(nn.Module):
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
-    # The packed weight as a decode-size kernel reads it, where one adopted it, else None.
-    small_batch: AdoptedWeight | None = None
+    # The packed weight as our own kernel reads it, where one adopted it, else None.
+    native: AdoptedWeight | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         packed = self.packed
         if packed is None:
             return F.linear(x, self.weight, bias)
         rows = x.shape[0]
-        small = self.small_batch
-        if small is not None and bias is None and x.dim() == 2 and rows <= small.max_rows:
-            return small.matmul(x if x.stride(1) == 1 else x.contiguous())
+        native = self.native
+        if native is not None and bias is None and x.dim() == 2 and rows <= native.max_rows:
+            return native.matmul(x if x.stride(1) == 1 else x.contiguous())
         padded = padded_rows(rows)
         if x.dim() == 2 and padded != rows:
             x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
@@ -99,7 +99,7 @@ def pack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dty
     for _, param in model.named_parameters(remove_duplicate=False):
         owners[id(param)] = owners.get(id(param), 0) + 1
     count = adopted = 0
-    kernel = small_batch_kernel(dtype)
+    kernel = native_kernel(dtype)
     for module in model.modules():
         if not isinstance(module, PackableLinear) or module.packed is not None:
             continue
@@ -112,8 +112,8 @@ def pack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dty
             weight.data = torch.empty((0, weight.shape[1]), dtype=dtype, device=device)
         count += 1
         if kernel is not None:
-            module.small_batch = kernel.adopt(module.packed, out_features, in_features)
-            adopted += module.small_batch is not None
+            module.native = kernel.adopt(module.packed, out_features, in_features)
+            adopted += module.native is not None
     moved = collapse_to_huge_pages(
         _memory_range(m.packed)
         for m in model.modules()
@@ -126,12 +126,17 @@ def pack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dty
         moved / 2**20,
     )
     if kernel is not None:
-        logger.info("%d of them read by the %s kernel at decode batch sizes", adopted, kernel.name)
+        logger.info(
+            "%d of them read by the %s kernel at batches of up to %d rows",
+            adopted,
+            kernel.name,
+            kernel.max_rows,
+        )
     return count
 
 
-def small_batch_kernel(dtype: torch.dtype) -> PackedWeightKernel | None:
-    """Our decode-size kernel for weights of ``dtype`` on this CPU, or None (oneDNN only)."""
+def native_kernel(dtype: torch.dtype) -> PackedWeightKernel | None:
+    """Our kernel for packed weights of ``dtype`` on this CPU, or None (oneDNN only)."""
     amx = amx_linear() if dtype is torch.bfloat16 else None
     if amx is not None:
         return amx

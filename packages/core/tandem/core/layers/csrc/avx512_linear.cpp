@@ -1,13 +1,16 @@
 // out[M, N] = x[M, K] . W[N, K]^T with AVX-512 FMAs (float32) or AVX512-BF16 dot products
-// (bfloat16), for decode-size M, reading the weight where oneDNN packed it.
+// (bfloat16), reading the weight where oneDNN packed it.
 //
-// Why: at decode batch sizes oneDNN's kernels on a 2-core AVX-512 host (AMD Zen 5) leave
-// the FMA units a third idle: they pull each weight panel from memory in one burst, in the
+// Why: on a 2-core AVX-512 host (AMD Zen 5) oneDNN's kernels leave the FMA units idle part
+// of the time. At decode sizes they pull each weight panel from memory in one burst, in the
 // first pass over it, and then compute from cache while nothing streams. This kernel cuts
-// each 64-column panel into K chunks and, while it computes one chunk for every row block,
-// prefetches the next chunk, spread over those passes: the weight stream and the FMAs
-// overlap. Measured on all 33 float32 weights of the bench model at M = 48: ~27-29 ms per
-// decode step against oneDNN's ~31-35 (FMA peak ~460 GFLOP/s, memory ~37 GB/s).
+// each 64-column panel into K chunks and, while it computes one chunk for every row block of
+// a group of rows, prefetches the next chunk, spread over those passes: the weight stream
+// and the FMAs overlap. Groups of at most 512 rows keep a group's x chunk in L2 at prefill
+// sizes. Measured on all 33 weights of the bench model (2 threads, medians of interleaved
+// runs): float32 28.9 against oneDNN's 36.8 ms at M = 48 (FMA peak ~460 GFLOP/s, memory
+// ~37 GB/s), 1200 against 1371 ms at M = 2048; bfloat16 14.3 against 18.9 ms at M = 48,
+// 575 against 691 ms at M = 2048.
 //
 // The packed layouts (what torch.ops.mkldnn._reorder_linear_weight gives on AVX-512 CPUs
 // without AMX when N is a multiple of 64), per 64-column panel, one 256-byte step after the
@@ -30,6 +33,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include <omp.h>
 
@@ -42,7 +46,7 @@ constexpr int64_t kStepBytes = 256;  // bytes of one panel step: four zmm vector
 constexpr int64_t kRows = 6;         // rows of one register block: 6 x 4 accumulators
 constexpr int64_t kChunk = 384;      // panel steps computed for every row block at once
 constexpr int64_t kLine = 64;        // bytes of a cache line
-constexpr int64_t kMaxRows = 128;    // the most rows the bfloat16 partial sums hold
+constexpr int64_t kGroupRows = 512;  // rows of x passed through all panels at once
 
 // The thread's next weight bytes to prefetch, up to `end`, `lines` cache lines per step.
 struct Prefetch {
@@ -163,7 +167,7 @@ template <class Kind>
 int linear(typename Kind::Elem* out, const typename Kind::Elem* x, const void* w, int64_t M,
            int64_t N, int64_t K, int64_t ldx, int64_t ldo, int32_t max_rows,
            int32_t num_threads) {
-  if (M < 1 || M > max_rows || M > kMaxRows || N <= 0 || N % kPanel != 0 || K < 1 ||
+  if (M < 1 || M > max_rows || N <= 0 || N % kPanel != 0 || K < 1 ||
       K % Kind::kPerStep != 0) {
     return 1;
   }
@@ -171,7 +175,10 @@ int linear(typename Kind::Elem* out, const typename Kind::Elem* x, const void* w
   const int64_t steps = K / Kind::kPerStep;
   const int64_t panel_bytes = (K + Kind::kPad - 1) / Kind::kPad * Kind::kPad / Kind::kPerStep *
                               kStepBytes;
-  const int64_t blocks = (M + kRows - 1) / kRows;
+  // Row groups of at most kGroupRows: a group's x chunk stays in L2 while every panel of
+  // the thread passes it; each group streams the weights once more.
+  const int64_t group_rows = std::min(M, kGroupRows);
+  const int64_t blocks = (group_rows + kRows - 1) / kRows;
   // One chunk is 4 lines a step; the row blocks together prefetch the next one.
   const int lines = static_cast<int>((4 + blocks - 1) / blocks);
   const int threads =
@@ -183,26 +190,31 @@ int linear(typename Kind::Elem* out, const typename Kind::Elem* x, const void* w
     const int id = omp_get_thread_num();
     const int64_t lo = panels * id / team;
     const int64_t hi = panels * (id + 1) / team;
-    alignas(64) float scratch[std::is_same_v<Kind, Float32> ? 1 : kMaxRows * kPanel];
+    thread_local std::vector<float> scratch;
+    if constexpr (!std::is_same_v<Kind, Float32>) scratch.resize(group_rows * kPanel);
     // The thread's panels are one contiguous stream of weight bytes.
     const char* stream_end = wb + hi * panel_bytes;
-    Prefetch fetch{wb + lo * panel_bytes, stream_end, lines};
-    for (int64_t p = lo; p < hi; ++p) {
-      typename Kind::Elem* op = out + p * kPanel;
-      float* sums = reinterpret_cast<float*>(op);
-      int64_t lds = ldo;
-      if constexpr (!std::is_same_v<Kind, Float32>) {
-        sums = scratch;
-        lds = kPanel;
-      }
-      for (int64_t s0 = 0; s0 < steps; s0 += kChunk) {
-        const int64_t n = std::min(kChunk, steps - s0);
-        const char* wc = wb + p * panel_bytes + s0 * kStepBytes;
-        const char* following = wc + n * kStepBytes;
-        fetch.next = std::max(fetch.next, following);
-        fetch.end = std::min(stream_end, following + kChunk * kStepBytes);
-        chunk<Kind>(s0 == 0, s0 + n == steps, M, sums, lds, op, ldo,
-                    x + s0 * Kind::kPerStep, ldx, wc, n, fetch);
+    for (int64_t g0 = 0; g0 < M; g0 += group_rows) {
+      const int64_t gm = std::min(group_rows, M - g0);
+      const typename Kind::Elem* xg = x + g0 * ldx;
+      Prefetch fetch{wb + lo * panel_bytes, stream_end, lines};
+      for (int64_t p = lo; p < hi; ++p) {
+        typename Kind::Elem* op = out + g0 * ldo + p * kPanel;
+        float* sums = reinterpret_cast<float*>(op);
+        int64_t lds = ldo;
+        if constexpr (!std::is_same_v<Kind, Float32>) {
+          sums = scratch.data();
+          lds = kPanel;
+        }
+        for (int64_t s0 = 0; s0 < steps; s0 += kChunk) {
+          const int64_t n = std::min(kChunk, steps - s0);
+          const char* wc = wb + p * panel_bytes + s0 * kStepBytes;
+          const char* following = wc + n * kStepBytes;
+          fetch.next = std::max(fetch.next, following);
+          fetch.end = std::min(stream_end, following + kChunk * kStepBytes);
+          chunk<Kind>(s0 == 0, s0 + n == steps, gm, sums, lds, op, ldo,
+                      xg + s0 * Kind::kPerStep, ldx, wc, n, fetch);
+        }
       }
     }
   }

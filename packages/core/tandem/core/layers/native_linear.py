@@ -1,12 +1,13 @@
-"""Decode-size linear kernels that read the weights where oneDNN packed them: what they share.
+"""Our own linear kernels that read the weights where oneDNN packed them: what they share.
 
-At decode batch sizes a step streams every weight once, and oneDNN's kernels, tuned for
-prefill-size batches, leave part of the memory bandwidth (or of the FMA units) unused
-there. Our own kernels (``amx_linear`` for bfloat16 on AMX CPUs, ``avx512_linear`` for
-float32 on AVX-512 CPUs) read the weight where oneDNN packed it, so the model keeps one
-copy; batches of more than a kernel's ``max_rows`` rows stay with oneDNN. oneDNN does not
-document its packed layouts, so a kernel adopts a weight only after its product on a probe
-batch matched oneDNN's (``PackedWeightKernel.adopt``).
+oneDNN's kernels leave part of the memory bandwidth or of the FMA units unused on small
+hosts: at decode batch sizes a step streams every weight once, and a kernel that computes
+while the stream runs does better. Our kernels (``amx_linear`` for bfloat16 decode batches
+on AMX CPUs, ``avx512_linear`` for float32, and bfloat16 without AMX, on AVX-512 CPUs) read
+the weight where oneDNN packed it, so the model keeps one copy; batches of more than a
+kernel's ``max_rows`` rows stay with oneDNN. oneDNN does not document its packed layouts,
+so a kernel adopts a weight only after its product on a probe batch matched oneDNN's
+(``PackedWeightKernel.adopt``).
 """
 
 from __future__ import annotations
