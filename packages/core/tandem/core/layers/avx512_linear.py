@@ -2,15 +2,16 @@
 (``csrc/avx512_linear.cpp``), for CPUs without AMX, at every batch size the engine runs.
 
 On a 2-core AVX-512 host (AMD Zen 5) oneDNN's kernels leave the FMA units idle part of the
-time: at decode sizes each weight panel comes from memory in one burst and is then computed
-from cache while nothing streams, and at prefill sizes its blocking re-reads more than it
-needs. This kernel prefetches the next K chunk of a panel while it computes the current one
-for a group of up to 512 rows, so the weight stream and the FMAs overlap. Measured on the
-33 weights of the bench model (2 threads, interleaved, medians; see the source):
-float32 28.9 against 36.8 ms at M = 48 and 1200 against 1371 ms at M = 2048; bfloat16 14.3
-against 18.9 ms at M = 48 and 575 against 691 ms at M = 2048. It reads the weight where
-oneDNN packed it, so the model keeps one copy. Each weight is adopted only after the
-kernel's product with it matched oneDNN's on a probe batch
+time at decode sizes: each weight panel comes from memory in one burst and is then computed
+from cache while nothing streams. This kernel prefetches the next K chunk of a panel while
+it computes the current one for a group of up to 512 rows, so the weight stream and the FMAs
+overlap. Measured on the 33 weights of the bench model at M = 48 (2 threads, interleaved,
+medians; see the source): float32 28.9 against 36.8 ms, bfloat16 14.3 against 18.9. At
+prefill sizes it is level with oneDNN shape by shape (float32 at M = 2048: 21.1 against
+20.2 ms for qkv_proj, 72.8 against 71.0 for gate_up_proj), so one kernel serves every step
+of a server, mixed decode and prefill steps included. It reads the weight where oneDNN
+packed it, so the model keeps one copy. Each weight is adopted only after the kernel's
+product with it matched oneDNN's on a probe batch
 (``native_linear.PackedWeightKernel.adopt``).
 
 float32 only where the CPU has AVX-512F, bfloat16 where it has AVX512-BF16 too (on AMX CPUs
@@ -41,8 +42,9 @@ logger = logging.getLogger(__name__)
 
 SOURCE = CSRC / "avx512_linear.cpp"
 # Batches up to this many rows go to the kernel: every step of the default token budget
-# (2048) and more; measured ahead of oneDNN from M = 8 to M = 4096 (float32 2443 against
-# 2727 ms), level around M = 300. Larger batches go to oneDNN.
+# (2048) and more. Measured on the 33 bench weights in sequence, float32: ahead of oneDNN
+# from M = 8 to M = 128, level around M = 300, ahead again at M = 512 to 4096 (2443 against
+# 2727 ms at 4096). Larger batches go to oneDNN.
 MAX_ROWS = 8192
 # The columns of one packed panel (the kernel reads only whole panels), and the multiple
 # oneDNN pads a float32 panel's K rows to.
@@ -115,7 +117,7 @@ def load_avx512_linear(build_dir: Path | None = None) -> Avx512Kernels | None:
     try:
         lib = ctypes.CDLL(str(build_library(SOURCE, "tandem_avx512_linear", BASE_FLAGS, build_dir)))
     except (KernelBuildError, OSError) as exc:
-        logger.warning("no AVX-512 linear kernel (%s); decode batches use oneDNN", exc)
+        logger.warning("no AVX-512 linear kernel (%s); linear layers use oneDNN", exc)
         return None
     built = int(lib.tandem_avx512_built())
     if built == 0:

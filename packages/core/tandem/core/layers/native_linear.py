@@ -80,15 +80,17 @@ class PackedWeightKernel(ABC):
         self, packed: torch.Tensor, out_features: int, in_features: int
     ) -> AdoptedWeight | None:
         """``packed`` (oneDNN's layout of an [out, in] weight) as a weight this kernel reads,
-        or None where it cannot: a shape it does not walk, a buffer of another size, or a
-        probe product that disagrees with oneDNN's. A kernel reading another layout than
-        oneDNN wrote pairs the wrong weights and misses by the outputs' own size, far beyond
-        any rounding."""
+        or None where it cannot: a shape it does not walk, a buffer of another size or not
+        on a cache line, or a probe product that disagrees with oneDNN's. A kernel reading
+        another layout than oneDNN wrote pairs the wrong weights and misses by the outputs'
+        own size, far beyond any rounding."""
         if not self.readable(out_features, in_features):
             return None
         if int(torch.ops.mkldnn._nbytes(packed)) != self.packed_bytes(out_features, in_features):
             return None
         address = int(torch.ops.mkldnn.data_ptr(packed))
+        if address % 64:
+            return None  # kernels load whole cache lines of weights (aligned AVX-512 loads)
         weight = AdoptedWeight(self, packed, out_features, in_features, address)
         probe = torch.randn(
             self.probe_rows, in_features, generator=torch.Generator().manual_seed(0)

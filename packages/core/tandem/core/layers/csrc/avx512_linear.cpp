@@ -2,15 +2,16 @@
 // (bfloat16), reading the weight where oneDNN packed it.
 //
 // Why: on a 2-core AVX-512 host (AMD Zen 5) oneDNN's kernels leave the FMA units idle part
-// of the time. At decode sizes they pull each weight panel from memory in one burst, in the
+// of the time at decode sizes: they pull each weight panel from memory in one burst, in the
 // first pass over it, and then compute from cache while nothing streams. This kernel cuts
 // each 64-column panel into K chunks and, while it computes one chunk for every row block of
 // a group of rows, prefetches the next chunk, spread over those passes: the weight stream
-// and the FMAs overlap. Groups of at most 512 rows keep a group's x chunk in L2 at prefill
-// sizes. Measured on all 33 weights of the bench model (2 threads, medians of interleaved
-// runs): float32 28.9 against oneDNN's 36.8 ms at M = 48 (FMA peak ~460 GFLOP/s, memory
-// ~37 GB/s), 1200 against 1371 ms at M = 2048; bfloat16 14.3 against 18.9 ms at M = 48,
-// 575 against 691 ms at M = 2048.
+// and the FMAs overlap. Groups of at most 512 rows bound the x chunk a group re-reads per
+// panel at prefill sizes (without them M = 4096 fell 10% behind oneDNN; with them it is
+// ahead). Measured on all 33 weights of the bench model at M = 48 (2 threads, medians of
+// interleaved runs): float32 28.9 against oneDNN's 36.8 ms (FMA peak ~460 GFLOP/s, memory
+// ~37 GB/s), bfloat16 14.3 against 18.9 ms. At M = 2048 it is level with oneDNN shape by
+// shape.
 //
 // The packed layouts (what torch.ops.mkldnn._reorder_linear_weight gives on AVX-512 CPUs
 // without AMX when N is a multiple of 64), per 64-column panel, one 256-byte step after the
@@ -19,7 +20,7 @@
 //   bfloat16: [N / 64][K / 2][64][2], the VNNI pairs VDPBF16PS multiplies (K a multiple
 //             of 32 here: no padding).
 // oneDNN does not promise these layouts, so the Python side checks each weight against
-// oneDNN's own product before it hands it here.
+// oneDNN's own product (and its 64-byte alignment: aligned loads) before it hands it here.
 //
 // Rounding: each output is one float32 chain of FMAs (or pair dot products) over K in
 // order; oneDNN sums in another order. bfloat16 outputs are rounded to nearest-even once,
@@ -175,8 +176,8 @@ int linear(typename Kind::Elem* out, const typename Kind::Elem* x, const void* w
   const int64_t steps = K / Kind::kPerStep;
   const int64_t panel_bytes = (K + Kind::kPad - 1) / Kind::kPad * Kind::kPad / Kind::kPerStep *
                               kStepBytes;
-  // Row groups of at most kGroupRows: a group's x chunk stays in L2 while every panel of
-  // the thread passes it; each group streams the weights once more.
+  // Row groups of at most kGroupRows: every panel of the thread passes a group's x before
+  // the next group starts (each group streams the weights once more).
   const int64_t group_rows = std::min(M, kGroupRows);
   const int64_t blocks = (group_rows + kRows - 1) / kRows;
   // One chunk is 4 lines a step; the row blocks together prefetch the next one.
