@@ -76,6 +76,33 @@ def test_a_chunked_body_over_the_limit_is_a_413(guarded: Server) -> None:
         conn.close()
 
 
+def test_a_declared_body_over_the_limit_is_a_413_the_client_reads(guarded: Server) -> None:
+    conn = _connection(guarded)
+    body = b'{"model": "tandem-demo", "prompt": "' + b"x" * (9 << 20) + b'"}'
+    try:
+        status, answer = _post(conn, body)
+    except (BrokenPipeError, ConnectionResetError):
+        pytest.fail("the server dropped the connection instead of answering 413")
+    finally:
+        conn.close()
+    assert status == 413, answer
+
+
+def test_a_client_waiting_for_100_continue_gets_the_413_at_once(guarded: Server) -> None:
+    parts = urlsplit(guarded.base_url)
+    assert parts.hostname is not None and parts.port is not None
+    with socket.create_connection((parts.hostname, parts.port), timeout=15) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 9437184\r\nexpect: 100-continue\r\n\r\n"
+        )
+        started = time.monotonic()
+        answer = sock.recv(65536).decode()
+    # Not "100 Continue": nothing of the body was asked for, and no wait for it either.
+    assert answer.startswith("HTTP/1.1 413"), answer
+    assert time.monotonic() - started < 2
+
+
 def test_a_body_shorter_than_its_content_length_gets_408_in_time(guarded: Server) -> None:
     parts = urlsplit(guarded.base_url)
     assert parts.hostname is not None and parts.port is not None
@@ -104,23 +131,29 @@ def _aborted(server: Server) -> float:
     return 0.0
 
 
-def test_a_plain_request_whose_client_left_is_aborted(guarded: Server) -> None:
-    before = _aborted(guarded)
+# The engine sleeps in this step, so a long request is still in flight half a second after
+# it was sent however fast the model decodes (450 tokens of the tiny model can take less).
+HOLD_IN_FLIGHT = {"TANDEM_FAULTS": "forward_delay:step=8,seconds=3"}
+
+
+def test_a_plain_request_whose_client_left_is_aborted(start_server: ServerFactory) -> None:
+    server = start_server(env=HOLD_IN_FLIGHT)
+    before = _aborted(server)
     body = json.dumps({**GOOD, "max_tokens": 450, "ignore_eos": True}).encode()
-    conn = _connection(guarded)
+    conn = _connection(server)
     conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
     time.sleep(0.5)
     assert conn.sock is not None
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    guarded.wait_idle(timeout=30)
-    assert _aborted(guarded) == before + 1
+    server.wait_idle(timeout=30)
+    assert _aborted(server) == before + 1
 
 
 def test_shutdown_answers_every_request_in_flight_before_draining(
     start_server: ServerFactory,
 ) -> None:
-    server = start_server()
+    server = start_server(env=HOLD_IN_FLIGHT)
     long = {**GOOD, "max_tokens": 450, "ignore_eos": True}
     answered: list[tuple[int, dict[str, Any]]] = []
     events: list[str] = []

@@ -45,7 +45,8 @@ from tandem.server.tokenize import detokenize, tokenize
 
 class BodyLimitMiddleware:
     """Read each request body whole before the app sees it: over ``limit`` bytes, declared
-    or streamed (chunked), it is refused with 413; one that does not arrive within
+    or streamed (chunked), it is refused with 413, after the rest of it was read and dropped
+    (within bounds) so that the client reads the answer; one that does not arrive within
     ``timeout_s`` (a body shorter than its Content-Length, a stalled client) gets 408 instead
     of holding the connection for ever. The app then reads the buffered body, and what comes
     after it (a disconnect) from the connection as usual."""
@@ -59,11 +60,15 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope.get("headers", [])).get(b"content-length")
+        headers = dict(scope.get("headers", []))
+        declared = headers.get(b"content-length")
+        loop = asyncio.get_running_loop()
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            # A client waiting for "100 Continue" has sent nothing yet: reading would ask it to.
+            if headers.get(b"expect", b"").lower() != b"100-continue":
+                await _discard_rest(receive, loop.time() + _DISCARD_S)
             await self._too_large(scope, receive, send)
             return
-        loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         chunks: list[bytes] = []
         size = 0
@@ -79,6 +84,8 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.limit:
+                if message.get("more_body", False):
+                    await _discard_rest(receive, min(deadline, loop.time() + _DISCARD_S))
                 await self._too_large(scope, receive, send)
                 return
             chunks.append(chunk)
@@ -99,6 +106,28 @@ class BodyLimitMiddleware:
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"The request body is larger than the limit of {self.limit} bytes."
         await _closing(error_response(413, message))(scope, receive, send)
+
+
+# How long, and how many bytes, an oversized streamed body is read on and thrown away before
+# the 413: a client that is still sending when the server closes gets a connection reset
+# (the unread bytes make Linux answer with RST) instead of the answer.
+_DISCARD_S = 5.0
+_DISCARD_BYTES = 256 << 20
+
+
+async def _discard_rest(receive: Receive, until: float) -> None:
+    """Read the rest of a request body and drop it, until it ends, the client leaves,
+    ``until`` (loop time) passes or ``_DISCARD_BYTES`` were read."""
+    loop = asyncio.get_running_loop()
+    dropped = 0
+    while dropped < _DISCARD_BYTES:
+        try:
+            message = await asyncio.wait_for(receive(), max(until - loop.time(), 0))
+        except asyncio.TimeoutError:
+            return
+        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            return
+        dropped += len(message.get("body", b""))
 
 
 def _closing(response: Response) -> Response:

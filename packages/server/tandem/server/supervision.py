@@ -1,10 +1,12 @@
 """The HTTP server's side of staying answerable: on shutdown every request in flight is
 answered (aborted with an OpenAI-shaped error) before the connections drain, and once the
-engine has failed the server drains and exits non-zero, so a supervisor restarts it."""
+engine has failed the server answers with its error for a moment, then drains and exits
+non-zero, so a supervisor restarts it."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from socket import socket
 
@@ -14,6 +16,11 @@ logger = logging.getLogger(__name__)
 
 # The exit status of a server whose engine failed.
 EXIT_ENGINE_FAILED = 3
+# How long a server whose engine failed keeps answering (every request fails with the
+# engine's error) before it drains and exits. Requests already on their way, connected but
+# not read yet, get that answer; stopping at once closed them unanswered (a connection reset
+# to the client), which a loaded 2-core host showed with 8 requests sent together.
+ANSWER_AFTER_FAILURE_S = 1.0
 
 
 class SupervisedServer(uvicorn.Server):
@@ -23,6 +30,8 @@ class SupervisedServer(uvicorn.Server):
         abort_all: Callable[[str], None],
         engine_failure: Callable[[], str | None],
         exit_on_engine_failure: bool,
+        answer_after_failure_s: float = ANSWER_AFTER_FAILURE_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``abort_all(reason)``: answer every request in flight (called first thing on
         shutdown); ``engine_failure()``: why the engine failed, None while it serves."""
@@ -30,6 +39,9 @@ class SupervisedServer(uvicorn.Server):
         self._abort_all = abort_all
         self._engine_failure = engine_failure
         self._exit_on_engine_failure = exit_on_engine_failure
+        self._answer_after_failure_s = answer_after_failure_s
+        self._clock = clock
+        self._failed_at = 0.0
         self.failure: str | None = None
 
     async def on_tick(self, counter: int) -> bool:
@@ -37,15 +49,26 @@ class SupervisedServer(uvicorn.Server):
         if self.failure is None:
             self.failure = self._engine_failure()
             if self.failure is not None:
+                self._failed_at = self._clock()
                 if self._exit_on_engine_failure:
-                    logger.error("the engine failed (%s); draining and exiting", self.failure)
-                    self.should_exit = True
+                    logger.error(
+                        "the engine failed (%s); answering with its error for %.1f s, "
+                        "then draining and exiting",
+                        self.failure,
+                        self._answer_after_failure_s,
+                    )
                 else:
                     logger.error(
                         "the engine failed (%s); serving 503 until stopped "
                         "(--no-exit-on-engine-failure)",
                         self.failure,
                     )
+        if (
+            self.failure is not None
+            and self._exit_on_engine_failure
+            and self._clock() - self._failed_at >= self._answer_after_failure_s
+        ):
+            self.should_exit = True
         should_exit: bool = await super().on_tick(counter)
         return should_exit
 
