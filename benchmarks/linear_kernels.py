@@ -1,0 +1,115 @@
+"""Our linear kernels (``layers/native_linear``) against oneDNN on the same packed weights:
+the bench model's weight shapes, one shape at a time and all 33 weights of a forward pass
+in sequence (8 layers x qkv/o/gate_up/down, then the LM head), at the batch sizes given.
+The two sides run interleaved (A B A B), each figure the median of --rounds; oneDNN's
+side is what ``TANDEM_GEMM=onednn`` serves.
+
+    python benchmarks/linear_kernels.py [--dtype float32] [--rows 48 2048] [--rounds 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from tandem.core.layers.native_linear import AdoptedWeight
+from tandem.core.layers.packed_linear import native_kernel
+
+# [out_features, in_features] of the bench model (`tandem make-demo-model --preset bench`).
+SHAPES = {
+    "qkv_proj": (2048, 1024),
+    "o_proj": (1024, 1024),
+    "gate_up_proj": (5632, 1024),
+    "down_proj": (1024, 2816),
+    "lm_head": (16384, 1024),
+}
+FORWARD = [*(["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] * 8), "lm_head"]
+
+
+def _onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return out
+
+
+def _run_onednn(
+    names: list[str], x: dict[str, torch.Tensor], packed: dict[str, torch.Tensor]
+) -> None:
+    for name in names:
+        _onednn(x[name], packed[name])
+
+
+def _run_ours(
+    names: list[str], x: dict[str, torch.Tensor], adopted: dict[str, AdoptedWeight]
+) -> None:
+    for name in names:
+        adopted[name].matmul(x[name])
+
+
+def _interleaved_ms(
+    sides: dict[str, Callable[[], object]], rounds: int, repeats: int
+) -> dict[str, float]:
+    """Median ms of one call of each side, the sides alternating round by round."""
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(rounds):
+        for name, run in sides.items():
+            run()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                run()
+            times[name].append(1000 * (time.perf_counter() - start) / repeats)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--rows", type=int, nargs="+", default=[48, 2048])
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    kernel = native_kernel(dtype)
+    if kernel is None:
+        print(f"no native {args.dtype} linear kernel on this CPU: nothing to compare")
+        return 1
+    gen = torch.Generator().manual_seed(0)
+    packed: dict[str, torch.Tensor] = {}
+    adopted: dict[str, AdoptedWeight] = {}
+    for name, (out_features, in_features) in SHAPES.items():
+        weight = (torch.randn(out_features, in_features, generator=gen) * 0.02).to(dtype)
+        packed[name] = torch.ops.mkldnn._reorder_linear_weight(weight, 128)
+        taken = kernel.adopt(packed[name], out_features, in_features)
+        if taken is None:
+            print(f"the {kernel.name} kernel did not adopt {name}: nothing to compare")
+            return 1
+        adopted[name] = taken
+    print(f"{kernel.name} kernel against oneDNN, {args.dtype}, {torch.get_num_threads()} threads;")
+    print(f"ms per call (per forward for 'all 33'), median of {args.rounds} interleaved rounds")
+    header = f"{'rows':>5} {'weights':<14} {'oneDNN ms':>10} {'ours ms':>10}"
+    print(f"{header} {'oneDNN GFLOP/s':>15} {'ours GFLOP/s':>13}")
+    for rows in args.rows:
+        x = {name: torch.randn(rows, k, generator=gen).to(dtype) for name, (_, k) in SHAPES.items()}
+        cases: list[tuple[str, list[str], int]] = [(name, [name], 3) for name in SHAPES]
+        cases.append(("all 33", FORWARD, 1))
+        for label, names, repeats in cases:
+            print(f"  {label} at {rows} rows ...", file=sys.stderr, flush=True)
+            sides: dict[str, Callable[[], object]] = {
+                "onednn": partial(_run_onednn, names, x, packed),
+                "ours": partial(_run_ours, names, x, adopted),
+            }
+            ms = _interleaved_ms(sides, args.rounds, repeats)
+            flops = sum(2 * rows * SHAPES[n][0] * SHAPES[n][1] for n in names)
+            print(
+                f"{rows:>5} {label:<14} {ms['onednn']:>10.2f} {ms['ours']:>10.2f} "
+                f"{flops / ms['onednn'] / 1e6:>15.0f} {flops / ms['ours'] / 1e6:>13.0f}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
