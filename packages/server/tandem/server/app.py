@@ -108,7 +108,7 @@ class BodyLimitMiddleware:
         await _closing(error_response(413, message))(scope, receive, send)
 
 
-# How long, and how many bytes, an oversized streamed body is read on and thrown away before
+# How long, and how many bytes, of an oversized body are read on and thrown away before
 # the 413: a client that is still sending when the server closes gets a connection reset
 # (the unread bytes make Linux answer with RST) instead of the answer.
 _DISCARD_S = 5.0
@@ -131,7 +131,7 @@ async def _discard_rest(receive: Receive, until: float) -> None:
 
 
 def _closing(response: Response) -> Response:
-    """The connection closes after ``response``: the rest of the body is not read."""
+    """The connection closes after ``response``: nothing more of the request is read."""
     response.headers["connection"] = "close"
     return response
 
