@@ -20,15 +20,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.core.layers.native_build import (
-    BASE_FLAGS,
-    CSRC,
-    KernelBuildError,
-    ProcessOnce,
-    build_library,
-)
-from tandem.core.layers.native_linear import AdoptedWeight, PackedWeightKernel, onednn_only
-from tandem.device.cpu import cpu_flags
+from tandem.core.layers.native_build import CSRC, ProcessOnce
+from tandem.core.layers.native_linear import PackedWeightKernel, load_kernel_library
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +32,6 @@ _REQUIRED_FLAGS = frozenset({"amx_bf16", "amx_tile", "avx512_bf16"})
 # Rows of the probe batch: two full tiles and a partial third, so both passes of the kernel
 # and its partial-row stores are checked against oneDNN.
 _PROBE_ROWS = 37
-_vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 
 class AmxLinear(PackedWeightKernel):
@@ -50,15 +42,12 @@ class AmxLinear(PackedWeightKernel):
     # Summed in another order, each output may differ by a bfloat16 rounding or two.
     tolerance = 2e-2
 
-    def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
+    def __init__(self, lib: ctypes.CDLL) -> None:
         if int(lib.tandem_amx_built()) != 1:
             raise OSError("the compiler did not target AMX-BF16 for this CPU")
         if int(lib.tandem_amx_request()) != 0:
             raise OSError("Linux did not grant the AMX tile state (arch_prctl)")
-        self._linear = lib.tandem_amx_linear
-        self._linear.argtypes = [_vp, _vp, _vp, *[_i64] * 5, _i32]
-        self._linear.restype = ctypes.c_int
+        self.bind(lib.tandem_amx_linear)
 
     def readable(self, out_features: int, in_features: int) -> bool:
         # Shapes off the 32-blocks are padded by oneDNN; the kernel does not walk padding.
@@ -67,29 +56,16 @@ class AmxLinear(PackedWeightKernel):
     def packed_bytes(self, out_features: int, in_features: int) -> int:
         return out_features * in_features * 2
 
-    def run(self, out: torch.Tensor, x: torch.Tensor, weight: AdoptedWeight) -> int:
-        return int(
-            self._linear(
-                out.data_ptr(), x.data_ptr(), weight.address, x.shape[0],
-                weight.out_features, weight.in_features, x.stride(0), out.stride(0),
-                torch.get_num_threads(),
-            )
-        )  # fmt: skip
-
 
 def load_amx_linear(build_dir: Path | None = None) -> AmxLinear | None:
     """Build (if needed) and load the kernel; None where this CPU or process cannot run it
     (the reason logged)."""
-    if onednn_only():
-        logger.info("TANDEM_GEMM=onednn: bfloat16 linear layers use oneDNN at every batch size")
-        return None
-    missing = _REQUIRED_FLAGS - cpu_flags()
-    if missing:
-        logger.debug("no AMX linear kernel: the CPU lacks %s", " ".join(sorted(missing)))
+    lib = load_kernel_library("AMX", SOURCE, _REQUIRED_FLAGS, build_dir)
+    if lib is None:
         return None
     try:
-        return AmxLinear(build_library(SOURCE, "tandem_amx_linear", BASE_FLAGS, build_dir))
-    except (KernelBuildError, OSError) as exc:
+        return AmxLinear(lib)
+    except OSError as exc:
         logger.warning("no AMX linear kernel (%s); decode batches use oneDNN", exc)
         return None
 

@@ -28,15 +28,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.core.layers.native_build import (
-    BASE_FLAGS,
-    CSRC,
-    KernelBuildError,
-    ProcessOnce,
-    build_library,
-)
-from tandem.core.layers.native_linear import AdoptedWeight, PackedWeightKernel, onednn_only
-from tandem.device.cpu import cpu_flags
+from tandem.core.layers.native_build import CSRC, ProcessOnce
+from tandem.core.layers.native_linear import PackedWeightKernel, load_kernel_library
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +45,6 @@ PANEL = 64
 K_PAD = 16
 # Rows of the probe batch: six full register blocks of six and a partial seventh of five.
 _PROBE_ROWS = 41
-_vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 
 class Avx512Linear(PackedWeightKernel):
@@ -63,18 +55,13 @@ class Avx512Linear(PackedWeightKernel):
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        if dtype is torch.float32:
-            self.name = "AVX-512 float32"
-            self._linear = lib.tandem_avx512_linear_f32
-            # Summed in another order, each output differs by float32 roundings (~1e-6).
-            self.tolerance = 1e-4
-        else:
-            self.name = "AVX512-BF16"
-            self._linear = lib.tandem_avx512_linear_bf16
-            # Summed in another order, each output may differ by a bfloat16 rounding or two.
-            self.tolerance = 2e-2
-        self._linear.argtypes = [_vp, _vp, _vp, *[_i64] * 5, _i32, _i32]
-        self._linear.restype = ctypes.c_int
+        float32 = dtype is torch.float32
+        self.name = "AVX-512 float32" if float32 else "AVX512-BF16"
+        symbol = "tandem_avx512_linear_f32" if float32 else "tandem_avx512_linear_bf16"
+        self.bind(getattr(lib, symbol), limits=(MAX_ROWS,))
+        # Summed in another order, each output differs by float32 roundings (~1e-6), or by
+        # a bfloat16 rounding or two.
+        self.tolerance = 1e-4 if float32 else 2e-2
 
     def readable(self, out_features: int, in_features: int) -> bool:
         # Columns off the 64-wide panels are padded by oneDNN; the kernel does not walk them.
@@ -88,15 +75,6 @@ class Avx512Linear(PackedWeightKernel):
             return out_features * in_features * 2
         return out_features * (-(-in_features // K_PAD) * K_PAD) * 4
 
-    def run(self, out: torch.Tensor, x: torch.Tensor, weight: AdoptedWeight) -> int:
-        return int(
-            self._linear(
-                out.data_ptr(), x.data_ptr(), weight.address, x.shape[0],
-                weight.out_features, weight.in_features, x.stride(0), out.stride(0),
-                MAX_ROWS, torch.get_num_threads(),
-            )
-        )  # fmt: skip
-
 
 @dataclass(frozen=True)
 class Avx512Kernels:
@@ -108,16 +86,8 @@ class Avx512Kernels:
 def load_avx512_linear(build_dir: Path | None = None) -> Avx512Kernels | None:
     """Build (if needed) and load the kernels; None where this CPU or process cannot run them
     (the reason logged)."""
-    if onednn_only():
-        logger.info("TANDEM_GEMM=onednn: float32 and AVX512-BF16 linear layers use oneDNN")
-        return None
-    if "avx512f" not in cpu_flags():
-        logger.debug("no AVX-512 linear kernel: the CPU lacks avx512f")
-        return None
-    try:
-        lib = ctypes.CDLL(str(build_library(SOURCE, "tandem_avx512_linear", BASE_FLAGS, build_dir)))
-    except (KernelBuildError, OSError) as exc:
-        logger.warning("no AVX-512 linear kernel (%s); linear layers use oneDNN", exc)
+    lib = load_kernel_library("AVX-512", SOURCE, frozenset({"avx512f"}), build_dir)
+    if lib is None:
         return None
     built = int(lib.tandem_avx512_built())
     if built == 0:

@@ -12,16 +12,43 @@ so a kernel adopts a weight only after its product on a probe batch matched oneD
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from tandem.core.layers.native_build import BASE_FLAGS, KernelBuildError, build_library
+from tandem.device.cpu import cpu_flags
 
-def onednn_only() -> bool:
-    """``TANDEM_GEMM=onednn``: every batch size goes to oneDNN (the A side of an A/B)."""
-    return os.environ.get("TANDEM_GEMM", "").lower() == "onednn"
+logger = logging.getLogger(__name__)
+
+_vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+
+
+def load_kernel_library(
+    what: str, source: Path, required_flags: frozenset[str], build_dir: Path | None = None
+) -> ctypes.CDLL | None:
+    """Build (if needed) and load the library of a linear kernel; None where this CPU or
+    process cannot have it, the reason logged. ``TANDEM_GEMM=onednn`` (the A side of an A/B)
+    keeps oneDNN at every batch size."""
+    if os.environ.get("TANDEM_GEMM", "").lower() == "onednn":
+        logger.info("TANDEM_GEMM=onednn: no %s linear kernel, oneDNN at every batch size", what)
+        return None
+    missing = required_flags - cpu_flags()
+    if missing:
+        logger.debug("no %s linear kernel: the CPU lacks %s", what, " ".join(sorted(missing)))
+        return None
+    try:
+        return ctypes.CDLL(
+            str(build_library(source, f"tandem_{source.stem}", BASE_FLAGS, build_dir))
+        )
+    except (KernelBuildError, OSError) as exc:
+        logger.warning("no %s linear kernel (%s); its layers use oneDNN", what, exc)
+        return None
 
 
 @dataclass(frozen=True)
@@ -65,9 +92,23 @@ class PackedWeightKernel(ABC):
     def packed_bytes(self, out_features: int, in_features: int) -> int:
         """The size of oneDNN's buffer in the layout the kernel reads."""
 
-    @abstractmethod
+    def bind(self, function: ctypes._NamedFuncPointer, limits: tuple[int, ...] = ()) -> None:
+        """Use ``function`` (out, x, w, M, N, K, ldx, ldo, *limits, num_threads) -> int, the
+        C signature every kernel here exports; ``limits``: int32 bounds passed on each call."""
+        function.argtypes = [_vp, _vp, _vp, *[_i64] * 5, *[_i32] * len(limits), _i32]
+        function.restype = ctypes.c_int
+        self._function = function
+        self._limits = limits
+
     def run(self, out: torch.Tensor, x: torch.Tensor, weight: AdoptedWeight) -> int:
         """Computes ``out = x W^T``; 0, or the kernel's code for arguments it refused."""
+        return int(
+            self._function(
+                out.data_ptr(), x.data_ptr(), weight.address, x.shape[0],
+                weight.out_features, weight.in_features, x.stride(0), out.stride(0),
+                *self._limits, torch.get_num_threads(),
+            )
+        )  # fmt: skip
 
     def matmul(self, x: torch.Tensor, weight: AdoptedWeight) -> torch.Tensor:
         out = torch.empty(x.shape[0], weight.out_features, dtype=self.dtype)
