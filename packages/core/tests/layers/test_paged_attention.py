@@ -290,3 +290,11 @@ def test_the_kernel_links_the_openmp_runtime_torch_ships(tmp_path: Path) -> None
         str(renamed),
         f"-Wl,-rpath,{tmp_path}",
     ]
+
+
+@needs_native
+def test_the_builds_run_the_code_path_of_their_isa_level() -> None:
+    expected = native_build.expected_path(native_build.selected_isa())
+    assert NATIVE is not None and NATIVE.compiled_path == expected
+    prefill = native_prefill_attention()
+    assert prefill is not None and prefill.compiled_path == expected

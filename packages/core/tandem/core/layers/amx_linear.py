@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.core.layers.native_build import CSRC, ProcessOnce
+from tandem.core.layers.native_build import CSRC, IsaLevel, ProcessOnce
 from tandem.core.layers.native_linear import PackedWeightKernel, load_kernel_library
 
 logger = logging.getLogger(__name__)
@@ -57,10 +57,10 @@ class AmxLinear(PackedWeightKernel):
         return out_features * in_features * 2
 
 
-def load_amx_linear(build_dir: Path | None = None) -> AmxLinear | None:
+def load_amx_linear(build_dir: Path | None = None, isa: IsaLevel | None = None) -> AmxLinear | None:
     """Build (if needed) and load the kernel; None where this CPU or process cannot run it
     (the reason logged)."""
-    lib = load_kernel_library("AMX", SOURCE, _REQUIRED_FLAGS, build_dir)
+    lib = load_kernel_library("AMX", SOURCE, _REQUIRED_FLAGS, build_dir, isa)
     if lib is None:
         return None
     try:

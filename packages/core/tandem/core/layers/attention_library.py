@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from tandem.core.layers.native_build import compiled_path
+
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -17,6 +19,8 @@ class AttentionLibrary:
     def __init__(self, path: Path, supports_symbol: str) -> None:
         self.path = path
         self.lib = ctypes.CDLL(str(path))
+        # avx512, avx2 or portable: the code path this build runs.
+        self.compiled_path = compiled_path(self.lib)
         self._supports = getattr(self.lib, supports_symbol)
         self._supports.argtypes = [ctypes.c_int64, ctypes.c_int32]
         self._supports.restype = ctypes.c_int

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.core.layers.native_build import CSRC, ProcessOnce
+from tandem.core.layers.native_build import CSRC, IsaLevel, ProcessOnce
 from tandem.core.layers.native_linear import PackedWeightKernel, load_kernel_library
 
 logger = logging.getLogger(__name__)
@@ -83,10 +83,12 @@ class Avx512Kernels:
     bfloat16: Avx512Linear | None
 
 
-def load_avx512_linear(build_dir: Path | None = None) -> Avx512Kernels | None:
+def load_avx512_linear(
+    build_dir: Path | None = None, isa: IsaLevel | None = None
+) -> Avx512Kernels | None:
     """Build (if needed) and load the kernels; None where this CPU or process cannot run them
     (the reason logged)."""
-    lib = load_kernel_library("AVX-512", SOURCE, frozenset({"avx512f"}), build_dir)
+    lib = load_kernel_library("AVX-512", SOURCE, frozenset({"avx512f"}), build_dir, isa)
     if lib is None:
         return None
     built = int(lib.tandem_avx512_built())

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import torch
 
-from tandem.core.layers.native_build import CSRC, KernelBuildError, ProcessOnce, build_library
+from tandem.core.layers.native_build import (
+    CSRC,
+    IsaLevel,
+    KernelBuildError,
+    ProcessOnce,
+    build_library,
+    compiled_path,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +49,8 @@ class NativeElementwise:
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
+        # avx512, avx2 or portable: the code path this build runs.
+        self.compiled_path = compiled_path(lib)
         self._norm = lib.tandem_add_rms_norm
         self._norm.argtypes = [_vp, _vp, _vp, _vp, *[_i64] * 5, _f32, _i32, _i32]
         self._norm.restype = ctypes.c_int
@@ -135,14 +144,17 @@ class NativeElementwise:
         return out.view(*gate_up.shape[:-1], inter)
 
 
-def load_native_elementwise(build_dir: Path | None = None) -> NativeElementwise | None:
-    """Build (if needed) and load the kernels; None, with the reason logged, where they cannot
-    be had. ``TANDEM_ELEMENTWISE=torch`` forces the torch reference path."""
+def load_native_elementwise(
+    build_dir: Path | None = None, isa: IsaLevel | None = None
+) -> NativeElementwise | None:
+    """Build (if needed) and load the kernels (for the instruction sets ``isa`` allows,
+    default ``TANDEM_CPU_ISA``'s); None, with the reason logged, where they cannot be had.
+    ``TANDEM_ELEMENTWISE=torch`` forces the torch reference path."""
     if os.environ.get("TANDEM_ELEMENTWISE", "").lower() == "torch":
         logger.info("TANDEM_ELEMENTWISE=torch: norms, rotary and activations run op by op")
         return None
     try:
-        return NativeElementwise(build_library(SOURCE, "tandem_elementwise", FLAGS, build_dir))
+        return NativeElementwise(build_library(SOURCE, "tandem_elementwise", FLAGS, build_dir, isa))
     except (KernelBuildError, OSError) as exc:
         logger.warning(
             "no fused CPU elementwise kernels (%s); norms, rotary and activations run op by "

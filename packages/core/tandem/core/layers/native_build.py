@@ -9,10 +9,16 @@ flags and the CPU's feature flags, so a changed source or another CPU never load
 build. Builds are cached in ``$TANDEM_KERNEL_CACHE`` (default ``~/.cache/tandem/kernels``);
 concurrent first uses (pytest-xdist workers, several engine processes) take a file lock, the
 first builds and the others load its result.
+
+``TANDEM_CPU_ISA`` caps the instruction sets the kernels are built for and chosen by
+(``native``, the default; ``avx2``: what a CPU without AVX-512 and AMX runs; ``portable``:
+the plain C++ loops, no AVX at all), so a developer on an AVX-512 machine runs the code an
+AVX2 user's machine runs, and the suite tests every variant a machine can execute.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import logging
@@ -24,10 +30,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
 import torch
+
+from tandem.device.cpu import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +46,77 @@ BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC")
 
 class KernelBuildError(RuntimeError):
     """No C++ compiler here, or the build failed; the message says which."""
+
+
+_X86 = platform.machine() in ("x86_64", "AMD64", "i686")
+
+
+@dataclass(frozen=True)
+class IsaLevel:
+    """How far up this CPU's instruction sets the kernels may reach: compiler switches
+    appended to ``-march=native`` (so below the cap the code is what this CPU's own build
+    is), and the /proc/cpuinfo flags the Python side must then not count on."""
+
+    name: str
+    switches: tuple[str, ...]
+    hidden_prefixes: tuple[str, ...]
+
+    def cpu_flags(self) -> frozenset[str]:
+        """This CPU's flags as kernels built at this level may use them."""
+        return frozenset(f for f in cpu_flags() if not f.startswith(self.hidden_prefixes))
+
+    def flags(self, base: Sequence[str]) -> tuple[str, ...]:
+        return (*base, *self.switches)
+
+
+NATIVE_ISA = IsaLevel("native", (), ())
+# GCC's -mno-avx512f turns off every AVX-512 extension and -mno-amx-tile every AMX one;
+# -mno-avx turns off AVX, AVX2, FMA and what builds on them. AVX-VNNI (256-bit) stays with
+# avx2, as it does on the AVX2-class CPUs that have it.
+ISA_LEVELS: dict[str, IsaLevel] = {
+    "native": NATIVE_ISA,
+    "avx2": IsaLevel("avx2", ("-mno-avx512f", "-mno-amx-tile"), ("avx512", "amx")),
+    "portable": IsaLevel("portable", ("-mno-avx", "-mno-amx-tile"), ("avx", "fma", "f16c", "amx")),
+}
+
+
+# What ``tandem_compiled_isa()`` of a library built with vec_math.h answers, by name.
+_COMPILED_PATHS = {0: "portable", 1: "avx2", 2: "avx512"}
+
+
+def compiled_path(lib: ctypes.CDLL) -> str:
+    """Which of its code paths a kernel library was built with: ``avx512``, ``avx2`` or
+    ``portable`` (the plain loops)."""
+    function = lib.tandem_compiled_isa
+    function.argtypes = []
+    function.restype = ctypes.c_int
+    return _COMPILED_PATHS.get(int(function()), "unknown")
+
+
+def expected_path(isa: IsaLevel) -> str:
+    """The code path a library built at ``isa`` on this CPU should report."""
+    flags = isa.cpu_flags()
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "portable"
+
+
+def isa_levels() -> list[IsaLevel]:
+    """The levels this machine can build and run, highest first (only ``native`` off x86,
+    where no kernel has intrinsics of its own)."""
+    return list(ISA_LEVELS.values()) if _X86 else [NATIVE_ISA]
+
+
+def selected_isa() -> IsaLevel:
+    """The level ``TANDEM_CPU_ISA`` names (default ``native``); an unknown name is an error
+    that lists the known ones."""
+    name = os.environ.get("TANDEM_CPU_ISA", "native").strip().lower() or "native"
+    level = ISA_LEVELS.get(name)
+    if level is None:
+        raise KernelBuildError(
+            f"TANDEM_CPU_ISA={name!r} is not a level; use one of {', '.join(ISA_LEVELS)}"
+        )
+    return level if _X86 else NATIVE_ISA
 
 
 def find_cxx() -> str | None:
@@ -95,10 +175,16 @@ def library_path(
 
 
 def build_library(
-    source: Path, stem: str, flags: Sequence[str] = BASE_FLAGS, build_dir: Path | None = None
+    source: Path,
+    stem: str,
+    flags: Sequence[str] = BASE_FLAGS,
+    build_dir: Path | None = None,
+    isa: IsaLevel | None = None,
 ) -> Path:
     """``source``'s shared library under ``build_dir``, built if this source, flag set and
-    CPU have no build there yet. Safe when several processes or threads build at once."""
+    CPU have no build there yet, for the instruction sets ``isa`` allows (default: the
+    ``TANDEM_CPU_ISA`` level). Safe when several processes or threads build at once."""
+    flags = (isa or selected_isa()).flags(flags)
     compiler = find_cxx()
     if compiler is None:
         raise KernelBuildError("no C++ compiler (c++, g++ or clang++; or set CXX)")

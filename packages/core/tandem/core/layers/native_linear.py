@@ -21,8 +21,13 @@ from pathlib import Path
 
 import torch
 
-from tandem.core.layers.native_build import BASE_FLAGS, KernelBuildError, build_library
-from tandem.device.cpu import cpu_flags
+from tandem.core.layers.native_build import (
+    BASE_FLAGS,
+    IsaLevel,
+    KernelBuildError,
+    build_library,
+    selected_isa,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +35,11 @@ _vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 
 def load_kernel_library(
-    what: str, source: Path, required_flags: frozenset[str], build_dir: Path | None = None
+    what: str,
+    source: Path,
+    required_flags: frozenset[str],
+    build_dir: Path | None = None,
+    isa: IsaLevel | None = None,
 ) -> ctypes.CDLL | None:
     """Build (if needed) and load the library of a linear kernel; None where this CPU or
     process cannot have it, the reason logged. ``TANDEM_GEMM=onednn`` (the A side of an A/B)
@@ -38,13 +47,19 @@ def load_kernel_library(
     if os.environ.get("TANDEM_GEMM", "").lower() == "onednn":
         logger.info("TANDEM_GEMM=onednn: no %s linear kernel, oneDNN at every batch size", what)
         return None
-    missing = required_flags - cpu_flags()
+    isa = isa or selected_isa()
+    missing = required_flags - isa.cpu_flags()
     if missing:
-        logger.debug("no %s linear kernel: the CPU lacks %s", what, " ".join(sorted(missing)))
+        logger.debug(
+            "no %s linear kernel: the CPU (at ISA level %s) lacks %s",
+            what,
+            isa.name,
+            " ".join(sorted(missing)),
+        )
         return None
     try:
         return ctypes.CDLL(
-            str(build_library(source, f"tandem_{source.stem}", BASE_FLAGS, build_dir))
+            str(build_library(source, f"tandem_{source.stem}", BASE_FLAGS, build_dir, isa))
         )
     except (KernelBuildError, OSError) as exc:
         logger.warning("no %s linear kernel (%s); its layers use oneDNN", what, exc)

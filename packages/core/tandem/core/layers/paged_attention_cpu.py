@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from tandem.core.layers.attention_library import DTYPE_CODES, AttentionLibrary
-from tandem.core.layers.native_build import CSRC, KernelBuildError, ProcessOnce
+from tandem.core.layers.native_build import CSRC, IsaLevel, KernelBuildError, ProcessOnce
 from tandem.core.layers.native_build import build_library as build_native
 
 logger = logging.getLogger(__name__)
@@ -24,9 +24,9 @@ SOURCE = CSRC / "paged_attention.cpp"
 _i64p = ctypes.POINTER(ctypes.c_int64)
 
 
-def build_library(build_dir: Path | None = None) -> Path:
+def build_library(build_dir: Path | None = None, isa: IsaLevel | None = None) -> Path:
     """The kernel's shared library, built if needed (safe under concurrent first uses)."""
-    return build_native(SOURCE, "tandem_paged_attention", build_dir=build_dir)
+    return build_native(SOURCE, "tandem_paged_attention", build_dir=build_dir, isa=isa)
 
 
 class NativePagedAttention(AttentionLibrary):
@@ -97,14 +97,16 @@ class NativePagedAttention(AttentionLibrary):
             )
 
 
-def load_native_paged_attention(build_dir: Path | None = None) -> NativePagedAttention | None:
+def load_native_paged_attention(
+    build_dir: Path | None = None, isa: IsaLevel | None = None
+) -> NativePagedAttention | None:
     """Build (if needed) and load the kernel; None, with the reason logged, where it cannot
     be had. ``TANDEM_PAGED_ATTENTION=torch`` forces the reference path."""
     if os.environ.get("TANDEM_PAGED_ATTENTION", "").lower() == "torch":
         logger.info("TANDEM_PAGED_ATTENTION=torch: CPU attention uses the torch reference path")
         return None
     try:
-        return NativePagedAttention(build_library(build_dir))
+        return NativePagedAttention(build_library(build_dir, isa))
     except (KernelBuildError, OSError) as exc:
         logger.warning(
             "no native CPU paged-attention kernel (%s); attention copies each sequence's "

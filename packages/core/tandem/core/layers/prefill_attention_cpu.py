@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from tandem.core.layers.attention_library import DTYPE_CODES, AttentionLibrary
-from tandem.core.layers.native_build import CSRC, KernelBuildError, ProcessOnce
+from tandem.core.layers.native_build import CSRC, IsaLevel, KernelBuildError, ProcessOnce
 from tandem.core.layers.native_build import build_library as build_native
 
 logger = logging.getLogger(__name__)
@@ -23,12 +23,16 @@ logger = logging.getLogger(__name__)
 SOURCE = CSRC / "prefill_attention.cpp"
 
 
-def build_library(build_dir: Path | None = None, flags: tuple[str, ...] | None = None) -> Path:
+def build_library(
+    build_dir: Path | None = None,
+    flags: tuple[str, ...] | None = None,
+    isa: IsaLevel | None = None,
+) -> Path:
     """The kernel's shared library, built if needed (safe under concurrent first uses);
-    ``flags`` replace the default compiler flags (tests build the portable path with them)."""
+    ``flags`` replace the default compiler flags (tests build other CPUs' paths with them)."""
     if flags is None:
-        return build_native(SOURCE, "tandem_prefill_attention", build_dir=build_dir)
-    return build_native(SOURCE, "tandem_prefill_attention", flags, build_dir=build_dir)
+        return build_native(SOURCE, "tandem_prefill_attention", build_dir=build_dir, isa=isa)
+    return build_native(SOURCE, "tandem_prefill_attention", flags, build_dir=build_dir, isa=isa)
 
 
 class NativePrefillAttention(AttentionLibrary):
@@ -97,7 +101,7 @@ class NativePrefillAttention(AttentionLibrary):
 
 
 def load_native_prefill_attention(
-    build_dir: Path | None = None,
+    build_dir: Path | None = None, isa: IsaLevel | None = None
 ) -> NativePrefillAttention | None:
     """Build (if needed) and load the kernel; None, with the reason logged, where it cannot
     be had. ``TANDEM_PAGED_ATTENTION=torch`` forces the reference path (for both attention
@@ -105,7 +109,7 @@ def load_native_prefill_attention(
     if os.environ.get("TANDEM_PAGED_ATTENTION", "").lower() == "torch":
         return None
     try:
-        return NativePrefillAttention(build_library(build_dir))
+        return NativePrefillAttention(build_library(build_dir, isa=isa))
     except (KernelBuildError, OSError) as exc:
         logger.warning(
             "no native CPU prefill-attention kernel (%s); prefill chunks attend through "

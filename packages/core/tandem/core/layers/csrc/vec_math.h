@@ -8,9 +8,22 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+
+// Which of a kernel's code paths this build compiled (2: AVX-512, 1: AVX2 with FMA, 0: the
+// plain loops), so the loader can say what serves, and tests can check that an ISA level
+// they asked for (TANDEM_CPU_ISA) is the one they got.
+#if defined(__AVX512F__)
+#define TANDEM_COMPILED_ISA 2
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TANDEM_COMPILED_ISA 1
+#else
+#define TANDEM_COMPILED_ISA 0
+#endif
+
+extern "C" int tandem_compiled_isa() { return TANDEM_COMPILED_ISA; }
 
 namespace tandem {
 
