@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.core.layers.amx_linear import amx_linear
+from tandem.core.layers.avx2_linear import avx2_linear
 from tandem.core.layers.avx512_linear import avx512_linear
 from tandem.core.layers.native_linear import AdoptedWeight, PackedWeightKernel
 from tandem.device.cpu import collapse_to_huge_pages
@@ -142,7 +143,7 @@ def native_kernel(dtype: torch.dtype) -> PackedWeightKernel | None:
         return amx
     avx512 = avx512_linear()
     if avx512 is None:
-        return None
+        return avx2_linear() if dtype is torch.float32 else None
     if dtype is torch.float32:
         return avx512.float32
     return avx512.bfloat16 if dtype is torch.bfloat16 else None
