@@ -179,7 +179,7 @@ def test_without_a_compiler_the_layers_run_op_by_op(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(native_build, "find_cxx", lambda: None)
-    with caplog.at_level(logging.WARNING, logger=elementwise_cpu.__name__):
+    with caplog.at_level(logging.DEBUG, logger=elementwise_cpu.__name__):
         assert elementwise_cpu.load_native_elementwise(Path("/nonexistent")) is None
     assert "run op by op in torch" in caplog.text
     monkeypatch.setenv("TANDEM_ELEMENTWISE", "torch")

@@ -20,6 +20,7 @@ from tandem.core.layers.native_build import (
     ProcessOnce,
     build_library,
     compiled_path,
+    log_unbuilt,
 )
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,9 @@ def load_native_elementwise(
     try:
         return NativeElementwise(build_library(SOURCE, "tandem_elementwise", FLAGS, build_dir, isa))
     except (KernelBuildError, OSError) as exc:
-        logger.warning(
+        log_unbuilt(
+            logger,
+            exc,
             "no fused CPU elementwise kernels (%s); norms, rotary and activations run op by "
             "op in torch",
             exc,

@@ -48,6 +48,18 @@ class KernelBuildError(RuntimeError):
     """No C++ compiler here, or the build failed; the message says which."""
 
 
+class NoCompilerError(KernelBuildError):
+    """No C++ compiler on this host: every library is missing for the same reason, which
+    ``cpu_kernels`` says once for all of them."""
+
+
+def log_unbuilt(log: logging.Logger, exc: BaseException, message: str, *args: object) -> None:
+    """A loader's note that its library cannot be had: a warning for a failed build, a debug
+    line where only the compiler is missing (warned about once, at start-up)."""
+    level = logging.DEBUG if isinstance(exc, NoCompilerError) else logging.WARNING
+    log.log(level, message, *args)
+
+
 _X86 = platform.machine() in ("x86_64", "AMD64", "i686")
 
 
@@ -187,7 +199,7 @@ def build_library(
     flags = (isa or selected_isa()).flags(flags)
     compiler = find_cxx()
     if compiler is None:
-        raise KernelBuildError("no C++ compiler (c++, g++ or clang++; or set CXX)")
+        raise NoCompilerError("no C++ compiler (c++, g++ or clang++; or set CXX)")
     build_dir = build_dir or kernel_cache_dir()
     target = library_path(source, stem, flags, build_dir, compiler)
     if target.is_file():

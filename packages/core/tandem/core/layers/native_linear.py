@@ -26,6 +26,7 @@ from tandem.core.layers.native_build import (
     IsaLevel,
     KernelBuildError,
     build_library,
+    log_unbuilt,
     selected_isa,
 )
 
@@ -62,7 +63,7 @@ def load_kernel_library(
             str(build_library(source, f"tandem_{source.stem}", BASE_FLAGS, build_dir, isa))
         )
     except (KernelBuildError, OSError) as exc:
-        logger.warning("no %s linear kernel (%s); its layers use oneDNN", what, exc)
+        log_unbuilt(logger, exc, "no %s linear kernel (%s); its layers use oneDNN", what, exc)
         return None
 
 

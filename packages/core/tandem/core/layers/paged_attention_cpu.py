@@ -14,7 +14,13 @@ from pathlib import Path
 import torch
 
 from tandem.core.layers.attention_library import DTYPE_CODES, AttentionLibrary
-from tandem.core.layers.native_build import CSRC, IsaLevel, KernelBuildError, ProcessOnce
+from tandem.core.layers.native_build import (
+    CSRC,
+    IsaLevel,
+    KernelBuildError,
+    ProcessOnce,
+    log_unbuilt,
+)
 from tandem.core.layers.native_build import build_library as build_native
 
 logger = logging.getLogger(__name__)
@@ -108,7 +114,9 @@ def load_native_paged_attention(
     try:
         return NativePagedAttention(build_library(build_dir, isa))
     except (KernelBuildError, OSError) as exc:
-        logger.warning(
+        log_unbuilt(
+            logger,
+            exc,
             "no native CPU paged-attention kernel (%s); attention copies each sequence's "
             "context out of the cache per layer (torch reference path)",
             exc,

@@ -15,7 +15,13 @@ from pathlib import Path
 import torch
 
 from tandem.core.layers.attention_library import DTYPE_CODES, AttentionLibrary
-from tandem.core.layers.native_build import CSRC, IsaLevel, KernelBuildError, ProcessOnce
+from tandem.core.layers.native_build import (
+    CSRC,
+    IsaLevel,
+    KernelBuildError,
+    ProcessOnce,
+    log_unbuilt,
+)
 from tandem.core.layers.native_build import build_library as build_native
 
 logger = logging.getLogger(__name__)
@@ -111,7 +117,9 @@ def load_native_prefill_attention(
     try:
         return NativePrefillAttention(build_library(build_dir, isa=isa))
     except (KernelBuildError, OSError) as exc:
-        logger.warning(
+        log_unbuilt(
+            logger,
+            exc,
             "no native CPU prefill-attention kernel (%s); prefill chunks attend through "
             "torch's SDPA",
             exc,

@@ -15,6 +15,7 @@ from tandem.collectives.thread_bound import ThreadBoundGroup
 from tandem.core.config import EngineConfig
 from tandem.core.faults import NO_FAULTS
 from tandem.core.kv.cache_sizing import CacheCosts, CacheSize, size_cache
+from tandem.core.layers.cpu_kernels import preparing_cpu_kernels
 from tandem.core.worker.lane import Lane
 from tandem.core.worker.lane_stager import LaneStager, Staged
 from tandem.core.worker.step_runner import (
@@ -107,7 +108,10 @@ class Worker(Generic[StepT, OutT]):
 
     def load_model(self) -> None:
         context = RunnerContext(self.device, self._torch_device(), self.group, self.config)
-        self._runner = self._factory(context)
+        # On CPU the kernel libraries build beside the load, and are in place before the
+        # worker reports loaded: the server is not ready (/health) until they are.
+        with preparing_cpu_kernels(self.device.kind):
+            self._runner = self._factory(context)
 
     def determine_cache_size(self) -> CacheSize:
         """KV blocks and state slots that fit this rank's memory budget beside its weights."""

@@ -6,10 +6,11 @@ import argparse
 import os
 
 from tandem.collectives.torch_distributed import TORCHRUN_ADDRESS, Rendezvous
-from tandem.core import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+from tandem.core import CacheConfig, ConfigError, EngineConfig, ModelLoadConfig, SchedulerConfig
 from tandem.core.config import DTYPES, ParallelConfig, PipelineConfig, RecConfig
 from tandem.core.demo.pretrained import stories260k_folder
 from tandem.core.faults import FaultConfig
+from tandem.core.layers.native_build import KernelBuildError, selected_isa
 
 
 def _dtype(name: str) -> str:
@@ -234,6 +235,11 @@ def model_folder(args: argparse.Namespace) -> str:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     _parallel_from_torchrun(args)
+    try:
+        # A misspelt level would otherwise leave every CPU kernel unbuilt: refuse it now.
+        selected_isa()
+    except KernelBuildError as exc:
+        raise ConfigError(str(exc)) from None
     return EngineConfig(
         model=ModelLoadConfig(
             model=model_folder(args),
