@@ -17,7 +17,10 @@
 // few instructions per row so that two cores keep up with memory: `run_rows` scores 16 keys
 // per query row at once (dot products finished by one transposing reduction, on CPUs with
 // AVX512-BF16 as bfloat16 pair products, which are exact in float32) and keeps a KV head's
-// output accumulators in registers across the rows of a block.
+// output accumulators in registers across the rows of a block. CPUs with AVX2 and no
+// AVX-512 get the same plan on 8-lane vectors (8 keys per reduction; measured on a 2-core
+// Zen 1, 48 queries x 384 tokens, one layer: 9.1 -> 6.0 ms against the plain loops, where
+// only reading that layer's scattered K/V blocks takes 3.9 ms).
 //
 // Built by tandem.core.layers.paged_attention_cpu with the system C++ compiler and
 // -march=native; called through ctypes (no torch headers, so the build takes seconds).
@@ -115,6 +118,29 @@ struct Accumulator {
 
 #else  // portable path: plain loops the compiler vectorizes as the target allows
 
+#if defined(__AVX2__) && defined(__FMA__)
+// p[i] = exp(s[i] - max), 8 at a time (the tail through a padded copy); returns the sum.
+inline float exp_and_sum(float* s, int64_t n, float max) {
+  const __m256 vmax = _mm256_set1_ps(max);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmax));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  if (i < n) {
+    alignas(32) float tail[8];
+    const int64_t rest = n - i;
+    for (int64_t t = 0; t < 8; ++t) tail[t] = t < rest ? s[i + t] : -1e30f;
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(tail), vmax));
+    _mm256_store_ps(tail, e);
+    for (int64_t t = 0; t < rest; ++t) s[i + t] = tail[t];
+    acc = _mm256_add_ps(acc, e);  // padded lanes are exp(-1e30) = 0
+  }
+  return reduce_add8(acc);
+}
+#else
 inline float exp_and_sum(float* s, int64_t n, float max) {
   float sum = 0.0f;
   for (int64_t i = 0; i < n; ++i) {
@@ -123,6 +149,7 @@ inline float exp_and_sum(float* s, int64_t n, float max) {
   }
   return sum;
 }
+#endif
 
 template <typename T, int D>
 inline void score_rows(const float* q, const T* k, int64_t g, float* out, int64_t out_stride) {
@@ -551,6 +578,176 @@ void run_rows(const Args& a) {
           if (next != nullptr && r % group == 0) prefetch_span(next + h * share, share);
           accumulate_tile<T, D, GC>(acc.data() + r * D, scores.data() + r * stride + t0, stride,
                                     vb + h * D, ts, n);
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        store_row(acc.data() + h * D, out + h * D, D, 1.0f / sums[h]);
+      }
+    }
+  }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+// AVX2 (CPUs without AVX-512): the same plan as above with 8-lane vectors. Scores of 8 keys
+// per query row at once, finished by one transposing reduction; the value pass keeps a
+// head's output accumulators for 64 columns in 8 registers across the rows of a block.
+// bfloat16 rows are widened on load (no bfloat16 arithmetic on these CPUs).
+
+template <typename T, int D>
+struct Queries {
+  std::vector<float> rows;
+  explicit Queries(int64_t heads) : rows(heads * D) {}
+  void load(const T* q, int64_t heads, float scale) {
+    for (int64_t h = 0; h < heads; ++h) load_row(q + h * D, rows.data() + h * D, D, scale);
+  }
+};
+
+// The scores of query row `q` against 8 key rows: 32 columns at a time, the query's four
+// vectors in registers for all 8 keys (one load per FMA, the key's) and 8 independent
+// accumulator chains, finished by one transposing reduction.
+template <typename T, int D>
+inline __m256 score8(const float* q, const T* keys, int64_t ts) {
+  __m256 p0 = _mm256_setzero_ps(), p1 = p0, p2 = p0, p3 = p0, p4 = p0, p5 = p0, p6 = p0, p7 = p0;
+  for (int c0 = 0; c0 < D; c0 += 32) {
+    const __m256 q0 = _mm256_loadu_ps(q + c0), q1 = _mm256_loadu_ps(q + c0 + 8);
+    const __m256 q2 = _mm256_loadu_ps(q + c0 + 16), q3 = _mm256_loadu_ps(q + c0 + 24);
+#define TANDEM_KEY(t, acc)                                          \
+  {                                                                 \
+    const T* k = keys + (t) * ts + c0;                              \
+    acc = _mm256_fmadd_ps(q0, load8(k), acc);                       \
+    acc = _mm256_fmadd_ps(q1, load8(k + 8), acc);                   \
+    acc = _mm256_fmadd_ps(q2, load8(k + 16), acc);                  \
+    acc = _mm256_fmadd_ps(q3, load8(k + 24), acc);                  \
+  }
+    TANDEM_KEY(0, p0) TANDEM_KEY(1, p1) TANDEM_KEY(2, p2) TANDEM_KEY(3, p3)
+    TANDEM_KEY(4, p4) TANDEM_KEY(5, p5) TANDEM_KEY(6, p6) TANDEM_KEY(7, p7)
+#undef TANDEM_KEY
+  }
+  const __m256 part[8] = {p0, p1, p2, p3, p4, p5, p6, p7};
+  return transpose_sum8(part);
+}
+
+// One score (a block's last keys, fewer than 8).
+template <typename T, int D>
+inline float score1(const float* q, const T* k) {
+  __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
+  __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(q + 8), load8(k + 8));
+  for (int c = 2; c + 1 < D / 8; c += 2) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), load8(k + 8 * c), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * (c + 1)), load8(k + 8 * (c + 1)), a1);
+  }
+  return reduce_add8(_mm256_add_ps(a0, a1));
+}
+
+// Scores of query rows [r0, r0 + g) against keys t0 .. t0 + n (n <= 8) of one head in one
+// block, into scores[(r - r0) * stride ..].
+template <typename T, int D>
+inline void score_tile(const Queries<T, D>& q, int64_t r0, int64_t g, const T* keys,
+                       int64_t token_stride, int64_t n, float* scores, int64_t stride) {
+  for (int64_t r = r0; r < r0 + g; ++r) {
+    const float* qr = q.rows.data() + r * D;
+    float* dst = scores + (r - r0) * stride;
+    if (n == 8) {
+      _mm256_storeu_ps(dst, score8<T, D>(qr, keys, token_stride));
+    } else {
+      for (int64_t t = 0; t < n; ++t) dst[t] = score1<T, D>(qr, keys + t * token_stride);
+    }
+  }
+}
+
+// acc += p[t] * v_t over n value rows of one head, for one query row: 64 columns at a time
+// in registers (8 accumulators, the value vector loaded as it is used).
+template <typename T, int D>
+inline void accumulate_tile(float* acc, const float* p, const T* values, int64_t token_stride,
+                            int64_t n) {
+  for (int c0 = 0; c0 < D; c0 += 64) {
+    __m256 sum[8];
+    for (int c = 0; c < 8; ++c) sum[c] = _mm256_loadu_ps(acc + c0 + 8 * c);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* v = values + t * token_stride + c0;
+      const __m256 w = _mm256_set1_ps(p[t]);
+      for (int c = 0; c < 8; ++c) sum[c] = _mm256_fmadd_ps(w, load8(v + 8 * c), sum[c]);
+    }
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + c0 + 8 * c, sum[c]);
+  }
+}
+
+inline float row_max(const float* s, int64_t n) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + i));
+  float out = reduce_max8(m);
+  for (; i < n; ++i) out = s[i] > out ? s[i] : out;
+  return out;
+}
+
+template <typename T, int D, int GC>
+void run_rows(const Args& a) {
+  const int64_t heads = a.num_heads;
+  const int64_t kv_heads = a.num_kv_heads;
+  const int64_t group = heads / kv_heads;
+  int64_t max_len = 0;
+  for (int64_t i = 0; i < a.num_queries; ++i) {
+    max_len = a.kv_lens[i] > max_len ? a.kv_lens[i] : max_len;
+  }
+  const int64_t stride = max_len > 0 ? max_len : 1;
+  const T* q_all = static_cast<const T*>(a.q);
+  const T* k_all = static_cast<const T*>(a.k_cache);
+  const T* v_all = static_cast<const T*>(a.v_cache);
+  T* out_all = static_cast<T*>(a.out);
+  const int64_t block_elems = a.block_size * a.cache_token_stride;
+  const int64_t share = block_elems / kv_heads;
+  const int64_t ts = a.cache_token_stride;
+
+#pragma omp parallel
+  {
+    Queries<T, D> queries(heads);
+    std::vector<float> scores(heads * stride);
+    std::vector<float> acc(heads * D);
+    std::vector<float> sums(heads);
+
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < a.num_queries; ++i) {
+      const int64_t len = a.kv_lens[i];
+      const int64_t* table = a.block_tables + a.table_row[i] * a.table_stride;
+      const int64_t num_blocks = (len + a.block_size - 1) / a.block_size;
+      T* out = out_all + i * a.out_stride;
+      if (len <= 0) {
+        std::memset(out, 0, sizeof(T) * heads * D);
+        continue;
+      }
+      queries.load(q_all + i * a.q_stride, heads, a.scale);
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const T* kb = k_all + table[b] * a.cache_block_stride;
+        const int64_t t0 = b * a.block_size;
+        const int64_t n = (len - t0) < a.block_size ? (len - t0) : a.block_size;
+        const T* next = b + 1 < num_blocks ? k_all + table[b + 1] * a.cache_block_stride
+                                           : v_all + table[0] * a.cache_block_stride;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          prefetch_span(next + h * share, share);
+          for (int64_t s0 = 0; s0 < n; s0 += 8) {
+            score_tile<T, D>(queries, h * group, group, kb + s0 * ts + h * D, ts,
+                             n - s0 < 8 ? n - s0 : 8,
+                             scores.data() + h * group * stride + t0 + s0, stride);
+          }
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        float* s = scores.data() + h * stride;
+        sums[h] = exp_and_sum(s, len, row_max(s, len));
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const T* vb = v_all + table[b] * a.cache_block_stride;
+        const int64_t t0 = b * a.block_size;
+        const int64_t n = (len - t0) < a.block_size ? (len - t0) : a.block_size;
+        const T* next = b + 1 < num_blocks ? v_all + table[b + 1] * a.cache_block_stride : nullptr;
+        for (int64_t r = 0; r < heads; ++r) {
+          const int64_t h = r / group;
+          if (next != nullptr && r % group == 0) prefetch_span(next + h * share, share);
+          accumulate_tile<T, D>(acc.data() + r * D, scores.data() + r * stride + t0, vb + h * D,
+                                ts, n);
         }
       }
       for (int64_t h = 0; h < heads; ++h) {

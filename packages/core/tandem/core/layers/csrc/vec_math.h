@@ -110,4 +110,76 @@ inline __m512 exp16(__m512 x) {
 
 #endif  // __AVX512F__
 
+#if defined(__AVX2__) && defined(__FMA__)
+
+template <typename T>
+inline __m256 load8(const T* p);
+
+template <>
+inline __m256 load8<float>(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+
+template <>
+inline __m256 load8<uint16_t>(const uint16_t* p) {
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// exp(x) for x <= 0, as exp16 computes it (the same reduction and polynomial); AVX2 has no
+// scalef, so 2^n is built in the exponent bits, and x below -87 (where that would leave the
+// normal range) gives 0, as exp16's flush does.
+inline __m256 exp8(__m256 x) {
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f);
+  const __m256 ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+  const __m256 floor = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, floor);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, ln2_hi, x);
+  r = _mm256_fnmadd_ps(n, ln2_lo, r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+// Lane t of the result is the sum of the 8 lanes of a[t]: eight dot products finished
+// together (4 + 2 horizontal adds, 2 lane permutes, 1 add) instead of a reduction each.
+inline __m256 transpose_sum8(const __m256 (&a)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]);
+  const __m256 t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]);
+  const __m256 t3 = _mm256_hadd_ps(a[6], a[7]);
+  // Per 128-bit half: the four-lane partial sums of rows 0-3 (u0) and 4-7 (u1).
+  const __m256 u0 = _mm256_hadd_ps(t0, t1);
+  const __m256 u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline float reduce_add8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float reduce_max8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+#endif  // __AVX2__ && __FMA__
+
 }  // namespace tandem
