@@ -32,6 +32,7 @@ SUITES = [
     HERE / "test_prefill_attention.py",
     HERE / "test_packed_linear.py",
     HERE / "test_avx2_linear.py",
+    HERE / "test_grouped_experts.py",
     TESTS / "models" / "test_models_vs_transformers.py",
 ]
 LOWER = [level.name for level in isa_levels() if level is not NATIVE_ISA]

@@ -10,6 +10,13 @@ its contiguous rows, the rows are scaled by their routing weights and added back
 tokens in expert order (as the reference adds them). Python loops over active experts only,
 never over tokens.
 
+On CPUs where the AVX2 kernel serves float32 (``pack_expert_weights``), the experts'
+weights are packed once at load and each projection is one grouped call for every active
+expert (``Avx2Linear.grouped_matmul``): the per-expert offsets stay a tensor the kernel
+reads (no host sync for the routing), and the (expert, panel) pairs are the work the cores
+share, where per-expert GEMMs of a dozen decode rows each left them mostly waiting on
+dispatch. The plain weights are then dropped: one copy of the model.
+
 Checkpoints name experts either one by one (``experts.{e}.gate_proj.weight``, ``up_proj``,
 ``down_proj``: Qwen3-MoE releases, and what transformers 5 writes) or fused
 (``experts.gate_up_proj`` [E, 2 I, H] and ``experts.down_proj`` [E, H, I]: Qwen3.5-MoE
@@ -18,14 +25,21 @@ releases, and transformers' in-memory layout); both load.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tandem.collectives import ProcessGroup
+from tandem.core.layers.activation import gated_activation_kernel
+from tandem.core.layers.avx2_linear import Avx2Linear, PackedExperts, pack_experts
 from tandem.core.layers.kernels import GATED_ACTIVATIONS, KernelHandle
 from tandem.core.layers.linear import _divide
+from tandem.core.layers.packed_linear import native_kernel, packing_enabled
 from tandem.core.layers.weights import LazyTensor, copy_checked
+
+logger = logging.getLogger(__name__)
 
 
 def fused_moe(
@@ -57,6 +71,29 @@ def fused_moe(
     return torch.zeros_like(x).index_add_(0, token, out)
 
 
+def grouped_fused_moe(
+    x: torch.Tensor,
+    kernel: Avx2Linear,
+    w13: PackedExperts,
+    w2: PackedExperts,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act: KernelHandle[torch.Tensor],
+) -> torch.Tensor:
+    """``fused_moe`` with each projection one grouped kernel call over every expert."""
+    num_choices = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # stable: a token's experts stay in id order
+    token = order // num_choices
+    offsets = torch.zeros(w13.experts + 1, dtype=torch.int64)
+    torch.cumsum(torch.bincount(flat, minlength=w13.experts), 0, out=offsets[1:])
+    rows = x.index_select(0, token)
+    hidden = act(kernel.grouped_matmul(rows, w13, offsets))
+    out = kernel.grouped_matmul(hidden, w2, offsets)
+    out.mul_(topk_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype))
+    return torch.zeros_like(x).index_add_(0, token, out)
+
+
 class FusedMoeExperts(nn.Module):
     def __init__(
         self,
@@ -84,12 +121,30 @@ class FusedMoeExperts(nn.Module):
         self._kernel = KernelHandle("fused_moe", fused_moe)
         # (expert or -1 for all, part) loaded so far: every expert must be covered.
         self._loaded: set[tuple[int, str]] = set()
+        # Set by pack(): the grouped CPU kernel and both projections in its layout.
+        self._grouped: tuple[Avx2Linear, PackedExperts, PackedExperts] | None = None
+        self._act = gated_activation_kernel(activation)
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """This rank's partial sums (all-reduce them across ranks)."""
+        grouped = self._grouped
+        if grouped is not None:
+            kernel, w13, w2 = grouped
+            return grouped_fused_moe(x, kernel, w13, w2, topk_weights, topk_ids, self._act)
         return self._kernel(x, self.w13, self.w2, topk_weights, topk_ids, self.activation)
+
+    def pack(self, kernel: Avx2Linear) -> bool:
+        """Pack both projections for ``kernel``'s grouped calls, in place of the plain
+        weights (the parameters then hold the packed layout, so the model's size counts
+        them once); False (nothing changed) where a shape does not fit its panels."""
+        w13, w2 = pack_experts(self.w13.data), pack_experts(self.w2.data)
+        if w13 is None or w2 is None:
+            return False
+        self._grouped = (kernel, w13, w2)
+        self.w13.data, self.w2.data = w13.packed, w2.packed
+        return True
 
     def load_checkpoint_tensor(self, suffix: str, loaded: LazyTensor, name: str) -> None:
         """``suffix``: the name after ``experts.`` (``3.up_proj.weight``, ``gate_up_proj``)."""
@@ -143,3 +198,20 @@ class FusedMoeExperts(nn.Module):
                 f"checkpoint tensor {name} (shape {tuple(shape)}) does not fit "
                 f"{self.num_experts} experts of intermediate size {self.intermediate_size}"
             )
+
+
+def pack_expert_weights(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """Pack the routed experts of a loaded CPU model for the grouped AVX2 kernel, where it
+    serves ``dtype`` (float32 on AVX2 CPUs without AVX-512); returns how many blocks."""
+    if device.type != "cpu" or dtype is not torch.float32 or not packing_enabled(dtype):
+        return 0
+    kernel = native_kernel(dtype)
+    if not isinstance(kernel, Avx2Linear):
+        return 0
+    packed = sum(
+        module.pack(kernel) for module in model.modules() if isinstance(module, FusedMoeExperts)
+    )
+    if packed:
+        logger.info("packed the routed experts of %d layers for grouped %s calls", packed,
+                    kernel.name)  # fmt: skip
+    return packed

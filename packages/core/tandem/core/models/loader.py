@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from tandem.collectives import ProcessGroup
 from tandem.core.errors import ModelLoadError
+from tandem.core.layers.fused_moe import pack_expert_weights
 from tandem.core.layers.packed_linear import pack_linear_weights
 from tandem.core.layers.weights import LazyTensor
 from tandem.core.models.model_config import ModelConfig
@@ -155,6 +156,7 @@ def _load(
     model.lm_head.weight.data.zero_()
     fill_from_checkpoint(model, weight_files(folder), f"loading {folder.name} (rank {group.rank})")
     pack_linear_weights(model, device, dtype)
+    pack_expert_weights(model, device, dtype)
     logger.info(
         "loaded %s (%s, %d layers) in %s", folder, config.architecture, config.num_layers, dtype
     )

@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include <omp.h>
 
@@ -159,11 +160,72 @@ int linear(float* out, const float* x, const float* w, int64_t M, int64_t N, int
   return 0;
 }
 
+// Expert e's rows [offsets[e], offsets[e + 1]) of x times expert e's weight, for every
+// expert at once: the (expert, panel) pairs with rows are the work items the threads share,
+// so a step's few rows per expert still keep every core busy, with one call per projection.
+int grouped(float* out, const float* x, const float* w, const int64_t* offsets,
+            int64_t experts, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo,
+            int32_t panel, int32_t num_threads) {
+  if (experts < 1 || N <= 0 || (panel != 16 && panel != 64) || N % panel != 0 || K < 1) {
+    return 1;
+  }
+  // Rows in order and within x: a bad offsets tensor is refused, never read past.
+  if (offsets[0] < 0 || offsets[experts] > M) return 1;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (offsets[e + 1] < offsets[e]) return 1;
+  }
+  const int64_t panels = N / panel;
+  const int64_t panel_floats = (K + kPad - 1) / kPad * kPad * panel;
+  const int64_t expert_floats = panels * panel_floats;
+  std::vector<int64_t> items;  // expert * panels + panel, for experts with rows
+  items.reserve(experts * panels);
+  for (int64_t e = 0; e < experts; ++e) {
+    if (offsets[e + 1] > offsets[e]) {
+      for (int64_t p = 0; p < panels; ++p) items.push_back(e * panels + p);
+    }
+  }
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int threads =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, count)));
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t e = items[i] / panels;
+    const int64_t p = items[i] % panels;
+    const float* wp = w + e * expert_floats + p * panel_floats;
+    const char* end = reinterpret_cast<const char*>(wp + panel_floats);
+    for (int64_t g0 = offsets[e]; g0 < offsets[e + 1]; g0 += kGroupRows) {
+      const int64_t gm = std::min(kGroupRows, offsets[e + 1] - g0);
+      const int64_t blocks = (gm + kRows - 1) / kRows;
+      Prefetch fetch{reinterpret_cast<const char*>(wp), end,
+                     static_cast<int>(std::max<int64_t>(1, (8 + blocks - 1) / blocks))};
+      float* op = out + g0 * ldo + p * panel;
+      for (int64_t s0 = 0; s0 < K; s0 += kChunk) {
+        const int64_t n = std::min(kChunk, K - s0);
+        const float* wc = wp + s0 * panel;
+        fetch.next = std::max(fetch.next, reinterpret_cast<const char*>(wc + n * panel));
+        chunk(s0 == 0, gm, op, ldo, x + g0 * ldx + s0, ldx, wc, panel, n, fetch);
+      }
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
 
 int tandem_avx2_built() { return 1; }
+
+// Grouped experts: out rows [offsets[e], offsets[e + 1]) = x rows of the same range times
+// expert e's weight [N, K], the experts' weights packed one after another, each as above
+// ([N / panel][Kp][panel]); x has M rows. Returns 0, or 1 for arguments it does not take.
+int tandem_avx2_grouped_linear_f32(float* out, const float* x, const void* w,
+                                   const int64_t* offsets, int64_t experts, int64_t M,
+                                   int64_t N, int64_t K, int64_t ldx, int64_t ldo,
+                                   int32_t panel, int32_t num_threads) {
+  return grouped(out, x, static_cast<const float*>(w), offsets, experts, M, N, K, ldx, ldo,
+                 panel, num_threads);
+}
 
 // out[m, n] (row stride ldo) = sum_k x[m, k] (row stride ldx) w[n, k], w packed as above in
 // panels of `panel` (16 or 64) columns. Returns 0, or 1 for shapes this kernel does not take
@@ -181,6 +243,11 @@ int tandem_avx2_linear_f32(float* out, const float* x, const void* w, int64_t M,
 
 extern "C" {
 int tandem_avx2_built() { return 0; }
+int tandem_avx2_grouped_linear_f32(float*, const float*, const void*, const int64_t*, int64_t,
+                                   int64_t, int64_t, int64_t, int64_t, int64_t, int32_t,
+                                   int32_t) {
+  return 1;
+}
 int tandem_avx2_linear_f32(float*, const float*, const void*, int64_t, int64_t, int64_t,
                            int64_t, int64_t, int32_t, int32_t, int32_t) {
   return 1;
