@@ -2,8 +2,9 @@
 worker, communicator and registry code runs on it unchanged.
 
 Every task is a real thread, but only one runs at a time. A task runs until it reaches a
-yield point (any facade call: lock, condition, thread start/join, ``yield_point``), hands
-control back, and waits to be picked again. The strategy picks among the tasks that can run.
+yield point (any facade call: lock, condition, thread start/join, ``yield_point``); there
+the strategy picks among the tasks that can run, and the task either goes on (picked again)
+or hands control straight to the one picked and waits to be picked itself.
 Time is virtual: when every task waits and some wait with a timeout, the clock jumps to the
 earliest deadline. When every task waits with no deadline, that is a deadlock, reported with
 what each task is blocked on. A task that blocks outside the facade (a raw lock, a sleep)
@@ -45,6 +46,14 @@ class _Signal:
         return self._lock.acquire(timeout=timeout)
 
 
+@dataclass(frozen=True)
+class _End:
+    """Why no task can be picked: all done (neither field), a deadlock, or the step limit."""
+
+    deadlock: str | None = None
+    stuck: str | None = None
+
+
 class SimulationAborted(BaseException):
     """Raised inside the tasks of an abandoned schedule, to unwind them."""
 
@@ -60,13 +69,6 @@ class _Task:
     wake: Callable[[], bool] | None = None
     deadline: float | None = None
     error: BaseException | None = None
-
-    def runnable(self, now: float) -> bool:
-        if self.done:
-            return False
-        if self.wake is None:
-            return True
-        return self.wake() or (self.deadline is not None and now >= self.deadline)
 
 
 @dataclass
@@ -207,6 +209,8 @@ class DeterministicScheduler:
         self._labels: list[str] = []
         self._aborted = False
         self._running: _Task | None = None
+        self._step = 0
+        self._end: _End | None = None
 
     # -- the Sync facade ----------------------------------------------------------------
 
@@ -231,7 +235,8 @@ class DeterministicScheduler:
                 "was scheduled: two tasks ran at once"
             )
         task.label = label
-        self._driver.post()
+        if self._hand_on(task) is task:
+            return  # picked again: no hand-off at all (most decisions are this one)
         task.sem.wait()
         if self._aborted:
             raise SimulationAborted(label)
@@ -253,7 +258,7 @@ class DeterministicScheduler:
             finally:
                 task.done = True
                 if not self._aborted:
-                    self._driver.post()
+                    self._hand_on(task)
 
         threading.Thread(target=body, name=f"sim-{task.name}", daemon=True).start()
         handle = SimThread(self, task)
@@ -299,36 +304,82 @@ class DeterministicScheduler:
     # -- driving ------------------------------------------------------------------------
 
     def run(self, main: Callable[[], None], name: str = "main") -> Outcome:
-        """Run ``main`` (and every thread it starts) to the end under the strategy."""
+        """Run ``main`` (and every thread it starts) to the end under the strategy.
+
+        The task that reaches a yield point makes the next decision itself and passes control
+        straight to the task chosen (or keeps it): the driver only starts the first task,
+        watches for a task that stops reaching yield points, and turns the end of the run
+        into the outcome. Decisions are the same as a central loop's, made at the same
+        points over the same state, since one task runs at a time."""
         self.start_thread(main, name)
-        step = 0
+        first = self._pick()
+        if isinstance(first, _Task):
+            first.sem.post()
+            seen = self._step
+            while not self._driver.wait(timeout=self.watchdog_s):
+                if self._step == seen:
+                    running = self._running
+                    assert running is not None
+                    return self._outcome(
+                        stuck=f"{running.name} blocked outside the simulator's control after "
+                        f"{running.label!r} (a raw lock, sleep or queue?), at:\n"
+                        + self._where(running)
+                    )
+                seen = self._step
+            end = self._end
+        else:
+            end = first
+        assert end is not None
+        return self._outcome(deadlock=end.deadlock, stuck=end.stuck)
+
+    def _hand_on(self, caller: _Task) -> _Task | None:
+        """Make the next decision from the calling task and hand control to the task chosen
+        (the caller keeps it without a post, which its next wait would take for a hand-off);
+        at the end of the run (or a deadlock, or the step limit) wake the driver instead."""
+        picked = self._pick()
+        if isinstance(picked, _Task):
+            if picked is not caller:
+                picked.sem.post()
+            return picked
+        self._end = picked
+        self._driver.post()
+        return None
+
+    def _pick(self) -> _Task | _End:
+        """The next decision: the strategy's choice among the runnable tasks, recorded, or why
+        there is none. Advancing virtual time to the earliest deadline is its only other
+        effect, and it is the same whoever calls it."""
         while True:
-            live = [t for t in self._tasks if not t.done]
-            if not live:
-                break
-            runnable = [t for t in live if t.runnable(self._now)]
-            if not runnable:
-                deadlines = [t.deadline for t in live if t.deadline is not None]
-                if deadlines:
-                    self._now = max(self._now, min(deadlines))
+            now = self._now
+            live = False
+            runnable: list[_Task] = []
+            for t in self._tasks:
+                if t.done:
                     continue
-                graph = "; ".join(f"{t.name} waits on {t.blocked_on}" for t in live)
-                return self._outcome(deadlock=graph)
-            if step >= self.max_steps:
-                return self._outcome(stuck=f"no end after {self.max_steps} steps")
-            chosen_name = self.strategy.choose([t.name for t in runnable], step)
-            chosen = next(t for t in runnable if t.name == chosen_name)
-            self._decisions.append(chosen.name)
-            self._labels.append(chosen.label)
-            step += 1
-            self._running = chosen
-            chosen.sem.post()
-            if not self._driver.wait(timeout=self.watchdog_s):
-                return self._outcome(
-                    stuck=f"{chosen.name} blocked outside the simulator's control after "
-                    f"{chosen.label!r} (a raw lock, sleep or queue?), at:\n" + self._where(chosen)
+                live = True
+                wake = t.wake
+                if wake is None or wake() or (t.deadline is not None and now >= t.deadline):
+                    runnable.append(t)
+            if not live:
+                return _End()
+            if runnable:
+                break
+            deadlines = [t.deadline for t in self._tasks if not t.done and t.deadline is not None]
+            if not deadlines:
+                graph = "; ".join(
+                    f"{t.name} waits on {t.blocked_on}" for t in self._tasks if not t.done
                 )
-        return self._outcome()
+                return _End(deadlock=graph)
+            self._now = max(now, min(deadlines))
+        if self._step >= self.max_steps:
+            return _End(stuck=f"no end after {self.max_steps} steps")
+        chosen_name = self.strategy.choose([t.name for t in runnable], self._step)
+        chosen = next(t for t in runnable if t.name == chosen_name)
+        self._decisions.append(chosen.name)
+        self._labels.append(chosen.label)
+        self._step += 1
+        self._running = chosen
+        return chosen
 
     def _where(self, task: _Task) -> str:
         for ident, owner in self._by_thread.items():
