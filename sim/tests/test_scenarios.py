@@ -54,10 +54,11 @@ SUITE_SCHEDULES = {
     "hybrid_first_request": 120,
 }
 # The lifecycle scenarios run a whole engine per schedule (tens of TP=2 steps, 0.2-0.5 s on
-# one Zen 1 core, the recommender's the slowest): 160 each in the suite, as two seeds of 80
-# the suite's workers share; 10,000 each in `tox -e sim-deep`.
+# one Zen 1 core, the recommender's the slowest): 120 each in the suite, as two seeds of 60
+# the suite's workers share (their broken variants are caught in 1); 10,000 each in
+# `tox -e sim-deep`.
 LIFECYCLE = sorted(name for name in CORRECT if "lifecycle" in name)
-LIFECYCLE_SEEDS, LIFECYCLE_PER_SEED = 2, 80
+LIFECYCLE_SEEDS, LIFECYCLE_PER_SEED = 2, 60
 
 
 @pytest.mark.parametrize("name", [name for name in CORRECT if name not in LIFECYCLE])
