@@ -34,9 +34,11 @@ from tandem.core.layers.native_linear import (
 logger = logging.getLogger(__name__)
 
 SOURCE = CSRC / "avx2_linear.cpp"
-# Batches up to this many rows go to the kernel (every step of the default token budget and
-# more); larger ones to oneDNN.
-MAX_ROWS = 8192
+# Batches up to this many rows go to the kernel, larger ones to oneDNN: on a 2-core Zen 1
+# guest (`benchmarks/linear_kernels.py`, the bench model's 33 weights) the kernel is 13%
+# ahead at 48 rows, level at 96 and 128, and 3-10% behind from 192 to 2048, where oneDNN's
+# blocking for cache pays and the weight stream no longer limits.
+MAX_ROWS = 128
 # Panel widths oneDNN's AVX2 layouts use, the wider (more common) tried first.
 PANELS = (64, 16)
 K_PAD = 16
@@ -56,15 +58,24 @@ class Avx2Linear(PackedWeightKernel):
     # their scale); a misread layout misses by the outputs' own size.
     tolerance = 1e-4
 
-    def __init__(self, lib: ctypes.CDLL, panel: int = PANELS[0]) -> None:
+    def __init__(self, lib: ctypes.CDLL, panel: int = PANELS[0], max_rows: int = MAX_ROWS) -> None:
         self.panel = panel
-        self.bind(lib.tandem_avx2_linear_f32, limits=(MAX_ROWS, panel))
+        self.max_rows = max_rows
+        self._lib = lib
+        self.bind(lib.tandem_avx2_linear_f32, limits=(max_rows, panel))
         self._grouped = lib.tandem_avx2_grouped_linear_f32
         self._grouped.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_int32] * 2
         self._grouped.restype = ctypes.c_int
         self._others = (
-            [Avx2Linear(lib, p) for p in PANELS if p != panel] if panel == PANELS[0] else []
+            [Avx2Linear(lib, p, max_rows) for p in PANELS if p != panel]
+            if panel == PANELS[0]
+            else []
         )
+
+    def taking_rows(self, max_rows: int) -> Avx2Linear:
+        """The same kernel taking batches of up to ``max_rows`` rows (the kernel itself takes
+        any number, in groups of 512; MAX_ROWS is where serving hands over to oneDNN)."""
+        return Avx2Linear(self._lib, self.panel, max_rows)
 
     def readable(self, out_features: int, in_features: int) -> bool:
         # Columns off whole panels are padded by oneDNN; the kernel does not walk them.
