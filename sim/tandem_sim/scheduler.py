@@ -209,7 +209,6 @@ class DeterministicScheduler:
         self._labels: list[str] = []
         self._aborted = False
         self._running: _Task | None = None
-        self._step = 0
         self._end: _End | None = None
 
     # -- the Sync facade ----------------------------------------------------------------
@@ -315,9 +314,11 @@ class DeterministicScheduler:
         first = self._pick()
         if isinstance(first, _Task):
             first.sem.post()
-            seen = self._step
+            # Progress is the decisions made: a task that reaches none in a watchdog period
+            # is blocked outside the simulator.
+            seen = len(self._decisions)
             while not self._driver.wait(timeout=self.watchdog_s):
-                if self._step == seen:
+                if len(self._decisions) == seen:
                     running = self._running
                     assert running is not None
                     return self._outcome(
@@ -325,7 +326,7 @@ class DeterministicScheduler:
                         f"{running.label!r} (a raw lock, sleep or queue?), at:\n"
                         + self._where(running)
                     )
-                seen = self._step
+                seen = len(self._decisions)
             end = self._end
         else:
             end = first
@@ -371,13 +372,13 @@ class DeterministicScheduler:
                 )
                 return _End(deadlock=graph)
             self._now = max(now, min(deadlines))
-        if self._step >= self.max_steps:
+        step = len(self._decisions)
+        if step >= self.max_steps:
             return _End(stuck=f"no end after {self.max_steps} steps")
-        chosen_name = self.strategy.choose([t.name for t in runnable], self._step)
+        chosen_name = self.strategy.choose([t.name for t in runnable], step)
         chosen = next(t for t in runnable if t.name == chosen_name)
         self._decisions.append(chosen.name)
         self._labels.append(chosen.label)
-        self._step += 1
         self._running = chosen
         return chosen
 
