@@ -93,6 +93,8 @@ def test_packed_layers_use_the_kernel_only_where_it_applies() -> None:
     biased = RowParallelLinear(256, 192, bias=True, group=group).to(torch.bfloat16)
     for layer in (plain, biased):
         layer.weight.data = (torch.randn(192, 256) * 0.05).bfloat16()
+    assert biased.bias is not None  # torch.empty until set: it could hold NaN or 1e13
+    biased.bias.data = torch.randn(192).bfloat16()
     weights = {id(layer): layer.weight.detach().clone() for layer in (plain, biased)}
     assert pack_linear_weights(plain, CPU, torch.bfloat16) == 1
     assert pack_linear_weights(biased, CPU, torch.bfloat16) == 1
