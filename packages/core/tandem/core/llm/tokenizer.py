@@ -19,6 +19,46 @@ from tandem.core.llm.time_limit import TimeLimitExceeded, time_limit
 logger = logging.getLogger(__name__)
 
 
+# (model_type, tokenizer_class) pairs that AutoTokenizer resolves to the generic TokenizersBackend
+# (test_tokenizer_loading checks it against the installed transformers). Going there directly
+# skips importing AutoTokenizer, which scans every model folder of transformers and imports
+# torch.distributed's tensor code: 3-4 s of every start-up on a small CPU. Other pairs
+# (Qwen2Tokenizer checkpoints, the model types transformers overrides, remote code) go through
+# AutoTokenizer.
+GENERIC_TOKENIZER_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama", "qwen3", "qwen3_moe"})
+
+
+def loads_directly(folder: Path) -> bool:
+    """Whether ``folder``'s tokenizer is one AutoTokenizer would load as TokenizersBackend."""
+    try:
+        declared = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        model = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(declared, dict) or not isinstance(model, dict) or "auto_map" in declared:
+        return False
+    return (
+        declared.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES
+        and model.get("model_type") in GENERIC_TOKENIZER_MODEL_TYPES
+    )
+
+
+def _load(folder: Path) -> Any:
+    # Imported here: transformers is slow to import and only the engine needs it.
+    if loads_directly(folder):
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(folder), local_files_only=True)
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception:  # noqa: BLE001 - fall back to the bare tokenizer.json
+        logger.info("AutoTokenizer could not read %s; using tokenizer.json directly", folder)
+        return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))  # type: ignore[no-untyped-call]
+
+
 class Tokenizer:
     def __init__(self, folder: str | Path) -> None:
         folder = Path(folder)
@@ -26,14 +66,7 @@ class Tokenizer:
             raise ModelLoadError(
                 f"{folder} has no tokenizer.json; Tandem needs a fast (tokenizer.json) tokenizer"
             )
-        # Imported here: transformers is slow to import and only the engine needs it.
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-        try:
-            tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        except Exception:  # noqa: BLE001 - fall back to the bare tokenizer.json
-            logger.info("AutoTokenizer could not read %s; using tokenizer.json directly", folder)
-            tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))  # type: ignore[no-untyped-call]
+        tok = _load(folder)
         template = folder / "chat_template.jinja"
         if getattr(tok, "chat_template", None) is None and template.is_file():
             tok.chat_template = template.read_text(encoding="utf-8")

@@ -10,13 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-import httpx
-
 from tandem.server.bench.rec import SETTINGS, Workload, format_rec_table, run_interleaved, run_one
-from tandem.server.bench.report import format_table
-from tandem.server.bench.runner import BenchConfig, run_benchmark, run_on_fast_loop
-from tandem.server.bench.soak import SoakConfig, format_report, run_soak
 from tandem.server.bench.soak_server import TOPOLOGIES
 from tandem.server.bench.soak_workload import Mix
 
@@ -114,6 +108,11 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def run_soak_command(args: argparse.Namespace) -> int:
+    # Imported here: the HTTP clients cost every other command 0.4 s of start-up.
+    import httpx
+
+    from tandem.server.bench.soak import SoakConfig, format_report, run_soak
+
     for name in ("duration", "concurrency", "num_blocks", "max_waiting_requests", "max_prompt",
                  "max_tokens"):  # fmt: skip
         if getattr(args, name) <= 0:
@@ -143,6 +142,7 @@ def run_soak_command(args: argparse.Namespace) -> int:
         ],
         seed=args.seed,
     )
+
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         report = run_soak(config)
@@ -195,6 +195,11 @@ def run_rec(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    import aiohttp
+
+    from tandem.server.bench.report import format_table
+    from tandem.server.bench.runner import BenchConfig, run_benchmark, run_on_fast_loop
+
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)

@@ -15,11 +15,9 @@ from tandem.core.executor.follower import run_follower
 from tandem.core.llm.model_runner import LLMRunnerFactory
 from tandem.core.models.rec_config import is_rec_folder
 from tandem.core.rec.service import RecService
-from tandem.server.app import create_app
 from tandem.server.cli.chat_args import add_chat_args, chat_config_from_args
 from tandem.server.cli.engine_args import add_engine_args, engine_config_from_args
 from tandem.server.metrics import ServerMetrics
-from tandem.server.rec_app import RecMetrics, RecServerState, create_rec_app
 from tandem.server.state import ServerLimits, ServerState
 from tandem.server.supervision import EXIT_ENGINE_FAILED, SupervisedServer
 
@@ -161,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     # Flags that cannot work fail before the model loads.
     chat_config = chat_config_from_args(args)
+    # Imported here, as in _serve_rec: FastAPI costs every other command half a second.
+    from tandem.server.app import create_app
+
     engine = LLMEngine(config)
     metrics = ServerMetrics(engine, name)
     loop = EngineLoop(engine, on_finished=metrics.observe_finished)
@@ -219,6 +220,8 @@ def _serve_rec(
     args: argparse.Namespace, config: EngineConfig, name: str, limits: ServerLimits
 ) -> int:
     """A generative recommender: the fixed-steps engine behind /v1/recommendations."""
+    from tandem.server.rec_app import RecMetrics, RecServerState, create_rec_app
+
     service = RecService(config)
     state = RecServerState(
         service=service,
