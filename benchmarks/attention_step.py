@@ -31,14 +31,16 @@ from typing import Any
 import torch
 
 from tandem.collectives import SingleRankGroup
+from tandem.core.kernels import attention_metadata
+from tandem.core.kernels.cpu import attention_groups
+from tandem.core.kernels.cpu.flash_prefill import flash_prefill_dtypes
+from tandem.core.kernels.cpu.packed_linear import pack_linear_weights
+from tandem.core.kernels.cpu.paged_attention import native_paged_attention
+from tandem.core.kernels.cpu.prefill_attention import native_prefill_attention
+from tandem.core.kernels.reference import paged_attention as attention_reference
 from tandem.core.kv.cache_sizing import CacheSize
-from tandem.core.layers import attention as attention_module
 from tandem.core.layers import embedding, linear
 from tandem.core.layers.attention import PagedAttention
-from tandem.core.layers.flash_prefill import flash_prefill_dtypes
-from tandem.core.layers.packed_linear import pack_linear_weights
-from tandem.core.layers.paged_attention_cpu import native_paged_attention
-from tandem.core.layers.prefill_attention_cpu import native_prefill_attention
 from tandem.core.layers.replicated_linear import ReplicatedLinear
 from tandem.core.llm.attention_metadata import build_attention_metadata
 from tandem.core.llm.forward_input import ForwardInput, SamplingBatch
@@ -181,7 +183,7 @@ def sdpa_prefill(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    group: attention_module.AttentionGroup,
+    group: attention_metadata.AttentionGroup,
     scale: float,
     out: torch.Tensor,
 ) -> torch.Tensor:
@@ -203,7 +205,7 @@ def sdpa_prefill(
 def use_prefill_path(model: CausalLM, dtype: torch.dtype, path: str) -> None:
     """``path``: "sdpa" (torch's SDPA on every chunk), "native" (the native kernel on every
     chunk) or "serving" (what the engine picks on this CPU: long fresh prompts through flash
-    attention where that is faster, see ``layers/flash_prefill.py``)."""
+    attention where that is faster, see ``kernels/cpu/flash_prefill.py``)."""
     kernel = native_prefill_attention()
     for layer in model.attention_layers():
         if path == "sdpa":
@@ -211,7 +213,7 @@ def use_prefill_path(model: CausalLM, dtype: torch.dtype, path: str) -> None:
         else:
             assert kernel is not None
             flash = None if path == "serving" else frozenset[torch.dtype]()
-            impl = attention_module.native_prefill(kernel, flash_dtypes=flash)
+            impl = attention_groups.native_prefill(kernel, flash_dtypes=flash)
         layer._prefill._resolved = (dtype, impl)
 
 
@@ -220,9 +222,9 @@ def use_path(model: CausalLM, dtype: torch.dtype, native: bool) -> None:
     for layer in model.attention_layers():
         if native:
             assert kernel is not None
-            impl = attention_module.native_decode(kernel)
+            impl = attention_groups.native_decode(kernel)
         else:
-            impl = attention_module.reference_decode
+            impl = attention_reference.reference_decode
         layer._decode._resolved = (dtype, impl)
 
 

@@ -1,4 +1,4 @@
-"""Our linear kernels (``layers/native_linear``) against oneDNN on the same packed weights:
+"""Our linear kernels (``kernels/cpu/native_linear``) against oneDNN on the same packed weights:
 the bench model's weight shapes, one shape at a time and all 33 weights of a forward pass
 in sequence (8 layers x qkv/o/gate_up/down, then the LM head), at the batch sizes given.
 The two sides run interleaved (A B A B), each figure the median of --rounds; oneDNN's
@@ -18,8 +18,8 @@ from functools import partial
 
 import torch
 
-from tandem.core.layers.native_linear import AdoptedWeight
-from tandem.core.layers.packed_linear import native_kernel
+from tandem.core.kernels.cpu.native_linear import AdoptedWeight
+from tandem.core.kernels.cpu.packed_linear import native_kernel
 
 # [out_features, in_features] of the bench model (`tandem make-demo-model --preset bench`).
 SHAPES = {

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 from harness import MODEL_NAME, ServerFactory
 
-from tandem.core.layers import native_build
-from tandem.core.layers.native_build import selected_isa
+from tandem.core.kernels.cpu import native_build
+from tandem.core.kernels.cpu.native_build import selected_isa
 
 
 def _libraries(cache: Path) -> set[str]:

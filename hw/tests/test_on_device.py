@@ -14,8 +14,9 @@ from harness import generate_token_ids
 from reference_models import write_reference_model
 from tandem_hw.accelerator_runtime import AcceleratorRuntime
 
-from tandem.core.layers.activation import gated_activation_kernel
-from tandem.core.layers.kernels import KernelHandle, rms_norm, rotary
+from tandem.core.kernels.handle import KernelHandle
+from tandem.core.kernels.handles import gated_activation
+from tandem.core.kernels.reference.elementwise import rms_norm, rotary
 from tandem.device import BoundContext, Device, KernelRegistry, bind_context, get_runtime
 
 NEW_TOKENS = 32
@@ -63,7 +64,7 @@ def test_first_use_kernel_registration_happens_once_per_device(accelerator: str)
             xd, wd = x.to(target), weight.to(target)
             cos = torch.ones(4, 8, 32, device=target)
             sin = torch.zeros(4, 8, 32, device=target)
-            handles = [KernelHandle("rms_norm", rms_norm), gated_activation_kernel("silu"),
+            handles = [KernelHandle("rms_norm", rms_norm), gated_activation("silu"),
                      KernelHandle("rotary", rotary)]  # fmt: skip
             barrier.wait(timeout=60)
             normed = handles[0](xd, wd, 1e-6)

@@ -15,7 +15,7 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as ref35
 from transformers.models.qwen3_moe import modeling_qwen3_moe as ref3
 
 from tandem.collectives import ProcessGroup, SingleRankGroup, create_inprocess_groups
-from tandem.core.layers.fused_moe import fused_moe
+from tandem.core.kernels.reference.fused_moe import fused_moe
 from tandem.core.layers.sparse_moe_block import SparseMoeBlock
 
 HIDDEN, EXPERTS, TOP_K, INTER, SHARED = 32, 8, 2, 16, 24

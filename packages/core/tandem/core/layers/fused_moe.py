@@ -5,17 +5,10 @@ With tensor parallelism every rank holds every expert, its slice of the intermed
 (I / tp rows of gate and of up, I / tp columns of down), and returns partial sums that the
 caller all-reduces once.
 
-Compute: the (token, choice) pairs are sorted by expert, each active expert runs two GEMMs on
-its contiguous rows, the rows are scaled by their routing weights and added back to their
-tokens in expert order (as the reference adds them). Python loops over active experts only,
-never over tokens.
-
-On CPUs where the AVX2 kernel serves float32 (``pack_expert_weights``), the experts'
-weights are packed once at load and each projection is one grouped call for every active
-expert (``Avx2Linear.grouped_matmul``): the per-expert offsets stay a tensor the kernel
-reads (no host sync for the routing), and the (expert, panel) pairs are the work the cores
-share, where per-expert GEMMs of a dozen decode rows each left them mostly waiting on
-dispatch. The plain weights are then dropped: one copy of the model.
+Compute: the ``fused_moe`` kernel (``kernels/handles.py``). On CPUs where the AVX2 kernel
+serves float32 (``pack_expert_weights``), the experts' weights are packed once at load and
+each projection is one grouped call for every active expert (``kernels/cpu/grouped_moe.py``);
+the plain weights are then dropped: one copy of the model.
 
 Checkpoints name experts either one by one (``experts.{e}.gate_proj.weight``, ``up_proj``,
 ``down_proj``: Qwen3-MoE releases, and what transformers 5 writes) or fused
@@ -28,70 +21,18 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.collectives import ProcessGroup
-from tandem.core.layers.activation import gated_activation_kernel
-from tandem.core.layers.avx2_linear import Avx2Linear, PackedExperts, pack_experts
-from tandem.core.layers.kernels import GATED_ACTIVATIONS, KernelHandle
+from tandem.core.kernels import handles
+from tandem.core.kernels.cpu.avx2_linear import Avx2Linear, PackedExperts, pack_experts
+from tandem.core.kernels.cpu.grouped_moe import grouped_fused_moe
+from tandem.core.kernels.cpu.packed_linear import native_kernel, packing_enabled
+from tandem.core.kernels.reference.elementwise import GATED_ACTIVATIONS
 from tandem.core.layers.linear import _divide
-from tandem.core.layers.packed_linear import native_kernel, packing_enabled
 from tandem.core.layers.weights import LazyTensor, copy_checked
 
 logger = logging.getLogger(__name__)
-
-
-def fused_moe(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str,
-) -> torch.Tensor:
-    """``x`` [T, H], ``topk_weights``/``topk_ids`` [T, k] -> [T, H]: sum over each token's k
-    experts of weight * down(act(gate(x)) * up(x))."""
-    act = GATED_ACTIVATIONS[activation]
-    num_choices = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # stable: a token's experts stay in id order
-    token = order // num_choices
-    counts = torch.bincount(flat, minlength=w13.shape[0])
-    active = counts.nonzero().squeeze(1)
-    rows = x.index_select(0, token)
-    out = torch.empty_like(rows)
-    start = 0
-    for expert, count in zip(active.tolist(), counts[active].tolist(), strict=True):
-        end = start + count
-        hidden = act(F.linear(rows[start:end], w13[expert]))
-        torch.matmul(hidden, w2[expert].t(), out=out[start:end])
-        start = end
-    out.mul_(topk_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype))
-    return torch.zeros_like(x).index_add_(0, token, out)
-
-
-def grouped_fused_moe(
-    x: torch.Tensor,
-    kernel: Avx2Linear,
-    w13: PackedExperts,
-    w2: PackedExperts,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    act: KernelHandle[torch.Tensor],
-) -> torch.Tensor:
-    """``fused_moe`` with each projection one grouped kernel call over every expert."""
-    num_choices = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # stable: a token's experts stay in id order
-    token = order // num_choices
-    offsets = torch.zeros(w13.experts + 1, dtype=torch.int64)
-    torch.cumsum(torch.bincount(flat, minlength=w13.experts), 0, out=offsets[1:])
-    rows = x.index_select(0, token)
-    hidden = act(kernel.grouped_matmul(rows, w13, offsets))
-    out = kernel.grouped_matmul(hidden, w2, offsets)
-    out.mul_(topk_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype))
-    return torch.zeros_like(x).index_add_(0, token, out)
 
 
 class FusedMoeExperts(nn.Module):
@@ -118,12 +59,12 @@ class FusedMoeExperts(nn.Module):
         self.w2 = nn.Parameter(
             torch.empty(num_experts, hidden_size, self.local_size), requires_grad=False
         )
-        self._kernel = KernelHandle("fused_moe", fused_moe)
+        self._kernel = handles.fused_moe()
         # (expert or -1 for all, part) loaded so far: every expert must be covered.
         self._loaded: set[tuple[int, str]] = set()
         # Set by pack(): the grouped CPU kernel and both projections in its layout.
         self._grouped: tuple[Avx2Linear, PackedExperts, PackedExperts] | None = None
-        self._act = gated_activation_kernel(activation)
+        self._act = handles.gated_activation(activation)
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from tandem.collectives import ProcessGroup
-from tandem.core.layers.attention import AttentionMetadata, PagedAttention
+from tandem.core.kernels.attention_metadata import AttentionMetadata
+from tandem.core.layers.attention import PagedAttention
 from tandem.core.layers.linear import QKVParallelLinear, RowParallelLinear
 from tandem.core.layers.partial_rotary import PartialRotaryEmbedding
 from tandem.core.layers.zero_centered_rms_norm import ZeroCenteredRMSNorm

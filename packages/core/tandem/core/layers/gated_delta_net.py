@@ -24,17 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.collectives import ProcessGroup
-from tandem.core.layers.attention import AttentionMetadata
-from tandem.core.layers.causal_conv1d import (
-    causal_conv1d_prefill,
-    causal_conv1d_update,
-    check_activation,
-)
-from tandem.core.layers.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from tandem.core.kernels import handles
+from tandem.core.kernels.attention_metadata import AttentionMetadata
+from tandem.core.kernels.linear_attention_metadata import LinearAttentionMetadata
+from tandem.core.kernels.reference.causal_conv1d import check_activation
 from tandem.core.layers.gated_rms_norm import GatedRMSNorm
-from tandem.core.layers.kernels import KernelHandle
 from tandem.core.layers.linear import RowParallelLinear, _divide
-from tandem.core.layers.linear_attention_metadata import LinearAttentionMetadata
 from tandem.core.layers.sectioned_linear import SectionedColumnParallelLinear, load_sections
 from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
 
@@ -103,10 +98,10 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(value_dim, hidden_size, bias=False, group=group)
         self.conv_state = torch.empty(0)
         self.recurrent_state = torch.empty(0)
-        self._conv_prefill = KernelHandle("causal_conv1d_prefill", causal_conv1d_prefill)
-        self._conv_update = KernelHandle("causal_conv1d_update", causal_conv1d_update)
-        self._delta_chunked = KernelHandle("chunk_gated_delta_rule", chunk_gated_delta_rule)
-        self._delta_step = KernelHandle("recurrent_gated_delta_rule", recurrent_gated_delta_rule)
+        self._conv_prefill = handles.causal_conv1d_prefill()
+        self._conv_update = handles.causal_conv1d_update()
+        self._delta_chunked = handles.chunk_gated_delta_rule()
+        self._delta_step = handles.recurrent_gated_delta_rule()
 
     def load_weight(self, param: nn.Parameter, loaded: LazyTensor, name: str) -> None:
         """A_log and dt_bias: this rank's value heads."""

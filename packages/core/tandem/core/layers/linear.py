@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tandem.collectives import ProcessGroup
-from tandem.core.layers.packed_linear import PackableLinear
+from tandem.core.kernels.cpu.packed_linear import PackableLinear
 from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
 
 

@@ -6,12 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.core.layers.kernels import (
-    KernelHandle,
-    add_rms_norm,
-    native_elementwise_kernel,
-    rms_norm,
-)
+from tandem.core.kernels import handles
 from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
 
 
@@ -20,12 +15,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self._kernel: KernelHandle[torch.Tensor] = KernelHandle(
-            "rms_norm", rms_norm, native_elementwise_kernel("rms_norm")
-        )
-        self._add_kernel: KernelHandle[tuple[torch.Tensor, torch.Tensor]] = KernelHandle(
-            "add_rms_norm", add_rms_norm, native_elementwise_kernel("add_rms_norm")
-        )
+        self._kernel = handles.rms_norm()
+        self._add_kernel = handles.add_rms_norm()
 
     def load_weight(self, param: nn.Parameter, loaded: LazyTensor, name: str) -> None:
         copy_checked(param.data, read_shard(loaded, 0, 0, param.shape[0]), name)

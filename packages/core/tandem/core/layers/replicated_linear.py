@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.core.layers.packed_linear import PackableLinear
+from tandem.core.kernels.cpu.packed_linear import PackableLinear
 from tandem.core.layers.weights import LazyTensor, copy_checked
 
 

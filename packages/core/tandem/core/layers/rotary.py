@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.core.layers.kernels import KernelHandle, rotary
+from tandem.core.kernels import handles
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -67,7 +67,7 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         self.theta = theta
         self.scaling = scaling
-        self._kernel = KernelHandle("rotary", rotary)
+        self._kernel = handles.rotary()
         self.register_buffer("cos", torch.empty(max_position, head_dim // 2, dtype=dtype), False)
         self.register_buffer("sin", torch.empty(max_position, head_dim // 2, dtype=dtype), False)
         self.reset_buffers()

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from tandem.collectives import ProcessGroup
+from tandem.core.kernels.reference.elementwise import GATED_ACTIVATIONS
 from tandem.core.layers.fused_moe import FusedMoeExperts
-from tandem.core.layers.kernels import GATED_ACTIVATIONS
 from tandem.core.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from tandem.core.layers.replicated_linear import ReplicatedLinear
 

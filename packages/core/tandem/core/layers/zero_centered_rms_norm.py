@@ -6,15 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.core.layers.kernels import KernelHandle
+from tandem.core.kernels import handles
 from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
-
-
-def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Unlike Llama's RMSNorm, the scale multiplies before rounding: (x * w).to(dtype).
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * (1.0 + weight.float())).to(x.dtype)
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -22,7 +15,7 @@ class ZeroCenteredRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
-        self._kernel = KernelHandle("rms_norm_zero_centered", rms_norm_zero_centered)
+        self._kernel = handles.rms_norm_zero_centered()
 
     def load_weight(self, param: nn.Parameter, loaded: LazyTensor, name: str) -> None:
         copy_checked(param.data, read_shard(loaded, 0, 0, param.shape[0]), name)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.core.layers.attention import AttentionGroup, AttentionMetadata
-from tandem.core.layers.linear_attention_metadata import build_linear_attention_metadata
+from tandem.core.kernels.attention_metadata import AttentionGroup, AttentionMetadata
+from tandem.core.kernels.linear_attention_metadata import build_linear_attention_metadata
 from tandem.core.llm.forward_input import ForwardInput
 
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import torch
 
+from tandem.core.kernels.cpu.packed_linear import packed_bytes
 from tandem.core.kv.cache_sizing import CacheSize
 from tandem.core.kv.kv_cache import allocate_kv_cache, bytes_per_block
 from tandem.core.layers.linear_attention_state import (
     allocate_linear_attention_state,
     state_bytes_per_slot,
 )
-from tandem.core.layers.packed_linear import packed_bytes
 from tandem.core.layers.weights import parameter_bytes
 from tandem.core.llm.attention_metadata import build_attention_metadata
 from tandem.core.llm.forward_input import ForwardInput, SamplerOutput

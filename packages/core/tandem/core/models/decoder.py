@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from tandem.collectives import ProcessGroup
-from tandem.core.layers.activation import gated_activation_kernel
-from tandem.core.layers.attention import AttentionMetadata, PagedAttention
+from tandem.core.kernels import handles
+from tandem.core.kernels.attention_metadata import AttentionMetadata
+from tandem.core.layers.attention import PagedAttention
 from tandem.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.core.layers.gated_delta_net import GatedDeltaNet
-from tandem.core.layers.kernels import KernelHandle, native_elementwise_kernel, qk_norm_rotary
 from tandem.core.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -51,9 +51,7 @@ class DecoderAttention(nn.Module):
             self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
         )
         # Qwen3's q/k norm and the rotary embedding: one fused pass over q and k on CPU.
-        self._qk: KernelHandle[tuple[torch.Tensor, torch.Tensor]] = KernelHandle(
-            "qk_norm_rotary", qk_norm_rotary, native_elementwise_kernel("qk_norm_rotary")
-        )
+        self._qk = handles.qk_norm_rotary()
         self._eps = config.rms_norm_eps
 
     def forward(
@@ -79,7 +77,7 @@ class DecoderAttention(nn.Module):
 class DecoderMLP(nn.Module):
     def __init__(self, config: ModelConfig, group: ProcessGroup):
         super().__init__()
-        self.act = gated_activation_kernel(config.hidden_act)
+        self.act = handles.gated_activation(config.hidden_act)
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias, group=group
         )

@@ -16,8 +16,8 @@ from tqdm import tqdm
 
 from tandem.collectives import ProcessGroup
 from tandem.core.errors import ModelLoadError
+from tandem.core.kernels.cpu.packed_linear import pack_linear_weights
 from tandem.core.layers.fused_moe import pack_expert_weights
-from tandem.core.layers.packed_linear import pack_linear_weights
 from tandem.core.layers.weights import LazyTensor
 from tandem.core.models.model_config import ModelConfig
 from tandem.core.models.registry import CausalLM, model_class

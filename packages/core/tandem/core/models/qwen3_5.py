@@ -30,14 +30,15 @@ import torch
 from torch import nn
 
 from tandem.collectives import ProcessGroup
-from tandem.core.layers.attention import AttentionMetadata, PagedAttention
-from tandem.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tandem.core.layers.gated_attention import GatedAttention
-from tandem.core.layers.gated_delta_net import GatedDeltaNet
-from tandem.core.layers.linear_attention_metadata import (
+from tandem.core.kernels.attention_metadata import AttentionMetadata
+from tandem.core.kernels.linear_attention_metadata import (
     LinearAttentionMetadata,
     build_linear_attention_metadata,
 )
+from tandem.core.layers.attention import PagedAttention
+from tandem.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tandem.core.layers.gated_attention import GatedAttention
+from tandem.core.layers.gated_delta_net import GatedDeltaNet
 from tandem.core.layers.linear_attention_state import state_bytes_per_slot
 from tandem.core.layers.partial_rotary import PartialRotaryEmbedding
 from tandem.core.layers.weights import LazyTensor

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.collectives import ProcessGroup
-from tandem.core.layers.activation import gated_activation_kernel
+from tandem.core.kernels import handles
 from tandem.core.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -81,7 +81,7 @@ class RecAttention(nn.Module):
 class RecMLP(nn.Module):
     def __init__(self, config: RecModelConfig, group: ProcessGroup) -> None:
         super().__init__()
-        self.act = gated_activation_kernel("silu")
+        self.act = handles.gated_activation("silu")
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.intermediate_size] * 2, bias=False, group=group
         )

@@ -14,8 +14,8 @@ from tandem.collectives import ProcessGroup, ReduceOp
 from tandem.collectives.thread_bound import ThreadBoundGroup
 from tandem.core.config import EngineConfig
 from tandem.core.faults import NO_FAULTS
+from tandem.core.kernels.cpu.startup import preparing_cpu_kernels
 from tandem.core.kv.cache_sizing import CacheCosts, CacheSize, size_cache
-from tandem.core.layers.cpu_kernels import preparing_cpu_kernels
 from tandem.core.worker.lane import Lane
 from tandem.core.worker.lane_stager import LaneStager, Staged
 from tandem.core.worker.step_runner import (

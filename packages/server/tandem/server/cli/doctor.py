@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from tandem.core.errors import ConfigError
-from tandem.core.layers.cpu_kernels import prepare_cpu_kernels
-from tandem.core.layers.native_build import KernelBuildError, selected_isa
+from tandem.core.kernels.cpu.native_build import KernelBuildError, selected_isa
+from tandem.core.kernels.cpu.startup import prepare_cpu_kernels
 from tandem.core.models.loader import resolve_dtype
 
 

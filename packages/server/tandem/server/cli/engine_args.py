@@ -10,7 +10,7 @@ from tandem.core import CacheConfig, ConfigError, EngineConfig, ModelLoadConfig,
 from tandem.core.config import DTYPES, ParallelConfig, PipelineConfig, RecConfig
 from tandem.core.demo.pretrained import stories260k_folder
 from tandem.core.faults import FaultConfig
-from tandem.core.layers.native_build import KernelBuildError, selected_isa
+from tandem.core.kernels.cpu.native_build import KernelBuildError, selected_isa
 
 
 def _dtype(name: str) -> str:

@@ -1,0 +1,56 @@
+"""What the attention kernels read besides the tensors: the step's groups of sequences, their
+cache blocks, masks and lengths, built once per step on the host and shared by every layer.
+
+The step's tokens are laid out decodes first (one query each), then prefill chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tandem.core.kernels.cpu.flash_prefill import PrefillSplit
+from tandem.core.kernels.linear_attention_metadata import LinearAttentionMetadata
+
+
+@dataclass
+class AttentionGroup:
+    """A batch of sequences whose queries are padded to one length."""
+
+    # Cache blocks each sequence reads, in order; padding reads the null block.
+    gather_blocks: torch.Tensor  # [B, N], N * block_size = L
+    # True where query j of sequence b may attend context position l.
+    mask: torch.Tensor | None  # [B, 1, Q, L] or None when nothing is masked
+    # For prefill groups: flat token index of each padded query, and where results go back.
+    query_index: torch.Tensor | None  # [B, Q]
+    valid_queries: torch.Tensor | None  # [N] indices into B*Q of the real queries
+    num_tokens: int
+    # For the decode kernel reading the cache in place, per query token: how many cached
+    # tokens it reads and which row of gather_blocks holds its sequence's blocks.
+    kv_lens: torch.Tensor | None = None  # [num_tokens] int64
+    table_row: torch.Tensor | None = None  # [num_tokens] int64
+    # For the prefill kernel, per sequence (row of gather_blocks): its first query row in
+    # the group, its query count and the tokens it attends (cached ones and its own).
+    seq_query_start: torch.Tensor | None = None  # [B] int64
+    seq_query_len: torch.Tensor | None = None  # [B] int64
+    seq_kv_len: torch.Tensor | None = None  # [B] int64
+    # How the prefill kernel divides the group between flash attention and itself: made by
+    # the first layer that needs it, the same for every layer of the step.
+    split: PrefillSplit | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
+    num_decode_tokens: int
+    decode: AttentionGroup | None
+    prefill: AttentionGroup | None
+    # For models with linear-attention (Gated DeltaNet) layers: their per-sequence state slots.
+    linear: LinearAttentionMetadata | None = None
+
+
+# A group kernel: (q, k, v of the group's new tokens, k_cache, v_cache, group, scale,
+# out) -> out, with q/out [N, H, D] and k/v [N, Hkv, D]; writes the attention into out.
+GroupKernel = Callable[..., torch.Tensor]

@@ -1,0 +1,74 @@
+"""bfloat16 linear layers at decode batch sizes on AMX tiles (``csrc/amx_linear.cpp``).
+
+A decode step streams every weight once; oneDNN's AMX kernels read the packed weights at
+16-18 GB/s at M = 48 on a 2-core host, this kernel at ~19 (the weight stream one sequential
+read per thread, prefetched a block ahead; 1.7 ms less per decode step of the bench model).
+It reads the weight where oneDNN packed it, so the model keeps one copy: prefill-size
+batches (more than ``MAX_ROWS`` rows) stay with oneDNN. oneDNN does not document its packed
+layout; each weight is adopted only after the kernel's product with it matched oneDNN's on a
+probe batch (``native_linear.PackedWeightKernel.adopt``).
+
+Only where the CPU has AMX-BF16 and Linux grants the tile state; ``TANDEM_GEMM=onednn``
+keeps oneDNN at every batch size (said once in the log).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+
+from tandem.core.kernels.cpu.native_build import CSRC, IsaLevel, ProcessOnce
+from tandem.core.kernels.cpu.native_linear import PackedWeightKernel, load_kernel_library
+
+logger = logging.getLogger(__name__)
+
+SOURCE = CSRC / "amx_linear.cpp"
+# Batches up to this many rows go to the AMX kernel (decode and small mixed steps).
+MAX_ROWS = 64
+_REQUIRED_FLAGS = frozenset({"amx_bf16", "amx_tile", "avx512_bf16"})
+# Rows of the probe batch: two full tiles and a partial third, so both passes of the kernel
+# and its partial-row stores are checked against oneDNN.
+_PROBE_ROWS = 37
+
+
+class AmxLinear(PackedWeightKernel):
+    name = "AMX"
+    dtype = torch.bfloat16
+    max_rows = MAX_ROWS
+    probe_rows = _PROBE_ROWS
+    # Summed in another order, each output may differ by a bfloat16 rounding or two.
+    tolerance = 2e-2
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        if int(lib.tandem_amx_built()) != 1:
+            raise OSError("the compiler did not target AMX-BF16 for this CPU")
+        if int(lib.tandem_amx_request()) != 0:
+            raise OSError("Linux did not grant the AMX tile state (arch_prctl)")
+        self.bind(lib.tandem_amx_linear)
+
+    def readable(self, out_features: int, in_features: int) -> bool:
+        # Shapes off the 32-blocks are padded by oneDNN; the kernel does not walk padding.
+        return out_features % 32 == 0 and in_features % 32 == 0
+
+    def packed_bytes(self, out_features: int, in_features: int) -> int:
+        return out_features * in_features * 2
+
+
+def load_amx_linear(build_dir: Path | None = None, isa: IsaLevel | None = None) -> AmxLinear | None:
+    """Build (if needed) and load the kernel; None where this CPU or process cannot run it
+    (the reason logged)."""
+    lib = load_kernel_library("AMX", SOURCE, _REQUIRED_FLAGS, build_dir, isa)
+    if lib is None:
+        return None
+    try:
+        return AmxLinear(lib)
+    except OSError as exc:
+        logger.warning("no AMX linear kernel (%s); decode batches use oneDNN", exc)
+        return None
+
+
+# The process's kernel, built and loaded on first use.
+amx_linear = ProcessOnce(load_amx_linear)

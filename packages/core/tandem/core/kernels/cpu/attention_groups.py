@@ -1,0 +1,143 @@
+"""The native CPU attention kernels as group kernels: decodes through ``paged_attention``,
+prefill chunks through ``prefill_attention`` (cached context and the chunk's own tokens in
+one pass, K/V read from the cache in place), long fresh prompts through torch's flash
+attention where the CPU runs it faster (``flash_prefill``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+import torch
+
+from tandem.core.kernels.attention_metadata import AttentionGroup, GroupKernel
+from tandem.core.kernels.cpu.flash_prefill import (
+    FLASH_MIN_TOKENS,
+    NativeShare,
+    flash_attend,
+    flash_prefill_dtypes,
+    split_prefill,
+)
+from tandem.core.kernels.cpu.paged_attention import NativePagedAttention
+from tandem.core.kernels.cpu.prefill_attention import NativePrefillAttention
+from tandem.core.kernels.handle import NativeChoice
+
+logger = logging.getLogger(__name__)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [N, H, D] with contiguous [H, D] rows, as the kernel reads them (q can arrive as
+    a view of a wider projection, e.g. a gated query split from its gate)."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
+
+
+def native_decode(kernel: NativePagedAttention) -> GroupKernel:
+    def decode(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: AttentionGroup,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        assert group.kv_lens is not None and group.table_row is not None
+        rows = _rows(q)
+        kernel(
+            out, rows, k_cache, v_cache, group.gather_blocks, group.table_row, group.kv_lens, scale
+        )
+        return out
+
+    return decode
+
+
+def native_prefill(
+    kernel: NativePrefillAttention, flash_dtypes: frozenset[torch.dtype] | None = None
+) -> GroupKernel:
+    """Each chunk attends causally its sequence's cached tokens and its own, all read from
+    the cache in place (the layer has written the chunk's K/V there); in ``flash_dtypes``
+    (by default those this CPU runs faster so, see ``flash_prefill``), long fresh prompts
+    through torch's flash attention instead."""
+    flash = flash_prefill_dtypes() if flash_dtypes is None else flash_dtypes
+    for dtype in flash:
+        if dtype not in _said_flash:
+            _said_flash.add(dtype)
+            logger.info(
+                "prefill attention in %s: fresh prompts of %d tokens or more through torch's "
+                "flash attention (AMX tiles here), the rest through the native kernel",
+                dtype,
+                FLASH_MIN_TOKENS,
+            )
+
+    def prefill(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: AttentionGroup,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        assert group.seq_query_start is not None and group.seq_query_len is not None
+        assert group.seq_kv_len is not None
+        whole: NativeShare = (
+            group.gather_blocks,
+            group.seq_query_start,
+            group.seq_query_len,
+            group.seq_kv_len,
+        )
+        native: NativeShare | None = whole
+        if q.dtype in flash:
+            if group.split is None:
+                group.split = split_prefill(*whole)
+            flash_attend(q, k, v, group.split.flash, scale, out)
+            native = group.split.native
+        if native is not None:
+            blocks, starts, query_lens, kv_lens = native
+            kernel(out, _rows(q), k_cache, v_cache, blocks, starts, query_lens, kv_lens, scale)
+        return out
+
+    return prefill
+
+
+class NativeKernel(Protocol):
+    def supports(self, head_dim: int, dtype: torch.dtype) -> bool: ...
+
+
+K = TypeVar("K", bound=NativeKernel)
+
+# (kernel, head_dim, dtype) combinations already reported as falling back: once per process,
+# not once per layer.
+_said: set[tuple[str, int, torch.dtype]] = set()
+# dtypes whose long fresh prompts were reported as going to flash attention: once per
+# process, not once per layer.
+_said_flash: set[torch.dtype] = set()
+
+
+def native_group_kernel(
+    name: str, load: Callable[[], K | None], native: Callable[[K], GroupKernel], head_dim: int
+) -> NativeChoice[torch.Tensor]:
+    """The native CPU attention kernel ``load`` gives, for a dtype, where it is built and
+    handles the head size; a fallback is said once per process."""
+
+    def choose(dtype: torch.dtype) -> GroupKernel | None:
+        kernel = load()
+        if kernel is not None and kernel.supports(head_dim, dtype):
+            return native(kernel)
+        if kernel is not None and (name, head_dim, dtype) not in _said:
+            _said.add((name, head_dim, dtype))
+            logger.info(
+                "%s: the native CPU kernel does not handle head_dim %d in %s; using the "
+                "torch reference",
+                name,
+                head_dim,
+                dtype,
+            )
+        return None
+
+    return choose

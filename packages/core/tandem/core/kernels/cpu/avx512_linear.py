@@ -1,0 +1,103 @@
+"""float32 and bfloat16 linear layers on AVX-512 FMAs and AVX512-BF16 dot products
+(``csrc/avx512_linear.cpp``), for CPUs without AMX, at every batch size the engine runs.
+
+On a 2-core AVX-512 host (AMD Zen 5) oneDNN's kernels leave the FMA units idle part of the
+time at decode sizes: each weight panel comes from memory in one burst and is then computed
+from cache while nothing streams. This kernel prefetches the next K chunk of a panel while
+it computes the current one for a group of up to 512 rows, so the weight stream and the FMAs
+overlap. Measured on the 33 weights of the bench model at M = 48 (2 threads, interleaved,
+medians; see the source): float32 28.9 against 36.8 ms, bfloat16 14.3 against 18.9. At
+prefill sizes it is level with oneDNN shape by shape (float32 at M = 2048: 21.1 against
+20.2 ms for qkv_proj, 72.8 against 71.0 for gate_up_proj), so one kernel serves every step
+of a server, mixed decode and prefill steps included. It reads the weight where oneDNN
+packed it, so the model keeps one copy. Each weight is adopted only after the kernel's
+product with it matched oneDNN's on a probe batch
+(``native_linear.PackedWeightKernel.adopt``).
+
+float32 only where the CPU has AVX-512F, bfloat16 where it has AVX512-BF16 too (on AMX CPUs
+the AMX kernel takes bfloat16 decode batches); ``TANDEM_GEMM=onednn`` keeps oneDNN at every
+batch size (said once in the log).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.core.kernels.cpu.native_build import CSRC, IsaLevel, ProcessOnce
+from tandem.core.kernels.cpu.native_linear import PackedWeightKernel, load_kernel_library
+
+logger = logging.getLogger(__name__)
+
+SOURCE = CSRC / "avx512_linear.cpp"
+# Batches up to this many rows go to the kernel: every step of the default token budget
+# (2048) and more. Measured on the 33 bench weights in sequence, float32: ahead of oneDNN
+# from M = 8 to M = 128, level around M = 300, ahead again at M = 512 to 4096 (2443 against
+# 2727 ms at 4096). Larger batches go to oneDNN.
+MAX_ROWS = 8192
+# The columns of one packed panel (the kernel reads only whole panels), and the multiple
+# oneDNN pads a float32 panel's K rows to.
+PANEL = 64
+K_PAD = 16
+# Rows of the probe batch: six full register blocks of six and a partial seventh of five.
+_PROBE_ROWS = 41
+
+
+class Avx512Linear(PackedWeightKernel):
+    """The kernel for one dtype: float32 (AVX-512F FMAs) or bfloat16 (AVX512-BF16)."""
+
+    max_rows = MAX_ROWS
+    probe_rows = _PROBE_ROWS
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        float32 = dtype is torch.float32
+        self.name = "AVX-512 float32" if float32 else "AVX512-BF16"
+        symbol = "tandem_avx512_linear_f32" if float32 else "tandem_avx512_linear_bf16"
+        self.bind(getattr(lib, symbol), limits=(MAX_ROWS,))
+        # Summed in another order, each output differs by float32 roundings (~1e-6), or by
+        # a bfloat16 rounding or two.
+        self.tolerance = 1e-4 if float32 else 2e-2
+
+    def readable(self, out_features: int, in_features: int) -> bool:
+        # Columns off the 64-wide panels are padded by oneDNN; the kernel does not walk them.
+        # bfloat16 K is padded too (to 32 seen here): taken only where it needs none.
+        if self.dtype is torch.bfloat16:
+            return out_features % PANEL == 0 and in_features % 32 == 0
+        return out_features % PANEL == 0 and in_features >= 1
+
+    def packed_bytes(self, out_features: int, in_features: int) -> int:
+        if self.dtype is torch.bfloat16:
+            return out_features * in_features * 2
+        return out_features * (-(-in_features // K_PAD) * K_PAD) * 4
+
+
+@dataclass(frozen=True)
+class Avx512Kernels:
+    float32: Avx512Linear
+    # None where the CPU lacks AVX512-BF16.
+    bfloat16: Avx512Linear | None
+
+
+def load_avx512_linear(
+    build_dir: Path | None = None, isa: IsaLevel | None = None
+) -> Avx512Kernels | None:
+    """Build (if needed) and load the kernels; None where this CPU or process cannot run them
+    (the reason logged)."""
+    lib = load_kernel_library("AVX-512", SOURCE, frozenset({"avx512f"}), build_dir, isa)
+    if lib is None:
+        return None
+    built = int(lib.tandem_avx512_built())
+    if built == 0:
+        logger.warning("no AVX-512 linear kernel (the compiler did not target AVX-512)")
+        return None
+    bf16 = Avx512Linear(lib, torch.bfloat16) if built == 2 else None
+    return Avx512Kernels(float32=Avx512Linear(lib, torch.float32), bfloat16=bf16)
+
+
+# The process's kernels, built and loaded on first use.
+avx512_linear = ProcessOnce(load_avx512_linear)

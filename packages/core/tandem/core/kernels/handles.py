@@ -1,0 +1,105 @@
+"""Every model kernel's handle, in one place: the name it is registered under and the
+implementation each device family gets.
+
+A layer asks for its kernels here and never imports an implementation. Each handle holds the
+torch reference (``reference/``, what runs on any device without its own) and, where one
+exists, the native choice of a family (``cpu/``: C++ built for the host's instruction set);
+the handle resolves one of them per (kernel, device, dtype) through the kernel registry on a
+worker's first call. A new implementation for a device is added to its kernel's function
+here, so the table below is the whole answer to "what runs where".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.core.kernels.cpu import attention_groups as cpu_attention
+from tandem.core.kernels.cpu.elementwise import native_elementwise_kernel
+from tandem.core.kernels.cpu.paged_attention import native_paged_attention
+from tandem.core.kernels.cpu.prefill_attention import native_prefill_attention
+from tandem.core.kernels.handle import KernelHandle
+from tandem.core.kernels.reference import causal_conv1d as conv_ref
+from tandem.core.kernels.reference import elementwise as ref
+from tandem.core.kernels.reference import fused_moe as moe_ref
+from tandem.core.kernels.reference import gated_delta_rule as delta_ref
+from tandem.core.kernels.reference import paged_attention as attention_ref
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def rms_norm() -> KernelHandle[torch.Tensor]:
+    return KernelHandle("rms_norm", ref.rms_norm, native_elementwise_kernel("rms_norm"))
+
+
+def add_rms_norm() -> KernelHandle[Pair]:
+    """The residual add and the RMSNorm after it; the CPU kernel writes the new sum into the
+    residual tensor it is handed."""
+    native = native_elementwise_kernel("add_rms_norm")
+    return KernelHandle("add_rms_norm", ref.add_rms_norm, native)
+
+
+def rms_norm_gated() -> KernelHandle[torch.Tensor]:
+    return KernelHandle("rms_norm_gated", ref.rms_norm_gated)
+
+
+def rms_norm_zero_centered() -> KernelHandle[torch.Tensor]:
+    return KernelHandle("rms_norm_zero_centered", ref.rms_norm_zero_centered)
+
+
+def gated_activation(name: str) -> KernelHandle[torch.Tensor]:
+    """``act(gate) * up`` over a fused [gate | up] projection."""
+    impl = ref.GATED_ACTIVATIONS.get(name)
+    if impl is None:
+        supported = ", ".join(sorted(ref.GATED_ACTIVATIONS))
+        raise ValueError(f"unsupported activation {name!r}; supported: {supported}")
+    # SiLU, the activation of every family served, has a fused CPU kernel.
+    native = native_elementwise_kernel("silu_mul") if name == "silu" else None
+    return KernelHandle(f"gated_{name}", impl, native)
+
+
+def rotary() -> KernelHandle[torch.Tensor]:
+    return KernelHandle("rotary", ref.rotary)
+
+
+def qk_norm_rotary() -> KernelHandle[Pair]:
+    """Qwen3's per-head q/k RMSNorm and the rotary after it, in place on the CPU."""
+    native = native_elementwise_kernel("qk_norm_rotary")
+    return KernelHandle("qk_norm_rotary", ref.qk_norm_rotary, native)
+
+
+def paged_attention_decode(head_dim: int) -> KernelHandle[torch.Tensor]:
+    """One attention layer's decode group kernel; the head size joins the registry key (other
+    shapes on one device must not inherit a choice made for this one)."""
+    name = "paged_attention_decode"
+    native = cpu_attention.native_group_kernel(
+        name, native_paged_attention, cpu_attention.native_decode, head_dim
+    )
+    return KernelHandle(name, attention_ref.reference_decode, native, f"head_dim={head_dim}")
+
+
+def paged_attention_prefill(head_dim: int) -> KernelHandle[torch.Tensor]:
+    name = "paged_attention_prefill"
+    native = cpu_attention.native_group_kernel(
+        name, native_prefill_attention, cpu_attention.native_prefill, head_dim
+    )
+    return KernelHandle(name, attention_ref.reference_prefill, native, f"head_dim={head_dim}")
+
+
+def causal_conv1d_prefill() -> KernelHandle[torch.Tensor]:
+    return KernelHandle("causal_conv1d_prefill", conv_ref.causal_conv1d_prefill)
+
+
+def causal_conv1d_update() -> KernelHandle[torch.Tensor]:
+    return KernelHandle("causal_conv1d_update", conv_ref.causal_conv1d_update)
+
+
+def chunk_gated_delta_rule() -> KernelHandle[torch.Tensor]:
+    return KernelHandle("chunk_gated_delta_rule", delta_ref.chunk_gated_delta_rule)
+
+
+def recurrent_gated_delta_rule() -> KernelHandle[torch.Tensor]:
+    return KernelHandle("recurrent_gated_delta_rule", delta_ref.recurrent_gated_delta_rule)
+
+
+def fused_moe() -> KernelHandle[torch.Tensor]:
+    return KernelHandle("fused_moe", moe_ref.fused_moe)

@@ -1,0 +1,40 @@
+"""The torch reference of the routed experts: the (token, choice) pairs sorted by expert,
+each active expert's two GEMMs on its contiguous rows, the rows scaled by their routing
+weights and added back to their tokens in expert order. Python loops over active experts
+only, never over tokens."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tandem.core.kernels.reference.elementwise import GATED_ACTIVATIONS
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    """``x`` [T, H], ``topk_weights``/``topk_ids`` [T, k] -> [T, H]: sum over each token's k
+    experts of weight * down(act(gate(x)) * up(x))."""
+    act = GATED_ACTIVATIONS[activation]
+    num_choices = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # stable: a token's experts stay in id order
+    token = order // num_choices
+    counts = torch.bincount(flat, minlength=w13.shape[0])
+    active = counts.nonzero().squeeze(1)
+    rows = x.index_select(0, token)
+    out = torch.empty_like(rows)
+    start = 0
+    for expert, count in zip(active.tolist(), counts[active].tolist(), strict=True):
+        end = start + count
+        hidden = act(F.linear(rows[start:end], w13[expert]))
+        torch.matmul(hidden, w2[expert].t(), out=out[start:end])
+        start = end
+    out.mul_(topk_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype))
+    return torch.zeros_like(x).index_add_(0, token, out)

@@ -1,0 +1,77 @@
+"""Long fresh prompts through torch's flash attention, the rest of a prefill group through the
+native kernel: which sequence goes where, and the whole group's output against the torch
+reference path, on any CPU (the split forced where this one would not choose it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.core.kernels.cpu.attention_groups import native_prefill
+from tandem.core.kernels.cpu.flash_prefill import FLASH_MIN_TOKENS, split_prefill
+from tandem.core.kernels.cpu.prefill_attention import native_prefill_attention
+from tandem.core.kernels.reference.paged_attention import reference_prefill
+from tandem.core.llm.attention_metadata import build_attention_metadata
+
+from .attention_steps import make_step
+
+NATIVE = native_prefill_attention()
+
+
+def test_long_fresh_prompts_go_to_flash_and_the_rest_stays_native() -> None:
+    # (cached, new): long fresh, short fresh, long after cached tokens, long fresh.
+    chunks = [(0, 200), (0, 37), (90, 140), (0, FLASH_MIN_TOKENS)]
+    qlens = torch.tensor([n for _, n in chunks])
+    kv = torch.tensor([c + n for c, n in chunks])
+    starts = torch.cumsum(qlens, 0) - qlens
+    blocks = torch.arange(4 * 16).view(4, 16)
+    split = split_prefill(blocks, starts, qlens, kv)
+    assert split.flash == ((0, 200), (377, FLASH_MIN_TOKENS))
+    assert split.native is not None
+    native_blocks, native_starts, native_qlens, native_kv = split.native
+    assert torch.equal(native_blocks, blocks[[1, 2]])
+    assert native_starts.tolist() == [200, 237]
+    assert native_qlens.tolist() == [37, 140] and native_kv.tolist() == [37, 230]
+
+    everything = split_prefill(blocks[[0]], starts[[0]], qlens[[0]], kv[[0]])
+    assert everything.flash == ((0, 200),) and everything.native is None
+    nothing = split_prefill(blocks[[1, 2]], starts[[1, 2]], qlens[[1, 2]], kv[[1, 2]])
+    assert nothing.flash == () and nothing.native is not None
+    assert torch.equal(nothing.native[0], blocks[[1, 2]])
+
+
+@pytest.mark.skipif(NATIVE is None, reason="no C++ compiler to build the kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mixed_group_matches_the_reference(dtype: torch.dtype) -> None:
+    assert NATIVE is not None
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, block_size = 16, 8, 64, 16
+    chunks = [(0, 200), (0, 37), (90, 140), (0, 130), (21, 3)]
+    num_blocks = -(-256 // block_size) * len(chunks) + 1
+    fi = make_step([], chunks, block_size=block_size, num_blocks=num_blocks, gen=gen)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(2)]
+    tokens = fi.num_tokens
+    # q, k, v as the fused projection leaves them: views of one [T, (H + 2 Hkv) D] matrix;
+    # the new tokens' K/V written into the cache as the layer writes them.
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    width_q, width_kv = heads * head_dim, kv_heads * head_dim
+    q = qkv[:, :width_q].view(tokens, heads, head_dim)
+    k = qkv[:, width_q : width_q + width_kv].view(tokens, kv_heads, head_dim)
+    v = qkv[:, width_q + width_kv :].view(tokens, kv_heads, head_dim)
+    for cache, new in zip(caches, (k, v), strict=True):
+        cache.view(-1, kv_heads, head_dim).index_copy_(0, fi.slot_mapping, new)
+    group = build_attention_metadata(fi, torch.device("cpu")).prefill
+    assert group is not None
+    scale = head_dim**-0.5
+    exact = torch.empty(q.shape)
+    reference_prefill(
+        q.float(), k.float(), v.float(), caches[0].float(), caches[1].float(), group, scale,
+        exact,
+    )  # fmt: skip
+
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    native_prefill(NATIVE, flash_dtypes=frozenset({dtype}))(q, k, v, *caches, group, scale, out)
+    assert group.split is not None and len(group.split.flash) == 2
+    error = (out.float() - exact).abs().max().item()
+    assert error <= (1e-5 if dtype is torch.float32 else 2e-2), error
