@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
+from tandem.core.kernels import handles
+from tandem.core.kernels.cpu.native_build import ProcessOnce
+from tandem.core.kernels.reference import elementwise as reference
+from tandem.core.kernels.reference.paged_attention import reference_decode
+from tandem.core.kernels.triton import loading
 from tandem.core.layers.norm import RMSNorm
 from tandem.device import Device, KernelKey, process_kernel_registry
 
@@ -54,3 +62,40 @@ def test_a_worker_uses_the_registry_it_is_given_even_when_empty(demo_dir: Path) 
     thread.start()
     thread.join(60)
     assert own.lookup(KernelKey("rms_norm", Device("cpu", 0), "torch.float32")) is not None
+
+
+def test_accelerators_get_the_triton_kernels_where_triton_imports() -> None:
+    """Run in both environments: the suite's, without Triton (the references), and
+    ``tox -e triton``'s (the Triton kernels, for CUDA and NPU alike; never for CPU)."""
+    norm, decode = handles.rms_norm(), handles.paged_attention_decode(64)
+    has_triton = importlib.util.find_spec("triton") is not None
+    for device_type in ("cuda", "npu"):
+        chosen = norm.choose(device_type, torch.bfloat16), decode.choose(device_type, torch.float16)
+        if has_triton:
+            from tandem.core.kernels.triton import norms, paged_attention
+
+            assert chosen == (norms.rms_norm, paged_attention.paged_decode)
+        else:
+            assert chosen == (reference.rms_norm, reference_decode)
+        assert norm.choose(device_type, torch.float64) is reference.rms_norm
+
+
+def test_triton_can_be_turned_off_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TANDEM_TRITON", "0")
+    with caplog.at_level(logging.INFO, logger=loading.__name__):
+        assert loading._usable() is False
+    assert "TANDEM_TRITON=0" in caplog.text
+
+
+def test_without_triton_the_accelerators_are_warned_about_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def missing(name: str) -> None:
+        raise ImportError(name)
+
+    usable = ProcessOnce(lambda: loading._usable(missing))
+    with caplog.at_level(logging.WARNING, logger=loading.__name__):
+        assert [usable(), usable()] == [False, False]
+    assert caplog.text.count("Triton is not installed") == 1

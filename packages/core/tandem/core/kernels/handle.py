@@ -22,19 +22,22 @@ from tandem.device import (
 
 R = TypeVar("R")
 KernelFn = Callable[..., torch.Tensor]
-# The native kernel a handle's name stands for on CPU, for a dtype; None where there is none.
+# A device family's kernel for a dtype; None where the family has none for it.
 NativeChoice = Callable[[torch.dtype], Callable[..., R] | None]
+# The devices Triton compiles for (NPU through triton-ascend).
+TRITON_DEVICES = frozenset({"cuda", "npu"})
 
 
 class KernelHandle(Generic[R]):
     """One module's handle on a kernel. A module belongs to one worker, so the handle it
     resolved on its worker's device can be kept.
 
-    ``impl`` is the torch implementation (the reference, and what runs off CPU unless the
-    device runtime registers its own); ``native`` names a fused CPU kernel to use instead
-    where one is built for the dtype. ``variant`` joins the registry key when the choice
-    depends on more than the dtype (a head size): other shapes on one device must not
-    inherit it."""
+    ``impl`` is the torch implementation (the reference, and what runs wherever no family
+    has its own); ``native`` names a fused CPU kernel to use instead where one is built for
+    the dtype, ``triton`` the Triton kernel for the accelerators (CUDA, and NPU through
+    triton-ascend) where Triton is usable. ``variant`` joins the registry key when the
+    choice depends on more than the dtype (a head size): other shapes on one device must
+    not inherit it."""
 
     def __init__(
         self,
@@ -42,10 +45,12 @@ class KernelHandle(Generic[R]):
         impl: Callable[..., R],
         native: NativeChoice[R] | None = None,
         variant: str = "",
+        triton: NativeChoice[R] | None = None,
     ) -> None:
         self.name = name
         self.impl = impl
         self.native = native
+        self.triton = triton
         self.variant = variant
         self._resolved: tuple[torch.dtype, Callable[..., R]] | None = None
 
@@ -57,11 +62,11 @@ class KernelHandle(Generic[R]):
         return resolved[1](x, *args)
 
     def choose(self, device_type: str, dtype: torch.dtype) -> Callable[..., R]:
-        if device_type == "cpu" and self.native is not None:
-            native = self.native(dtype)
-            if native is not None:
-                return native
-        return self.impl
+        family = self.native if device_type == "cpu" else None
+        if device_type in TRITON_DEVICES:
+            family = self.triton
+        chosen = family(dtype) if family is not None else None
+        return chosen if chosen is not None else self.impl
 
     def _resolve(self, x: torch.Tensor) -> Callable[..., R]:
         context = bound_context()

@@ -3,9 +3,10 @@ implementation each device family gets.
 
 A layer asks for its kernels here and never imports an implementation. Each handle holds the
 torch reference (``reference/``, what runs on any device without its own) and, where one
-exists, the native choice of a family (``cpu/``: C++ built for the host's instruction set);
-the handle resolves one of them per (kernel, device, dtype) through the kernel registry on a
-worker's first call. A new implementation for a device is added to its kernel's function
+exists, the choice of each device family (``cpu/``: C++ built for the host's instruction set;
+``triton/``: one Triton source for CUDA and for Ascend through triton-ascend); the handle
+resolves one of them per (kernel, device, dtype) through the kernel registry on a worker's
+first call. A new implementation for a device is added to its kernel's function
 here, so the table below is the whole answer to "what runs where".
 """
 
@@ -23,27 +24,33 @@ from tandem.core.kernels.reference import elementwise as ref
 from tandem.core.kernels.reference import fused_moe as moe_ref
 from tandem.core.kernels.reference import gated_delta_rule as delta_ref
 from tandem.core.kernels.reference import paged_attention as attention_ref
+from tandem.core.kernels.triton.loading import triton_kernel
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
 
 def rms_norm() -> KernelHandle[torch.Tensor]:
-    return KernelHandle("rms_norm", ref.rms_norm, native_elementwise_kernel("rms_norm"))
+    native = native_elementwise_kernel("rms_norm")
+    triton = triton_kernel("norms", "rms_norm")
+    return KernelHandle("rms_norm", ref.rms_norm, native, triton=triton)
 
 
 def add_rms_norm() -> KernelHandle[Pair]:
     """The residual add and the RMSNorm after it; the CPU kernel writes the new sum into the
     residual tensor it is handed."""
     native = native_elementwise_kernel("add_rms_norm")
-    return KernelHandle("add_rms_norm", ref.add_rms_norm, native)
+    triton = triton_kernel("norms", "add_rms_norm")
+    return KernelHandle("add_rms_norm", ref.add_rms_norm, native, triton=triton)
 
 
 def rms_norm_gated() -> KernelHandle[torch.Tensor]:
-    return KernelHandle("rms_norm_gated", ref.rms_norm_gated)
+    triton = triton_kernel("norms", "rms_norm_gated")
+    return KernelHandle("rms_norm_gated", ref.rms_norm_gated, triton=triton)
 
 
 def rms_norm_zero_centered() -> KernelHandle[torch.Tensor]:
-    return KernelHandle("rms_norm_zero_centered", ref.rms_norm_zero_centered)
+    triton = triton_kernel("norms", "rms_norm_zero_centered")
+    return KernelHandle("rms_norm_zero_centered", ref.rms_norm_zero_centered, triton=triton)
 
 
 def gated_activation(name: str) -> KernelHandle[torch.Tensor]:
@@ -74,7 +81,10 @@ def paged_attention_decode(head_dim: int) -> KernelHandle[torch.Tensor]:
     native = cpu_attention.native_group_kernel(
         name, native_paged_attention, cpu_attention.native_decode, head_dim
     )
-    return KernelHandle(name, attention_ref.reference_decode, native, f"head_dim={head_dim}")
+    triton = triton_kernel("paged_attention", "paged_decode")
+    return KernelHandle(
+        name, attention_ref.reference_decode, native, f"head_dim={head_dim}", triton=triton
+    )
 
 
 def paged_attention_prefill(head_dim: int) -> KernelHandle[torch.Tensor]:
