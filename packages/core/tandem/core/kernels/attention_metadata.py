@@ -6,13 +6,13 @@ The step's tokens are laid out decodes first (one query each), then prefill chun
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from tandem.core.kernels.cpu.flash_prefill import PrefillSplit
-from tandem.core.kernels.linear_attention_metadata import LinearAttentionMetadata
+from tandem.core.kernels.linear_attention_metadata import FinishLinear, LinearAttentionMetadata
 
 
 @dataclass
@@ -54,3 +54,33 @@ class AttentionMetadata:
 # A group kernel: (q, k, v of the group's new tokens, k_cache, v_cache, group, scale,
 # out) -> out, with q/out [N, H, D] and k/v [N, Hkv, D]; writes the attention into out.
 GroupKernel = Callable[..., torch.Tensor]
+
+
+# Finishes a group on the device from its moved tensors (taken in the order they were listed).
+FinishGroup = Callable[[Iterator[torch.Tensor], torch.device], AttentionGroup]
+
+
+@dataclass
+class AttentionPlan:
+    """A step's attention metadata as host tensors to move, and how to finish it there."""
+
+    tensors: list[torch.Tensor]
+    num_decode_tokens: int
+    decode: FinishGroup | None
+    prefill: FinishGroup | None
+    linear: FinishLinear | None
+
+    def finish(self, moved: Sequence[torch.Tensor], device: torch.device) -> AttentionMetadata:
+        """``moved``: ``tensors`` on ``device``, in order."""
+        parts = iter(moved)
+        slot_mapping = next(parts)
+        decode = self.decode(parts, device) if self.decode else None
+        prefill = self.prefill(parts, device) if self.prefill else None
+        linear = self.linear(parts) if self.linear else None
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decode_tokens=self.num_decode_tokens,
+            decode=decode,
+            prefill=prefill,
+            linear=linear,
+        )

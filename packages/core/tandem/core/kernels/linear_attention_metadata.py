@@ -9,18 +9,22 @@ may point there, nothing real lives in it). A sequence's first chunk starts from
 (``has_initial_state`` False), whatever the slot held before; every later chunk and decode
 continues from the slot, so chunked prefill and decoding carry the state across steps.
 
-The engine builds it with ``build_linear_attention_metadata`` from the step's per-sequence
-``query_lens``, ``context_lens`` (cached tokens after the step) and state slots, and hands it
-to the model on ``AttentionMetadata.linear``. Beside those, it precomputes the gather indices
+The engine builds it from the step's per-sequence ``query_lens``, ``context_lens`` (cached
+tokens after the step) and state slots, on the host (``plan_linear_attention_metadata``),
+moves its tensors with the step's others in one copy, and hands it to the model on
+``AttentionMetadata.linear``. Beside those, it precomputes the gather indices
 the CPU kernels use (conv windows, chunk layout) with batched tensor ops, so no layer
 rebuilds them and no kernel loops over tokens in Python.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+from tandem.core.kernels.device_copy import to_device_once
 
 # Chunk length of the chunked gated delta rule (flash-linear-attention and transformers use 64).
 DEFAULT_CHUNK_SIZE = 64
@@ -72,6 +76,61 @@ class LinearAttentionMetadata:
         return self.has_initial_state[: self.num_decodes]
 
 
+# Finishes the metadata from its moved tensors (taken in the order they were listed).
+FinishLinear = Callable[[Iterator[torch.Tensor]], LinearAttentionMetadata]
+
+
+def plan_linear_attention_metadata(
+    query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    state_slots: torch.Tensor,
+    num_decodes: int,
+    conv_kernel_size: int,
+    tensors: list[torch.Tensor],
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> FinishLinear:
+    """The host half: ``query_lens``, ``context_lens``, ``state_slots`` ([S] int64 on the
+    host, decodes first) become index tensors appended to ``tensors`` (to be moved to the
+    device in one copy with the step's others); the returned function builds the metadata
+    from them once moved. Every size and flag it needs is read here, on the host.
+
+    A sequence has an initial state when tokens were cached before this step
+    (``context_len > query_len``). Prefix caching must be off for these models: a cached prefix
+    has KV but no recurrent state.
+    """
+    query_lens = query_lens.to(torch.int64)
+    context_lens = context_lens.to(torch.int64)
+    slots = state_slots.to(torch.int64)
+    starts = torch.zeros(query_lens.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(query_lens, 0, out=starts[1:])
+    has_initial = context_lens > query_lens
+    decodes_have_initial_state = bool(has_initial[:num_decodes].all())
+    tensors += [slots, starts, has_initial]
+    prefill = None
+    if query_lens.shape[0] > num_decodes:
+        prefill = _plan_prefill(
+            query_lens[num_decodes:],
+            slots[num_decodes:],
+            has_initial[num_decodes:],
+            conv_kernel_size,
+            chunk_size,
+            tensors,
+        )
+
+    def finish(parts: Iterator[torch.Tensor]) -> LinearAttentionMetadata:
+        slots, starts, has_initial = next(parts), next(parts), next(parts)
+        return LinearAttentionMetadata(
+            state_slots=slots,
+            query_start_loc=starts,
+            has_initial_state=has_initial,
+            num_decodes=num_decodes,
+            prefill=prefill(parts) if prefill else None,
+            decodes_have_initial_state=decodes_have_initial_state,
+        )
+
+    return finish
+
+
 def build_linear_attention_metadata(
     query_lens: torch.Tensor,
     context_lens: torch.Tensor,
@@ -81,46 +140,22 @@ def build_linear_attention_metadata(
     device: torch.device,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> LinearAttentionMetadata:
-    """``query_lens``, ``context_lens``, ``state_slots``: [S] int64 on the host, decodes first.
-
-    A sequence has an initial state when tokens were cached before this step
-    (``context_len > query_len``). Prefix caching must be off for these models: a cached prefix
-    has KV but no recurrent state.
-    """
-    query_lens = query_lens.to(torch.int64).cpu()
-    context_lens = context_lens.to(torch.int64).cpu()
-    slots = state_slots.to(torch.int64).cpu()
-    starts = torch.zeros(query_lens.shape[0] + 1, dtype=torch.int64)
-    torch.cumsum(query_lens, 0, out=starts[1:])
-    has_initial = context_lens > query_lens
-    prefill = None
-    if query_lens.shape[0] > num_decodes:
-        prefill = _prefill_indices(
-            query_lens[num_decodes:],
-            slots[num_decodes:],
-            has_initial[num_decodes:],
-            conv_kernel_size,
-            chunk_size,
-            device,
-        )
-    return LinearAttentionMetadata(
-        state_slots=slots.to(device),
-        query_start_loc=starts.to(device),
-        has_initial_state=has_initial.to(device),
-        num_decodes=num_decodes,
-        prefill=prefill,
-        decodes_have_initial_state=bool(has_initial[:num_decodes].all()),
+    """Both halves, the tensors moved to ``device`` in one copy."""
+    tensors: list[torch.Tensor] = []
+    finish = plan_linear_attention_metadata(
+        query_lens, context_lens, state_slots, num_decodes, conv_kernel_size, tensors, chunk_size
     )
+    return finish(iter(to_device_once(tensors, device)))
 
 
-def _prefill_indices(
+def _plan_prefill(
     lens: torch.Tensor,
     slots: torch.Tensor,
     has_initial: torch.Tensor,
     kernel_size: int,
     max_chunk_size: int,
-    device: torch.device,
-) -> LinearPrefillIndices:
+    tensors: list[torch.Tensor],
+) -> Callable[[Iterator[torch.Tensor]], LinearPrefillIndices]:
     num_seqs = lens.shape[0]
     num_tokens = int(lens.sum())
     starts = torch.cumsum(lens, 0) - lens
@@ -153,15 +188,22 @@ def _prefill_indices(
     chunk_table = torch.where(
         ith < seq_chunks.unsqueeze(1), chunk_start.unsqueeze(1) + ith, num_chunks
     )
-    return LinearPrefillIndices(
-        num_tokens=num_tokens,
-        state_slots=slots.to(device),
-        has_initial_state=has_initial.to(device),
-        all_have_initial_state=bool(has_initial.all()),
-        conv_window_index=window.to(device),
-        conv_state_index=state_rows.to(device),
-        chunk_size=chunk,
-        num_chunks=num_chunks,
-        chunk_token_index=chunk_token_index.to(device),
-        chunk_table=chunk_table.to(device),
-    )
+    all_have_initial_state = bool(has_initial.all())
+    tensors += [slots, has_initial, window, state_rows, chunk_token_index, chunk_table]
+
+    def finish(parts: Iterator[torch.Tensor]) -> LinearPrefillIndices:
+        slots, has_initial, window, state_rows, token_index, table = (next(parts) for _ in range(6))
+        return LinearPrefillIndices(
+            num_tokens=num_tokens,
+            state_slots=slots,
+            has_initial_state=has_initial,
+            all_have_initial_state=all_have_initial_state,
+            conv_window_index=window,
+            conv_state_index=state_rows,
+            chunk_size=chunk,
+            num_chunks=num_chunks,
+            chunk_token_index=token_index,
+            chunk_table=table,
+        )
+
+    return finish

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.core.kernels.attention_metadata import AttentionPlan
+
 
 @dataclass(frozen=True)
 class GrammarMasks:
@@ -115,6 +117,9 @@ class ForwardInput:
     sampling: SamplingBatch
     block_size: int
     prompt_logprobs: PromptLogprobsRequest | None = None
+    # Set on a worker once a lane has staged the step: the host half of its attention
+    # metadata and that half's tensors on the device (never sent between processes).
+    staged_attention: tuple[AttentionPlan, tuple[torch.Tensor, ...]] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import torch
 
+from tandem.core.kernels.attention_metadata import AttentionMetadata
 from tandem.core.kernels.cpu.packed_linear import packed_bytes
+from tandem.core.kernels.device_copy import to_device_once
 from tandem.core.kv.cache_sizing import CacheSize
 from tandem.core.kv.kv_cache import allocate_kv_cache, bytes_per_block
 from tandem.core.layers.linear_attention_state import (
@@ -17,7 +19,7 @@ from tandem.core.layers.linear_attention_state import (
     state_bytes_per_slot,
 )
 from tandem.core.layers.weights import parameter_bytes
-from tandem.core.llm.attention_metadata import build_attention_metadata
+from tandem.core.llm.attention_metadata import plan_attention_metadata
 from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
 from tandem.core.llm.prompt_logprobs import score_prompt
 from tandem.core.llm.sampler import Sampler
@@ -84,23 +86,37 @@ class ModelRunner:
             )
 
     def stage(self, fi: ForwardInput, stager: LaneStager) -> tuple[ForwardInput, Staged]:
-        staged = stager.stage(
-            [fi.input_ids, fi.positions, fi.slot_mapping, fi.query_lens, fi.context_lens,
-             fi.block_tables, fi.state_slots, fi.sample_indices]
-        )  # fmt: skip
-        ids, positions, kv_slots, qlens, clens, tables, state_slots, samples = staged.tensors
+        """The step's inputs and the host half of its attention metadata in one copy."""
+        plan = plan_attention_metadata(fi, self._conv_kernel_size)
+        staged = stager.stage([fi.input_ids, fi.positions, fi.sample_indices, *plan.tensors])
+        ids, positions, samples, *parts = staged.tensors
         own = replace(
-            fi, input_ids=ids, positions=positions, slot_mapping=kv_slots, query_lens=qlens,
-            context_lens=clens, block_tables=tables, state_slots=state_slots,
-            sample_indices=samples,
+            fi, input_ids=ids, positions=positions, sample_indices=samples,
+            staged_attention=(plan, tuple(parts)),
         )  # fmt: skip
         return own, staged
 
+    def _on_device(
+        self, fi: ForwardInput
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions, sampled rows and attention metadata on the device. Nothing is
+        read back from it: what depends on the step's values was decided on the host."""
+        if fi.staged_attention is not None:
+            plan, staged = fi.staged_attention
+            meta = plan.finish(staged, self.device)
+            return fi.input_ids, fi.positions, fi.sample_indices, meta
+        plan = plan_attention_metadata(fi, self._conv_kernel_size)
+        moved = to_device_once(
+            [fi.input_ids, fi.positions, fi.sample_indices, *plan.tensors], self.device
+        )
+        ids, positions, samples, *parts = moved
+        return ids, positions, samples, plan.finish(parts, self.device)
+
     @torch.inference_mode()
     def execute(self, fi: ForwardInput, state: LaneState | None = None) -> SamplerOutput | None:
-        meta = build_attention_metadata(fi, self.device, self._conv_kernel_size)
-        hidden = self.model(fi.input_ids.to(self.device), fi.positions.to(self.device), meta)
-        out = self._sample(hidden, fi)
+        ids, positions, samples, meta = self._on_device(fi)
+        hidden = self.model(ids, positions, meta)
+        out = self._sample(hidden, samples, fi)
         if fi.prompt_logprobs is None:
             return out
         scored = score_prompt(
@@ -108,10 +124,12 @@ class ModelRunner:
         )
         return None if out is None else replace(out, prompt_logprobs=scored)
 
-    def _sample(self, hidden: torch.Tensor, fi: ForwardInput) -> SamplerOutput | None:
-        if fi.sample_indices.numel() == 0:
+    def _sample(
+        self, hidden: torch.Tensor, samples: torch.Tensor, fi: ForwardInput
+    ) -> SamplerOutput | None:
+        if samples.numel() == 0:
             return SamplerOutput(token_ids=[]) if self.sampler is not None else None
-        logits = self.model.compute_logits(hidden[fi.sample_indices.to(self.device)])
+        logits = self.model.compute_logits(hidden[samples])
         if self.sampler is None:
             return None
         return self.sampler(logits, fi.sampling)
@@ -119,8 +137,8 @@ class ModelRunner:
     @torch.inference_mode()
     def prompt_logits(self, fi: ForwardInput) -> torch.Tensor:
         """Logits of every token of the step (for checks against a reference model)."""
-        meta = build_attention_metadata(fi, self.device, self._conv_kernel_size)
-        hidden = self.model(fi.input_ids.to(self.device), fi.positions.to(self.device), meta)
+        ids, positions, _, meta = self._on_device(fi)
+        hidden = self.model(ids, positions, meta)
         return self.model.compute_logits(hidden).float().cpu()
 
 
