@@ -45,6 +45,7 @@ from tandem.core.layers.replicated_linear import ReplicatedLinear
 from tandem.core.llm.attention_metadata import build_attention_metadata
 from tandem.core.llm.forward_input import ForwardInput, SamplingBatch
 from tandem.core.llm.model_runner import ModelRunner
+from tandem.core.models.config_json import parse_model_config
 from tandem.core.models.decoder import DecoderForCausalLM
 from tandem.core.models.model_config import ModelConfig
 from tandem.core.models.registry import CausalLM
@@ -104,7 +105,7 @@ def instrumented(timers: Timers) -> Iterator[None]:
 
 
 def build_model(dtype: torch.dtype, seed: int) -> tuple[DecoderForCausalLM, ModelConfig]:
-    config = ModelConfig.from_dict(BENCH_SHAPE)
+    config = parse_model_config(BENCH_SHAPE)
     with torch.device("meta"):
         model = DecoderForCausalLM(config, SingleRankGroup(), dtype)
     model = model.to(dtype).to_empty(device="cpu")
@@ -386,7 +387,7 @@ def main() -> None:
     dtypes = [getattr(torch, name.strip()) for name in args.dtypes.split(",")]
     kernel = native_paged_attention()
 
-    config = ModelConfig.from_dict(BENCH_SHAPE)
+    config = parse_model_config(BENCH_SHAPE)
     params = sum(p.numel() for p in build_model(torch.float32, args.seed)[0].parameters())
     print(
         f"model: Qwen3-shaped, {params / 1e6:.1f}M parameters (hidden {config.hidden_size}, "

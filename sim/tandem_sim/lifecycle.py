@@ -44,7 +44,7 @@ from tandem.core.llm.engine_loop import EngineLoop
 from tandem.core.llm.model_runner import LLMRunnerFactory
 from tandem.core.llm.outputs import RequestOutput
 from tandem.core.llm.sampling_params import SamplingParams
-from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.config_json import load_model_config
 from tandem.core.models.rec_config import load_rec_config
 from tandem.core.parallel.groups import Abortable
 from tandem.core.parallel.topology import resolve_topology
@@ -206,7 +206,7 @@ def engine_lifecycle(
     hybrid: bool = False,
 ) -> None:
     config = _config(faults, hybrid=hybrid)
-    factory = LLMRunnerFactory(ModelConfig.from_folder(lifecycle_model(hybrid)))
+    factory = LLMRunnerFactory(load_model_config(lifecycle_model(hybrid)))
     executor = lifecycle_executor(s, config, factory, executor_class)
     engine = engine_class(config, executor=executor, sync=s)
     loop = EngineLoop(engine, sync=s)

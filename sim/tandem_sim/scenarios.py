@@ -32,7 +32,7 @@ from tandem.core.llm.model_runner import LLMRunnerFactory, ModelRunner
 from tandem.core.llm.sampling_params import SamplingParams
 from tandem.core.llm.scheduler import ScheduledSequence, SchedulerOutput
 from tandem.core.llm.sequence import TokenSequence
-from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.config_json import load_model_config
 from tandem.core.parallel.topology import resolve_topology
 from tandem.core.worker.lane_stager import LaneStager, Staged
 from tandem.core.worker.worker import Worker
@@ -155,7 +155,7 @@ def _executor(
 
     return ThreadExecutor(
         config,
-        LLMRunnerFactory(ModelConfig.from_folder(model)),
+        LLMRunnerFactory(load_model_config(model)),
         resolve_topology(config.parallel),
         lanes=lanes > 1,
         sync=s,
@@ -171,7 +171,7 @@ def _executor(
 
 
 def _real_executor(config: EngineConfig) -> ThreadExecutor[ForwardInput, SamplerOutput]:
-    factory = LLMRunnerFactory(ModelConfig.from_folder(Path(config.model.model)))
+    factory = LLMRunnerFactory(load_model_config(Path(config.model.model)))
     return ThreadExecutor(config, factory, resolve_topology(config.parallel), sync=REAL_SYNC)
 
 

@@ -36,7 +36,7 @@ def test_a_worker_uses_the_registry_it_is_given_even_when_empty(demo_dir: Path) 
     from tandem.core.config import CacheConfig, EngineConfig, ModelLoadConfig
     from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
     from tandem.core.llm.model_runner import LLMRunnerFactory, ModelRunner
-    from tandem.core.models.model_config import ModelConfig
+    from tandem.core.models.config_json import load_model_config
     from tandem.core.worker.worker import Worker
     from tandem.device import KernelRegistry
 
@@ -44,7 +44,7 @@ def test_a_worker_uses_the_registry_it_is_given_even_when_empty(demo_dir: Path) 
     config = EngineConfig(
         model=ModelLoadConfig(model=str(demo_dir)), cache=CacheConfig(num_blocks=8)
     )
-    model_config = ModelConfig.from_folder(demo_dir)
+    model_config = load_model_config(demo_dir)
     worker: Worker[ForwardInput, SamplerOutput] = Worker(
         Device("cpu", 0), SingleRankGroup(), config, LLMRunnerFactory(model_config),
         kernel_registry=own,

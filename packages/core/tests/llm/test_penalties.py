@@ -12,8 +12,9 @@ import transformers
 
 from tandem.core import LLMEngine, SamplingParams
 from tandem.core.demo.pretrained import stories260k_folder
-from tandem.core.llm.penalties import TokenHistory, apply_penalties, build_penalty_batch
+from tandem.core.llm.penalties import apply_penalties, build_penalty_batch
 from tandem.core.llm.sequence import TokenSequence
+from tandem.core.llm.token_history import TokenHistory
 
 VOCAB = 64
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tandem.core import LLMEngine, SamplingParams
+from tandem.core.models.config_json import parse_model_config
 from tandem.core.models.loader import FAST_BF16_FLAGS, resolve_dtype
-from tandem.core.models.model_config import ModelConfig
 from tandem.device.cpu import cpu_flags
 
 BASE = {
@@ -26,13 +26,13 @@ BASE = {
 
 
 def test_rope_theta_top_level_or_in_rope_parameters() -> None:
-    top = ModelConfig.from_dict({**BASE, "rope_theta": 5e5})
-    nested = ModelConfig.from_dict(
+    top = parse_model_config({**BASE, "rope_theta": 5e5})
+    nested = parse_model_config(
         {**BASE, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}
     )
     assert top.rope_theta == nested.rope_theta == 5e5
     assert top.rope_scaling is None and nested.rope_scaling is None
-    llama3 = ModelConfig.from_dict(
+    llama3 = parse_model_config(
         {
             **BASE,
             "rope_parameters": {
@@ -47,13 +47,13 @@ def test_rope_theta_top_level_or_in_rope_parameters() -> None:
 
 
 def test_family_switches() -> None:
-    assert ModelConfig.from_dict(BASE).num_kv_heads == 4
-    assert ModelConfig.from_dict(BASE).head_dim == 16
-    qwen2 = ModelConfig.from_dict({**BASE, "architectures": ["Qwen2ForCausalLM"]})
+    assert parse_model_config(BASE).num_kv_heads == 4
+    assert parse_model_config(BASE).head_dim == 16
+    qwen2 = parse_model_config({**BASE, "architectures": ["Qwen2ForCausalLM"]})
     assert qwen2.qkv_bias and not qwen2.o_bias and not qwen2.qk_norm
-    qwen3 = ModelConfig.from_dict({**BASE, "architectures": ["Qwen3ForCausalLM"]})
+    qwen3 = parse_model_config({**BASE, "architectures": ["Qwen3ForCausalLM"]})
     assert qwen3.qk_norm and not qwen3.qkv_bias
-    llama = ModelConfig.from_dict({**BASE, "attention_bias": True})
+    llama = parse_model_config({**BASE, "attention_bias": True})
     assert llama.qkv_bias and llama.o_bias
 
 

@@ -11,6 +11,7 @@ import pytest
 import transformers
 
 from tandem.core.errors import ModelLoadError
+from tandem.core.models.config_json import parse_model_config
 from tandem.core.models.model_config import ModelConfig
 from tandem.core.models.qwen3_5 import Qwen3_5ForCausalLM
 from tandem.core.models.qwen3_family_config import QWEN3_5_ARCHITECTURES, Qwen3FamilyConfig
@@ -19,7 +20,7 @@ from tandem.core.models.registry import model_class
 
 
 def _parse(raw: dict[str, Any]) -> Qwen3FamilyConfig:
-    config = ModelConfig.from_dict(raw)
+    config = parse_model_config(raw)
     assert isinstance(config, Qwen3FamilyConfig)
     return config
 
@@ -107,7 +108,7 @@ def test_qwen3_moe_layer_pattern_and_expert_count_names() -> None:
     assert config.partial_rotary_factor == 1.0 and not config.gated_attention
     assert config.layer_types == ("full_attention",) * 6
     with pytest.raises(ModelLoadError, match="use_sliding_window"):
-        ModelConfig.from_dict({**raw, "use_sliding_window": True})
+        parse_model_config({**raw, "use_sliding_window": True})
 
 
 def test_dense_configs_stay_plain() -> None:
@@ -119,7 +120,7 @@ def test_dense_configs_stay_plain() -> None:
         "num_hidden_layers": 1,
         "num_attention_heads": 2,
     }
-    assert type(ModelConfig.from_dict(raw)) is ModelConfig
+    assert type(parse_model_config(raw)) is ModelConfig
 
 
 def test_the_engine_serves_every_family_architecture_and_names_the_ones_it_does_not() -> None:

@@ -7,7 +7,8 @@ the framework's thread-local device cache and the thread's streams always agree.
 from tandem.device.context import BoundContext, bind_context, bound_context
 from tandem.device.device import Device, parse_device, parse_devices
 from tandem.device.kernel_registry import KernelKey, KernelRegistry, process_kernel_registry
-from tandem.device.runtime import DeviceRuntime, MemoryInfo, get_runtime, register_runtime
+from tandem.device.memory_info import MemoryInfo
+from tandem.device.runtime import DeviceRuntime, get_runtime, register_runtime
 
 __all__ = [
     "BoundContext",

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tandem.device.device import Device
-from tandem.device.runtime import MemoryInfo
+from tandem.device.memory_info import MemoryInfo
 from tandem.device.task_thread import TaskThread
 
 logger = logging.getLogger(__name__)

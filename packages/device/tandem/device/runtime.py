@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, Protocol, TypeVar
 
+from tandem.device.cpu import CpuRuntime
 from tandem.device.device import Device
+from tandem.device.memory_info import MemoryInfo
 from tandem.device.scratch_allocator import Event
 from tandem.device.sync import Promise
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class MemoryInfo:
-    total_bytes: int
-    free_bytes: int
 
 
 class DeviceRuntime(Protocol):
@@ -115,10 +110,5 @@ def get_runtime(kind: str) -> DeviceRuntime:
         return runtime
 
 
-def _register_builtin() -> None:
-    from tandem.device.cpu import CpuRuntime
-
-    register_runtime("cpu", CpuRuntime)
-
-
-_register_builtin()
+# The CPU runtime ships with this package: registered here, at import, so it is always found.
+register_runtime("cpu", CpuRuntime)

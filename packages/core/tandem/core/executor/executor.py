@@ -7,17 +7,15 @@ from __future__ import annotations
 from typing import Protocol, TypeVar
 
 from tandem.core.config import EngineConfig
-from tandem.core.errors import ConfigError, EngineDeadError
-from tandem.core.parallel.topology import Mode, Topology, resolve_topology
+from tandem.core.errors import EngineDeadError
+from tandem.core.executor.lanes import check_lanes_fit
+from tandem.core.executor.process_executor import ProcessExecutor
+from tandem.core.executor.thread_executor import ThreadExecutor
+from tandem.core.parallel.topology import Mode, resolve_topology
 from tandem.core.worker.step_runner import MemoryFootprint, OutT, RunnerFactory, StepT
 from tandem.device.sync import Promise
 
 StepT_contra = TypeVar("StepT_contra", contravariant=True)
-
-# How much longer than the step timeout an executor waits for a step: the collectives that
-# ranks are blocked in time out at the step timeout, and reporting theirs first tells the
-# rank that never arrived from the ranks it held up.
-STEP_TIMEOUT_GRACE_S = 2.0
 OutT_co = TypeVar("OutT_co", covariant=True)
 
 
@@ -72,11 +70,7 @@ def create_executor(
     worker starts."""
     topology = resolve_topology(config.parallel)
     if topology.mode is Mode.SINGLE_PROCESS:
-        from tandem.core.executor.thread_executor import ThreadExecutor
-
         return ThreadExecutor(config, runner_factory, topology)
-    from tandem.core.executor.process_executor import ProcessExecutor
-
     return ProcessExecutor(config, runner_factory, topology)
 
 
@@ -87,30 +81,4 @@ def create_lane_executor(
     the process that drives the devices, so only single-process mode on one node has them."""
     topology = resolve_topology(config.parallel)
     check_lanes_fit(config, topology)  # before anything loads
-    from tandem.core.executor.thread_executor import ThreadExecutor
-
     return ThreadExecutor(config, runner_factory, topology, lanes=True)
-
-
-def check_lanes_fit(config: EngineConfig, topology: Topology) -> None:
-    """ConfigError unless ``topology`` can have pipeline lanes."""
-    if config.pipeline.serialize_forward and topology.world_size > 1:
-        # Each rank's lock would be taken by its lanes in whatever order they arrive: rank 0
-        # running lane A's forward waits in a collective for rank 1, whose lock lane B holds
-        # while it waits for rank 0's lane B. A deadlock, not a measurement.
-        raise ConfigError(
-            "--serialize-forward serializes one worker's lanes and cannot be used with "
-            "tensor parallelism (ranks would take the lock in different lane orders and "
-            "deadlock); drop it, or measure with one device"
-        )
-    if topology.mode is not Mode.SINGLE_PROCESS:
-        raise ConfigError(
-            "pipeline lanes (--max-concurrency > 1, or serving a recommender) run in "
-            "single-process mode: TANDEM_ENABLE_SINGLE_PROCESS=1 instead of "
-            "--master-node-addr"
-        )
-    if topology.nnodes > 1:
-        raise ConfigError(
-            "pipeline lanes (--max-concurrency > 1, or a recommender) serve one node; "
-            "drop --nnodes or use --max-concurrency 1 with an LLM"
-        )

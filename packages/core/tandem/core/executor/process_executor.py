@@ -20,7 +20,7 @@ from typing import Any, Generic
 
 from tandem.core.config import EngineConfig
 from tandem.core.errors import ConfigError, EngineDeadError, EngineUnhealthyError
-from tandem.core.executor.executor import STEP_TIMEOUT_GRACE_S
+from tandem.core.executor.step_timeout import STEP_TIMEOUT_GRACE_S
 from tandem.core.executor.transport import ShmBroadcastWriter
 from tandem.core.executor.worker_process import STOP, WorkerFailure, WorkerSpec, worker_main
 from tandem.core.kv.cache_sizing import CacheSize

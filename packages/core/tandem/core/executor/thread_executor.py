@@ -18,8 +18,9 @@ import torch.distributed as dist
 from tandem.collectives import ProcessGroup, SingleRankGroup, TwoLevelGroup
 from tandem.core.config import EngineConfig
 from tandem.core.errors import ConfigError, EngineDeadError
-from tandem.core.executor.executor import STEP_TIMEOUT_GRACE_S, check_lanes_fit
+from tandem.core.executor.lanes import check_lanes_fit
 from tandem.core.executor.rank_failure import step_failure
+from tandem.core.executor.step_timeout import STEP_TIMEOUT_GRACE_S
 from tandem.core.parallel.collective_choice import CollectiveChoice, resolve_collectives
 from tandem.core.parallel.groups import (
     NO_COMMUNICATOR,

@@ -21,12 +21,12 @@ from tandem.core.errors import (
     InvalidRequestError,
 )
 from tandem.core.executor.executor import (
-    STEP_TIMEOUT_GRACE_S,
     Executor,
     LaneExecutor,
     create_executor,
     create_lane_executor,
 )
+from tandem.core.executor.step_timeout import STEP_TIMEOUT_GRACE_S
 from tandem.core.failure_text import describe
 from tandem.core.kv.block_manager import BlockManager
 from tandem.core.kv.state_slots import StateSlotPool

@@ -23,6 +23,7 @@ from tandem.core.llm.attention_metadata import plan_attention_metadata
 from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
 from tandem.core.llm.prompt_logprobs import score_prompt
 from tandem.core.llm.sampler import Sampler
+from tandem.core.models.config_json import load_model_config
 from tandem.core.models.loader import load_model, resolve_dtype
 from tandem.core.models.model_config import ModelConfig
 from tandem.core.models.registry import CausalLM, model_class
@@ -152,7 +153,7 @@ class LLMRunnerFactory:
     @classmethod
     def from_folder(cls, folder: Path) -> LLMRunnerFactory:
         """For the model folder's config; an architecture we cannot serve fails here."""
-        model_config = ModelConfig.from_folder(folder)
+        model_config = load_model_config(folder)
         model_class(model_config.architecture)
         return cls(model_config)
 

@@ -5,44 +5,18 @@ a token seen in the prompt or the output has its logit divided by ``repetition_p
 positive and multiplied when negative; a token generated ``c`` times loses
 ``frequency_penalty * c + presence_penalty * (c > 0)`` (the output only, not the prompt).
 
-The engine thread keeps each penalized sequence's tokens as tensors that grow with the output,
-so a step's batch is a concatenation, not a conversion of every token list.
+The batch reads each sequence's tokens from its ``TokenHistory`` (``token_history.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.core.llm.forward_input import PenaltyBatch
-
-if TYPE_CHECKING:
-    from tandem.core.llm.sequence import TokenSequence
-
-
-class TokenHistory:
-    """One sequence's distinct prompt tokens and its output tokens, as int64 tensors."""
-
-    def __init__(self, prompt_token_ids: list[int]) -> None:
-        self.prompt = torch.tensor(sorted(set(prompt_token_ids)), dtype=torch.int64)
-        self._output = torch.empty(64, dtype=torch.int64)
-        self._size = 0
-
-    def output(self, output_token_ids: list[int]) -> torch.Tensor:
-        """The output tokens, after appending those of ``output_token_ids`` not seen yet."""
-        total = len(output_token_ids)
-        if total > self._size:
-            if total > self._output.numel():
-                grown = torch.empty(max(total, 2 * self._output.numel()), dtype=torch.int64)
-                grown[: self._size] = self._output[: self._size]
-                self._output = grown
-            self._output[self._size : total] = torch.tensor(
-                output_token_ids[self._size :], dtype=torch.int64
-            )
-            self._size = total
-        return self._output[:total]
+from tandem.core.llm.sequence import TokenSequence
+from tandem.core.llm.token_history import TokenHistory
 
 
 def build_penalty_batch(rows: list[int], seqs: Sequence[TokenSequence]) -> PenaltyBatch:

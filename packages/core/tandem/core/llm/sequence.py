@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from tandem.core.llm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tandem.core.llm.penalties import TokenHistory
     from tandem.core.llm.structured_output import GrammarState
+    from tandem.core.llm.token_history import TokenHistory
 
 
 class SequenceStatus(enum.Enum):

@@ -118,17 +118,10 @@ class Qwen3FamilyConfig(ModelConfig):
         return LINEAR_ATTENTION in self.layer_types
 
 
-def parse_family_config(raw: dict[str, Any], architecture: str) -> Qwen3FamilyConfig:
-    """Parse a ``config.json`` of one of ``FAMILY_ARCHITECTURES``."""
-    try:
-        return _parse(raw, architecture)
-    except KeyError as exc:
-        raise ModelLoadError(f"config.json lacks the required field {exc.args[0]!r}") from None
-    except (TypeError, ValueError) as exc:
-        raise ModelLoadError(f"config.json has a malformed field: {exc}") from None
-
-
-def _parse(raw: dict[str, Any], arch: str) -> Qwen3FamilyConfig:
+def parse_family_config(raw: dict[str, Any], arch: str) -> Qwen3FamilyConfig:
+    """Parse a ``config.json`` of one of ``FAMILY_ARCHITECTURES``. A missing or malformed
+    field raises KeyError, TypeError or ValueError: ``parse_model_config``, the one caller,
+    turns those into a ModelLoadError for every architecture alike."""
     nested = arch.endswith("ForConditionalGeneration")
     text: dict[str, Any] = dict(raw.get("text_config") or {}) if nested else raw
     if arch == QWEN3_MOE:
@@ -251,7 +244,7 @@ def family_config(config: ModelConfig) -> Qwen3FamilyConfig:
     of these architectures was built by hand, not parsed, and lacks their fields)."""
     if not isinstance(config, Qwen3FamilyConfig):
         raise ValueError(
-            f"{config.architecture} needs its config parsed by ModelConfig.from_dict "
+            f"{config.architecture} needs its config parsed by parse_model_config "
             "(a Qwen3FamilyConfig)"
         )
     return config

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from tandem.core.errors import EngineDeadError, EngineUnhealthyError
-from tandem.core.executor.executor import STEP_TIMEOUT_GRACE_S
+from tandem.core.executor.step_timeout import STEP_TIMEOUT_GRACE_S
 from tandem.core.failure_text import describe
 from tandem.core.rec.fixed_steps_scheduler import FixedStepsScheduler, RecBatch
 from tandem.core.rec.request import RecRequest, RecResult
