@@ -22,6 +22,31 @@ TILE = 64
 
 
 @triton.jit
+def cache_tile(
+    table,
+    start,
+    kv_len,
+    kv_head,
+    d,
+    d_mask,
+    cache_block_stride,
+    cache_slot_stride,
+    cache_head_stride,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """Positions ``start ..`` (``TILE`` of them) of a sequence whose block table row is
+    ``table``: (the positions, which lie before ``kv_len``, their [TILE, D] offsets into
+    either cache for ``kv_head``, and the mask of those offsets)."""
+    pos = start + tl.arange(0, TILE)
+    p_mask = pos < kv_len
+    block = tl.load(table + pos // BLOCK_SIZE, mask=p_mask, other=0)
+    rows = block * cache_block_stride + (pos % BLOCK_SIZE) * cache_slot_stride
+    offsets = rows[:, None] + kv_head * cache_head_stride + d[None, :]
+    return pos, p_mask, offsets, p_mask[:, None] & d_mask[None, :]
+
+
+@triton.jit
 def _paged_decode(
     q_ptr,
     k_cache_ptr,
@@ -58,12 +83,10 @@ def _paged_decode(
     l_i = 0.0
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for start in range(0, kv_len, TILE):
-        pos = start + tl.arange(0, TILE)
-        p_mask = pos < kv_len
-        block = tl.load(table + pos // BLOCK_SIZE, mask=p_mask, other=0)
-        rows = block * cache_block_stride + (pos % BLOCK_SIZE) * cache_slot_stride
-        offsets = rows[:, None] + kv_head * cache_head_stride + d[None, :]
-        mask = p_mask[:, None] & d_mask[None, :]
+        _, p_mask, offsets, mask = cache_tile(
+            table, start, kv_len, kv_head, d, d_mask,
+            cache_block_stride, cache_slot_stride, cache_head_stride, BLOCK_SIZE, TILE,
+        )  # fmt: skip
         k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         s = tl.where(p_mask, tl.sum(k * q[None, :], axis=1), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
@@ -79,6 +102,22 @@ def _paged_decode(
         out.to(out_ptr.dtype.element_ty),
         mask=d_mask,
     )
+
+
+def read_in_place(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``q`` with unit stride along the head dimension (itself where it has one: a view of
+    a wider projection is read in place), and the strides the paged kernels take in this
+    order: q's token and head strides, out's, the caches' block, slot and head strides."""
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError("the K and V caches must share a layout (the kernel reads both alike)")
+    if out.stride(2) != 1:
+        raise ValueError("out must have unit stride along the head dimension")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3])
+    return q, strides
 
 
 def paged_decode(
@@ -98,10 +137,7 @@ def paged_decode(
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_tokens == 0:
         return out
-    if v_cache.stride() != k_cache.stride():
-        raise ValueError("the K and V caches must share a layout (the kernel reads both alike)")
-    if q.stride(2) != 1:
-        q = q.contiguous()
+    q, strides = read_in_place(q, k_cache, v_cache, out)
     tables = group.gather_blocks
     _paged_decode[(num_tokens, num_heads)](
         q,
@@ -112,13 +148,7 @@ def paged_decode(
         group.table_row,
         group.kv_lens,
         scale,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        *strides,
         tables.stride(0),
         GROUP=num_heads // num_kv_heads,
         BLOCK_SIZE=block_size,
