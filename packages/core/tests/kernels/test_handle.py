@@ -13,7 +13,7 @@ import torch
 from tandem.core.kernels import handles
 from tandem.core.kernels.cpu.native_build import ProcessOnce
 from tandem.core.kernels.reference import elementwise as reference
-from tandem.core.kernels.reference.paged_attention import reference_decode
+from tandem.core.kernels.reference.paged_attention import reference_decode, reference_prefill
 from tandem.core.kernels.triton import loading
 from tandem.core.layers.norm import RMSNorm
 from tandem.device import Device, KernelKey, process_kernel_registry
@@ -68,15 +68,21 @@ def test_accelerators_get_the_triton_kernels_where_triton_imports() -> None:
     """Run in both environments: the suite's, without Triton (the references), and
     ``tox -e triton``'s (the Triton kernels, for CUDA and NPU alike; never for CPU)."""
     norm, decode = handles.rms_norm(), handles.paged_attention_decode(64)
+    prefill = handles.paged_attention_prefill(128)
     has_triton = importlib.util.find_spec("triton") is not None
     for device_type in ("cuda", "npu"):
-        chosen = norm.choose(device_type, torch.bfloat16), decode.choose(device_type, torch.float16)
+        chosen = (
+            norm.choose(device_type, torch.bfloat16),
+            decode.choose(device_type, torch.float16),
+            prefill.choose(device_type, torch.float32),
+        )
         if has_triton:
-            from tandem.core.kernels.triton import norms, paged_attention
+            from tandem.core.kernels.triton import norms, paged_attention, paged_prefill
 
-            assert chosen == (norms.rms_norm, paged_attention.paged_decode)
+            triton = (norms.rms_norm, paged_attention.paged_decode, paged_prefill.paged_prefill)
+            assert chosen == triton
         else:
-            assert chosen == (reference.rms_norm, reference_decode)
+            assert chosen == (reference.rms_norm, reference_decode, reference_prefill)
         assert norm.choose(device_type, torch.float64) is reference.rms_norm
 
 

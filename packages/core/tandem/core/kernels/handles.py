@@ -92,7 +92,10 @@ def paged_attention_prefill(head_dim: int) -> KernelHandle[torch.Tensor]:
     native = cpu_attention.native_group_kernel(
         name, native_prefill_attention, cpu_attention.native_prefill, head_dim
     )
-    return KernelHandle(name, attention_ref.reference_prefill, native, f"head_dim={head_dim}")
+    triton = triton_kernel("paged_prefill", "paged_prefill")
+    return KernelHandle(
+        name, attention_ref.reference_prefill, native, f"head_dim={head_dim}", triton=triton
+    )
 
 
 def causal_conv1d_prefill() -> KernelHandle[torch.Tensor]:
