@@ -99,19 +99,25 @@ def paged_attention_prefill(head_dim: int) -> KernelHandle[torch.Tensor]:
 
 
 def causal_conv1d_prefill() -> KernelHandle[torch.Tensor]:
-    return KernelHandle("causal_conv1d_prefill", conv_ref.causal_conv1d_prefill)
+    triton = triton_kernel("causal_conv1d", "causal_conv1d_prefill")
+    return KernelHandle("causal_conv1d_prefill", conv_ref.causal_conv1d_prefill, triton=triton)
 
 
 def causal_conv1d_update() -> KernelHandle[torch.Tensor]:
-    return KernelHandle("causal_conv1d_update", conv_ref.causal_conv1d_update)
+    triton = triton_kernel("causal_conv1d", "causal_conv1d_update")
+    return KernelHandle("causal_conv1d_update", conv_ref.causal_conv1d_update, triton=triton)
 
 
 def chunk_gated_delta_rule() -> KernelHandle[torch.Tensor]:
-    return KernelHandle("chunk_gated_delta_rule", delta_ref.chunk_gated_delta_rule)
+    triton = triton_kernel("gated_delta_rule", "chunk_gated_delta_rule")
+    return KernelHandle("chunk_gated_delta_rule", delta_ref.chunk_gated_delta_rule, triton=triton)
 
 
 def recurrent_gated_delta_rule() -> KernelHandle[torch.Tensor]:
-    return KernelHandle("recurrent_gated_delta_rule", delta_ref.recurrent_gated_delta_rule)
+    triton = triton_kernel("gated_delta_rule", "recurrent_gated_delta_rule")
+    return KernelHandle(
+        "recurrent_gated_delta_rule", delta_ref.recurrent_gated_delta_rule, triton=triton
+    )
 
 
 def fused_moe() -> KernelHandle[torch.Tensor]:
