@@ -16,11 +16,15 @@ starts from; every later step adds the propagated difference and one ulp of its 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from tandem.core.kernels.reference.elementwise import qk_norm_rotary, rms_norm
+
 # Significant bits (with the implicit one) of each storage format.
-_PRECISION = {torch.float32: 24, torch.bfloat16: 8}
-_TINY = {torch.float32: 2.0**-126, torch.bfloat16: 2.0**-126}
+_PRECISION = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+_TINY = {torch.float32: 2.0**-126, torch.float16: 2.0**-14, torch.bfloat16: 2.0**-126}
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -36,10 +40,22 @@ def ulp(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(m), exponent - _PRECISION[dtype])
 
 
-def rounded(diff: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def rounded(
+    diff: torch.Tensor, value: torch.Tensor, dtype: torch.dtype, ulps: float = 1.0
+) -> torch.Tensor:
     """The bound after rounding two values that differed by at most ``diff`` exactly, one of
-    them ``value``: ``diff`` plus one ulp at the larger of the two magnitudes."""
-    return diff + ulp(value.double().abs() + diff, dtype)
+    them ``value``: ``diff`` plus one ulp at the larger of the two magnitudes (``ulps``
+    where one side rounds otherwise: 1.5 where it truncates, as Triton's interpreter
+    converts to bfloat16)."""
+    return diff + ulps * ulp(value.double().abs() + diff, dtype)
+
+
+def mostly_identical(got: torch.Tensor, want: torch.Tensor, limit: float = 0.02) -> None:
+    """Two implementations that round at the same places differ only where a float32 value
+    lies within their float32 difference of a rounding boundary of the storage format:
+    rare (a few per thousand), where one that rounds in another place differs in a large
+    share of the elements (every other one, typically)."""
+    assert (got != want).float().mean() < limit
 
 
 def within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> None:
@@ -67,13 +83,86 @@ def sum_of_squares_seed(dim: int, dtype: torch.dtype) -> float:
 
 
 def rms_norm_bound(
-    h: torch.Tensor, weight: torch.Tensor, want: torch.Tensor, dim: int, dtype: torch.dtype
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    want: torch.Tensor,
+    dim: int,
+    dtype: torch.dtype,
+    ulps: float = 1.0,
 ) -> torch.Tensor:
     """Bound for ``round(w * round(h * inv))`` computed twice with scales ``inv`` off by the
-    sum-of-squares seed: ``h`` the (stored) inputs, ``want`` the reference output."""
+    sum-of-squares seed: ``h`` the (stored) inputs, ``want`` the reference output (``ulps``
+    per rounding as ``rounded``)."""
     hf = h.double()
     scale = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)
     normalized = hf * scale
     seed = normalized.abs() * sum_of_squares_seed(dim, dtype)
-    d_normalized = rounded(seed, normalized, dtype)
-    return rounded(weight.double().abs() * d_normalized, want, dtype)
+    d_normalized = rounded(seed, normalized, dtype, ulps)
+    return rounded(weight.double().abs() * d_normalized, want, dtype, ulps)
+
+
+def rotary_bound(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    want: torch.Tensor,
+    dim: int,
+    dtype: torch.dtype,
+    ulps: float = 1.0,
+) -> torch.Tensor:
+    """o1 = round(round(x1 c) - round(x2 s)), o2 = round(round(x2 c) + round(x1 s)), with x
+    the normalized heads (off by the RMSNorm bound) or the inputs themselves (exact);
+    ``ulps`` per rounding as ``rounded``."""
+    if weight is None:
+        normed, d = x.double(), torch.zeros_like(x, dtype=torch.float64)
+    else:
+        stored = rms_norm(x, weight, 1e-6)
+        normed, d = stored.double(), rms_norm_bound(x, weight, stored, dim, dtype, ulps)
+    half = dim // 2
+    x1, x2, d1, d2 = normed[..., :half], normed[..., half:], d[..., :half], d[..., half:]
+    c, s = cos.double(), sin.double()
+
+    def product(d: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return rounded(d, value, dtype, ulps)
+
+    x1c, x2s = product(c.abs() * d1, x1 * c), product(s.abs() * d2, x2 * s)
+    x2c, x1s = product(c.abs() * d2, x2 * c), product(s.abs() * d1, x1 * s)
+    w = want.double()
+    return torch.cat((product(x1c + x2s, w[..., :half]), product(x2c + x1s, w[..., half:])), -1)
+
+
+def check_qk_norm_rotary_in_place(
+    kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    dtype: torch.dtype,
+    dim: int,
+    with_norm: bool,
+    heads: tuple[int, int, int],
+    seed: int,
+    ulps: float = 1.0,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Run a q/k norm + rotary ``kernel`` (the reference's signature) on q and k, views of
+    one fused [tokens, (Hq + 2 Hk) D] projection (``heads``: tokens, Hq, Hk); assert that it
+    wrote them in place, left v alone and kept within ``rotary_bound``. Returns the (got,
+    want) pairs of q and k."""
+    tokens, q_heads, k_heads = heads
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (q_heads + 2 * k_heads) * dim, generator=g).to(dtype)
+    q, k, _ = torch.split(qkv, [q_heads * dim, k_heads * dim, k_heads * dim], dim=-1)
+    q, k = q.view(tokens, q_heads, dim), k.view(tokens, k_heads, dim)
+    freqs = torch.outer(torch.arange(512).float(), torch.rand(dim // 2, generator=g))
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    positions = torch.randint(0, 512, (tokens,), generator=g)
+    weights = [(1 + 0.1 * torch.randn(dim, generator=g)).to(dtype) for _ in range(2)]
+    qw, kw = weights if with_norm else (None, None)
+    want_q, want_k = qk_norm_rotary(q.clone(), k.clone(), qw, kw, 1e-6, cos, sin, positions)
+    v_before = qkv[:, (q_heads + k_heads) * dim :].clone()
+    inputs = q.clone(), k.clone()
+    got_q, got_k = kernel(q, k, qw, kw, 1e-6, cos, sin, positions)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr(), "in place"
+    assert torch.equal(qkv[:, (q_heads + k_heads) * dim :], v_before), "v left alone"
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    pairs = [(got_q, want_q), (got_k, want_k)]
+    for x, w, (got, want) in zip(inputs, (qw, kw), pairs, strict=True):
+        within(got, want, rotary_bound(x, w, c, s, want, dim, dtype, ulps))
+    return pairs

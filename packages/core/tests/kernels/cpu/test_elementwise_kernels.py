@@ -21,9 +21,16 @@ from tandem.core.kernels.cpu import elementwise as elementwise_cpu
 from tandem.core.kernels.cpu import native_build
 from tandem.core.kernels.cpu.elementwise import native_elementwise, native_elementwise_kernel
 from tandem.core.kernels.handle import KernelHandle
-from tandem.core.kernels.reference.elementwise import add_rms_norm, qk_norm_rotary, rms_norm
+from tandem.core.kernels.reference.elementwise import add_rms_norm, rms_norm
 
-from .rounding import rms_norm_bound, rounded, unit_roundoff, within
+from .rounding import (
+    check_qk_norm_rotary_in_place,
+    mostly_identical,
+    rms_norm_bound,
+    rounded,
+    unit_roundoff,
+    within,
+)
 
 needs_native = pytest.mark.skipif(
     native_elementwise() is None, reason="no C++ compiler to build the fused kernels"
@@ -33,12 +40,10 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _mostly_identical(got: torch.Tensor, want: torch.Tensor) -> None:
-    """bfloat16 results differ only where a float32 value lies within the kernels' float32
-    difference of a bfloat16 rounding boundary: rare (a few per ten thousand), where a
-    kernel that rounds in another place than torch differs almost everywhere. (In float32
-    the two sums of squares set every element of a row apart by an ulp or so.)"""
+    """In bfloat16 (in float32 the two sums of squares set every element of a row apart by
+    an ulp or so)."""
     if got.dtype is torch.bfloat16:
-        assert (got != want).float().mean() < 0.02
+        mostly_identical(got, want)
 
 
 @needs_native
@@ -74,58 +79,13 @@ def test_qk_norm_rotary_in_place_on_a_fused_projection(
 ) -> None:
     kernels = native_elementwise()
     assert kernels is not None
-    tokens, q_heads, k_heads = 37, 16, 8
-    g = torch.Generator().manual_seed(1)
-    qkv = torch.randn(tokens, (q_heads + 2 * k_heads) * dim, generator=g).to(dtype)
-    q, k, _ = torch.split(qkv, [q_heads * dim, k_heads * dim, k_heads * dim], dim=-1)
-    q, k = q.view(tokens, q_heads, dim), k.view(tokens, k_heads, dim)
-    freqs = torch.outer(torch.arange(512).float(), torch.rand(dim // 2, generator=g))
-    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
-    positions = torch.randint(0, 512, (tokens,), generator=g)
-    weights = [(1 + 0.1 * torch.randn(dim, generator=g)).to(dtype) for _ in range(2)]
-    qw, kw = weights if with_norm else (None, None)
-    want_q, want_k = qk_norm_rotary(q.clone(), k.clone(), qw, kw, 1e-6, cos, sin, positions)
-    v_before = qkv[:, (q_heads + k_heads) * dim :].clone()
-    inputs = q.clone(), k.clone()
-    got_q, got_k = kernels.qk_norm_rotary(q, k, qw, kw, 1e-6, cos, sin, positions)
-    assert got_q.data_ptr() == q.data_ptr(), "rotated in place"
-    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    for x, w, got, want in zip(inputs, (qw, kw), (got_q, got_k), (want_q, want_k), strict=True):
-        within(got, want, _rotary_bound(x, w, c, s, want, dim, dtype))
+    kernel = kernels.qk_norm_rotary
+    pairs = check_qk_norm_rotary_in_place(kernel, dtype, dim, with_norm, (37, 16, 8), seed=1)
+    for got, want in pairs:
         _mostly_identical(got, want)
-    # The fused projection's v part is left alone.
-    assert torch.equal(qkv[:, (q_heads + k_heads) * dim :], v_before)
     if not with_norm:
         # Without the norm no sum is involved: every product and sum rounds as torch's do.
-        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
-
-
-def _rotary_bound(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    want: torch.Tensor,
-    dim: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """o1 = round(round(x1 c) - round(x2 s)), o2 = round(round(x2 c) + round(x1 s)), with x
-    the normalized heads (off by the RMSNorm bound) or the inputs themselves (exact)."""
-    if weight is None:
-        normed, d = x.double(), torch.zeros_like(x, dtype=torch.float64)
-    else:
-        stored = rms_norm(x, weight, 1e-6)
-        normed, d = stored.double(), rms_norm_bound(x, weight, stored, dim, dtype)
-    half = dim // 2
-    x1, x2, d1, d2 = normed[..., :half], normed[..., half:], d[..., :half], d[..., half:]
-    c, s = cos.double(), sin.double()
-    x1c, x2s = rounded(c.abs() * d1, x1 * c, dtype), rounded(s.abs() * d2, x2 * s, dtype)
-    x2c, x1s = rounded(c.abs() * d2, x2 * c, dtype), rounded(s.abs() * d1, x1 * s, dtype)
-    w = want.double()
-    return torch.cat(
-        (rounded(x1c + x2s, w[..., :half], dtype), rounded(x2c + x1s, w[..., half:], dtype)),
-        dim=-1,
-    )
+        assert all(torch.equal(got, want) for got, want in pairs)
 
 
 # Where exp(-x) is clamped (x below -87.3) the kernel's SiLU is x / e^87.3 instead of -0.
