@@ -61,17 +61,20 @@ def gated_activation(name: str) -> KernelHandle[torch.Tensor]:
         raise ValueError(f"unsupported activation {name!r}; supported: {supported}")
     # SiLU, the activation of every family served, has a fused CPU kernel.
     native = native_elementwise_kernel("silu_mul") if name == "silu" else None
-    return KernelHandle(f"gated_{name}", impl, native)
+    triton = triton_kernel("activation", f"gated_{name}")
+    return KernelHandle(f"gated_{name}", impl, native, triton=triton)
 
 
 def rotary() -> KernelHandle[torch.Tensor]:
-    return KernelHandle("rotary", ref.rotary)
+    triton = triton_kernel("rotary", "rotary")
+    return KernelHandle("rotary", ref.rotary, triton=triton)
 
 
 def qk_norm_rotary() -> KernelHandle[Pair]:
-    """Qwen3's per-head q/k RMSNorm and the rotary after it, in place on the CPU."""
+    """Qwen3's per-head q/k RMSNorm and the rotary after it, in place (CPU and Triton)."""
     native = native_elementwise_kernel("qk_norm_rotary")
-    return KernelHandle("qk_norm_rotary", ref.qk_norm_rotary, native)
+    triton = triton_kernel("rotary", "qk_norm_rotary")
+    return KernelHandle("qk_norm_rotary", ref.qk_norm_rotary, native, triton=triton)
 
 
 def paged_attention_decode(head_dim: int) -> KernelHandle[torch.Tensor]:
@@ -121,4 +124,5 @@ def recurrent_gated_delta_rule() -> KernelHandle[torch.Tensor]:
 
 
 def fused_moe() -> KernelHandle[torch.Tensor]:
-    return KernelHandle("fused_moe", moe_ref.fused_moe)
+    triton = triton_kernel("fused_moe", "fused_moe")
+    return KernelHandle("fused_moe", moe_ref.fused_moe, triton=triton)
