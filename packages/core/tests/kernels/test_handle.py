@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tandem.core.kernels import handles
-from tandem.core.kernels.cpu.native_build import ProcessOnce
+from tandem.core.kernels.process_once import ProcessOnce
 from tandem.core.kernels.reference import elementwise as reference
 from tandem.core.kernels.reference.paged_attention import reference_decode, reference_prefill
 from tandem.core.kernels.triton import loading

@@ -24,12 +24,13 @@ from pathlib import Path
 
 import torch
 
-from tandem.core.kernels.cpu.native_build import CSRC, IsaLevel, ProcessOnce
+from tandem.core.kernels.cpu.native_build import CSRC, IsaLevel
 from tandem.core.kernels.cpu.native_linear import (
     AdoptedWeight,
     PackedWeightKernel,
     load_kernel_library,
 )
+from tandem.core.kernels.process_once import ProcessOnce
 
 logger = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from tandem.core.kernels.cpu.native_build import (
     CSRC,
     IsaLevel,
     KernelBuildError,
-    ProcessOnce,
     build_library,
     compiled_path,
     log_unbuilt,
 )
 from tandem.core.kernels.handle import NativeChoice
+from tandem.core.kernels.process_once import ProcessOnce
 
 logger = logging.getLogger(__name__)
 

@@ -27,12 +27,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
 
 import torch
 
@@ -236,23 +234,3 @@ def build_library(
             target,
         )
     return target
-
-
-T = TypeVar("T")
-
-
-class ProcessOnce(Generic[T]):
-    """A kernel library loaded on first use and kept for the life of the process (or None
-    where it cannot be had): one thread loads it while the others wait, so the outcome is
-    logged once."""
-
-    def __init__(self, load: Callable[[], T]) -> None:
-        self._load = load
-        self._lock = threading.Lock()
-        self._loaded: list[T] = []
-
-    def __call__(self) -> T:
-        with self._lock:
-            if not self._loaded:
-                self._loaded.append(self._load())
-            return self._loaded[0]

@@ -18,10 +18,10 @@ from tandem.core.kernels.cpu.native_build import (
     CSRC,
     IsaLevel,
     KernelBuildError,
-    ProcessOnce,
     log_unbuilt,
 )
 from tandem.core.kernels.cpu.native_build import build_library as build_native
+from tandem.core.kernels.process_once import ProcessOnce
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,6 @@ from tandem.core.kernels.cpu.avx2_linear import avx2_linear
 from tandem.core.kernels.cpu.avx512_linear import avx512_linear
 from tandem.core.kernels.cpu.elementwise import native_elementwise
 from tandem.core.kernels.cpu.native_build import (
-    ProcessOnce,
     find_cxx,
     kernel_cache_dir,
     selected_isa,
@@ -37,6 +36,7 @@ from tandem.core.kernels.cpu.native_build import (
 from tandem.core.kernels.cpu.packed_linear import native_kernel, packing_enabled
 from tandem.core.kernels.cpu.paged_attention import native_paged_attention
 from tandem.core.kernels.cpu.prefill_attention import native_prefill_attention
+from tandem.core.kernels.process_once import ProcessOnce
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from tandem.core.kernels.cpu.native_build import ProcessOnce
 from tandem.core.kernels.handle import NativeChoice
+from tandem.core.kernels.process_once import ProcessOnce
 
 logger = logging.getLogger(__name__)
 
