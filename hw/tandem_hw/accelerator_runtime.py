@@ -69,6 +69,7 @@ def parse_ascend_visible_devices(value: str | None) -> AscendVisible | None:
 
 class AcceleratorRuntime:
     kind: str
+    kernel_families: tuple[str, ...]
     # The attribute of a torch stream object that holds the raw handle.
     stream_attr: str
     # The variable that restricts (and renumbers) the devices this process sees.

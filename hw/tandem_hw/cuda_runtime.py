@@ -16,6 +16,7 @@ class CudaRuntimeUnavailable(RuntimeError):
 
 class CudaRuntime(AcceleratorRuntime):
     kind = "cuda"
+    kernel_families: tuple[str, ...] = ("triton",)
     stream_attr = "cuda_stream"
     visible_env = "CUDA_VISIBLE_DEVICES"
 

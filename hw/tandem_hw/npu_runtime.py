@@ -42,6 +42,9 @@ def check_ascend_visible_devices(value: str | None) -> None:
 
 class NpuRuntime(AcceleratorRuntime):
     kind = "npu"
+    # torch_npu's fused ops where it has one (attention, norms, rotary, SwiGLU, MoE), as
+    # vllm-ascend; Triton (triton-ascend) for the rest (Gated DeltaNet, gated norms).
+    kernel_families: tuple[str, ...] = ("torch_npu", "triton")
     stream_attr = "npu_stream"
     visible_env = VISIBLE_ENV
 

@@ -16,6 +16,8 @@ from tandem.device.sync import Sync
 from tandem.device.task_thread import TaskThread
 
 ACL_ERROR_RT_KERNEL_DUPLICATE = 507028
+# Devices the fake NPU box has (a 910B server's eight).
+DEVICE_COUNT = 8
 
 
 class RuntimeFault(RuntimeError):
@@ -32,13 +34,34 @@ class FakeNpuRuntime:
 
     kind = "npu"
 
-    def __init__(self, sync: Sync, compile_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        sync: Sync,
+        compile_s: float = 0.0,
+        kernel_families: tuple[str, ...] = (),
+        memory: MemoryInfo | None = None,
+    ) -> None:
         """``compile_s``: virtual seconds a kernel's first load spends compiling before it
         registers (triton kernels are compiled on first use, in seconds on an NPU): the
-        thread is away that long, and others run meanwhile."""
+        thread is away that long, and others run meanwhile. ``kernel_families``: what the
+        fake launches besides the torch references, as ``NpuRuntime`` lists them: ``triton``
+        runs the Triton kernels under Triton's interpreter (the tensors are in host memory),
+        ``torch_npu`` the fused ops of whatever ``torch_npu`` imports as (the stand-in,
+        ``tandem_sim.torch_npu_standin``, in place through ``tandem_sim.npu_standin``)."""
         self._sync = sync
         self.compile_s = compile_s
+        self.kernel_families = kernel_families
+        # What each device reports: its share of host memory where tensors really live.
+        self.memory = memory or MemoryInfo(total_bytes=64 << 30, free_bytes=60 << 30)
+        # Triton's interpreter runs one kernel at a time per process: it patches
+        # triton.language for the launch and keeps the grid index in one module-level builder
+        # (triton/runtime/interpreter.py). Two workers' launches take turns here, as two
+        # devices' kernels would run side by side on hardware.
+        self._interpreter = sync.lock() if "triton" in kernel_families else None
         self.registered: dict[tuple[str, int], str] = {}
+        # What each registration loaded: the kernel object itself (a Triton kernel's wrapper,
+        # a torch reference), as a real runtime would load its binary.
+        self.loaded: dict[tuple[str, int], Callable[..., Any]] = {}
         self.registrations = 0
         self._context: dict[int, int] = {}
         self._framework: dict[int, int] = {}
@@ -99,7 +122,7 @@ class FakeNpuRuntime:
         self._sync.yield_point("aclrtSynchronizeStream")
 
     def memory_info(self, device: Device) -> MemoryInfo:
-        return MemoryInfo(total_bytes=64 << 30, free_bytes=60 << 30)
+        return self.memory
 
     def new_stream(self, name: str) -> TaskThread:
         """A side stream: an ordered executor whose thread the simulator schedules, so work
@@ -107,18 +130,22 @@ class FakeNpuRuntime:
         return TaskThread(name, self._sync)
 
     def device_count(self) -> int:
-        return 8
+        return DEVICE_COUNT
 
     def load_kernel(
         self, name: str, impl: Callable[..., Any], device: Device
     ) -> Callable[..., Any]:
         self._compile()
         stub = self.register_function(name, device.index)
+        self.loaded[(name, device.index)] = impl
 
         def launch_then_run(*args: Any) -> Any:
             self.launch(stub)
             self.stream_log.setdefault(device.index, []).append(name)
-            return impl(*args)
+            if self._interpreter is None:
+                return impl(*args)
+            with self._interpreter:
+                return impl(*args)
 
         return launch_then_run
 

@@ -24,6 +24,7 @@ from tandem.core.demo.demo_model import tiny_spec, write_demo_model
 from tandem.core.demo.family_demo_model import Qwen3_5DemoSpec, write_qwen3_5_demo_model
 from tandem.core.errors import EngineDeadError
 from tandem.core.executor.thread_executor import ThreadExecutor
+from tandem.core.kernels.triton.loading import triton_usable
 from tandem.core.kv.block_manager import BlockManager
 from tandem.core.llm.engine import LLMEngine
 from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
@@ -375,6 +376,7 @@ HYBRID_PROMPTS = ((5, 17, 300, 42, 9), (11, 3, 250, 8, 61, 7, 19))
 HYBRID_PARAMS = SamplingParams.greedy(max_tokens=3, ignore_eos=True)
 # Virtual seconds a kernel's first load compiles (triton-ascend: seconds on a real NPU).
 COMPILE_S = 0.01
+TRITON_PACKAGE = "tandem.core.kernels.triton."
 
 
 def _hybrid_generate(engine: LLMEngine) -> tuple[tuple[int, ...], ...]:
@@ -398,13 +400,15 @@ def _hybrid_reference() -> tuple[tuple[int, ...], ...]:
 def hybrid_first_request(s: DeterministicScheduler, broken: bool) -> None:
     """Seed 000's failing request on its own model family: the real engine serving a Qwen3.5
     hybrid at TP=2 in one process on the fake NPU runtime, whose kernels compile on first
-    use. Both workers' first forward registers the linear-attention kernels (and the others)
-    at once, each for its own device; then two decode batches run on the two pipeline lanes
-    of every device, whose first decode kernels are the same keys, loaded by two lanes at
-    once. Every (kernel, device) must be registered exactly once, tokens equal TP=1's. The
-    broken variant uses the seed's registry: the second lane reads a null stub or registers
-    again (507028)."""
-    runtime = FakeNpuRuntime(s, compile_s=COMPILE_S)
+    use. What it registers are the Triton kernels themselves (run under Triton's
+    interpreter), as triton-ascend's on an NPU, wherever Triton is installed. Both workers'
+    first forward registers the linear-attention kernels (and the others) at once, each for
+    its own device; then two decode batches run on the two pipeline lanes of every device,
+    whose first decode kernels are the same keys, loaded by two lanes at once. Every (kernel,
+    device) must be registered exactly once, tokens equal TP=1's (the CPU path). The broken
+    variant uses the seed's registry: the second lane reads a null stub or registers again
+    (507028)."""
+    runtime = FakeNpuRuntime(s, compile_s=COMPILE_S, kernel_families=("triton",))
     # Duck-typed: the workers only call get(key, register).
     registry = cast("KernelRegistry[Any]", UnsynchronizedRegistry(s) if broken else None)
     model = _tiny_hybrid()
@@ -422,6 +426,14 @@ def hybrid_first_request(s: DeterministicScheduler, broken: bool) -> None:
               "recurrent_gated_delta_rule", "rms_norm_gated"}  # fmt: skip
     if not linear <= kernels:
         raise AssertionError(f"linear-attention kernels never registered: {linear - kernels}")
+    if triton_usable():
+        untriton = sorted(
+            name
+            for (name, _), impl in runtime.loaded.items()
+            if name in linear and not impl.__module__.startswith(TRITON_PACKAGE)
+        )
+        if untriton:
+            raise AssertionError(f"registered without their Triton kernels: {untriton}")
     if runtime.registrations != len(kernels) * 2:
         raise AssertionError(
             f"{runtime.registrations} registrations for {len(kernels)} kernels on 2 devices"

@@ -51,7 +51,7 @@ SUITE_SCHEDULES = {
     "rank_dies_mid_collective": 160,
     "tp_lanes": 100,
     "llm_lanes_kv_pressure": 80,
-    "hybrid_first_request": 80,
+    "hybrid_first_request": 30,
 }
 # The lifecycle scenarios run a whole engine per schedule (tens of TP=2 steps, 0.2-0.5 s on
 # one Zen 1 core, the recommender's the slowest): 120 each in the suite, as two seeds of 60

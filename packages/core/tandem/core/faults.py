@@ -240,6 +240,7 @@ class FailingRegistrationRuntime:
     def __init__(self, inner: DeviceRuntime) -> None:
         self._inner = inner
         self.kind = inner.kind
+        self.kernel_families = inner.kernel_families
 
     def bind(self, device: Device) -> None:
         self._inner.bind(device)

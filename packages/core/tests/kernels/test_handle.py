@@ -70,11 +70,12 @@ def test_accelerators_get_the_triton_kernels_where_triton_imports() -> None:
     norm, decode = handles.rms_norm(), handles.paged_attention_decode(64)
     prefill = handles.paged_attention_prefill(128)
     has_triton = importlib.util.find_spec("triton") is not None
-    for device_type in ("cuda", "npu"):
+    # As CudaRuntime and NpuRuntime list them (torch_npu does not import here).
+    for families in (("triton",), ("torch_npu", "triton")):
         chosen = (
-            norm.choose(device_type, torch.bfloat16),
-            decode.choose(device_type, torch.float16),
-            prefill.choose(device_type, torch.float32),
+            norm.choose(families, torch.bfloat16),
+            decode.choose(families, torch.float16),
+            prefill.choose(families, torch.float32),
         )
         if has_triton:
             from tandem.core.kernels.triton import norms, paged_attention, paged_prefill
@@ -83,7 +84,7 @@ def test_accelerators_get_the_triton_kernels_where_triton_imports() -> None:
             assert chosen == triton
         else:
             assert chosen == (reference.rms_norm, reference_decode, reference_prefill)
-        assert norm.choose(device_type, torch.float64) is reference.rms_norm
+        assert norm.choose(families, torch.float64) is reference.rms_norm
 
 
 def test_triton_can_be_turned_off_and_says_so(

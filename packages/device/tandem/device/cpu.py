@@ -174,6 +174,7 @@ def collapse_to_huge_pages(ranges: Iterable[tuple[int, int]]) -> int:
 
 class CpuRuntime:
     kind = "cpu"
+    kernel_families: tuple[str, ...] = ("cpu",)
 
     def __init__(self) -> None:
         self._local = threading.local()

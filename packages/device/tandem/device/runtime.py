@@ -25,6 +25,10 @@ class DeviceRuntime(Protocol):
     """What a worker needs from a device: binding, streams, memory figures."""
 
     kind: str
+    # The kernel families this runtime launches, most preferred first ("cpu": the C++ built
+    # for the host; "torch_npu": torch_npu's fused ops; "triton"); a kernel none of them
+    # serves runs its torch reference.
+    kernel_families: tuple[str, ...]
 
     def bind(self, device: Device) -> None:
         """Make ``device`` current for the calling thread through the framework's setter."""

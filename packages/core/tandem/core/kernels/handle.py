@@ -7,7 +7,7 @@ Device runtimes that compile or register kernels (NPU) get exactly one registrat
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -24,8 +24,8 @@ R = TypeVar("R")
 KernelFn = Callable[..., torch.Tensor]
 # A device family's kernel for a dtype; None where the family has none for it.
 NativeChoice = Callable[[torch.dtype], Callable[..., R] | None]
-# The devices Triton compiles for (NPU through triton-ascend).
-TRITON_DEVICES = frozenset({"cuda", "npu"})
+# The kernel families, by the names runtimes list in ``kernel_families``.
+CPU, TORCH_NPU, TRITON = "cpu", "torch_npu", "triton"
 
 
 class KernelHandle(Generic[R]):
@@ -34,10 +34,12 @@ class KernelHandle(Generic[R]):
 
     ``impl`` is the torch implementation (the reference, and what runs wherever no family
     has its own); ``native`` names a fused CPU kernel to use instead where one is built for
-    the dtype, ``triton`` the Triton kernel for the accelerators (CUDA, and NPU through
-    triton-ascend) where Triton is usable. ``variant`` joins the registry key when the
-    choice depends on more than the dtype (a head size): other shapes on one device must
-    not inherit it."""
+    the dtype, ``npu`` torch_npu's fused op (Ascend), ``triton`` the Triton kernel for the
+    accelerators (CUDA, and NPU through triton-ascend) where Triton is usable. Which of them
+    may run is the device runtime's to say (``DeviceRuntime.kernel_families``, most preferred
+    first), not the tensors': the simulator's NPU keeps its tensors in host memory and still
+    launches what an NPU would. ``variant`` joins the registry key when the choice depends
+    on more than the dtype (a head size): other shapes on one device must not inherit it."""
 
     def __init__(
         self,
@@ -46,12 +48,16 @@ class KernelHandle(Generic[R]):
         native: NativeChoice[R] | None = None,
         variant: str = "",
         triton: NativeChoice[R] | None = None,
+        npu: NativeChoice[R] | None = None,
     ) -> None:
         self.name = name
         self.impl = impl
-        self.native = native
-        self.triton = triton
         self.variant = variant
+        self.families: dict[str, NativeChoice[R]] = {
+            family: choice
+            for family, choice in ((CPU, native), (TORCH_NPU, npu), (TRITON, triton))
+            if choice is not None
+        }
         self._resolved: tuple[torch.dtype, Callable[..., R]] | None = None
 
     def __call__(self, x: torch.Tensor, *args: Any) -> R:
@@ -61,12 +67,14 @@ class KernelHandle(Generic[R]):
             self._resolved = resolved
         return resolved[1](x, *args)
 
-    def choose(self, device_type: str, dtype: torch.dtype) -> Callable[..., R]:
-        family = self.native if device_type == "cpu" else None
-        if device_type in TRITON_DEVICES:
-            family = self.triton
-        chosen = family(dtype) if family is not None else None
-        return chosen if chosen is not None else self.impl
+    def choose(self, families: Sequence[str], dtype: torch.dtype) -> Callable[..., R]:
+        """The first of ``families`` with a kernel for ``dtype``, else the reference."""
+        for family in families:
+            choice = self.families.get(family)
+            chosen = choice(dtype) if choice is not None else None
+            if chosen is not None:
+                return chosen
+        return self.impl
 
     def _resolve(self, x: torch.Tensor) -> Callable[..., R]:
         context = bound_context()
@@ -75,7 +83,7 @@ class KernelHandle(Generic[R]):
         device = runtime.current_device() or Device(x.device.type, x.device.index or 0)
         detail = f"{x.dtype},{self.variant}" if self.variant else str(x.dtype)
         key = KernelKey(self.name, device, detail)
-        impl = self.choose(x.device.type, x.dtype)
+        impl = self.choose(runtime.kernel_families, x.dtype)
         handle: Callable[..., R] = registry.get(
             key, lambda: runtime.load_kernel(self.name, impl, device)
         )

@@ -21,6 +21,7 @@ from tandem.core.layers.fused_moe import pack_expert_weights
 from tandem.core.layers.weights import LazyTensor
 from tandem.core.models.model_config import ModelConfig
 from tandem.core.models.registry import CausalLM, model_class
+from tandem.device import bound_context
 from tandem.device.cpu import cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,13 @@ def fill_from_checkpoint(model: Loadable, files: list[Path], desc: str) -> None:
     model.eval()
 
 
+def _cpu_kernels_serve() -> bool:
+    """Whether the loading worker's runtime launches the CPU kernels: not the simulator's
+    NPU, whose tensors are host memory too but which runs what an NPU would."""
+    context = bound_context()
+    return context is None or "cpu" in context.runtime.kernel_families
+
+
 def load_model(
     folder: Path,
     config: ModelConfig,
@@ -155,8 +163,9 @@ def _load(
     model.embed_tokens.weight.data.zero_()
     model.lm_head.weight.data.zero_()
     fill_from_checkpoint(model, weight_files(folder), f"loading {folder.name} (rank {group.rank})")
-    pack_linear_weights(model, device, dtype)
-    pack_expert_weights(model, device, dtype)
+    if _cpu_kernels_serve():
+        pack_linear_weights(model, device, dtype)
+        pack_expert_weights(model, device, dtype)
     logger.info(
         "loaded %s (%s, %d layers) in %s", folder, config.architecture, config.num_layers, dtype
     )

@@ -124,11 +124,11 @@ def test_the_registry_picks_the_fused_kernel_where_it_handles_the_dtype() -> Non
     handle: KernelHandle[torch.Tensor] = KernelHandle(
         "rms_norm", rms_norm, native_elementwise_kernel("rms_norm")
     )
-    assert handle.choose("cpu", torch.bfloat16) != rms_norm
-    assert handle.choose("cpu", torch.float16) is rms_norm
-    assert handle.choose("npu", torch.bfloat16) is rms_norm
+    assert handle.choose(("cpu",), torch.bfloat16) != rms_norm
+    assert handle.choose(("cpu",), torch.float16) is rms_norm
+    assert handle.choose(("torch_npu", "triton"), torch.bfloat16) is rms_norm
     gelu = handles.gated_activation("gelu")
-    assert gelu.choose("cpu", torch.float32) is gelu.impl
+    assert gelu.choose(("cpu",), torch.float32) is gelu.impl
 
 
 def test_without_a_compiler_the_layers_run_op_by_op(

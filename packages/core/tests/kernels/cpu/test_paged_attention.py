@@ -227,7 +227,7 @@ def test_without_a_native_kernel_the_reference_is_chosen_and_said(
         reference_decode,
         native_group_kernel("x", lambda: None, lambda k: reference_prefill, 64),
     )
-    assert slot.choose("cpu", torch.float32) is reference_decode
+    assert slot.choose(("cpu",), torch.float32) is reference_decode
 
 
 @needs_native
@@ -243,7 +243,7 @@ def test_an_unhandled_dtype_falls_back_once_in_the_log(caplog: pytest.LogCapture
         for _ in range(2)
     ]
     with caplog.at_level(logging.INFO, logger=attention_groups.__name__):
-        chosen = [slot.choose("cpu", torch.float16) for slot in slots]
+        chosen = [slot.choose(("cpu",), torch.float16) for slot in slots]
     assert chosen == [reference_decode, reference_decode]
     assert caplog.text.count("does not handle head_dim 64 in torch.float16") == 1
 
