@@ -5,6 +5,7 @@ a JIT compile does."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,8 @@ import torch
 from tandem.device import Device, MemoryInfo
 from tandem.device.sync import Sync
 from tandem.device.task_thread import TaskThread
+
+logger = logging.getLogger(__name__)
 
 ACL_ERROR_RT_KERNEL_DUPLICATE = 507028
 # Devices the fake NPU box has (a 910B server's eight).
@@ -138,6 +141,7 @@ class FakeNpuRuntime:
         self._compile()
         stub = self.register_function(name, device.index)
         self.loaded[(name, device.index)] = impl
+        logger.info("registered %s on %s: %s.%s", name, device, impl.__module__, impl.__qualname__)
 
         def launch_then_run(*args: Any) -> Any:
             self.launch(stub)

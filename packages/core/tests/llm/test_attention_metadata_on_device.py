@@ -52,10 +52,16 @@ class HostToDeviceCopies(TorchDispatchMode):  # type: ignore[no-untyped-call]  #
 
 
 def fields(obj: object | None, prefix: str) -> list[tuple[str, torch.Tensor]]:
+    """The device tensors: the ``host_`` ones stay on the host by design (torch_npu's
+    attention takes its lengths there)."""
     if obj is None:
         return []
     items = vars(obj).items()
-    return [(f"{prefix}.{k}", v) for k, v in items if isinstance(v, torch.Tensor)]
+    return [
+        (f"{prefix}.{k}", v)
+        for k, v in items
+        if isinstance(v, torch.Tensor) and not k.startswith("host_")
+    ]
 
 
 def tensors_of(meta: AttentionMetadata) -> list[tuple[str, torch.Tensor]]:
@@ -85,8 +91,13 @@ def test_metadata_is_built_for_the_device_without_reading_it_back(
     for (name, want), (_, got) in zip(host, device, strict=True):
         assert got.device == META, name
         assert (got.shape, got.dtype) == (want.shape, want.dtype), name
+    assert on_device.slot_mapping_int32().device == META
     for group in (on_device.decode, on_device.prefill):
         assert group is None or isinstance(group, AttentionGroup)
+        if group is not None:
+            assert group.block_table_int32().device == META
+            assert group.host_kv_lens is not None and group.host_kv_lens.device.type == "cpu"
+            assert group.host_kv_lens.dtype == torch.int32
 
 
 def test_the_old_way_would_have_been_caught() -> None:

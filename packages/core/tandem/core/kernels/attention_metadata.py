@@ -39,6 +39,21 @@ class AttentionGroup:
     # How the prefill kernel divides the group between flash attention and itself: made by
     # the first layer that needs it, the same for every layer of the step.
     split: PrefillSplit | None = None
+    # For ops that take lengths on the host (torch_npu's attention: ``context_lens`` is a host
+    # tensor, ``actual_seq_lengths`` a list), the plan's own copies, int32: per sequence its
+    # cached-plus-new tokens, and (prefill) its query count.
+    host_kv_lens: torch.Tensor | None = None
+    host_query_lens: torch.Tensor | None = None
+    _block_table_int32: torch.Tensor | None = None
+
+    def block_table_int32(self) -> torch.Tensor:
+        """``gather_blocks`` as int32 (torch_npu's block tables), made once per step on the
+        device by the first layer that asks."""
+        table = self._block_table_int32
+        if table is None:
+            table = self.gather_blocks.to(torch.int32)
+            self._block_table_int32 = table
+        return table
 
 
 @dataclass
@@ -49,6 +64,15 @@ class AttentionMetadata:
     prefill: AttentionGroup | None
     # For models with linear-attention (Gated DeltaNet) layers: their per-sequence state slots.
     linear: LinearAttentionMetadata | None = None
+    _slot_mapping_int32: torch.Tensor | None = None
+
+    def slot_mapping_int32(self) -> torch.Tensor:
+        """``slot_mapping`` as int32 (torch_npu's cache write), made once per step."""
+        slots = self._slot_mapping_int32
+        if slots is None:
+            slots = self.slot_mapping.to(torch.int32)
+            self._slot_mapping_int32 = slots
+        return slots
 
 
 # A group kernel: (q, k, v of the group's new tokens, k_cache, v_cache, group, scale,

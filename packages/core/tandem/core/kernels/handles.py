@@ -19,6 +19,7 @@ from tandem.core.kernels.cpu.elementwise import native_elementwise_kernel
 from tandem.core.kernels.cpu.paged_attention import native_paged_attention
 from tandem.core.kernels.cpu.prefill_attention import native_prefill_attention
 from tandem.core.kernels.handle import KernelHandle
+from tandem.core.kernels.npu.loading import HALVES, torch_npu_kernel
 from tandem.core.kernels.reference import causal_conv1d as conv_ref
 from tandem.core.kernels.reference import elementwise as ref
 from tandem.core.kernels.reference import fused_moe as moe_ref
@@ -32,7 +33,8 @@ Pair = tuple[torch.Tensor, torch.Tensor]
 def rms_norm() -> KernelHandle[torch.Tensor]:
     native = native_elementwise_kernel("rms_norm")
     triton = triton_kernel("norms", "rms_norm")
-    return KernelHandle("rms_norm", ref.rms_norm, native, triton=triton)
+    npu = torch_npu_kernel("norms", "rms_norm")
+    return KernelHandle("rms_norm", ref.rms_norm, native, triton=triton, npu=npu)
 
 
 def add_rms_norm() -> KernelHandle[Pair]:
@@ -40,7 +42,8 @@ def add_rms_norm() -> KernelHandle[Pair]:
     residual tensor it is handed."""
     native = native_elementwise_kernel("add_rms_norm")
     triton = triton_kernel("norms", "add_rms_norm")
-    return KernelHandle("add_rms_norm", ref.add_rms_norm, native, triton=triton)
+    npu = torch_npu_kernel("norms", "add_rms_norm")
+    return KernelHandle("add_rms_norm", ref.add_rms_norm, native, triton=triton, npu=npu)
 
 
 def rms_norm_gated() -> KernelHandle[torch.Tensor]:
@@ -62,19 +65,28 @@ def gated_activation(name: str) -> KernelHandle[torch.Tensor]:
     # SiLU, the activation of every family served, has a fused CPU kernel.
     native = native_elementwise_kernel("silu_mul") if name == "silu" else None
     triton = triton_kernel("activation", f"gated_{name}")
-    return KernelHandle(f"gated_{name}", impl, native, triton=triton)
+    npu = torch_npu_kernel("activation", "gated_silu") if name == "silu" else None
+    return KernelHandle(f"gated_{name}", impl, native, triton=triton, npu=npu)
 
 
 def rotary() -> KernelHandle[torch.Tensor]:
     triton = triton_kernel("rotary", "rotary")
-    return KernelHandle("rotary", ref.rotary, triton=triton)
+    npu = torch_npu_kernel("rotary", "rotary")
+    return KernelHandle("rotary", ref.rotary, triton=triton, npu=npu)
 
 
 def qk_norm_rotary() -> KernelHandle[Pair]:
     """Qwen3's per-head q/k RMSNorm and the rotary after it, in place (CPU and Triton)."""
     native = native_elementwise_kernel("qk_norm_rotary")
     triton = triton_kernel("rotary", "qk_norm_rotary")
-    return KernelHandle("qk_norm_rotary", ref.qk_norm_rotary, native, triton=triton)
+    npu = torch_npu_kernel("rotary", "qk_norm_rotary")
+    return KernelHandle("qk_norm_rotary", ref.qk_norm_rotary, native, triton=triton, npu=npu)
+
+
+def write_kv_cache() -> KernelHandle[None]:
+    """The step's new K/V into their cache slots, before attention reads them."""
+    npu = torch_npu_kernel("attention", "write_kv_cache", HALVES)
+    return KernelHandle("write_kv_cache", attention_ref.write_kv_cache, npu=npu)
 
 
 def paged_attention_decode(head_dim: int) -> KernelHandle[torch.Tensor]:
@@ -85,8 +97,14 @@ def paged_attention_decode(head_dim: int) -> KernelHandle[torch.Tensor]:
         name, native_paged_attention, cpu_attention.native_decode, head_dim
     )
     triton = triton_kernel("paged_attention", "paged_decode")
+    npu = torch_npu_kernel("attention", "paged_decode", HALVES)
     return KernelHandle(
-        name, attention_ref.reference_decode, native, f"head_dim={head_dim}", triton=triton
+        name,
+        attention_ref.reference_decode,
+        native,
+        f"head_dim={head_dim}",
+        triton=triton,
+        npu=npu,
     )
 
 
@@ -96,8 +114,14 @@ def paged_attention_prefill(head_dim: int) -> KernelHandle[torch.Tensor]:
         name, native_prefill_attention, cpu_attention.native_prefill, head_dim
     )
     triton = triton_kernel("paged_prefill", "paged_prefill")
+    npu = torch_npu_kernel("attention", "paged_prefill", HALVES)
     return KernelHandle(
-        name, attention_ref.reference_prefill, native, f"head_dim={head_dim}", triton=triton
+        name,
+        attention_ref.reference_prefill,
+        native,
+        f"head_dim={head_dim}",
+        triton=triton,
+        npu=npu,
     )
 
 
@@ -125,4 +149,5 @@ def recurrent_gated_delta_rule() -> KernelHandle[torch.Tensor]:
 
 def fused_moe() -> KernelHandle[torch.Tensor]:
     triton = triton_kernel("fused_moe", "fused_moe")
-    return KernelHandle("fused_moe", moe_ref.fused_moe, triton=triton)
+    npu = torch_npu_kernel("fused_moe", "fused_moe")
+    return KernelHandle("fused_moe", moe_ref.fused_moe, triton=triton, npu=npu)

@@ -20,8 +20,7 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        self._k_slots = torch.empty(0)
-        self._v_slots = torch.empty(0)
+        self._write = handles.write_kv_cache()
         self._decode = handles.paged_attention_decode(head_dim)
         self._prefill = handles.paged_attention_prefill(head_dim)
 
@@ -29,15 +28,12 @@ class PagedAttention(nn.Module):
         """Attach this layer's caches, each [num_blocks, block_size, num_kv_heads, head_dim]."""
         self.k_cache = k_cache
         self.v_cache = v_cache
-        self._k_slots = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        self._v_slots = v_cache.view(-1, self.num_kv_heads, self.head_dim)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] -> [T, H * D]."""
-        self._k_slots.index_copy_(0, meta.slot_mapping, k)
-        self._v_slots.index_copy_(0, meta.slot_mapping, v)
+        self._write(k, v, self.k_cache, self.v_cache, meta)
         # Contiguous whatever q's layout: the kernels write [H, D] rows in place.
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decode_tokens

@@ -44,6 +44,7 @@ def _plan_decode(fi: ForwardInput, tensors: list[torch.Tensor]) -> FinishGroup:
     blocks = _gather_blocks(fi.block_tables[:n], ctx, fi.block_size)
     length = blocks.shape[1] * fi.block_size
     masked = int(ctx.min()) != length
+    host_kv_lens = ctx.to(torch.int32)
     tensors += [blocks, ctx, torch.arange(n)]
 
     def finish(parts: Iterator[torch.Tensor], device: torch.device) -> AttentionGroup:
@@ -60,6 +61,7 @@ def _plan_decode(fi: ForwardInput, tensors: list[torch.Tensor]) -> FinishGroup:
             num_tokens=n,
             kv_lens=ctx,
             table_row=table_row,
+            host_kv_lens=host_kv_lens,
         )
 
     return finish
@@ -80,6 +82,7 @@ def _plan_prefill(fi: ForwardInput, tensors: list[torch.Tensor]) -> FinishGroup:
     query_index = starts.unsqueeze(1) + j_real
     q_pos = (ctx - qlens).unsqueeze(1) + j_real  # [B, Q] absolute position of each query
     valid = (j < qlens.unsqueeze(1)).reshape(-1).nonzero().squeeze(1)
+    host_kv_lens, host_query_lens = ctx.to(torch.int32), qlens.to(torch.int32)
     tensors += [blocks, query_index, valid, starts, qlens, ctx, q_pos]
 
     def finish(parts: Iterator[torch.Tensor], device: torch.device) -> AttentionGroup:
@@ -95,6 +98,8 @@ def _plan_prefill(fi: ForwardInput, tensors: list[torch.Tensor]) -> FinishGroup:
             seq_query_start=starts,
             seq_query_len=qlens,
             seq_kv_len=ctx,
+            host_kv_lens=host_kv_lens,
+            host_query_lens=host_query_lens,
         )
 
     return finish

@@ -7,7 +7,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.core.kernels.attention_metadata import AttentionGroup
+from tandem.core.kernels.attention_metadata import AttentionGroup, AttentionMetadata
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
+    """The step's new ``k``/``v`` [T, Hkv, D] into their slots (block * block_size + offset)."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
 
 
 def reference_attend(
