@@ -53,24 +53,25 @@ def test_attention_matches_the_reference(
     meta = build_attention_metadata(step, torch.device("cpu"))
     assert meta.decode is not None and meta.prefill is not None
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(2)]
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
     num_tokens = step.positions.shape[0]
     q = torch.randn(num_tokens, heads, head_dim, generator=gen).to(dtype)
     k, v = (torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype) for _ in "kv")
     # The cache write, then both groups, each against the reference on the same caches.
-    mine = [c.clone() for c in caches]
-    attention.write_kv_cache(k, v, *mine, meta)
-    attention_ref.write_kv_cache(k, v, *caches, meta)
-    assert all(torch.equal(a, b) for a, b in zip(mine, caches, strict=True))
+    mine = (k_cache.clone(), v_cache.clone())
+    attention.write_kv_cache(k, v, mine[0], mine[1], meta)
+    attention_ref.write_kv_cache(k, v, k_cache, v_cache, meta)
+    assert torch.equal(mine[0], k_cache) and torch.equal(mine[1], v_cache)
     nd, scale = meta.num_decode_tokens, head_dim**-0.5
     for kernel, reference, group, rows in (
         (attention.paged_decode, attention_ref.reference_decode, meta.decode, slice(0, nd)),
         (attention.paged_prefill, attention_ref.reference_prefill, meta.prefill, slice(nd, None)),
     ):
-        got = kernel(q[rows], k[rows], v[rows], *caches, group, scale, torch.empty_like(q[rows]))
-        wide = [c.float() for c in caches]
+        out = torch.empty_like(q[rows])
+        got = kernel(q[rows], k[rows], v[rows], k_cache, v_cache, group, scale, out)
         want = torch.empty(q[rows].shape)
-        reference(q[rows].float(), k[rows], v[rows], *wide, group, scale, want)
+        wide = (k_cache.float(), v_cache.float())
+        reference(q[rows].float(), k[rows], v[rows], wide[0], wide[1], group, scale, want)
         assert_close(got, want, dtype)
 
 
