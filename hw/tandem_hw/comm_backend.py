@@ -63,6 +63,7 @@ class LibraryBackend:
     name: str
     # The device kind the real library drives.
     device_kind: str
+    torch_dist_backend: str
 
     def __init__(self, load: Callable[[], CommLibrary]) -> None:
         self._load = load
@@ -191,6 +192,8 @@ class LibraryBackend:
 class HcclBackend(LibraryBackend):
     name = "hccl"
     device_kind = "npu"
+    # Registered with torch.distributed by torch_npu.
+    torch_dist_backend = "hccl"
 
     def __init__(self) -> None:
         super().__init__(HcclLibrary)
@@ -199,6 +202,7 @@ class HcclBackend(LibraryBackend):
 class NcclBackend(LibraryBackend):
     name = "nccl"
     device_kind = "cuda"
+    torch_dist_backend = "nccl"
 
     def __init__(self) -> None:
         super().__init__(NcclLibrary)

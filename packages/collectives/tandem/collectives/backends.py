@@ -38,6 +38,10 @@ class LocalGroups:
 
 class CollectiveBackend(Protocol):
     name: str
+    # The device kind whose collectives this is ("auto" picks it for that kind), and the
+    # torch.distributed backend of that kind (what --process-collectives torch runs there).
+    device_kind: str
+    torch_dist_backend: str
 
     def check(self, device_kind: str) -> None:
         """Fail before anything starts when this backend cannot serve ``device_kind`` here
@@ -77,3 +81,17 @@ def get_collective_backend(name: str) -> CollectiveBackend:
         f"no collective backend named {name!r} is installed (available: {', '.join(known)}); "
         "the hccl and nccl backends come with the hardware package: pip install -e hw"
     )
+
+
+def installed_backends() -> list[str]:
+    """The names of every installed backend (their entry points), sorted."""
+    return sorted({entry.name for entry in entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def backend_for_device_kind(kind: str) -> CollectiveBackend | None:
+    """The installed backend that declares ``kind`` its device kind, if any."""
+    for name in installed_backends():
+        backend = get_collective_backend(name)
+        if backend.device_kind == kind:
+            return backend
+    return None

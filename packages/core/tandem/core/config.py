@@ -159,7 +159,11 @@ class PipelineConfig:
             return False
         if self.overlap_steps is not None:
             return self.overlap_steps
-        return any(device.kind != "cpu" for device in parse_devices(devices))
+        try:
+            parsed = parse_devices(devices)
+        except ValueError as exc:
+            raise ConfigError(f"--devices: {exc}") from None
+        return any(device.kind != "cpu" for device in parsed)
 
 
 @dataclass(frozen=True)

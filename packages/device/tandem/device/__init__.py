@@ -5,10 +5,16 @@ the framework's thread-local device cache and the thread's streams always agree.
 """
 
 from tandem.device.context import BoundContext, bind_context, bound_context
-from tandem.device.device import Device, parse_device, parse_devices
+from tandem.device.device import Device
 from tandem.device.kernel_registry import KernelKey, KernelRegistry, process_kernel_registry
 from tandem.device.memory_info import MemoryInfo
-from tandem.device.runtime import DeviceRuntime, get_runtime, register_runtime
+from tandem.device.parsing import parse_device, parse_devices
+from tandem.device.runtime import (
+    DeviceRuntime,
+    get_runtime,
+    known_device_kinds,
+    register_runtime,
+)
 
 __all__ = [
     "BoundContext",
@@ -20,6 +26,7 @@ __all__ = [
     "bind_context",
     "bound_context",
     "get_runtime",
+    "known_device_kinds",
     "parse_device",
     "parse_devices",
     "process_kernel_registry",

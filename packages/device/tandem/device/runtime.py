@@ -91,6 +91,14 @@ def register_runtime(kind: str, factory: RuntimeFactory) -> None:
         _factories.setdefault(kind, factory)
 
 
+def known_device_kinds() -> list[str]:
+    """Every kind a runtime is registered or installed for, sorted."""
+    with _lock:
+        kinds = set(_factories)
+    kinds.update(entry.name for entry in entry_points(group=ENTRY_POINT_GROUP))
+    return sorted(kinds)
+
+
 def get_runtime(kind: str) -> DeviceRuntime:
     """The one runtime instance for ``kind``, created on first use."""
     with _lock:

@@ -1,11 +1,21 @@
 """Which collectives each layer of the topology uses, chosen from the device kind unless the
-flags name one, and checked before any worker starts (library present, device kind served)."""
+flags name one, and checked before any worker starts (library present, device kind served).
+
+"auto" on CPU is the built-in in-process communicator (one process) and torch.distributed's
+gloo (between processes); on any other kind it is the installed backend that declares that
+device kind (``tandem.collective_backends`` entry points: hccl for npu, nccl for cuda), so a
+new device brings its collectives as a plugin and nothing here names it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.collectives.backends import get_collective_backend
+from tandem.collectives.backends import (
+    CollectiveBackend,
+    backend_for_device_kind,
+    get_collective_backend,
+    installed_backends,
+)
 from tandem.core.config import ParallelConfig
 from tandem.core.errors import ConfigError
 
@@ -13,9 +23,31 @@ from tandem.core.errors import ConfigError
 INPROCESS = "inprocess"
 TORCH = "torch"
 
-_LOCAL_AUTO = {"cpu": INPROCESS, "npu": "hccl", "cuda": "nccl"}
-_PROCESS_AUTO = {"cpu": TORCH, "npu": "hccl", "cuda": "nccl"}
-_TORCH_BACKEND = {"cpu": "gloo", "npu": "hccl", "cuda": "nccl"}
+CPU = "cpu"
+
+
+def local_collectives_choices() -> list[str]:
+    """What --local-collectives takes: auto, the built-ins, every installed backend."""
+    return ["auto", INPROCESS, TORCH, *installed_backends()]
+
+
+def process_collectives_choices() -> list[str]:
+    return ["auto", TORCH, *installed_backends()]
+
+
+def _native(device_kind: str, used: bool) -> CollectiveBackend | None:
+    """The backend "auto" means for ``device_kind``; None on CPU, or where none is installed
+    and nothing will use it."""
+    if device_kind == CPU:
+        return None
+    backend = backend_for_device_kind(device_kind)
+    if backend is None and used:
+        raise ConfigError(
+            f"no installed collective backend serves {device_kind} devices (installed: "
+            f"{', '.join(installed_backends()) or 'none'}); install the device's package "
+            "(its tandem.collective_backends entry point), or run one device per engine"
+        )
+    return backend
 
 
 @dataclass(frozen=True)
@@ -34,18 +66,21 @@ def resolve_collectives(
 ) -> CollectiveChoice:
     local = config.local_collectives
     if local == "auto":
-        local = _LOCAL_AUTO[device_kind]
+        native = _native(device_kind, uses_local)
+        local = native.name if native else INPROCESS
     process = config.process_collectives
     if process == "auto":
-        process = _PROCESS_AUTO[device_kind]
+        native = _native(device_kind, uses_process)
+        process = native.name if native else TORCH
     if process == INPROCESS:
         raise ConfigError(
             "the in-process communicator cannot span processes; use --process-collectives "
-            "auto, torch, hccl or nccl"
+            f"auto or one of {', '.join(process_collectives_choices()[1:])}"
         )
     dist_backend = config.dist_backend
     if dist_backend == "auto":
-        dist_backend = _TORCH_BACKEND[device_kind] if process == TORCH else "gloo"
+        native = _native(device_kind, uses_process) if process == TORCH else None
+        dist_backend = native.torch_dist_backend if native else "gloo"
     elif uses_process and process != TORCH and dist_backend != "gloo":
         raise ConfigError(
             f"--process-collectives {process} exchanges its communicator id over a CPU group; "

@@ -11,6 +11,10 @@ from tandem.core.config import DTYPES, ParallelConfig, PipelineConfig, RecConfig
 from tandem.core.demo.pretrained import stories260k_folder
 from tandem.core.faults import FaultConfig
 from tandem.core.kernels.cpu.native_build import KernelBuildError, selected_isa
+from tandem.core.parallel.collective_choice import (
+    local_collectives_choices,
+    process_collectives_choices,
+)
 
 
 def _dtype(name: str) -> str:
@@ -68,17 +72,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--local-collectives",
-        choices=["auto", "inprocess", "hccl", "nccl", "torch"],
+        choices=local_collectives_choices(),
         default="auto",
-        help="collectives among one process's devices; auto: inprocess on CPU, hccl "
-        "(HcclCommInitAll) on NPU, nccl (ncclCommInitAll) on CUDA",
+        help="collectives among one process's devices; auto: inprocess on CPU, else the "
+        "installed backend of the device kind (hccl: HcclCommInitAll on NPU, nccl: "
+        "ncclCommInitAll on CUDA)",
     )
     p.add_argument(
         "--process-collectives",
-        choices=["auto", "torch", "hccl", "nccl"],
+        choices=process_collectives_choices(),
         default="auto",
-        help="collectives among processes; auto: torch.distributed on CPU, hccl "
-        "(HcclCommInitRootInfo) on NPU, nccl (ncclCommInitRank) on CUDA",
+        help="collectives among processes; auto: torch.distributed on CPU, else the installed "
+        "backend of the device kind (hccl: HcclCommInitRootInfo on NPU, nccl: "
+        "ncclCommInitRank on CUDA)",
     )
     g.add_argument(
         "--max-model-len",
