@@ -1,17 +1,41 @@
 """The torch_npu kernels run here against the simulator's stand-in of torch_npu's ops
-(``tandem_sim.torch_npu_standin``, each op's rules transcribed from torch_npu's documentation),
-installed as ``torch_npu`` for these tests: the kernels' calls must satisfy those rules, and
-their results must match the torch references. Skipped where a real torch_npu is installed
-(an NPU box runs ``hw/tests`` instead)."""
+(``tandem_sim.torch_npu_standin``, each op's rules transcribed from torch_npu's documentation):
+the kernels' calls must satisfy those rules, and their results must match the torch references.
+
+The stand-in takes torch_npu's place only while these modules import (the kernel modules keep
+it) and, through the ``standin_torch_npu`` fixture, while a test resolves kernels: a process
+that runs other suites after these must not see a torch_npu (``hw/tests`` would take it for a
+real one). Skipped where a real torch_npu is installed (an NPU box runs ``hw/tests``)."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import sys
+from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 
 if "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is not None:
     pytest.skip("a real torch_npu is installed: hw/tests runs these ops", allow_module_level=True)
-sys.modules.setdefault("torch_npu", importlib.import_module("tandem_sim.torch_npu_standin"))
+
+STANDIN: ModuleType = importlib.import_module("tandem_sim.torch_npu_standin")
+
+
+def _import_kernels() -> None:
+    sys.modules["torch_npu"] = STANDIN
+    try:
+        for name in ("activation", "attention", "fused_moe", "norms", "rotary"):
+            importlib.import_module(f"tandem.core.kernels.npu.{name}")
+    finally:
+        del sys.modules["torch_npu"]
+
+
+_import_kernels()
+
+
+@pytest.fixture
+def standin_torch_npu(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    monkeypatch.setitem(sys.modules, "torch_npu", STANDIN)
+    yield STANDIN

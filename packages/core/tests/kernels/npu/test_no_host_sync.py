@@ -121,6 +121,7 @@ MODELS: dict[str, Callable[[Path], Path]] = {
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.usefixtures("standin_torch_npu")
 def test_the_npu_forward_reads_nothing_back(tmp_path: Path, kind: str) -> None:
     folder = MODELS[kind](tmp_path / kind)
     config = EngineConfig(

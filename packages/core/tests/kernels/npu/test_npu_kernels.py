@@ -122,3 +122,21 @@ def test_the_routed_experts_match_the_reference(dtype: torch.dtype) -> None:
     got = fused_moe.fused_moe(x, w13, w2, weights, ids, "silu")
     want = reference_fused_moe(x.float(), w13.float(), w2.float(), weights, ids, "silu")
     assert_close(got, want, dtype)
+
+
+@pytest.mark.usefixtures("standin_torch_npu")
+def test_an_npu_runtime_resolves_torch_npu_ops_and_falls_back_by_dtype() -> None:
+    """NpuRuntime lists ("torch_npu", "triton"): the fused op where torch_npu takes the dtype,
+    the next family (or the reference) where it does not."""
+    from tandem.core.kernels import handles
+    from tandem.core.kernels.triton.loading import triton_usable
+
+    families = ("torch_npu", "triton")
+    assert handles.rms_norm().choose(families, torch.float32) is norms.rms_norm
+    decode = handles.paged_attention_decode(128)
+    assert decode.choose(families, torch.bfloat16) is attention.paged_decode
+    fallback = decode.choose(families, torch.float32)  # the attention ops take halves only
+    assert fallback is not attention.paged_decode
+    if not triton_usable():
+        assert fallback is attention_ref.reference_decode
+    assert handles.write_kv_cache().choose(families, torch.float32) is attention_ref.write_kv_cache

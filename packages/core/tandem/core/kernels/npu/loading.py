@@ -23,20 +23,28 @@ FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32})
 HALVES = frozenset({torch.float16, torch.bfloat16})
 
 
-def _usable(import_module: Callable[[str], object] = importlib.import_module) -> bool:
-    try:
-        import_module("torch_npu")
-    except ImportError:
-        logger.warning(
-            "torch_npu does not import: NPU devices run the Triton kernels or the torch "
-            "references instead of its fused ops; install the torch_npu build matching torch "
-            "2.13.0 and CANN (docs/ascend.md)"
-        )
-        return False
+def _warn_missing() -> bool:
+    logger.warning(
+        "torch_npu does not import: NPU devices run the Triton kernels or the torch "
+        "references instead of its fused ops; install the torch_npu build matching torch "
+        "2.13.0 and CANN (docs/ascend.md)"
+    )
     return True
 
 
-torch_npu_usable = ProcessOnce(_usable)
+_warned = ProcessOnce(_warn_missing)
+
+
+def torch_npu_usable(import_module: Callable[[str], object] = importlib.import_module) -> bool:
+    """Whether torch_npu imports now. Not kept: a runtime that lists this family has
+    imported it already (the NPU runtime, or the simulator's with its stand-in in place), so
+    asking again costs a dictionary lookup; said once where it does not import."""
+    try:
+        import_module("torch_npu")
+    except ImportError:
+        _warned()
+        return False
+    return True
 
 
 def torch_npu_kernel(
