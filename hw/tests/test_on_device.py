@@ -20,14 +20,16 @@ from tandem.core.kernels.reference.elementwise import rms_norm, rotary
 from tandem.device import BoundContext, Device, KernelRegistry, bind_context, get_runtime
 
 NEW_TOKENS = 32
-# Failures the seed saw on cold starts: duplicate kernel registration, null kernel stubs.
+# Failures xLLM pull request #1894's review saw on cold starts: duplicate kernel registration,
+# null kernel stubs.
 REGISTRATION_ERRORS = ("507028", "Kernel stub is null", "registration failed")
 
 
 @pytest.fixture(scope="module", params=["Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A dense Qwen3, and the seed's own family: a Qwen3.5 hybrid whose first request
-    registers the linear-attention kernels lazily on every device."""
+    """A dense Qwen3, and the family of the model that crashed in xLLM pull request #1894's
+    review: a Qwen3.5 hybrid whose first request registers the linear-attention kernels lazily
+    on every device."""
     architecture: str = request.param
     folder = tmp_path_factory.mktemp("device-model") / architecture
     write_reference_model(folder, architecture, head_dim=32)
@@ -45,7 +47,7 @@ def test_tp2_single_process_and_multi_process_are_byte_identical(
 def test_first_use_kernel_registration_happens_once_per_device(accelerator: str) -> None:
     """Two threads per device on two devices, released together into their first forward
     kernels: each (kernel, device, dtype) is registered exactly once, and every thread gets
-    the right answer (the seed reviewer's requested regression test)."""
+    the right answer (the regression test xLLM pull request #1894's review asked for)."""
     runtime = get_runtime(accelerator)
     assert isinstance(runtime, AcceleratorRuntime)
     registry: KernelRegistry[object] = KernelRegistry()

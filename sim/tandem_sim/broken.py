@@ -1,5 +1,5 @@
-"""Deliberately broken variants of the seed's bugs, kept as fixtures the explorers must catch.
-Nothing in ``packages/`` uses them."""
+"""Deliberately broken variants of the bugs of xLLM pull requests #1894 and #1453, kept as
+fixtures the explorers must catch. Nothing in ``packages/`` uses them."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ class _Entry:
 
 
 class UnsynchronizedRegistry:
-    """The seed's KernelRegistry: find, emplace (ignoring that another thread already did),
-    register, and on failure erase the shared entry, leaving the winner's users a null stub.
-    A thread that finds an entry still being registered reads its null stub and fails as the
-    seed's launch through it did."""
+    """torch_npu_ops' KernelRegistry as xLLM pull request #1894's review found it: find, emplace
+    (ignoring that another thread already did), register, and on failure erase the shared entry,
+    leaving the winner's users a null stub. A thread that finds an entry still being registered
+    reads its null stub and fails as the review's launch through it did."""
 
     def __init__(self, sync: Sync) -> None:
         self._sync = sync
@@ -53,8 +53,8 @@ class UnsynchronizedRegistry:
 
 
 class UnrecordedStager(LaneStager):
-    """Seed 001's workspace: the block is handed to a stream but never recorded on it, so the
-    allocator may hand it out again while the stream still reads it."""
+    """The workspace of xLLM pull request #1453: the block is handed to a stream but never
+    recorded on it, so the allocator may hand it out again while the stream still reads it."""
 
     def _record(self, block: ScratchBlock) -> None:
         return None

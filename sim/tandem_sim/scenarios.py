@@ -398,15 +398,15 @@ def _hybrid_reference() -> tuple[tuple[int, ...], ...]:
 
 
 def hybrid_first_request(s: DeterministicScheduler, broken: bool) -> None:
-    """Seed 000's failing request on its own model family: the real engine serving a Qwen3.5
-    hybrid at TP=2 in one process on the fake NPU runtime, whose kernels compile on first
-    use. What it registers are the Triton kernels themselves (run under Triton's
-    interpreter), as triton-ascend's on an NPU, wherever Triton is installed. Both workers'
-    first forward registers the linear-attention kernels (and the others) at once, each for
-    its own device; then two decode batches run on the two pipeline lanes of every device,
+    """The failing request of xLLM pull request #1894's review on its model family: the real
+    engine serving a Qwen3.5 hybrid at TP=2 in one process on the fake NPU runtime, whose
+    kernels compile on first use. What it registers are the Triton kernels themselves (run under
+    Triton's interpreter), as triton-ascend's on an NPU, wherever Triton is installed. Both
+    workers' first forward registers the linear-attention kernels (and the others) at once, each
+    for its own device; then two decode batches run on the two pipeline lanes of every device,
     whose first decode kernels are the same keys, loaded by two lanes at once. Every (kernel,
     device) must be registered exactly once, tokens equal TP=1's (the CPU path). The broken
-    variant uses the seed's registry: the second lane reads a null stub or registers again
+    variant uses that review's registry: the second lane reads a null stub or registers again
     (507028)."""
     runtime = FakeNpuRuntime(s, compile_s=COMPILE_S, kernel_families=("triton",))
     # Duck-typed: the workers only call get(key, register).
@@ -494,7 +494,7 @@ def shared_cache_across_streams(s: DeterministicScheduler, shared: bool) -> None
     allocator = ScratchAllocator(torch.device("cpu"), s)
     streams = [_IdleStream(), _IdleStream()]
     if shared:
-        # Seed 001: one static cache that every pipeline stages into.
+        # xLLM pull request #1453: one static cache that every pipeline stages into.
         one = LaneStager(allocator, streams[0], s)
         stagers = [one, one]
     else:
@@ -524,17 +524,18 @@ SCENARIOS: dict[str, ScenarioSpec] = {
     spec.name: spec
     for spec in [
         ScenarioSpec("registry_race_unsynchronized", partial(registry_race, broken=True),
-                     "seed 000: racing first registration, 507028, erased entry, null stub",
+                     "xLLM PR #1894 review: racing first registration, 507028, erased entry, "
+                     "null stub",
                      broken=True),
         ScenarioSpec("registry_race", partial(registry_race, broken=False),
                      "the same first-use race on the shipped KernelRegistry", broken=False),
         ScenarioSpec("two_groups_mismatched_order", partial(two_groups, mismatched=True),
-                     "seed 000: two groups in one process issuing in different orders",
+                     "xLLM PR #1894: two groups in one process issuing in different orders",
                      broken=True),
         ScenarioSpec("two_groups_ordered", partial(two_groups, mismatched=False),
                      "the same two groups, every rank in one order", broken=False),
         ScenarioSpec("raw_set_device", partial(set_device, raw=True),
-                     "seed 000: aclrtSetDevice leaves torch_npu's cached device stale",
+                     "xLLM PR #1894: aclrtSetDevice leaves torch_npu's cached device stale",
                      broken=True),
         ScenarioSpec("framework_set_device", partial(set_device, raw=False),
                      "binding through the framework's setter", broken=False),
@@ -558,18 +559,19 @@ SCENARIOS: dict[str, ScenarioSpec] = {
                      "the LLM engine, two lanes, KV pressure: every request ends, tokens as "
                      "one step at a time", broken=False),
         ScenarioSpec("hybrid_first_request_unsynchronized", partial(hybrid_first_request,
-                     broken=True), "seed 000 on Qwen3.5: two lanes of a device load the same "
-                     "first decode kernels at once through the seed's registry", broken=True),
+                     broken=True), "xLLM PR #1894 review on Qwen3.5: two lanes of a device load "
+                     "the same first decode kernels at once through that review's registry",
+                     broken=True),
         ScenarioSpec("hybrid_first_request", partial(hybrid_first_request, broken=False),
                      "a Qwen3.5 hybrid's first requests, TP=2 and two lanes: each kernel "
                      "registered once per device, tokens equal TP=1", broken=False),
         ScenarioSpec("stream_workspace_reuse_unrecorded", partial(stream_workspace_reuse,
-                     record=False), "seed 001: scratch freed without record_stream, reused "
+                     record=False), "xLLM PR #1453: scratch freed without record_stream, reused "
                      "while a stream reads it", broken=True),
         ScenarioSpec("stream_workspace_reuse", partial(stream_workspace_reuse, record=True),
                      "scratch recorded on the stream that reads it", broken=False),
         ScenarioSpec("shared_cache_across_streams_static", partial(shared_cache_across_streams,
-                     shared=True), "seed 001: one staging cache shared by every pipeline",
+                     shared=True), "xLLM PR #1453: one staging cache shared by every pipeline",
                      broken=True),
         ScenarioSpec("shared_cache_across_streams", partial(shared_cache_across_streams,
                      shared=False), "each pipeline lane stages through its own cache",

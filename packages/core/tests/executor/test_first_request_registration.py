@@ -1,12 +1,13 @@
-"""Seed 000's acceptance on CPU: a hybrid model at TP=2 in one process, three cold starts,
-and the first request reaching both workers at once, so that both register the
-linear-attention kernels concurrently. Every (kernel, device) is registered exactly once, no
-registration fails, and the tokens are TP=1's.
+"""The acceptance asked for in xLLM pull request #1894's review, on CPU: a hybrid model at TP=2
+in one process, three cold starts, and the first request reaching both workers at once, so that
+both register the linear-attention kernels concurrently. Every (kernel, device) is registered
+exactly once, no registration fails, and the tokens are TP=1's.
 
 The CPU runtime here counts registrations per (kernel, device), refuses a second one the way
 the NPU runtime does (507028), and holds each worker at a barrier on its first use of each
 linear-attention kernel until the other worker gets there too: both are then inside the
-registry for the same kernel at the same moment, as the seed's two workers were.
+registry for the same kernel at the same moment, as the two workers of that review's
+Qwen3.5-27B crash were.
 """
 
 from __future__ import annotations

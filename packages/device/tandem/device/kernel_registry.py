@@ -1,12 +1,12 @@
 """The process-global kernel registry: each (kernel, device, variant) is registered with the
 device runtime exactly once, however many worker threads ask for it at the same moment.
 
-The seed's registry let two threads both miss, both register, and the loser (error 507028)
-erase the winner's entry, leaving null stubs behind. Here the first caller of a key owns its
-registration and publishes the result; concurrent callers wait on the same in-flight future
-and reuse it; a failed registration reaches every waiter and only ever removes its own
-in-flight marker, never an entry someone else published; reads of published entries take no
-lock.
+torch_npu_ops' registry, in the review of xLLM pull request #1894 (Qwen3.5-27B at TP=2 in one
+process), let two threads both miss, both register, and the loser (error 507028) erase the
+winner's entry, leaving null stubs behind. Here the first caller of a key owns its registration
+and publishes the result; concurrent callers wait on the same in-flight future and reuse it; a
+failed registration reaches every waiter and only ever removes its own in-flight marker, never
+an entry someone else published; reads of published entries take no lock.
 """
 
 from __future__ import annotations

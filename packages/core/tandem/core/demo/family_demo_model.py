@@ -1,8 +1,9 @@
-"""Demo models of the seed's own family, written like the embedded default model (random
-weights from a fixed seed, the demo BPE tokenizer, Hugging Face layout and names, so that
-transformers and other engines load them too): a Qwen3.5 hybrid (``Qwen3_5ForCausalLM``,
-Gated DeltaNet layers with every ``full_attention_interval``-th one gated full attention) and
-a Qwen3-MoE model (``Qwen3MoeForCausalLM``, routed experts in every layer).
+"""Demo models of the Qwen3.5 family (Qwen3.5-27B crashed in xLLM pull request #1894's review)
+and of Qwen3-MoE, written like the embedded default model (random weights from a fixed seed, the
+demo BPE tokenizer, Hugging Face layout and names, so that transformers and other engines load
+them too): a Qwen3.5 hybrid (``Qwen3_5ForCausalLM``, Gated DeltaNet layers with every
+``full_attention_interval``-th one gated full attention) and a Qwen3-MoE model
+(``Qwen3MoeForCausalLM``, routed experts in every layer).
 
 Each kind has presets: ``demo`` (small, quick to serve) and ``bench`` (about 100M parameters,
 the size the benchmarks are measured on). Same arguments, same bytes.

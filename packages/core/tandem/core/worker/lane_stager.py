@@ -1,11 +1,12 @@
 """One pipeline lane's step inputs on their way to the lane's stream.
 
-Each lane owns its stager (never shared between lanes: the seed's bug was a static cache every
-pipeline wrote into). The stager packs the step's tensors into a host staging buffer it keeps
-between steps (built once, grown when a step needs more), copies them into a scratch block
-from the worker's shared allocator, and records the block on the lane's stream. The host can
-then give the block back at once: the allocator reuses it only after the stream has run past
-this step, so there is no synchronize and no use-after-free.
+Each lane owns its stager (never shared between lanes: the bug reviewed in xLLM pull request
+#1453 was a static cache, ``OneRecBatchInputBuilder::get_perf_cache``, every pipeline wrote
+into). The stager packs the step's tensors into a host staging buffer it keeps between steps
+(built once, grown when a step needs more), copies them into a scratch block from the worker's
+shared allocator, and records the block on the lane's stream. The host can then give the block
+back at once: the allocator reuses it only after the stream has run past this step, so there is
+no synchronize and no use-after-free.
 """
 
 from __future__ import annotations

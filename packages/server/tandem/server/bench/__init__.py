@@ -1,1 +1,2 @@
-"""``tandem bench serve``: load an OpenAI-compatible server the way the seed measured it."""
+"""``tandem bench serve``: load an OpenAI-compatible server the way xLLM pull request #1894
+measured it."""
