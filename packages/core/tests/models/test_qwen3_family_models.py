@@ -210,7 +210,7 @@ def test_composite_checkpoints_skip_the_vision_tower_with_one_log_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     folder, hf = reference("qwen3_5-conditional-generation")
-    caplog.set_level("INFO", logger="tandem.core.models.qwen3_5")
+    caplog.set_level("INFO", logger="tandem.core.models.weight_mapping")
     make_engine(folder)
     vision = sum(1 for name, _ in hf.named_parameters() if name.startswith("model.visual."))
     lines = [r.getMessage() for r in caplog.records if "vision tower" in r.getMessage()]

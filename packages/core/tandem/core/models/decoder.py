@@ -24,6 +24,7 @@ from tandem.core.layers.norm import RMSNorm
 from tandem.core.layers.rotary import RotaryEmbedding
 from tandem.core.layers.weights import LazyTensor
 from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.weight_mapping import QKV_GATE_UP, WeightMapping, load_mapped_weights
 
 
 class DecoderAttention(nn.Module):
@@ -168,46 +169,16 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
+    # How its checkpoint's names map to its parameters (weight_mapping.py).
+    WEIGHTS = WeightMapping(
+        fused=QKV_GATE_UP, prefixes=("model.",), ignored=("rotary_emb.inv_freq",)
+    )
+
     def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> set[str]:
         """Load checkpoint tensors by their Hugging Face names; returns the parameters loaded."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            target = name.removeprefix("model.")
-            shard: str | int | None = None
-            for hf, fused, sid in _FUSED:
-                if f".{hf}." in target:
-                    target, shard = target.replace(f".{hf}.", f".{fused}."), sid
-                    break
-            param = params.get(target)
-            if param is None:
-                raise ValueError(
-                    f"checkpoint tensor {name} matches no parameter of "
-                    f"{self.config.architecture}; the config.json does not match the weights"
-                )
-            owner = self.get_submodule(target.rsplit(".", 1)[0])
-            if shard is None:
-                owner.load_weight(param, tensor, name)  # type: ignore[operator]
-            else:
-                owner.load_shard(param, tensor, shard, name)  # type: ignore[operator]
-            loaded.add(target)
-        if self.config.tie_word_embeddings and "embed_tokens.weight" in loaded:
-            loaded.add("lm_head.weight")
-        return loaded
+        return load_mapped_weights(
+            self, weights, self.WEIGHTS, self.config.architecture, self.config.tie_word_embeddings
+        )
 
     def expected_parameters(self) -> set[str]:
         return {name for name, _ in self.named_parameters(remove_duplicate=False)}
-
-
-# Hugging Face projection name -> (our fused module, shard id)
-_FUSED: list[tuple[str, str, str | int]] = [
-    ("q_proj", "qkv_proj", "q"),
-    ("k_proj", "qkv_proj", "k"),
-    ("v_proj", "qkv_proj", "v"),
-    ("gate_proj", "gate_up_proj", 0),
-    ("up_proj", "gate_up_proj", 1),
-]

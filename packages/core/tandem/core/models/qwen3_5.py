@@ -22,7 +22,6 @@ Driving it (the engine's side of the contract):
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import cast
 
@@ -44,7 +43,6 @@ from tandem.core.layers.partial_rotary import PartialRotaryEmbedding
 from tandem.core.layers.weights import LazyTensor
 from tandem.core.layers.zero_centered_rms_norm import ZeroCenteredRMSNorm
 from tandem.core.models.decoder import DecoderMLP
-from tandem.core.models.expert_weights import ExpertWeights
 from tandem.core.models.model_config import ModelConfig
 from tandem.core.models.qwen3_family_config import (
     LINEAR_ATTENTION,
@@ -52,27 +50,13 @@ from tandem.core.models.qwen3_family_config import (
     family_config,
 )
 from tandem.core.models.qwen3_moe import sparse_moe_block
-
-logger = logging.getLogger(__name__)
+from tandem.core.models.weight_mapping import QKV_GATE_UP, WeightMapping, load_mapped_weights
 
 # Where the text model's tensors live: under the language model of a composite checkpoint,
 # else under ``model.`` (transformers loads both into either class).
 _TEXT_PREFIXES = ("model.language_model.", "model.")
 # Tensors a text-only model does not use: the vision tower, the multi-token-prediction head.
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.")
-
-# Hugging Face tensor -> (our fused module, shard id).
-_FUSED: list[tuple[str, str, str | int]] = [
-    ("q_proj", "qkv_proj", "q"),
-    ("k_proj", "qkv_proj", "k"),
-    ("v_proj", "qkv_proj", "v"),
-    ("gate_proj", "gate_up_proj", 0),
-    ("up_proj", "gate_up_proj", 1),
-    ("in_proj_qkv", "in_proj", "in_proj_qkv"),
-    ("in_proj_z", "in_proj", "in_proj_z"),
-    ("in_proj_b", "in_proj", "in_proj_b"),
-    ("in_proj_a", "in_proj", "in_proj_a"),
-]
 
 
 class Qwen3_5DecoderLayer(nn.Module):
@@ -202,57 +186,25 @@ class Qwen3_5ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
+    WEIGHTS = WeightMapping(
+        fused=(
+            *QKV_GATE_UP,
+            ("in_proj_qkv", "in_proj", "in_proj_qkv"),
+            ("in_proj_z", "in_proj", "in_proj_z"),
+            ("in_proj_b", "in_proj", "in_proj_b"),
+            ("in_proj_a", "in_proj", "in_proj_a"),
+        ),
+        prefixes=_TEXT_PREFIXES,
+        unused_prefixes=_SKIPPED_PREFIXES,
+        unused="the vision tower and multi-token prediction; serving text only",
+    )
+
     def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> set[str]:
         """Load checkpoint tensors by their Hugging Face names; returns the parameters loaded.
         Vision-tower and multi-token-prediction tensors are skipped (one log line)."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        experts = ExpertWeights(self)
-        loaded: set[str] = set()
-        skipped = 0
-        for name, tensor in weights:
-            if name.startswith(_SKIPPED_PREFIXES):
-                skipped += 1
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            target = _strip_prefix(name)
-            if experts.take(target, tensor, name):
-                continue
-            shard: str | int | None = None
-            for hf, fused, sid in _FUSED:
-                if f".{hf}." in target:
-                    target, shard = target.replace(f".{hf}.", f".{fused}."), sid
-                    break
-            param = params.get(target)
-            if param is None:
-                raise ValueError(
-                    f"checkpoint tensor {name} matches no parameter of "
-                    f"{self.config.architecture}; the config.json does not match the weights"
-                )
-            owner = self.get_submodule(target.rsplit(".", 1)[0])
-            if shard is None:
-                owner.load_weight(param, tensor, name)  # type: ignore[operator]
-            else:
-                owner.load_shard(param, tensor, shard, name)  # type: ignore[operator]
-            loaded.add(target)
-        if skipped:
-            logger.info(
-                "%s: skipped %d checkpoint tensors of the vision tower and multi-token "
-                "prediction (%s*); serving text only",
-                self.config.architecture,
-                skipped,
-                "*, ".join(_SKIPPED_PREFIXES),
-            )
-        if self.config.tie_word_embeddings and "embed_tokens.weight" in loaded:
-            loaded.add("lm_head.weight")
-        return loaded | experts.loaded_parameters()
+        return load_mapped_weights(
+            self, weights, self.WEIGHTS, self.config.architecture, self.config.tie_word_embeddings
+        )
 
     def expected_parameters(self) -> set[str]:
         return {name for name, _ in self.named_parameters(remove_duplicate=False)}
-
-
-def _strip_prefix(name: str) -> str:
-    for prefix in _TEXT_PREFIXES:
-        if name.startswith(prefix):
-            return name[len(prefix) :]
-    return name

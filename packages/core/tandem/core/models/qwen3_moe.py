@@ -2,21 +2,18 @@
 mixture of experts on every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``.
 
 It is a ``DecoderForCausalLM`` with a different feed-forward block, so the engine serves it
-exactly like the dense models (paged KV cache, no per-sequence state).
+exactly like the dense models (paged KV cache, no per-sequence state), and the shared loader
+routes its experts' tensors (``weight_mapping.py``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from tandem.collectives import ProcessGroup
 from tandem.core.layers.sparse_moe_block import SparseMoeBlock
-from tandem.core.layers.weights import LazyTensor
 from tandem.core.models.decoder import DecoderForCausalLM
-from tandem.core.models.expert_weights import ExpertWeights
 from tandem.core.models.model_config import ModelConfig
 from tandem.core.models.qwen3_family_config import Qwen3FamilyConfig, family_config
 
@@ -31,17 +28,6 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         if not config.moe_layers[layer_index]:
             return super().build_mlp(layer_index, group)
         return sparse_moe_block(config, group)
-
-    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> set[str]:
-        experts = ExpertWeights(self)
-
-        def dense(items: Iterable[tuple[str, LazyTensor]]) -> Iterator[tuple[str, LazyTensor]]:
-            for name, tensor in items:
-                if not experts.take(name.removeprefix("model."), tensor, name):
-                    yield name, tensor
-
-        loaded = super().load_weights(dense(weights))
-        return loaded | experts.loaded_parameters()
 
 
 def sparse_moe_block(config: Qwen3FamilyConfig, group: ProcessGroup) -> SparseMoeBlock:

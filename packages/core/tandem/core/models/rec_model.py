@@ -28,6 +28,7 @@ from tandem.core.layers.linear import (
 from tandem.core.layers.norm import RMSNorm
 from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
 from tandem.core.models.rec_config import RecModelConfig
+from tandem.core.models.weight_mapping import GATE_UP, WeightMapping, load_mapped_weights
 
 
 class Replicated(nn.Module):
@@ -226,30 +227,10 @@ class GenerativeRecommender(nn.Module):
         logits = F.linear(last, cast(Replicated, dec.heads[level]).weight)
         return logits.view(r, w, -1)
 
+    WEIGHTS = WeightMapping(fused=GATE_UP)
+
     def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            target, shard = name, None
-            for hf, fused, sid in (
-                ("gate_proj", "gate_up_proj", 0),
-                ("up_proj", "gate_up_proj", 1),
-            ):
-                if f".{hf}." in name:
-                    target, shard = name.replace(f".{hf}.", f".{fused}."), sid
-            param = params.get(target)
-            if param is None:
-                raise ValueError(
-                    f"checkpoint tensor {name} matches no parameter of the recommender; the "
-                    "config.json does not match the weights"
-                )
-            owner = self.get_submodule(target.rsplit(".", 1)[0])
-            if shard is None:
-                owner.load_weight(param, tensor, name)  # type: ignore[operator]
-            else:
-                owner.load_shard(param, tensor, shard, name)  # type: ignore[operator]
-            loaded.add(target)
-        return loaded
+        return load_mapped_weights(self, weights, self.WEIGHTS, "the recommender")
 
     def expected_parameters(self) -> set[str]:
         return {name for name, _ in self.named_parameters()}
