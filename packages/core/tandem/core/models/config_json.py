@@ -1,9 +1,6 @@
-"""Read a Hugging Face ``config.json`` into the config class its architecture needs: the
-family config for the Qwen3-MoE and Qwen3.5 families, the plain ``ModelConfig`` otherwise.
-
-Apart from both classes because it picks between them and the family config subclasses the
-plain one: the base class naming its subclass would make the two modules import each other.
-"""
+"""Read a Hugging Face ``config.json`` into the config its architecture needs: the model class
+the registry serves the architecture with declares its parser (``parse_config``), so a new
+architecture brings its own and nothing here names it."""
 
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ from typing import Any
 
 from tandem.core.errors import ModelLoadError
 from tandem.core.models.model_config import ModelConfig
-from tandem.core.models.qwen3_family_config import FAMILY_ARCHITECTURES, parse_family_config
+from tandem.core.models.registry import model_class
 
 
 def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
@@ -23,49 +20,13 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     if not archs:
         raise ModelLoadError("config.json has no 'architectures' entry")
     arch = str(archs[0])
+    parse = model_class(arch).parse_config
     try:
-        if arch in FAMILY_ARCHITECTURES:
-            return parse_family_config(raw, arch)
-        return _parse_plain(raw, arch)
+        return parse(raw, arch)
     except KeyError as exc:
         raise ModelLoadError(f"config.json lacks the required field {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"config.json has a malformed field: {exc}") from None
-
-
-def _parse_plain(raw: dict[str, Any], arch: str) -> ModelConfig:
-    hidden = int(raw["hidden_size"])
-    heads = int(raw["num_attention_heads"])
-    rope_params = raw.get("rope_parameters") or {}
-    rope_scaling = raw.get("rope_scaling") or (
-        rope_params if rope_params.get("rope_type", "default") != "default" else None
-    )
-    theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(raw["intermediate_size"]),
-        num_layers=int(raw["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        hidden_act=str(raw.get("hidden_act", "silu")),
-        qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-        o_bias=arch == "LlamaForCausalLM" and bool(raw.get("attention_bias", False)),
-        mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
-        checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=tuple(int(e) for e in eos_ids),
-    )
 
 
 def load_model_config(folder: Path) -> ModelConfig:

@@ -4,7 +4,7 @@ attention and a gated MLP. Family differences are config switches (biases, q/k n
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from tandem.core.layers.linear import (
 from tandem.core.layers.norm import RMSNorm
 from tandem.core.layers.rotary import RotaryEmbedding
 from tandem.core.layers.weights import LazyTensor
-from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.model_config import ModelConfig, parse_plain_config
 from tandem.core.models.weight_mapping import QKV_GATE_UP, WeightMapping, load_mapped_weights
 
 
@@ -168,6 +168,11 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
+
+    @staticmethod
+    def parse_config(raw: dict[str, Any], arch: str) -> ModelConfig:
+        """Its config from the parsed ``config.json`` (``config_json.py`` asks the class)."""
+        return parse_plain_config(raw, arch)
 
     # How its checkpoint's names map to its parameters (weight_mapping.py).
     WEIGHTS = WeightMapping(

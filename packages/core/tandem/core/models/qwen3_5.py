@@ -23,7 +23,7 @@ Driving it (the engine's side of the contract):
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -48,6 +48,7 @@ from tandem.core.models.qwen3_family_config import (
     LINEAR_ATTENTION,
     Qwen3FamilyConfig,
     family_config,
+    parse_family_config,
 )
 from tandem.core.models.qwen3_moe import sparse_moe_block
 from tandem.core.models.weight_mapping import QKV_GATE_UP, WeightMapping, load_mapped_weights
@@ -114,6 +115,10 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5ForCausalLM(nn.Module):
+    @staticmethod
+    def parse_config(raw: dict[str, Any], arch: str) -> Qwen3FamilyConfig:
+        return parse_family_config(raw, arch)
+
     def __init__(self, config: ModelConfig, group: ProcessGroup, dtype: torch.dtype):
         super().__init__()
         family = family_config(config)

@@ -8,6 +8,8 @@ routes its experts' tensors (``weight_mapping.py``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -15,10 +17,18 @@ from tandem.collectives import ProcessGroup
 from tandem.core.layers.sparse_moe_block import SparseMoeBlock
 from tandem.core.models.decoder import DecoderForCausalLM
 from tandem.core.models.model_config import ModelConfig
-from tandem.core.models.qwen3_family_config import Qwen3FamilyConfig, family_config
+from tandem.core.models.qwen3_family_config import (
+    Qwen3FamilyConfig,
+    family_config,
+    parse_family_config,
+)
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
+    @staticmethod
+    def parse_config(raw: dict[str, Any], arch: str) -> Qwen3FamilyConfig:
+        return parse_family_config(raw, arch)
+
     def __init__(self, config: ModelConfig, group: ProcessGroup, dtype: torch.dtype):
         family_config(config)  # fail before building anything
         super().__init__(config, group, dtype)
