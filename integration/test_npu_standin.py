@@ -30,7 +30,7 @@ CASES = [
                          "add_rms_norm", "gated_silu"], []),
     ("qwen3_5", "float32", ["gated_silu"], ["chunk_gated_delta_rule", "recurrent_gated_delta_rule",
                                           "causal_conv1d_prefill", "rms_norm_gated"]),
-    ("qwen3_moe", "bfloat16", ["fused_moe", "paged_decode"], []),
+    ("qwen3_moe", "bfloat16", ["fused_moe", "topk_softmax", "paged_decode"], []),
 ]  # fmt: skip
 
 

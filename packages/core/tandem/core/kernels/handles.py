@@ -151,3 +151,9 @@ def fused_moe() -> KernelHandle[torch.Tensor]:
     triton = triton_kernel("fused_moe", "fused_moe")
     npu = torch_npu_kernel("fused_moe", "fused_moe")
     return KernelHandle("fused_moe", moe_ref.fused_moe, triton=triton, npu=npu)
+
+
+def moe_topk_softmax() -> KernelHandle[Pair]:
+    """The MoE router's softmax and top-k over its logits."""
+    npu = torch_npu_kernel("fused_moe", "topk_softmax")
+    return KernelHandle("moe_topk_softmax", moe_ref.topk_softmax, npu=npu)

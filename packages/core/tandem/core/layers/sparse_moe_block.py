@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tandem.collectives import ProcessGroup
+from tandem.core.kernels import handles
 from tandem.core.kernels.reference.elementwise import GATED_ACTIVATIONS
 from tandem.core.layers.fused_moe import FusedMoeExperts
 from tandem.core.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -25,15 +26,11 @@ class TopKRouter(ReplicatedLinear):
         super().__init__(hidden_size, num_experts)
         self.top_k = top_k
         self.normalize = normalize
+        self._topk = handles.moe_topk_softmax()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights (model dtype) and expert ids, each [T, top_k]."""
-        logits = self.matmul(x)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(logits.dtype), ids
+        return self._topk(self.matmul(x), self.top_k, self.normalize)
 
 
 class SharedExpert(nn.Module):

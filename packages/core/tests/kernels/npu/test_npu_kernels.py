@@ -19,6 +19,7 @@ from tandem.core.kernels.npu import activation, attention, fused_moe, norms, rot
 from tandem.core.kernels.reference import elementwise as ref
 from tandem.core.kernels.reference import paged_attention as attention_ref
 from tandem.core.kernels.reference.fused_moe import fused_moe as reference_fused_moe
+from tandem.core.kernels.reference.fused_moe import topk_softmax as reference_topk_softmax
 from tandem.core.llm.attention_metadata import build_attention_metadata
 
 from ..cpu.attention_steps import make_step
@@ -140,3 +141,14 @@ def test_an_npu_runtime_resolves_torch_npu_ops_and_falls_back_by_dtype() -> None
     if not triton_usable():
         assert fallback is attention_ref.reference_decode
     assert handles.write_kv_cache().choose(families, torch.float32) is attention_ref.write_kv_cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALVES])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_router_top_k_matches_the_reference(dtype: torch.dtype, normalize: bool) -> None:
+    logits = torch.randn(9, 8, generator=torch.Generator().manual_seed(2)).to(dtype)
+    weights, ids = fused_moe.topk_softmax(logits, 2, normalize)
+    want_weights, want_ids = reference_topk_softmax(logits, 2, normalize)
+    assert torch.equal(ids, want_ids) and ids.dtype == torch.int64
+    assert weights.dtype == dtype
+    assert_close(weights, want_weights, dtype)

@@ -1,4 +1,5 @@
-"""The routed experts through torch_npu's MoE ops, as vllm-ascend chains them: the (token,
+"""The router's top-k through ``npu_moe_gating_top_k_softmax``, and the routed experts through
+torch_npu's MoE ops, as vllm-ascend chains them: the (token,
 choice) rows sorted by expert (``npu_moe_init_routing``), each expert's row count
 (``npu_moe_compute_expert_tokens``, cumulative), one grouped matmul per projection
 (``npu_grouped_matmul``, the experts' weights read as [E, in, out] views of the checkpoint's
@@ -62,3 +63,12 @@ def fused_moe(
         experts,
     )
     return out
+
+
+def topk_softmax(
+    logits: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    weights, ids, _ = torch_npu.npu_moe_gating_top_k_softmax(logits, k=top_k)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int64)

@@ -38,3 +38,16 @@ def fused_moe(
         start = end
     out.mul_(topk_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype))
     return torch.zeros_like(x).index_add_(0, token, out)
+
+
+def topk_softmax(
+    logits: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice: softmax over ``logits`` [T, E] in float32, the ``top_k`` largest,
+    optionally renormalised to sum to one, rounded to the logits' dtype; and their expert ids
+    (int64), each [T, top_k]."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
