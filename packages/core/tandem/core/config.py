@@ -197,12 +197,35 @@ class StructuredOutputConfig:
     # can then loop on whitespace forever (vLLM's --structured-outputs-config
     # disable_any_whitespace, the other way round).
     whitespace_flexible: bool = False
+    # Budgets a grammar must fit before a request's first token; one that does not is
+    # refused with a 400 naming the budget (docs/reliability.md, "Grammars").
+    # Bytes of the schema, regex, choice list or grammar text.
+    max_grammar_bytes: int = 1 << 20
+    # Seconds one compilation may take, probe included.
+    compile_timeout_s: float = 10.0
+    # Nesting of objects and arrays in a JSON schema (a schema's every level of properties
+    # takes two: the properties map and the subschema).
+    max_schema_depth: int = 64
+    # Tokens the compile-time probe walks through the grammar, as generation would, so that
+    # the lexer limits llguidance would otherwise hit mid-generation are hit before the
+    # request starts (0: no probe).
+    probe_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.compile_threads < 1:
             raise ConfigError(f"compile_threads must be >= 1, got {self.compile_threads}")
         if self.cache_size < 1:
             raise ConfigError(f"cache_size must be >= 1, got {self.cache_size}")
+        if self.max_grammar_bytes < 1:
+            raise ConfigError(f"--max-grammar-bytes must be >= 1, got {self.max_grammar_bytes}")
+        if self.compile_timeout_s <= 0:
+            raise ConfigError(
+                f"--grammar-compile-timeout-s must be > 0, got {self.compile_timeout_s}"
+            )
+        if self.max_schema_depth < 1:
+            raise ConfigError(f"--max-schema-depth must be >= 1, got {self.max_schema_depth}")
+        if self.probe_tokens < 0:
+            raise ConfigError(f"--grammar-probe-tokens must be >= 0, got {self.probe_tokens}")
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,14 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tandem.core import InvalidRequestError, LLMEngine, SamplingParams
-from tandem.core.llm.structured_output import close_objects
-from tandem.core.llm.structured_output_spec import StructuredOutputSpec
+from tandem.core.config import StructuredOutputConfig
+from tandem.core.llm.structured_output import StructuredOutputs, close_objects
+from tandem.core.llm.structured_output_spec import StructuredOutputSpec, json_depth
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -101,3 +103,108 @@ def test_close_objects_fills_in_additional_properties() -> None:
     assert closed["$defs"]["item"]["additionalProperties"] is False
     assert closed["anyOf"][0]["additionalProperties"] is True
     assert "additionalProperties" not in schema
+
+
+# Compiles in a few milliseconds, then needs more lexer work at each token than llguidance
+# allows one mask (every split of the letters so far into runs of 1-5 stays live): on the
+# old code, requests failed mid-output, or passed once earlier ones had warmed the lexer.
+TOO_COMPLEX = StructuredOutputSpec.regex("([a-z]{1,5}){300,1000}", "structured_outputs.regex")
+
+
+def _compiler(engine: LLMEngine, **budgets: Any) -> StructuredOutputs:
+    return StructuredOutputs(
+        engine.tokenizer,
+        engine.model_config.vocab_size,
+        engine.eos_token_ids,
+        StructuredOutputConfig(cache_size=1, **budgets),
+    )
+
+
+def _refusal(compiler: StructuredOutputs, spec: StructuredOutputSpec) -> str:
+    with pytest.raises(InvalidRequestError) as info:
+        compiler.new_grammar(spec)
+    assert info.value.param == spec.param
+    return str(info.value)
+
+
+def test_a_grammar_too_complex_for_the_lexer_is_refused_before_it_starts_every_time(
+    demo_dir: Path, make_engine: Callable[..., LLMEngine]
+) -> None:
+    engine = make_engine(demo_dir)
+    compiler = _compiler(engine)
+    try:
+        first = _refusal(compiler, TOO_COMPLEX)
+        assert "too complex" in first and "too many expressions" in first, first
+        # Cached, and again after the cache (one entry) has dropped it: the same refusal.
+        assert _refusal(compiler, TOO_COMPLEX) == first
+        compiler.new_grammar(StructuredOutputSpec.regex("[a-z]{3}", "structured_outputs"))
+        assert _refusal(compiler, TOO_COMPLEX) == first
+        # Through the engine, the request is refused before it is queued.
+        with pytest.raises(InvalidRequestError):
+            engine.add_request(None, "hi", SamplingParams(structured_output=TOO_COMPLEX))
+        assert not engine.has_unfinished()
+    finally:
+        compiler.shutdown()
+
+
+def test_a_refusal_raised_again_keeps_no_frames(
+    demo_dir: Path, make_engine: Callable[..., LLMEngine]
+) -> None:
+    compiler = _compiler(make_engine(demo_dir))
+    spec = StructuredOutputSpec.regex("a(b", "structured_outputs")
+    try:
+        for _ in range(3):
+            _refusal(compiler, spec)
+        # On the old code, each raise added the raiser's frames to the cached error.
+        cached = compiler.submit(spec).exception()
+        assert cached is not None and cached.__traceback__ is None
+    finally:
+        compiler.shutdown()
+
+
+def test_a_deeply_nested_schema_is_refused_naming_the_depth_limit(
+    demo_dir: Path, make_engine: Callable[..., LLMEngine]
+) -> None:
+    engine = make_engine(demo_dir)
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(400):
+        schema = {"allOf": [schema]}
+    spec = StructuredOutputSpec.json_schema(schema, "response_format")
+    message = _refusal(engine.structured_outputs, spec)
+    assert "801 deep" in message and "--max-schema-depth" in message, message
+    # Up to the limit, a nested schema compiles.
+    schema = {"type": "integer"}
+    for _ in range(31):
+        schema = {"allOf": [schema]}
+    assert json_depth(json.dumps(schema)) == 63
+    engine.structured_outputs.new_grammar(StructuredOutputSpec.json_schema(schema, "x"))
+
+
+def test_a_grammar_larger_than_the_size_limit_is_refused(
+    demo_dir: Path, make_engine: Callable[..., LLMEngine]
+) -> None:
+    compiler = _compiler(make_engine(demo_dir), max_grammar_bytes=1000)
+    try:
+        message = _refusal(compiler, StructuredOutputSpec.choice(["x" * 500] * 3, "choice"))
+        assert "--max-grammar-bytes" in message and "1000" in message, message
+        compiler.new_grammar(StructuredOutputSpec.choice(["x" * 400] * 2, "choice"))
+    finally:
+        compiler.shutdown()
+
+
+def test_a_grammar_slower_to_compile_than_the_limit_is_refused(
+    demo_dir: Path, make_engine: Callable[..., LLMEngine]
+) -> None:
+    # The probe alone takes longer than 1 ms here.
+    compiler = _compiler(make_engine(demo_dir), compile_timeout_s=0.001)
+    try:
+        message = _refusal(compiler, StructuredOutputSpec.regex("[a-z ]{100,200}", "regex"))
+        assert "--grammar-compile-timeout-s" in message, message
+    finally:
+        compiler.shutdown()
+
+
+def test_json_depth_counts_brackets_outside_strings() -> None:
+    assert json_depth("3") == 0
+    assert json_depth('{"a": "[[{{", "b": [1, {"c": []}]}') == 4
+    assert json_depth("[" * 100_000 + "]" * 100_000) == 100_000

@@ -75,6 +75,22 @@ def keep_freed_memory_in_heap() -> bool:
     return no_mmap == 1 and no_trim == 1 and arenas == 1
 
 
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim), which
+    keep_freed_memory_in_heap otherwise keeps for good: for after a rare, large, one-off
+    allocation (a grammar whose lexer blew its budget) rather than after every step. False
+    where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        malloc_trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    malloc_trim.restype = ctypes.c_int
+    malloc_trim(0)
+    return True
+
+
 _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
 

@@ -7,6 +7,8 @@ import asyncio
 import json
 from typing import Any
 
+from tandem.core.errors import InvalidRequestError
+from tandem.core.llm.structured_output import fresh_error
 from tandem.core.llm.structured_output_spec import StructuredOutputSpec
 from tandem.server.errors import ApiError
 from tandem.server.protocol import StructuredOutputsParams, _SamplingFields
@@ -80,6 +82,8 @@ def _json_spec(schema: dict[str, Any] | str, param: str) -> StructuredOutputSpec
             schema = json.loads(schema)
         except ValueError as exc:
             raise ApiError(400, f"{param} is not valid JSON: {exc}.", param=param) from None
+        except RecursionError:
+            raise ApiError(400, f"{param} nests too deeply to be read.", param=param) from None
     if not isinstance(schema, dict):
         raise ApiError(400, f"{param} must be a JSON schema object.", param=param)
     return StructuredOutputSpec.json_schema(schema, param)
@@ -87,5 +91,15 @@ def _json_spec(schema: dict[str, Any] | str, param: str) -> StructuredOutputSpec
 
 async def compile_grammar(state: ServerState, spec: StructuredOutputSpec) -> None:
     """Compile ``spec`` on the engine's grammar threads (or find it compiled) without holding
-    up the event loop; one that cannot compile raises InvalidRequestError (a 400)."""
-    await asyncio.wrap_future(state.engine.structured_outputs.submit(spec))
+    up the event loop; one that cannot compile, or not within the compile time limit, raises
+    InvalidRequestError (a 400)."""
+    compiler = state.engine.structured_outputs
+    future = compiler.submit(spec)
+    # The compile checks its own time; this bounds the wait where llguidance itself is slow.
+    timeout = compiler.compile_timeout_s + 1.0
+    try:
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+    except InvalidRequestError as exc:
+        raise fresh_error(exc) from None
+    except TimeoutError:
+        raise compiler.refuse_slow(spec) from None

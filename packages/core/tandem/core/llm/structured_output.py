@@ -2,6 +2,15 @@
 one matcher per request, and the allowed-token bitmasks of a step's grammar rows filled in
 one parallel call.
 
+A grammar is refused (InvalidRequestError, a 400) before its request starts unless it fits
+the budgets of StructuredOutputConfig: its size, its compile time, a JSON schema's nesting,
+and llguidance's lexer limits. llguidance builds its lexer lazily, a little more each token,
+and a lexer that outgrows its limits fails mid-generation; so compiling walks the grammar for
+up to ``probe_tokens`` tokens first, always taking the longest token allowed (deterministic,
+and the deepest a lexer gets in so many tokens), and refuses what fails there. A failure is
+cached like a success, so a grammar is answered the same whether cached or not; its matcher
+is dropped and the memory its lexer took handed back to the system.
+
 The engine thread owns the matchers: it fills the bitmask when it builds a step and advances
 a matcher with the token the step sampled. The worker only applies the bitmask (one tensor
 op in the sampler), so it needs no grammar engine and nothing crosses a process boundary but
@@ -13,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,8 +32,9 @@ import torch
 
 from tandem.core.config import StructuredOutputConfig
 from tandem.core.errors import InvalidRequestError
-from tandem.core.llm.structured_output_spec import StructuredOutputSpec
+from tandem.core.llm.structured_output_spec import StructuredOutputSpec, json_depth
 from tandem.core.llm.tokenizer import Tokenizer
+from tandem.device.cpu import release_freed_memory
 
 if TYPE_CHECKING:
     import llguidance
@@ -73,6 +84,8 @@ class StructuredOutputs:
             OrderedDict()
         )
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        # Bytes of each token for the probe; -1 for EOS and special tokens.
+        self._token_bytes: torch.Tensor | None = None
         self._executor: llguidance.LLExecutor | None = None
 
     # -- compiling (any thread) -----------------------------------------------------------
@@ -94,25 +107,131 @@ class StructuredOutputs:
 
     def new_grammar(self, spec: StructuredOutputSpec) -> GrammarState:
         """A fresh matcher for one request (blocks while ``spec`` compiles, if it must)."""
-        prototype = self.submit(spec).result()
+        try:
+            prototype = self.submit(spec).result()
+        except InvalidRequestError as exc:
+            raise fresh_error(exc) from None
         return GrammarState(prototype.deep_copy(), self)
+
+    @property
+    def compile_timeout_s(self) -> float:
+        return self._config.compile_timeout_s
+
+    def refuse_slow(self, spec: StructuredOutputSpec) -> InvalidRequestError:
+        """The error for a caller that gave up waiting on ``spec``'s compilation after
+        compile_timeout_s, recorded as the spec's outcome (the compile still running, in
+        llguidance where it cannot be stopped, is then ignored), so that asking again is
+        refused the same way rather than served once the compile ends."""
+        error = self._too_slow(spec)
+        failed: Future[llguidance.LLMatcher] = Future()
+        failed.set_exception(error)
+        with self._lock:
+            if spec in self._compiled:
+                self._compiled[spec] = failed
+        return fresh_error(error)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, spec: StructuredOutputSpec) -> llguidance.LLMatcher:
+        result = self._build(spec, time.monotonic())
+        if isinstance(result, InvalidRequestError):
+            # Nothing holds the failed matcher now (the error keeps no frame that named it):
+            # give what its lexer took back to the system rather than keep it in the heap.
+            release_freed_memory()
+            raise result
+        for warning in result.get_grammar_warnings():
+            logger.info("grammar warning for %s: %s", spec.param, warning)
+        return result
+
+    def _build(
+        self, spec: StructuredOutputSpec, started: float
+    ) -> llguidance.LLMatcher | InvalidRequestError:
+        """The compiled and probed grammar, or the error that refuses it."""
         import llguidance
 
-        grammar = self._serialize(spec)
-        matcher = llguidance.LLMatcher(self._tokenizer_for_grammars(), grammar, log_level=0)
-        if matcher.is_error():
-            raise InvalidRequestError(
-                f"the {_describe(spec)} cannot be compiled: {matcher.get_error()}",
+        config = self._config
+        size = len(spec.value.encode())
+        if size > config.max_grammar_bytes:
+            return InvalidRequestError(
+                f"the {_describe(spec)} takes {size} bytes, more than the "
+                f"{config.max_grammar_bytes} this server compiles (--max-grammar-bytes)",
                 param=spec.param,
             )
-        for warning in matcher.get_grammar_warnings():
-            logger.info("grammar warning for %s: %s", spec.param, warning)
+        if spec.kind == "json" and (depth := json_depth(spec.value)) > config.max_schema_depth:
+            return InvalidRequestError(
+                f"the JSON schema nests objects and arrays {depth} deep, deeper than the "
+                f"{config.max_schema_depth} this server compiles (--max-schema-depth)",
+                param=spec.param,
+            )
+        grammar = self._serialize(spec)
+        limits = llguidance.LLParserLimits(verbose_errors=False)
+        matcher = llguidance.LLMatcher(
+            self._tokenizer_for_grammars(), grammar, log_level=0, limits=limits
+        )
+        if matcher.is_error():
+            return InvalidRequestError(
+                f"the {_describe(spec)} cannot be compiled: {_concise(matcher.get_error())}",
+                param=spec.param,
+            )
+        return self._probe(spec, matcher, started)
+
+    def _probe(
+        self, spec: StructuredOutputSpec, matcher: llguidance.LLMatcher, started: float
+    ) -> llguidance.LLMatcher | InvalidRequestError:
+        """``matcher`` once a copy of it (sharing its lexer, which the walk warms up for the
+        requests to come) has walked probe_tokens tokens, each the longest the grammar
+        allows, through llguidance's limits and within compile_timeout_s; else the error."""
+        walker = matcher.deep_copy()
+        token_bytes = self._token_bytes_for_probe()
+        shifts = torch.arange(32, dtype=torch.int32)
+        for _ in range(self._config.probe_tokens + 1):
+            if time.monotonic() - started > self._config.compile_timeout_s:
+                return self._too_slow(spec)
+            words = torch.frombuffer(bytearray(walker.compute_bitmask()), dtype=torch.int32)
+            if walker.is_error():
+                break
+            allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten()[: len(token_bytes)]
+            lengths = torch.where(allowed.bool(), token_bytes, -1)
+            token = int(lengths.argmax())
+            if lengths[token] < 0 or walker.is_stopped():
+                break
+            if not walker.consume_token(token):
+                break
+        if walker.is_error():
+            return InvalidRequestError(
+                f"the {_describe(spec)} is too complex for this server's grammar engine: "
+                f"{_concise(walker.get_error())}",
+                param=spec.param,
+            )
+        if time.monotonic() - started > self._config.compile_timeout_s:
+            return self._too_slow(spec)
         return matcher
+
+    def _too_slow(self, spec: StructuredOutputSpec) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"the {_describe(spec)} takes longer to compile than the "
+            f"{self._config.compile_timeout_s:g} s this server allows "
+            "(--grammar-compile-timeout-s)",
+            param=spec.param,
+        )
+
+    def _token_bytes_for_probe(self) -> torch.Tensor:
+        # Built once, outside the lock (submit takes it on the event loop); two compiles
+        # racing to build it build the same tensor.
+        if self._token_bytes is None:
+            tokenizer = self._tokenizer_for_grammars()
+            eos = set(self._eos)
+            self._token_bytes = torch.tensor(
+                [
+                    -1
+                    if t in eos or tokenizer.is_special_token(t)
+                    else len(tokenizer.decode_bytes([t]))
+                    for t in range(self.vocab_size)
+                ],
+                dtype=torch.int32,
+            )
+        return self._token_bytes
 
     def _serialize(self, spec: StructuredOutputSpec) -> str:
         import llguidance
@@ -200,6 +319,20 @@ def close_objects(schema: Any) -> Any:
     if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+def fresh_error(cached: InvalidRequestError) -> InvalidRequestError:
+    """A copy of a cached compile failure to raise. Raising the cached one itself would add
+    each raiser's frames to its traceback, and the cache would keep them all (requests'
+    locals included) for as long as it keeps the failure."""
+    cached.__traceback__ = None
+    return InvalidRequestError(str(cached), param=cached.param)
+
+
+def _concise(error: str) -> str:
+    """llguidance's error without the ``<non-verbose/>`` placeholder it leaves for the parser
+    state (left out: it would show the probe's walk, not the request's)."""
+    return error.replace("<non-verbose/>", "").strip()
 
 
 def _describe(spec: StructuredOutputSpec) -> str:

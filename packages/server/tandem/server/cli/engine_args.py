@@ -7,7 +7,13 @@ import os
 
 from tandem.collectives.torch_distributed import TORCHRUN_ADDRESS, Rendezvous
 from tandem.core import CacheConfig, ConfigError, EngineConfig, ModelLoadConfig, SchedulerConfig
-from tandem.core.config import DTYPES, ParallelConfig, PipelineConfig, RecConfig
+from tandem.core.config import (
+    DTYPES,
+    ParallelConfig,
+    PipelineConfig,
+    RecConfig,
+    StructuredOutputConfig,
+)
 from tandem.core.demo.pretrained import stories260k_folder
 from tandem.core.faults import FaultConfig
 from tandem.core.kernels.cpu.native_build import KernelBuildError, selected_isa
@@ -222,6 +228,51 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="seed of the sampler for requests without their own seed",
     )
+    add_structured_output_args(parser)
+
+
+def add_structured_output_args(parser: argparse.ArgumentParser) -> None:
+    d = StructuredOutputConfig()
+    g = parser.add_argument_group(
+        "structured outputs", "budgets a grammar must fit, else its request is answered 400"
+    )
+    g.add_argument(
+        "--max-grammar-bytes",
+        type=int,
+        default=d.max_grammar_bytes,
+        help="largest JSON schema, regex, choice list or grammar, in bytes of its text",
+    )
+    g.add_argument(
+        "--grammar-compile-timeout-s",
+        type=float,
+        default=d.compile_timeout_s,
+        help="seconds a grammar may take to compile, its probe included",
+    )
+    g.add_argument(
+        "--max-schema-depth",
+        type=int,
+        default=d.max_schema_depth,
+        help="deepest nesting of objects and arrays in a JSON schema",
+    )
+    g.add_argument(
+        "--grammar-probe-tokens",
+        type=int,
+        default=d.probe_tokens,
+        help="tokens a new grammar is walked through before its request starts, so that "
+        "one too complex for the grammar engine is refused then rather than mid-output "
+        "(0: no probe)",
+    )
+
+
+def _structured_output(args: argparse.Namespace) -> StructuredOutputConfig:
+    # getattr: subcommands that do not add these flags get the defaults.
+    d = StructuredOutputConfig()
+    return StructuredOutputConfig(
+        max_grammar_bytes=getattr(args, "max_grammar_bytes", d.max_grammar_bytes),
+        compile_timeout_s=getattr(args, "grammar_compile_timeout_s", d.compile_timeout_s),
+        max_schema_depth=getattr(args, "max_schema_depth", d.max_schema_depth),
+        probe_tokens=getattr(args, "grammar_probe_tokens", d.probe_tokens),
+    )
 
 
 def _parallel_from_torchrun(args: argparse.Namespace) -> None:
@@ -292,6 +343,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             timeout_s=args.step_timeout_s,
             health_timeout_s=args.health_step_timeout_s,
         ),
+        structured_output=_structured_output(args),
         # Tests only; read once here and handed down (to worker processes with the config).
         faults=FaultConfig.from_env(os.environ),
     )
