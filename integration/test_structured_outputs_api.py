@@ -12,7 +12,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from harness import MODEL_NAME, Server
+from harness import MODEL_NAME, Server, ServerFactory
 from openai import OpenAI
 
 NUM_SCHEMAS = 50
@@ -140,3 +140,50 @@ def test_a_schema_the_engine_cannot_compile_is_a_400(client: OpenAI) -> None:
     assert info.value.status_code == 400
     body = info.value.body
     assert isinstance(body, dict) and body["param"] == "response_format.json_schema.schema"
+
+
+# Compiles in milliseconds, then needs more lexer work per token than llguidance allows one
+# mask: on the old code every such request failed mid-stream (or passed, once others had
+# warmed the cached lexer). Now it is a 400 before the first token, every time.
+TOO_COMPLEX_REGEX = "([a-z]{1,5}){300,1000}"
+
+
+def _refused(client: OpenAI, **extra: Any) -> dict[str, Any]:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        stream = client.completions.create(
+            model=MODEL_NAME, prompt="hi", max_tokens=50, stream=True, extra_body=extra
+        )
+        pytest.fail(f"answered with a stream: {[c.choices[0].text for c in stream]}")
+    assert info.value.status_code == 400
+    body = info.value.body
+    assert isinstance(body, dict)
+    return body
+
+
+def test_a_regex_too_complex_for_the_lexer_is_a_400_before_any_token_every_time(
+    client: OpenAI,
+) -> None:
+    first = _refused(client, structured_outputs={"regex": TOO_COMPLEX_REGEX})
+    assert first["param"] == "structured_outputs.regex"
+    assert "too complex" in first["message"], first
+    # Again, now from the cache: the same answer.
+    assert _refused(client, structured_outputs={"regex": TOO_COMPLEX_REGEX}) == first
+
+
+def test_a_schema_nested_400_deep_is_a_400_naming_the_depth_limit(client: OpenAI) -> None:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(400):
+        schema = {"allOf": [schema]}
+    body = _refused(client, guided_json=schema)
+    assert body["param"] == "guided_json" and "--max-schema-depth" in body["message"], body
+
+
+def test_grammar_size_and_compile_time_budgets_are_400s(start_server: ServerFactory) -> None:
+    server = start_server("--max-grammar-bytes", "2000", "--grammar-compile-timeout-s", "0.001")
+    small = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    body = _refused(small, guided_choice=["x" * 1000] * 3)
+    assert "--max-grammar-bytes" in body["message"], body
+    body = _refused(small, guided_regex="[a-z ]{100,200}")
+    assert "--grammar-compile-timeout-s" in body["message"], body
