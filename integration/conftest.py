@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -21,15 +22,25 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_demo_model(tmp_path_factory.mktemp("model"), SPEC)
 
 
+def _limit_files(limit: int) -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+
 @pytest.fixture(scope="session")
 def start_server(
     model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerFactory]:
     servers: list[Server] = []
 
-    def start(*extra: str, demo_model: bool = True, env: dict[str, str] | None = None) -> Server:
+    def start(
+        *extra: str,
+        demo_model: bool = True,
+        env: dict[str, str] | None = None,
+        nofile: int | None = None,
+    ) -> Server:
         """A server of the demo model (or, with ``demo_model=False``, of whatever ``extra``
-        names: by default the bundled stories260k), with ``env`` added to its environment."""
+        names: by default the bundled stories260k), with ``env`` added to its environment
+        and, with ``nofile``, that open-file limit."""
         port = free_port()
         log = tmp_path_factory.mktemp("server") / "server.log"
         model = ["--model", str(model_dir), "--served-model-name", MODEL_NAME] if demo_model else []
@@ -51,7 +62,11 @@ def start_server(
         ]
         with log.open("wb") as sink:
             process = subprocess.Popen(
-                command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+                command,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                preexec_fn=None if nofile is None else lambda: _limit_files(nofile),
             )
         server = Server(process, f"http://127.0.0.1:{port}", log)
         servers.append(server)

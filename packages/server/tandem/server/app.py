@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tandem.core.errors import EngineUnhealthyError
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
+from tandem.server.deadline import DeadlineMiddleware
 from tandem.server.errors import (
     SafeJSONResponse,
     error_response,
@@ -39,8 +40,8 @@ from tandem.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from tandem.server.state import ServerState
-from tandem.server.tokenize import detokenize, tokenize
+from tandem.server.state import ServerLimits, ServerState
+from tandem.server.tokenize import check_tokenize_budget, detokenize, tokenize
 
 
 class BodyLimitMiddleware:
@@ -136,15 +137,22 @@ def _closing(response: Response) -> Response:
     return response
 
 
+# What answers without the key: the liveness probe, and the Prometheus scrape (aggregate
+# counters only, read by scrapers that commonly carry no key, as with vLLM).
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
 class ApiKeyMiddleware:
-    """With an API key set, every /v1/* request needs ``Authorization: Bearer KEY``."""
+    """With an API key set, every request but ``OPEN_PATHS`` needs ``Authorization: Bearer
+    KEY``: /v1/*, /tokenize, /detokenize, the OpenAPI document, unknown paths. It is the
+    outermost layer: a request without the key gets its 401 before its body is read."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and str(scope.get("path", "")).startswith("/v1"):
+        if scope["type"] == "http" and str(scope.get("path", "")) not in OPEN_PATHS:
             auth = dict(scope.get("headers", [])).get(b"authorization", b"")
             # Constant time: how long the comparison takes says nothing about the key.
             if not hmac.compare_digest(auth, self.expected):
@@ -189,10 +197,12 @@ def create_app(state: ServerState) -> FastAPI:
     # Unversioned, as vLLM serves them; off the event loop (templates, long inputs).
     @app.post("/tokenize", responses=post_responses(TokenizeResponse, streams=False))
     async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
+        check_tokenize_budget(state, body)
         return await state.preparer.run(lambda: tokenize(state, body))
 
     @app.post("/detokenize", responses=post_responses(DetokenizeResponse, streams=False))
     async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
+        check_tokenize_budget(state, body)
         return await state.preparer.run(lambda: detokenize(state, body))
 
     @app.post(
@@ -211,7 +221,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         return await create_chat_completion(state, body, request)
 
-    add_limits(app, state.max_body_bytes, state.api_key, state.limits.body_timeout_s)
+    add_limits(app, state.max_body_bytes, state.api_key, state.limits)
     return app
 
 
@@ -256,10 +266,13 @@ def add_health_and_metrics(
 
 
 def add_limits(
-    app: FastAPI, max_body_bytes: int, api_key: str | None, body_timeout_s: float
+    app: FastAPI, max_body_bytes: int, api_key: str | None, limits: ServerLimits
 ) -> None:
-    """The body-size and body-time limits and, with a key, the API-key check."""
-    # Outermost first: the key check sees the request before the body is read.
-    app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes, timeout_s=body_timeout_s)
+    """The body-size and body-time limits, the request deadline and, with a key, the API-key
+    check."""
+    # Each one added wraps the ones before: the key check runs first, before the deadline is
+    # stamped and before the body is read.
+    app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes, timeout_s=limits.body_timeout_s)
+    app.add_middleware(DeadlineMiddleware, timeout_s=limits.request_timeout_s)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)

@@ -8,6 +8,7 @@ from typing import Any
 
 from tandem.core import RequestOutput
 from tandem.core.failure_text import client_text
+from tandem.server.budgets import check_budget
 from tandem.server.errors import ApiError, error_body
 from tandem.server.protocol import _SamplingFields
 from tandem.server.state import ServerState
@@ -22,6 +23,7 @@ def check_model(served: str, requested: str, aliases: tuple[str, ...] = ()) -> N
 
 def check_request(state: ServerState, body: _SamplingFields) -> None:
     check_model(state.served_model_name, body.model, state.model_aliases)
+    check_budget(state.limits, body)
     if body.n > 1 and body.temperature == 0:
         raise ApiError(
             400,

@@ -15,10 +15,10 @@ from fastapi.responses import StreamingResponse
 
 from tandem.core import RequestOutput
 from tandem.server.common import chunk_base, failure, now, stream_failure, usage
+from tandem.server.deadline import RequestTimedOut, request_deadline
 from tandem.server.errors import SafeJSONResponse, error_body, error_response
 from tandem.server.generation import (
     Job,
-    RequestTimedOut,
     final_outputs,
     merge_outputs,
     submit_jobs,
@@ -64,8 +64,11 @@ async def respond(
     server's request timeout."""
     streams = await submit_jobs(state, jobs, request_id)
     created = now()
+    # Counted from the request's arrival (DeadlineMiddleware), preparation included.
+    deadline = request_deadline()
     limit = state.limits.request_timeout_s
-    deadline = None if limit is None else asyncio.get_running_loop().time() + limit
+    if deadline is None and limit is not None:
+        deadline = asyncio.get_running_loop().time() + limit
     if stream is not None:
         base = chunk_base(state, request_id, stream.obj, created)
         events = _events(state, jobs, streams, stream, base, deadline)

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tandem.core import InvalidRequestError
 from tandem.core.errors import EngineOverloadedError, EngineUnhealthyError
 from tandem.core.failure_text import client_text
+from tandem.server.deadline import RequestTimedOut
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return error_response(400, str(exc), exc.param)
+
+    @app.exception_handler(RequestTimedOut)
+    async def _timed_out(_: Request, exc: RequestTimedOut) -> JSONResponse:
+        # Past the deadline before any response started (waiting to be prepared).
+        return error_response(504, str(exc), code="timeout")
 
     @app.exception_handler(EngineUnhealthyError)
     async def _dead(_: Request, exc: EngineUnhealthyError) -> JSONResponse:

@@ -13,19 +13,10 @@ from tandem.core.llm.engine import Prompt
 from tandem.core.llm.engine_loop import RequestStream
 from tandem.core.llm.sequence import TokenSequence
 from tandem.core.llm.structured_output_spec import StructuredOutputSpec
+from tandem.server.deadline import RequestTimedOut
 from tandem.server.errors import ApiError
 from tandem.server.protocol import _SamplingFields
 from tandem.server.state import ServerState
-
-
-class RequestTimedOut(Exception):
-    """The request ran past the server's --request-timeout-s; its jobs were aborted."""
-
-    def __init__(self, limit_s: float) -> None:
-        super().__init__(
-            f"The request ran longer than this server's limit of {limit_s:g} s "
-            "(--request-timeout-s) and was stopped."
-        )
 
 
 def sampling_params(

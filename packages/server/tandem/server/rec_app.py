@@ -24,6 +24,7 @@ from tandem.core.rec.service import RecService
 from tandem.device.sync import Promise
 from tandem.server.app import add_health_and_metrics, add_limits, new_app
 from tandem.server.common import check_model, new_id, now
+from tandem.server.deadline import request_deadline
 from tandem.server.errors import ApiError
 from tandem.server.openapi import MODELS_RESPONSES, RecommendationResponse, post_responses
 from tandem.server.protocol import StrictInt, StrictStr
@@ -160,8 +161,11 @@ def create_rec_app(state: RecServerState) -> FastAPI:
         limit = state.limits.request_timeout_s
         try:
             promise = service.submit(body.history, body.num_candidates, new_id("rec"))
-            # A batch runs its rounds to the end; past the limit its result is dropped.
-            result = await asyncio.wait_for(_await(promise), limit)
+            # A batch runs its rounds to the end; past the limit (counted from the
+            # request's arrival) its result is dropped.
+            deadline = request_deadline()
+            left = None if deadline is None else deadline - asyncio.get_running_loop().time()
+            result = await asyncio.wait_for(_await(promise), limit if left is None else left)
         except EngineDeadError as exc:
             # Queued, then the engine failed under it (one that failed before answers 503).
             state.metrics.requests.labels(name, "error").inc()
@@ -188,5 +192,5 @@ def create_rec_app(state: RecServerState) -> FastAPI:
         responses=post_responses(RecommendationResponse, streams=False),
     )(recommend)
 
-    add_limits(app, state.max_body_bytes, state.api_key, state.limits.body_timeout_s)
+    add_limits(app, state.max_body_bytes, state.api_key, state.limits)
     return app

@@ -23,6 +23,26 @@ class ServerLimits:
     trust_request_chat_template: bool = False
     # Seconds a chat template may take to render before it is stopped (400).
     template_time_limit_s: float = 5.0
+    # Sequences one request may ask for: prompts x n (--max-sequences-per-request); past
+    # it, a 400 before anything is tokenized.
+    max_sequences_per_request: int = 1024
+    # Messages one chat or /tokenize request may bring (--max-chat-messages).
+    max_chat_messages: int = 10_000
+    # Tokens one /tokenize may produce, or /detokenize take (--max-tokenize-tokens); None:
+    # the larger of DEFAULT_TOKENIZE_TOKENS and the model's context length.
+    max_tokenize_tokens: int | None = None
+    # Seconds a request's headers may take to arrive, from the connection's first byte (or
+    # from the first byte after the previous answer) (--request-header-timeout-s).
+    header_timeout_s: float = 20.0
+    # Seconds an idle keep-alive connection stays open between requests
+    # (--keep-alive-timeout-s).
+    keep_alive_timeout_s: float = 5.0
+    # Open client connections at most (--max-connections); None: what the open-file limit
+    # leaves room for (tandem.server.connections.connection_cap).
+    max_connections: int | None = None
+
+
+DEFAULT_TOKENIZE_TOKENS = 131_072
 
 
 @dataclass(frozen=True)

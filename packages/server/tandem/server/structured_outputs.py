@@ -10,6 +10,7 @@ from typing import Any
 from tandem.core.errors import InvalidRequestError
 from tandem.core.llm.structured_output import fresh_error
 from tandem.core.llm.structured_output_spec import StructuredOutputSpec
+from tandem.server.deadline import before_deadline
 from tandem.server.errors import ApiError
 from tandem.server.protocol import StructuredOutputsParams, _SamplingFields
 from tandem.server.state import ServerState
@@ -92,13 +93,15 @@ def _json_spec(schema: dict[str, Any] | str, param: str) -> StructuredOutputSpec
 async def compile_grammar(state: ServerState, spec: StructuredOutputSpec) -> None:
     """Compile ``spec`` on the engine's grammar threads (or find it compiled) without holding
     up the event loop; one that cannot compile, or not within the compile time limit, raises
-    InvalidRequestError (a 400)."""
+    InvalidRequestError (a 400); the request's own deadline stops the wait too (a 504)."""
     compiler = state.engine.structured_outputs
     future = compiler.submit(spec)
     # The compile checks its own time; this bounds the wait where llguidance itself is slow.
     timeout = compiler.compile_timeout_s + 1.0
+    # Shielded: the compiled grammar is shared, only this request stops waiting for it.
+    waited = asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
     try:
-        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+        await before_deadline(waited)
     except InvalidRequestError as exc:
         raise fresh_error(exc) from None
     except TimeoutError:

@@ -32,9 +32,11 @@ class SupervisedServer(uvicorn.Server):
         exit_on_engine_failure: bool,
         answer_after_failure_s: float = ANSWER_AFTER_FAILURE_S,
         clock: Callable[[], float] = time.monotonic,
+        every_second: Callable[[], None] | None = None,
     ) -> None:
         """``abort_all(reason)``: answer every request in flight (called first thing on
-        shutdown); ``engine_failure()``: why the engine failed, None while it serves."""
+        shutdown); ``engine_failure()``: why the engine failed, None while it serves;
+        ``every_second()``: a cheap check run about once a second (descriptors left)."""
         super().__init__(config)
         self._abort_all = abort_all
         self._engine_failure = engine_failure
@@ -43,9 +45,12 @@ class SupervisedServer(uvicorn.Server):
         self._clock = clock
         self._failed_at = 0.0
         self.failure: str | None = None
+        self._every_second = every_second
 
     async def on_tick(self, counter: int) -> bool:
         # Every 0.1 s on the server's loop: a cheap attribute read.
+        if self._every_second is not None and counter % 10 == 0:
+            self._every_second()
         if self.failure is None:
             self.failure = self._engine_failure()
             if self.failure is not None:

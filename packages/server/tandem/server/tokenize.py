@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem.server.budgets import check_messages, check_token_count, check_tokenize_size
 from tandem.server.chat import render_chat
 from tandem.server.chat_messages import template_messages
 from tandem.server.common import check_model
@@ -29,6 +30,7 @@ def tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:
             body.chat_template_kwargs or {},
             tools,
         )
+        check_tokenize_size(state, prompt.text, "messages")
         # The template writes the special tokens; add none unless asked.
         add = bool(body.add_special_tokens)
         tokens = state.engine.encode_prompt(prompt.text, "messages", add, check_length=False)
@@ -36,12 +38,25 @@ def tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:
         assert body.prompt is not None
         add = True if body.add_special_tokens is None else body.add_special_tokens
         tokens = state.engine.encode_prompt(body.prompt, "prompt", add, check_length=False)
+    check_token_count(state, len(tokens), "prompt" if body.messages is None else "messages")
     return {
         "count": len(tokens),
         "max_model_len": state.engine.max_model_len,
         "tokens": tokens,
         "token_strs": [tokenizer.token_text(t) for t in tokens] if body.return_token_strs else None,
     }
+
+
+def check_tokenize_budget(state: ServerState, body: TokenizeRequest | DetokenizeRequest) -> None:
+    """What can be refused before any work (on the event loop: cheap): too many messages,
+    a prompt too large for the token limit by its size alone, too many token ids."""
+    if isinstance(body, DetokenizeRequest):
+        check_token_count(state, len(body.tokens), "tokens")
+        return
+    if body.messages is not None:
+        check_messages(state.limits, len(body.messages))
+    if body.prompt is not None:
+        check_tokenize_size(state, body.prompt, "prompt")
 
 
 def detokenize(state: ServerState, body: DetokenizeRequest) -> dict[str, Any]:

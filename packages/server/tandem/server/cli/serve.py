@@ -17,8 +17,15 @@ from tandem.core.models.rec_config import is_rec_folder
 from tandem.core.rec.service import RecService
 from tandem.server.cli.chat_args import add_chat_args, chat_config_from_args
 from tandem.server.cli.engine_args import add_engine_args, engine_config_from_args
+from tandem.server.connections import (
+    ConnectionGuard,
+    connection_cap,
+    file_limit,
+    guarded_protocol,
+    open_descriptors,
+)
 from tandem.server.metrics import ServerMetrics
-from tandem.server.state import ServerLimits, ServerState
+from tandem.server.state import DEFAULT_TOKENIZE_TOKENS, ServerLimits, ServerState
 from tandem.server.supervision import EXIT_ENGINE_FAILED, SupervisedServer
 
 logger = logging.getLogger(__name__)
@@ -53,7 +60,9 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 request"
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every request but /health and /metrics",
     )
     p.add_argument(
         "--max-request-body-mb",
@@ -80,6 +89,45 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
         type=float,
         default=30.0,
         help="seconds a request body may take to arrive before it is answered 408",
+    )
+    p.add_argument(
+        "--request-header-timeout-s",
+        type=float,
+        default=20.0,
+        help="seconds a request's headers may take to arrive (a connection that sends "
+        "nothing, or trickles its headers, is closed; 408 once some arrived)",
+    )
+    p.add_argument(
+        "--keep-alive-timeout-s",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open between requests",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open client connections at most; past it new ones get 503 at once (default, "
+        "and never more than: what the open-file limit leaves after a reserve)",
+    )
+    p.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=1024,
+        help="sequences one request may ask for (prompts x n); more is a 400",
+    )
+    p.add_argument(
+        "--max-chat-messages",
+        type=int,
+        default=10_000,
+        help="messages one chat or /tokenize request may bring; more is a 400",
+    )
+    p.add_argument(
+        "--max-tokenize-tokens",
+        type=int,
+        default=None,
+        help="tokens one /tokenize may produce or /detokenize take; more is a 400 (default: "
+        f"{DEFAULT_TOKENIZE_TOKENS} or the context length, whichever is larger)",
     )
     p.add_argument(
         "--trust-request-chat-template",
@@ -133,7 +181,11 @@ def apply_model_tag(args: argparse.Namespace) -> None:
 
 
 def _limits(args: argparse.Namespace) -> ServerLimits:
-    for name in ("request_timeout_s", "request_body_timeout_s"):
+    for name in (
+        "request_timeout_s", "request_body_timeout_s", "request_header_timeout_s",
+        "keep_alive_timeout_s", "max_connections", "max_sequences_per_request",
+        "max_chat_messages", "max_tokenize_tokens",
+    ):  # fmt: skip
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
@@ -141,6 +193,12 @@ def _limits(args: argparse.Namespace) -> ServerLimits:
         request_timeout_s=args.request_timeout_s,
         body_timeout_s=args.request_body_timeout_s,
         trust_request_chat_template=args.trust_request_chat_template,
+        max_sequences_per_request=args.max_sequences_per_request,
+        max_chat_messages=args.max_chat_messages,
+        max_tokenize_tokens=args.max_tokenize_tokens,
+        header_timeout_s=args.request_header_timeout_s,
+        keep_alive_timeout_s=args.keep_alive_timeout_s,
+        max_connections=args.max_connections,
     )
 
 
@@ -175,11 +233,13 @@ def run(args: argparse.Namespace) -> int:
         chat=chat_config,
         limits=limits,
     )
+    guard = _connection_guard(limits)
     server = SupervisedServer(
-        _uvicorn_config(create_app(state), args),
+        _uvicorn_config(create_app(state), args, limits, guard),
         abort_all=loop.abort_all,
         engine_failure=lambda: engine.dead,
         exit_on_engine_failure=args.exit_on_engine_failure,
+        every_second=guard.check_descriptors,
     )
     logger.info("serving %s as %r on http://%s:%d", folder, name, args.host, args.port)
     try:
@@ -206,13 +266,26 @@ def _run_server(server: uvicorn.Server) -> None:
     server.run()
 
 
-def _uvicorn_config(app: Any, args: argparse.Namespace) -> uvicorn.Config:
+def _connection_guard(limits: ServerLimits) -> ConnectionGuard:
+    """The connection cap, from the open-file limit and what is open once the engine is up
+    (its files, pipes and threads' descriptors), logged with the reason for it."""
+    limit = file_limit()
+    cap, why = connection_cap(limits.max_connections, limit, open_descriptors() or 0)
+    logger.info("%s", why)
+    return ConnectionGuard(cap=cap, header_timeout_s=limits.header_timeout_s, file_limit=limit)
+
+
+def _uvicorn_config(
+    app: Any, args: argparse.Namespace, limits: ServerLimits, guard: ConnectionGuard
+) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level="warning",
         timeout_graceful_shutdown=int(args.shutdown_timeout),
+        timeout_keep_alive=max(1, round(limits.keep_alive_timeout_s)),
+        http=guarded_protocol(guard),
     )
 
 
@@ -231,11 +304,13 @@ def _serve_rec(
         max_body_bytes=int(args.max_request_body_mb * (1 << 20)),
         limits=limits,
     )
+    guard = _connection_guard(limits)
     server = SupervisedServer(
-        _uvicorn_config(create_rec_app(state), args),
+        _uvicorn_config(create_rec_app(state), args, limits, guard),
         abort_all=service.refuse_new,
         engine_failure=lambda: service.dead,
         exit_on_engine_failure=args.exit_on_engine_failure,
+        every_second=guard.check_descriptors,
     )
     logger.info("serving recommender %s as %r on http://%s:%d", config.model.model, name,
                 args.host, args.port)  # fmt: skip
