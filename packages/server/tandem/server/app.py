@@ -34,6 +34,7 @@ from tandem.server.openapi import (
     drop_unused_validation_responses,
     post_responses,
 )
+from tandem.server.preparer import PreparationMiddleware, worker_spec
 from tandem.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -169,6 +170,7 @@ class ApiKeyMiddleware:
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.preparer.start_processes(worker_spec(state))
         yield
         # Shutdown: aborts what is still running, so every open stream ends.
         state.loop.stop()
@@ -221,6 +223,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         return await create_chat_completion(state, body, request)
 
+    # Innermost: large bodies are prepared in a process once the limits let them in.
+    app.add_middleware(PreparationMiddleware, preparer=state.preparer)
     add_limits(app, state.max_body_bytes, state.api_key, state.limits)
     return app
 

@@ -17,6 +17,7 @@ from tandem.server.endpoint import StreamShape, respond
 from tandem.server.errors import ApiError
 from tandem.server.generation import Job, sampling_params
 from tandem.server.logprobs import TokenNames, chat_logprobs, prompt_logprobs_json
+from tandem.server.preparer import PREPARED_SCOPE_KEY
 from tandem.server.protocol import ChatCompletionRequest
 from tandem.server.reasoning import reasoning_parser
 from tandem.server.state import ServerState
@@ -92,6 +93,25 @@ def render_chat(
     return RenderedPrompt(text, generation_prompt)
 
 
+def prepare_chat_prompt(
+    state: ServerState, body: ChatCompletionRequest
+) -> tuple[RenderedPrompt, list[int]]:
+    """The prompt of ``body``'s messages and its token ids (slow for long inputs: never on
+    the event loop)."""
+    plan = plan_tools(state.chat, body)
+    prompt = render_chat(
+        state,
+        template_messages(body.messages),
+        body.add_generation_prompt,
+        body.chat_template_kwargs or {},
+        plan.template_tools,
+        request_template(state, body.chat_template),
+    )
+    # The template writes the special tokens itself.
+    ids = state.engine.encode_prompt(prompt.text, param="messages", add_special_tokens=False)
+    return prompt, ids
+
+
 async def create_chat_completion(
     state: ServerState, body: ChatCompletionRequest, request: Request | None = None
 ) -> Any:
@@ -102,7 +122,8 @@ async def create_chat_completion(
         raise ApiError(
             400, "prompt_logprobs are not available with stream=true.", param="prompt_logprobs"
         )
-    messages = template_messages(body.messages)
+    # Checked before anything runs (prepare_chat_prompt renders them).
+    template_messages(body.messages)
     plan = plan_tools(state.chat, body)
     spec = structured_output_spec(body)
     if spec is not None and plan.grammar is not None:
@@ -114,18 +135,15 @@ async def create_chat_completion(
         )
     spec = spec or plan.grammar
     template_kwargs = body.chat_template_kwargs or {}
-    own_template = request_template(state, body.chat_template)
+    request_template(state, body.chat_template)
 
-    def render() -> tuple[RenderedPrompt, list[int]]:
-        prompt = render_chat(
-            state, messages, body.add_generation_prompt, template_kwargs, plan.template_tools,
-            own_template,
-        )  # fmt: skip
-        # The template writes the special tokens itself.
-        ids = state.engine.encode_prompt(prompt.text, param="messages", add_special_tokens=False)
-        return prompt, ids
-
-    prompt, prompt_ids = await state.preparer.run(render)
+    # A large body was prepared in a preparation process (preparer.py) before it got here,
+    # and arrives without its messages.
+    prepared = None if request is None else request.scope.get(PREPARED_SCOPE_KEY)
+    if prepared is not None:
+        prompt, prompt_ids = prepared
+    else:
+        prompt, prompt_ids = await state.preparer.run(lambda: prepare_chat_prompt(state, body))
     tokenizer = state.engine.tokenizer
     if spec is not None:
         await compile_grammar(state, spec)

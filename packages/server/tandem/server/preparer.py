@@ -1,22 +1,175 @@
-"""Where the slow, CPU-bound part of a request runs (rendering a chat template, tokenizing,
-decoding an echoed prompt): a few threads of its own, never the event loop, so /health and
-every other request keep being answered while one is prepared."""
+"""Where the slow, CPU-bound part of a request runs (parsing a large body, rendering a chat
+template, tokenizing, decoding an echoed prompt), so that no request freezes another's
+stream or /health.
+
+Small requests are prepared on a few threads of the server (never the event loop). A
+large body (``PROCESS_BODY_BYTES``) to /tokenize or /v1/chat/completions is parsed,
+rendered and tokenized in a preparation process instead (prepare_worker.py, which says
+what each step held on the server's own threads): ``PreparationMiddleware`` hands it the
+body's bytes and either sends the answer it gets back (/tokenize, every error) or passes
+the request on with its messages dropped and the prepared prompt in the request's scope
+(``PREPARED_SCOPE_KEY``). Those processes run at a lower priority than the server, with a
+tokenizer of their own (the engine's, whose lock its detokenizer takes every step, is never
+held by a large encode); each gives its heap back after every job (``malloc_trim``), and
+one that still grew by a job is replaced. The server itself only holds the body's bytes
+for a while (it does not trim its heap: glibc's trim holds the arena locks every thread
+allocates through, which stalled /health for a second in a measurement)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tandem.server.prepare_worker import (
+    CHAT,
+    TOKENIZE,
+    Answer,
+    Prepared,
+    Reply,
+    WorkerSpec,
+    read_frame,
+    write_frame,
+)
+
+if TYPE_CHECKING:
+    from tandem.server.state import ServerState
+
+logger = logging.getLogger(__name__)
 
 from tandem.server.deadline import before_deadline
 
 T = TypeVar("T")
 
+# Where a request's prepared prompt waits for chat.py: (RenderedPrompt, token ids).
+PREPARED_SCOPE_KEY = "tandem.prepared"
+# Bodies larger than this go to a preparation process. Below it, the server's own threads
+# are quick enough (2,000 chat messages validate and render in ~20 ms).
+PROCESS_BODY_BYTES = 64 << 10
+# Preparation processes (TANDEM_PREPARE_PROCESSES; 0: prepare everything in the server).
+DEFAULT_PROCESSES = 2
+# The routes whose large bodies are prepared in a process, and the job each one is.
+_JOBS = {"/tokenize": TOKENIZE, "/v1/chat/completions": CHAT}
+
+
+_WORKER_MAIN = "import os; os.nice({nice}); from tandem.server.prepare_worker import main; main()"
+
+
+class PreparationFailed(Exception):
+    """A preparation process ended before it answered."""
+
+
+class _Process:
+    """One preparation process and the pipes to it; used by one thread at a time."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.process = subprocess.Popen(
+            # Lower priority before the imports (seconds of CPU). Not ``-m``: its classes must
+            # unpickle here as tandem.server.prepare_worker's.
+            [sys.executable, "-c", _WORKER_MAIN.format(nice=spec.nice)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.stdin = self.process.stdin
+        self.stdout = self.process.stdout
+        write_frame(self.stdin, spec)
+        self.ready = False
+
+    def call(self, job: str, raw: bytes) -> Reply:
+        try:
+            if not self.ready:
+                if read_frame(self.stdout) != "ready":
+                    raise PreparationFailed("a preparation process did not start")
+                self.ready = True
+            write_frame(self.stdin, (job, raw))
+            reply = read_frame(self.stdout)
+        except Exception as exc:  # noqa: BLE001 - the process is replaced whatever went wrong
+            raise PreparationFailed(f"a preparation process failed ({exc!r})") from None
+        if not isinstance(reply, Answer | Prepared):
+            raise PreparationFailed(f"a preparation process answered {type(reply).__name__}")
+        return reply
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.stdin.close()
+        try:
+            self.process.wait(2)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class PreparationProcesses:
+    """``count`` preparation processes; ``call`` hands one of them a job (on a thread of
+    its own: the pipes' reads and writes wait without the GIL)."""
+
+    def __init__(self, spec: WorkerSpec, count: int) -> None:
+        self._spec = spec
+        self._idle: queue.SimpleQueue[_Process] = queue.SimpleQueue()
+        self._all: set[_Process] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        for _ in range(count):
+            self._idle.put(self._start())
+        self.threads = ThreadPoolExecutor(max_workers=count, thread_name_prefix="tandem-prep-io")
+
+    def _start(self) -> _Process:
+        process = _Process(self._spec)
+        with self._lock:
+            self._all.add(process)
+        return process
+
+    def _retire(self, process: _Process) -> None:
+        with self._lock:
+            self._all.discard(process)
+        process.close()
+
+    def call(self, job: str, raw: bytes) -> Reply:
+        # As many threads as processes: one is always idle for the thread that asks.
+        process = self._idle.get()
+        try:
+            reply = process.call(job, raw)
+        except PreparationFailed:
+            self._retire(process)
+            if not self._closed:
+                self._idle.put(self._start())
+            raise
+        if reply.retire:
+            logger.info("a preparation process grew by a %d-byte %s job; starting another",
+                        len(raw), job)  # fmt: skip
+            self._retire(process)
+            process = self._start()
+        if self._closed:
+            self._retire(process)
+        else:
+            self._idle.put(process)
+        return reply
+
+    def close(self) -> None:
+        self._closed = True
+        self.threads.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            everyone = list(self._all)
+            self._all.clear()
+        for process in everyone:
+            process.close()
+
 
 class RequestPreparer:
     def __init__(self, threads: int = 4) -> None:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tandem-prepare")
+        self.processes: PreparationProcesses | None = None
 
     async def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` on one of the threads. A caller that goes away, or whose request's
@@ -25,5 +178,113 @@ class RequestPreparer:
         size limits, and templates by their time limit)."""
         return await before_deadline(asyncio.get_running_loop().run_in_executor(self._pool, fn))
 
+    def start_processes(self, spec: WorkerSpec, count: int | None = None) -> None:
+        """Prepare large bodies in ``count`` processes from now on (they start in the
+        background: the first job waits for its process to load the tokenizer)."""
+        if count is None:
+            count = int(os.environ.get("TANDEM_PREPARE_PROCESSES", DEFAULT_PROCESSES))
+        if count > 0 and self.processes is None:
+            self.processes = PreparationProcesses(spec, count)
+
+    async def run_in_process(self, job: str, raw: bytes) -> Reply:
+        assert self.processes is not None
+        processes = self.processes
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(processes.threads, processes.call, job, raw)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.processes is not None:
+            self.processes.close()
+            self.processes = None
+
+
+def worker_spec(state: ServerState) -> WorkerSpec:
+    engine = state.engine
+    return WorkerSpec(
+        tokenizer_folder=str(engine.config.model.model),
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.model_config.vocab_size,
+        served_model_name=state.served_model_name,
+        model_aliases=state.model_aliases,
+        chat=state.chat,
+        limits=state.limits,
+    )
+
+
+class PreparationMiddleware:
+    """Large bodies to the routes of ``_JOBS`` are prepared in a preparation process (see
+    the module's text); everything else passes through. Runs inside the body-size limit,
+    which has read the body already."""
+
+    def __init__(self, app: ASGIApp, preparer: RequestPreparer) -> None:
+        self.app = app
+        self.preparer = preparer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        job = _JOBS.get(str(scope.get("path", "")))
+        if (
+            scope["type"] != "http"
+            or scope.get("method") != "POST"
+            or job is None
+            or self.preparer.processes is None
+        ):
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        raw = b"".join(chunks)
+        del chunks
+        if len(raw) <= PROCESS_BODY_BYTES:
+            await self.app(scope, _replay(raw, receive), send)
+            return
+        await self._prepare(job, raw, scope, receive, send)
+
+    async def _prepare(
+        self, job: str, raw: bytes, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        from tandem.server.errors import error_response
+
+        try:
+            reply = await self.preparer.run_in_process(job, raw)
+        except PreparationFailed as exc:
+            logger.error("preparing a request failed: %s", exc)
+            await error_response(500, "Internal server error: the request's preparation "
+                                 "process ended")(scope, receive, send)  # fmt: skip
+            return
+        if isinstance(reply, Answer):
+            await _send_json(send, reply.status, reply.body)
+            return
+        headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-length"]
+        headers.append((b"content-length", str(len(reply.body)).encode()))
+        inner = {**scope, "headers": headers, PREPARED_SCOPE_KEY: reply.value}
+        await self.app(inner, _replay(reply.body, receive), send)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """``receive`` with ``body`` as the request's whole body."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _send_json(send: Send, status: int, body: bytes) -> None:
+    headers: list[tuple[bytes, bytes]] = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

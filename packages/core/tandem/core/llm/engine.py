@@ -237,39 +237,15 @@ class LLMEngine:
         add_special_tokens: bool = True,
         check_length: bool = True,
     ) -> list[int]:
-        """``text``'s token ids, after a length check: a text too long for the context by
-        its size alone is refused before it is tokenized (which would take seconds and
-        hundreds of MB for megabytes of text); so are its tokens, with ``check_length``."""
-        # Normalization may shrink text (NFC composes characters, at most ~3x): the slack
-        # keeps the bound from refusing a text that would fit.
-        limit = 4 * self.tokenizer.max_token_bytes * self.max_model_len
-        try:
-            size = len(text.encode("utf-8"))
-        except UnicodeEncodeError:
-            raise InvalidRequestError(
-                f"the {param} is not valid Unicode (it holds a lone surrogate)", param=param
-            ) from None
-        if size > limit:
-            raise InvalidRequestError(
-                f"the {param} is {size} bytes long, too long for this model's maximum context "
-                f"length of {self.max_model_len} tokens; shorten the {param}",
-                param=param,
-            )
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        if check_length:
-            self.check_prompt_length(len(ids), param)
-        return ids
+        """``text``'s token ids, after a length check (``encode_prompt`` below)."""
+        return encode_prompt(
+            self.tokenizer, self.max_model_len, text, param, add_special_tokens, check_length
+        )
 
     def check_prompt_length(self, num_tokens: int, param: str = "prompt") -> None:
         """InvalidRequestError unless a prompt of ``num_tokens`` leaves room for at least one
         generated token; ``param`` names the request field the prompt came from."""
-        if num_tokens >= self.max_model_len:
-            raise InvalidRequestError(
-                f"{num_tokens} tokens of {param}, but this model's maximum context "
-                f"length is {self.max_model_len} tokens (prompt plus at least one generated "
-                f"token); shorten the {param}",
-                param=param,
-            )
+        check_prompt_length(self.max_model_len, num_tokens, param)
 
     def add_sequence(self, seq: TokenSequence) -> None:
         if self.dead is not None:
@@ -741,3 +717,49 @@ def _record_prompt_logprobs(sched_out: SchedulerOutput, scored: PromptLogprobs) 
                 for k in range(count)
             )
         at += count
+
+
+def encode_prompt(
+    tokenizer: Tokenizer,
+    max_model_len: int,
+    text: str,
+    param: str = "prompt",
+    add_special_tokens: bool = True,
+    check_length: bool = True,
+) -> list[int]:
+    """``text``'s token ids, after a length check: a text too long for the context by its
+    size alone is refused before it is tokenized (which would take seconds and hundreds of
+    MB for megabytes of text); so are its tokens, with ``check_length``. A function of the
+    tokenizer alone, so that a preparation process with its own tokenizer encodes as the
+    engine does."""
+    # Normalization may shrink text (NFC composes characters, at most ~3x): the slack
+    # keeps the bound from refusing a text that would fit.
+    limit = 4 * tokenizer.max_token_bytes * max_model_len
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidRequestError(
+            f"the {param} is not valid Unicode (it holds a lone surrogate)", param=param
+        ) from None
+    if size > limit:
+        raise InvalidRequestError(
+            f"the {param} is {size} bytes long, too long for this model's maximum context "
+            f"length of {max_model_len} tokens; shorten the {param}",
+            param=param,
+        )
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if check_length:
+        check_prompt_length(max_model_len, len(ids), param)
+    return ids
+
+
+def check_prompt_length(max_model_len: int, num_tokens: int, param: str = "prompt") -> None:
+    """InvalidRequestError unless a prompt of ``num_tokens`` leaves room for at least one
+    generated token."""
+    if num_tokens >= max_model_len:
+        raise InvalidRequestError(
+            f"{num_tokens} tokens of {param}, but this model's maximum context "
+            f"length is {max_model_len} tokens (prompt plus at least one generated "
+            f"token); shorten the {param}",
+            param=param,
+        )
