@@ -14,13 +14,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
+from harness import MODEL_NAME, SPEC, ServerFactory
+
+from tandem.core.demo.demo_model import write_demo_model
+from tandem.core.llm.tokenizer import Tokenizer
+from tandem.server.preparer import PROCESS_BODY_BYTES
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "hostile_clients.py"
 
-pytestmark = pytest.mark.slow
 
 EXPECTED = {
     # The prompt fits the byte bound of the long-context demo model: tokenized.
@@ -32,6 +38,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow
 def test_no_client_freezes_another(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     done = subprocess.run(
@@ -56,3 +63,59 @@ def test_no_client_freezes_another(tmp_path: Path) -> None:
         # processes' with it.
         assert r["rss_after_mib"] <= 1.15 * r["rss_before_mib"], (name, r)
         assert r["total_rss_after_mib"] <= 1.15 * r["total_rss_before_mib"], (name, r)
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test model with a context long enough for 3,000 messages."""
+    spec = replace(SPEC, max_position_embeddings=65_536)
+    return write_demo_model(tmp_path_factory.mktemp("long-model"), spec)
+
+
+def test_large_bodies_are_answered_as_small_ones(
+    start_server: ServerFactory, long_model: Path
+) -> None:
+    """A body over the preparation processes' threshold gets the answers the server's own
+    threads give: the same tokens, the same errors."""
+    server = start_server(
+        "--model", str(long_model), "--served-model-name", MODEL_NAME, demo_model=False
+    )
+    messages = [{"role": "user", "content": f"hello number {i}"} for i in range(3000)]
+    many = [{"role": "user", "content": "hello " * 2000} for _ in range(40)]
+    assert len(json.dumps(messages)) > PROCESS_BODY_BYTES
+    got = httpx.post(
+        f"{server.base_url}/tokenize", json={"model": MODEL_NAME, "messages": messages}, timeout=120
+    )
+    assert got.status_code == 200, got.text
+    tokenizer = Tokenizer(long_model)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert got.json()["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+
+    chat = {"model": MODEL_NAME, "messages": many, "max_tokens": 2}
+    too_long = httpx.post(f"{server.base_url}/v1/chat/completions", json=chat, timeout=120)
+    assert too_long.status_code == 400
+    assert too_long.json()["error"]["param"] == "messages"
+    assert "maximum context" in too_long.json()["error"]["message"]
+
+    for body, status, param in [
+        ({**chat, "temperature": "hot"}, 400, "temperature"),
+        ({**chat, "model": "no-such-model"}, 404, "model"),
+    ]:
+        answer = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+        assert answer.status_code == status, answer.text
+        assert answer.json()["error"]["param"] == param
+
+    # A large body whose prompt fits: the padding is in a field the prompt does not read.
+    fits = {
+        **chat,
+        "messages": messages[:2],
+        "temperature": 0,
+        "user": "x" * (PROCESS_BODY_BYTES + 1),
+    }
+    answer = httpx.post(f"{server.base_url}/v1/chat/completions", json=fits, timeout=120)
+    small = httpx.post(
+        f"{server.base_url}/v1/chat/completions", json={**fits, "user": "x"}, timeout=120
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"] == small.json()["usage"]
+    assert answer.json()["choices"][0]["message"] == small.json()["choices"][0]["message"]
