@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tandem.server.deadline import RequestTimedOut, before_deadline
 from tandem.server.prepare_worker import (
     CHAT,
     TOKENIZE,
@@ -46,8 +47,6 @@ if TYPE_CHECKING:
     from tandem.server.state import ServerState
 
 logger = logging.getLogger(__name__)
-
-from tandem.server.deadline import before_deadline
 
 T = TypeVar("T")
 
@@ -190,7 +189,10 @@ class RequestPreparer:
         assert self.processes is not None
         processes = self.processes
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(processes.threads, processes.call, job, raw)
+        # The request's deadline bounds the wait (a job still queued for a thread never runs).
+        return await before_deadline(
+            loop.run_in_executor(processes.threads, processes.call, job, raw)
+        )
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -253,6 +255,9 @@ class PreparationMiddleware:
 
         try:
             reply = await self.preparer.run_in_process(job, raw)
+        except RequestTimedOut as exc:
+            await error_response(504, str(exc), code="timeout")(scope, receive, send)
+            return
         except PreparationFailed as exc:
             logger.error("preparing a request failed: %s", exc)
             await error_response(500, "Internal server error: the request's preparation "
