@@ -170,7 +170,7 @@ class ApiKeyMiddleware:
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        state.preparer.start_processes(worker_spec(state))
+        state.preparer.start_processes(worker_spec(state), state.limits.prepare_processes)
         yield
         # Shutdown: aborts what is still running, so every open stream ends.
         state.loop.stop()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import queue
 import subprocess
 import sys
@@ -55,8 +54,6 @@ PREPARED_SCOPE_KEY = "tandem.prepared"
 # Bodies larger than this go to a preparation process. Below it, the server's own threads
 # are quick enough (2,000 chat messages validate and render in ~20 ms).
 PROCESS_BODY_BYTES = 64 << 10
-# Preparation processes (TANDEM_PREPARE_PROCESSES; 0: prepare everything in the server).
-DEFAULT_PROCESSES = 2
 # The routes whose large bodies are prepared in a process, and the job each one is.
 _JOBS = {"/tokenize": TOKENIZE, "/v1/chat/completions": CHAT}
 
@@ -115,13 +112,41 @@ class PreparationProcesses:
 
     def __init__(self, spec: WorkerSpec, count: int) -> None:
         self._spec = spec
+        self._count = count
+        # Started lazily, by the first large bodies: a server that never gets one never pays
+        # for the processes (a tokenizer each, ~270 MiB).
+        self._started = 0
         self._idle: queue.SimpleQueue[_Process] = queue.SimpleQueue()
         self._all: set[_Process] = set()
         self._lock = threading.Lock()
         self._closed = False
-        for _ in range(count):
-            self._idle.put(self._start())
         self.threads = ThreadPoolExecutor(max_workers=count, thread_name_prefix="tandem-prep-io")
+
+    def _take(self) -> _Process:
+        """An idle process, or a new one while fewer than ``count`` run."""
+        while True:
+            try:
+                return self._idle.get_nowait()
+            except queue.Empty:
+                pass
+            with self._lock:
+                if self._closed:
+                    raise PreparationFailed("the server is shutting down")
+                start = self._started < self._count
+                if start:
+                    self._started += 1
+            if start:
+                try:
+                    return self._start()
+                except OSError as exc:
+                    with self._lock:
+                        self._started -= 1
+                    raise PreparationFailed(f"a preparation process did not start: {exc}") from None
+            # Wait for one to come back; a retired one frees its place for a new start.
+            try:
+                return self._idle.get(timeout=0.2)
+            except queue.Empty:
+                continue
 
     def _start(self) -> _Process:
         process = _Process(self._spec)
@@ -132,24 +157,21 @@ class PreparationProcesses:
     def _retire(self, process: _Process) -> None:
         with self._lock:
             self._all.discard(process)
+            self._started -= 1
         process.close()
 
     def call(self, job: str, raw: bytes) -> Reply:
-        # As many threads as processes: one is always idle for the thread that asks.
-        process = self._idle.get()
+        process = self._take()
         try:
             reply = process.call(job, raw)
         except PreparationFailed:
             self._retire(process)
-            if not self._closed:
-                self._idle.put(self._start())
             raise
         if reply.retire:
-            logger.info("a preparation process grew by a %d-byte %s job; starting another",
+            logger.info("a preparation process grew by a %d-byte %s job; retiring it",
                         len(raw), job)  # fmt: skip
             self._retire(process)
-            process = self._start()
-        if self._closed:
+        elif self._closed:
             self._retire(process)
         else:
             self._idle.put(process)
@@ -177,11 +199,10 @@ class RequestPreparer:
         size limits, and templates by their time limit)."""
         return await before_deadline(asyncio.get_running_loop().run_in_executor(self._pool, fn))
 
-    def start_processes(self, spec: WorkerSpec, count: int | None = None) -> None:
-        """Prepare large bodies in ``count`` processes from now on (they start in the
-        background: the first job waits for its process to load the tokenizer)."""
-        if count is None:
-            count = int(os.environ.get("TANDEM_PREPARE_PROCESSES", DEFAULT_PROCESSES))
+    def start_processes(self, spec: WorkerSpec, count: int) -> None:
+        """Prepare large bodies in up to ``count`` processes from now on (--prepare-processes;
+        0: everything in the server). Each starts with the first job that finds none idle,
+        and that job waits for it to load the tokenizer."""
         if count > 0 and self.processes is None:
             self.processes = PreparationProcesses(spec, count)
 

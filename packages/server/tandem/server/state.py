@@ -40,6 +40,9 @@ class ServerLimits:
     # Open client connections at most (--max-connections); None: what the open-file limit
     # leaves room for (tandem.server.connections.connection_cap).
     max_connections: int | None = None
+    # Processes that prepare large bodies (parse, template, tokenize) away from the serving
+    # process's GIL, tokenizer lock and event loop (--prepare-processes; 0: none).
+    prepare_processes: int = 2
 
 
 DEFAULT_TOKENIZE_TOKENS = 131_072

@@ -111,6 +111,13 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
         "and never more than: what the open-file limit leaves after a reserve)",
     )
     p.add_argument(
+        "--prepare-processes",
+        type=int,
+        default=2,
+        help="processes that parse, render and tokenize large request bodies (over 64 KiB) "
+        "away from serving, started on first use; 0: in the server's own threads",
+    )
+    p.add_argument(
         "--max-sequences-per-request",
         type=int,
         default=1024,
@@ -189,6 +196,8 @@ def _limits(args: argparse.Namespace) -> ServerLimits:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    if args.prepare_processes < 0:
+        raise ConfigError(f"--prepare-processes must be >= 0, got {args.prepare_processes}")
     return ServerLimits(
         request_timeout_s=args.request_timeout_s,
         body_timeout_s=args.request_body_timeout_s,
@@ -199,6 +208,7 @@ def _limits(args: argparse.Namespace) -> ServerLimits:
         header_timeout_s=args.request_header_timeout_s,
         keep_alive_timeout_s=args.keep_alive_timeout_s,
         max_connections=args.max_connections,
+        prepare_processes=args.prepare_processes,
     )
 
 
