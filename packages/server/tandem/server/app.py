@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import PlainTextResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem.core.errors import EngineUnhealthyError
 from tandem.server.chat import create_chat_completion
@@ -41,6 +41,7 @@ from tandem.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tandem.server.replayed_body import replayed_body
 from tandem.server.state import ServerLimits, ServerState
 from tandem.server.tokenize import check_tokenize_budget, detokenize, tokenize
 
@@ -93,17 +94,7 @@ class BodyLimitMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replayed_body(b"".join(chunks), receive), send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"The request body is larger than the limit of {self.limit} bytes."

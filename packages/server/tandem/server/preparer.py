@@ -28,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem.server.deadline import RequestTimedOut, before_deadline
 from tandem.server.prepare_worker import (
@@ -41,6 +41,7 @@ from tandem.server.prepare_worker import (
     read_frame,
     write_frame,
 )
+from tandem.server.replayed_body import replayed_body
 
 if TYPE_CHECKING:
     from tandem.server.state import ServerState
@@ -265,7 +266,7 @@ class PreparationMiddleware:
         raw = b"".join(chunks)
         del chunks
         if len(raw) <= PROCESS_BODY_BYTES:
-            await self.app(scope, _replay(raw, receive), send)
+            await self.app(scope, replayed_body(raw, receive), send)
             return
         await self._prepare(job, raw, scope, receive, send)
 
@@ -290,21 +291,7 @@ class PreparationMiddleware:
         headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-length"]
         headers.append((b"content-length", str(len(reply.body)).encode()))
         inner = {**scope, "headers": headers, PREPARED_SCOPE_KEY: reply.value}
-        await self.app(inner, _replay(reply.body, receive), send)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """``receive`` with ``body`` as the request's whole body."""
-    replayed = False
-
-    async def replay() -> Message:
-        nonlocal replayed
-        if not replayed:
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
+        await self.app(inner, replayed_body(reply.body, receive), send)
 
 
 async def _send_json(send: Send, status: int, body: bytes) -> None:
