@@ -45,10 +45,10 @@ from tandem.core.layers.replicated_linear import ReplicatedLinear
 from tandem.core.llm.attention_metadata import build_attention_metadata
 from tandem.core.llm.forward_input import ForwardInput, SamplingBatch
 from tandem.core.llm.model_runner import ModelRunner
+from tandem.core.models.causal_lm import CausalLM
 from tandem.core.models.config_json import parse_model_config
 from tandem.core.models.decoder import DecoderForCausalLM
 from tandem.core.models.model_config import ModelConfig
-from tandem.core.models.registry import CausalLM
 
 BENCH_SHAPE: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],

@@ -122,3 +122,18 @@ def generate_token_ids(
     assert len(records) == len(PROMPT_IDS)
     assert all(len(r["token_ids"]) == new_tokens for r in records)
     return Generated([r["token_ids"] for r in records], [err for _, err in outputs])
+
+
+def write_plugin_distribution(root: Path, module: str, source: str, entry_points: str) -> Path:
+    """A site folder holding one module and the dist-info that declares its entry points, as
+    an installed test-only package would be; put the folder on PYTHONPATH to install it."""
+    site = root / "site"
+    (site / module).mkdir(parents=True)
+    (site / module / "__init__.py").write_text(source)
+    info = site / f"{module}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 0.1\n"
+    )
+    (info / "entry_points.txt").write_text(entry_points)
+    return site

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from harness import write_plugin_distribution
+
 from tandem.core.demo.demo_model import tiny_spec, write_demo_model
 
 PLUGIN = '''"""A toy device: host memory, the CPU kernels, its own collective backend."""
@@ -90,13 +92,7 @@ def _generate(model: Path, env: dict[str, str], *extra: str) -> tuple[list[list[
 
 
 def test_a_device_and_its_backend_plug_in_through_entry_points(tmp_path: Path) -> None:
-    site = tmp_path / "site"
-    (site / "toy_device").mkdir(parents=True)
-    (site / "toy_device" / "__init__.py").write_text(PLUGIN)
-    info = site / "toy_device-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-device\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(ENTRY_POINTS)
+    site = write_plugin_distribution(tmp_path, "toy_device", PLUGIN, ENTRY_POINTS)
     model = write_demo_model(tmp_path / "model", tiny_spec())
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cpu, _ = _generate(model, env)

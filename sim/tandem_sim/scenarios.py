@@ -34,6 +34,7 @@ from tandem.core.llm.sampling_params import SamplingParams
 from tandem.core.llm.scheduler import ScheduledSequence, SchedulerOutput
 from tandem.core.llm.sequence import TokenSequence
 from tandem.core.models.config_json import load_model_config
+from tandem.core.models.decoder import DecoderForCausalLM
 from tandem.core.parallel.topology import resolve_topology
 from tandem.core.worker.lane_stager import LaneStager, Staged
 from tandem.core.worker.worker import Worker
@@ -278,7 +279,9 @@ def rank_dies_mid_collective(s: DeterministicScheduler) -> None:
     executor = _executor(s, 2, _tiny_model())
     fi = _step_input()
     workers = executor.workers
-    layer = _model_runner(workers[1]).model.layers[1]
+    model = _model_runner(workers[1]).model
+    assert isinstance(model, DecoderForCausalLM)
+    layer = model.layers[1]
     real_forward = layer.forward
 
     def failing(*args: object, **kwargs: object) -> object:

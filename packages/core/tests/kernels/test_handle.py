@@ -16,6 +16,7 @@ from tandem.core.kernels.reference import elementwise as reference
 from tandem.core.kernels.reference.paged_attention import reference_decode, reference_prefill
 from tandem.core.kernels.triton import loading
 from tandem.core.layers.norm import RMSNorm
+from tandem.core.models.decoder import DecoderForCausalLM
 from tandem.device import Device, KernelKey, process_kernel_registry
 
 
@@ -56,6 +57,7 @@ def test_a_worker_uses_the_registry_it_is_given_even_when_empty(demo_dir: Path) 
         worker.load_model()
         runner = worker.runner
         assert isinstance(runner, ModelRunner)
+        assert isinstance(runner.model, DecoderForCausalLM)
         runner.model.norm(torch.randn(2, model_config.hidden_size))
 
     thread = threading.Thread(target=on_a_worker_thread)

@@ -23,10 +23,11 @@ from tandem.core.llm.attention_metadata import plan_attention_metadata
 from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
 from tandem.core.llm.prompt_logprobs import score_prompt
 from tandem.core.llm.sampler import Sampler
+from tandem.core.models.causal_lm import CausalLM
 from tandem.core.models.config_json import load_model_config
 from tandem.core.models.loader import load_model, resolve_dtype
 from tandem.core.models.model_config import ModelConfig
-from tandem.core.models.registry import CausalLM, model_class
+from tandem.core.models.registry import model_class
 from tandem.core.worker.lane_stager import LaneStager, Staged
 from tandem.core.worker.step_runner import LaneState, RunnerContext
 

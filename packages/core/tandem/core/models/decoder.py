@@ -3,7 +3,6 @@ attention and a gated MLP. Family differences are config switches (biases, q/k n
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, cast
 
 import torch
@@ -14,7 +13,6 @@ from tandem.core.kernels import handles
 from tandem.core.kernels.attention_metadata import AttentionMetadata
 from tandem.core.layers.attention import PagedAttention
 from tandem.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tandem.core.layers.gated_delta_net import GatedDeltaNet
 from tandem.core.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -22,9 +20,9 @@ from tandem.core.layers.linear import (
 )
 from tandem.core.layers.norm import RMSNorm
 from tandem.core.layers.rotary import RotaryEmbedding
-from tandem.core.layers.weights import LazyTensor
+from tandem.core.models.causal_lm import CausalLM
 from tandem.core.models.model_config import ModelConfig, parse_plain_config
-from tandem.core.models.weight_mapping import QKV_GATE_UP, WeightMapping, load_mapped_weights
+from tandem.core.models.weight_mapping import QKV_GATE_UP, WeightMapping
 
 
 class DecoderAttention(nn.Module):
@@ -120,10 +118,9 @@ class DecoderLayer(nn.Module):
         return out, residual
 
 
-class DecoderForCausalLM(nn.Module):
+class DecoderForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, group: ProcessGroup, dtype: torch.dtype):
-        super().__init__()
-        self.config = config
+        super().__init__(config, group, dtype)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
         # One table for every layer (a table per layer costs hundreds of MB at a real
         # max_position_embeddings).
@@ -149,10 +146,6 @@ class DecoderForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [cast(DecoderLayer, layer).self_attn.attn for layer in self.layers]
 
-    def linear_attention_layers(self) -> list[GatedDeltaNet]:
-        """None here: a dense decoder needs no per-sequence state slots."""
-        return []
-
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
@@ -166,24 +159,11 @@ class DecoderForCausalLM(nn.Module):
         out, _ = self.norm.add_and_norm(x, residual)
         return out
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
-
     @staticmethod
     def parse_config(raw: dict[str, Any], arch: str) -> ModelConfig:
-        """Its config from the parsed ``config.json`` (``config_json.py`` asks the class)."""
         return parse_plain_config(raw, arch)
 
     # How its checkpoint's names map to its parameters (weight_mapping.py).
     WEIGHTS = WeightMapping(
         fused=QKV_GATE_UP, prefixes=("model.",), ignored=("rotary_emb.inv_freq",)
     )
-
-    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> set[str]:
-        """Load checkpoint tensors by their Hugging Face names; returns the parameters loaded."""
-        return load_mapped_weights(
-            self, weights, self.WEIGHTS, self.config.architecture, self.config.tie_word_embeddings
-        )
-
-    def expected_parameters(self) -> set[str]:
-        return {name for name, _ in self.named_parameters(remove_duplicate=False)}

@@ -19,8 +19,9 @@ from tandem.core.errors import ModelLoadError
 from tandem.core.kernels.cpu.packed_linear import pack_linear_weights
 from tandem.core.layers.fused_moe import pack_expert_weights
 from tandem.core.layers.weights import LazyTensor
+from tandem.core.models.causal_lm import CausalLM
 from tandem.core.models.model_config import ModelConfig
-from tandem.core.models.registry import CausalLM, model_class
+from tandem.core.models.registry import model_class
 from tandem.device import bound_context
 from tandem.device.cpu import cpu_flags
 

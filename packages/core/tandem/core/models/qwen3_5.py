@@ -22,7 +22,6 @@ Driving it (the engine's side of the contract):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, cast
 
 import torch
@@ -40,8 +39,8 @@ from tandem.core.layers.gated_attention import GatedAttention
 from tandem.core.layers.gated_delta_net import GatedDeltaNet
 from tandem.core.layers.linear_attention_state import state_bytes_per_slot
 from tandem.core.layers.partial_rotary import PartialRotaryEmbedding
-from tandem.core.layers.weights import LazyTensor
 from tandem.core.layers.zero_centered_rms_norm import ZeroCenteredRMSNorm
+from tandem.core.models.causal_lm import CausalLM
 from tandem.core.models.decoder import DecoderMLP
 from tandem.core.models.model_config import ModelConfig
 from tandem.core.models.qwen3_family_config import (
@@ -51,7 +50,7 @@ from tandem.core.models.qwen3_family_config import (
     parse_family_config,
 )
 from tandem.core.models.qwen3_moe import sparse_moe_block
-from tandem.core.models.weight_mapping import QKV_GATE_UP, WeightMapping, load_mapped_weights
+from tandem.core.models.weight_mapping import QKV_GATE_UP, WeightMapping
 
 # Where the text model's tensors live: under the language model of a composite checkpoint,
 # else under ``model.`` (transformers loads both into either class).
@@ -114,15 +113,15 @@ class Qwen3_5DecoderLayer(nn.Module):
         return out
 
 
-class Qwen3_5ForCausalLM(nn.Module):
+class Qwen3_5ForCausalLM(CausalLM):
     @staticmethod
     def parse_config(raw: dict[str, Any], arch: str) -> Qwen3FamilyConfig:
         return parse_family_config(raw, arch)
 
     def __init__(self, config: ModelConfig, group: ProcessGroup, dtype: torch.dtype):
-        super().__init__()
         family = family_config(config)
-        self.config = family
+        super().__init__(family, group, dtype)
+        self.config: Qwen3FamilyConfig = family
         self.embed_tokens = VocabParallelEmbedding(family.vocab_size, family.hidden_size, group)
         self.rotary = PartialRotaryEmbedding(
             family.rotary_dim,
@@ -188,9 +187,6 @@ class Qwen3_5ForCausalLM(nn.Module):
         out: torch.Tensor = self.norm(x)
         return out
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
-
     WEIGHTS = WeightMapping(
         fused=(
             *QKV_GATE_UP,
@@ -203,13 +199,3 @@ class Qwen3_5ForCausalLM(nn.Module):
         unused_prefixes=_SKIPPED_PREFIXES,
         unused="the vision tower and multi-token prediction; serving text only",
     )
-
-    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> set[str]:
-        """Load checkpoint tensors by their Hugging Face names; returns the parameters loaded.
-        Vision-tower and multi-token-prediction tensors are skipped (one log line)."""
-        return load_mapped_weights(
-            self, weights, self.WEIGHTS, self.config.architecture, self.config.tie_word_embeddings
-        )
-
-    def expected_parameters(self) -> set[str]:
-        return {name for name, _ in self.named_parameters(remove_duplicate=False)}

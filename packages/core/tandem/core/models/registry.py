@@ -1,16 +1,19 @@
-"""Hugging Face architecture names the engine can serve, and the class serving each."""
+"""Hugging Face architecture names the engine can serve, and the class serving each: the ones
+in this package, then those other installed packages declare under the ``tandem.models``
+entry point group (name = the architecture, value = ``module:Class``, a ``CausalLM``)."""
 
 from __future__ import annotations
 
+from importlib.metadata import entry_points
+
 from tandem.core.errors import ModelLoadError
+from tandem.core.models.causal_lm import CausalLM
 from tandem.core.models.decoder import DecoderForCausalLM
 from tandem.core.models.qwen3_5 import Qwen3_5ForCausalLM
 from tandem.core.models.qwen3_family_config import QWEN3_5_ARCHITECTURES
 from tandem.core.models.qwen3_moe import Qwen3MoeForCausalLM
 
-# Dense and MoE decoders (paged KV cache only), and hybrid ones whose linear-attention layers
-# also keep a per-sequence state slot (``linear_attention_layers()`` is empty for the others).
-CausalLM = DecoderForCausalLM | Qwen3_5ForCausalLM
+ENTRY_POINT_GROUP = "tandem.models"
 
 SUPPORTED_ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": DecoderForCausalLM,
@@ -22,12 +25,32 @@ SUPPORTED_ARCHITECTURES: dict[str, type[CausalLM]] = {
 }
 
 
+def supported_architectures() -> list[str]:
+    """Every architecture name served, this package's and the installed plugins'."""
+    plugins = {entry.name for entry in entry_points(group=ENTRY_POINT_GROUP)}
+    return sorted(SUPPORTED_ARCHITECTURES.keys() | plugins)
+
+
 def model_class(architecture: str) -> type[CausalLM]:
     """The class the engine serves ``architecture`` with."""
     cls = SUPPORTED_ARCHITECTURES.get(architecture)
-    if cls is None:
-        raise ModelLoadError(
-            f"architecture {architecture!r} is not supported; supported architectures: "
-            + ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-        )
-    return cls
+    if cls is not None:
+        return cls
+    for entry in entry_points(group=ENTRY_POINT_GROUP, name=architecture):
+        try:
+            found = entry.load()
+        except Exception as exc:  # a broken plugin must say which one, not crash the loader
+            raise ModelLoadError(
+                f"the model plugin {entry.value!r} for {architecture!r} failed to import: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if not (isinstance(found, type) and issubclass(found, CausalLM)):
+            raise ModelLoadError(
+                f"the model plugin {entry.value!r} for {architecture!r} is not a subclass of "
+                "tandem.core.models.causal_lm.CausalLM"
+            )
+        return found
+    raise ModelLoadError(
+        f"architecture {architecture!r} is not supported; supported architectures: "
+        + ", ".join(supported_architectures())
+    )

@@ -1,0 +1,70 @@
+"""What the engine asks of a model it serves, as the base class every architecture extends.
+
+An architecture is one module: a subclass declaring its config parser (``parse_config``), its
+checkpoint mapping (``WEIGHTS``) and its layers (``__init__`` / ``forward``); then one line in
+``registry.py`` or, from another package, one ``tandem.models`` entry point. The engine (the
+model runner, the KV-cache and state-slot sizing) and the loader only use what is declared
+here, so nothing else names the architecture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tandem.collectives import ProcessGroup
+from tandem.core.kernels.attention_metadata import AttentionMetadata
+from tandem.core.layers.attention import PagedAttention
+from tandem.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tandem.core.layers.gated_delta_net import GatedDeltaNet
+from tandem.core.layers.weights import LazyTensor
+from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.weight_mapping import WeightMapping, load_mapped_weights
+
+
+class CausalLM(nn.Module):
+    # How the checkpoint's tensor names reach the parameters (``weight_mapping.py``).
+    WEIGHTS: ClassVar[WeightMapping]
+    # The loader ties and zero-pads these (vocab-parallel shards keep their padding rows zero).
+    embed_tokens: VocabParallelEmbedding
+    lm_head: ParallelLMHead
+
+    def __init__(self, config: ModelConfig, group: ProcessGroup, dtype: torch.dtype) -> None:
+        # Built on the meta device (``loader.materialize``): allocate nothing here.
+        super().__init__()
+        self.config = config
+
+    @staticmethod
+    def parse_config(raw: dict[str, Any], arch: str) -> ModelConfig:
+        """Its config from the parsed ``config.json`` (``config_json.py`` asks the class)."""
+        raise NotImplementedError
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The final hidden states of the step's tokens."""
+        raise NotImplementedError
+
+    def attention_layers(self) -> list[PagedAttention]:
+        """The layers that keep a paged KV cache, in layer order (the cache is sized for them)."""
+        raise NotImplementedError
+
+    def linear_attention_layers(self) -> list[GatedDeltaNet]:
+        """The layers that keep a per-sequence state slot; none for a plain decoder."""
+        return []
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> set[str]:
+        """Load checkpoint tensors by their Hugging Face names through ``WEIGHTS``; returns the
+        parameters loaded."""
+        return load_mapped_weights(
+            self, weights, self.WEIGHTS, self.config.architecture, self.config.tie_word_embeddings
+        )
+
+    def expected_parameters(self) -> set[str]:
+        return {name for name, _ in self.named_parameters(remove_duplicate=False)}
