@@ -127,7 +127,7 @@ def prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     """Logits at every prompt position, through the engine's real input path: one prefill
     step of a sequence with its own KV blocks and state slot 1 (slots matter only to hybrid
     models; this bypasses the engine's pools, so run it on an idle engine)."""
-    seq = engine.prepare_request("probe", prompt, SamplingParams(max_tokens=1))
+    seq = engine.inputs.prepare("probe", prompt, SamplingParams(max_tokens=1))
     manager = BlockManager(num_blocks=64, block_size=16, enable_prefix_cache=False)
     manager.allocate(seq, len(prompt), cached=[])
     seq.state_slot = 1

@@ -215,13 +215,13 @@ def test_a_request_waiting_for_preparation_gets_its_504_on_time(run_app: AppRunn
         await asyncio.sleep(0.05)
         engine = state.engine
         encoded: list[str] = []
-        encode = engine.encode_prompt
+        encode = engine.inputs.encode_prompt
 
         def counting(text: str, *args: Any, **kwargs: Any) -> list[int]:
             encoded.append(text)
             return encode(text, *args, **kwargs)
 
-        engine.encode_prompt = counting  # type: ignore[method-assign]
+        engine.inputs.encode_prompt = counting  # type: ignore[method-assign]
         for path, body in (
             ("/v1/completions", COMPLETION),
             ("/v1/chat/completions", CHAT),

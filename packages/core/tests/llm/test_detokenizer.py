@@ -71,7 +71,7 @@ def test_eos_stops_unless_ignored(demo_dir: Path, make_engine: Callable[..., LLM
     [free] = engine.generate(["hello world"], SamplingParams.greedy(max_tokens=8))
     # Declare the third generated token an end-of-sequence token for this engine.
     eos = free.token_ids[2]
-    engine.eos_token_ids = frozenset({eos})
+    engine.inputs.eos_token_ids = frozenset({eos})
     [out] = engine.generate(["hello world"], SamplingParams.greedy(max_tokens=8))
     assert out.finish_reason == "stop"
     assert out.token_ids[-1] == eos and len(out.token_ids) <= 3

@@ -58,7 +58,7 @@ def test_logit_bias_forces_a_token(demo_dir: Path, make_engine: Callable[..., LL
 
 def test_min_tokens_holds_off_eos(demo_dir: Path, make_engine: Callable[..., LLMEngine]) -> None:
     engine = make_engine(demo_dir)
-    eos = min(engine.eos_token_ids)
+    eos = min(engine.inputs.eos_token_ids)
     eager = SamplingParams.greedy(max_tokens=20, logit_bias={eos: 100})
     [now] = engine.generate(["hello world"], eager)
     assert now.token_ids == [eos] and now.finish_reason == "stop"

@@ -85,5 +85,5 @@ def test_a_one_token_prompt_has_one_entry(make_engine: Callable[..., LLMEngine])
     [out] = engine.generate([[1]], SamplingParams.greedy(max_tokens=2, prompt_logprobs=1))
     assert out.prompt_logprobs == [None]
     # Fully scored from the start: the prefix cache may serve it like any other prompt.
-    seq = engine.prepare_request(None, [1], SamplingParams(prompt_logprobs=1))
+    seq = engine.inputs.prepare(None, [1], SamplingParams(prompt_logprobs=1))
     assert not seq.needs_prompt_logprobs

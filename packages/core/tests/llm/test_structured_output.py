@@ -115,7 +115,7 @@ def _compiler(engine: LLMEngine, **budgets: Any) -> StructuredOutputs:
     return StructuredOutputs(
         engine.tokenizer,
         engine.model_config.vocab_size,
-        engine.eos_token_ids,
+        engine.inputs.eos_token_ids,
         StructuredOutputConfig(cache_size=1, **budgets),
     )
 

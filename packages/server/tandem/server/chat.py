@@ -108,7 +108,7 @@ def prepare_chat_prompt(
         request_template(state, body.chat_template),
     )
     # The template writes the special tokens itself.
-    ids = state.engine.encode_prompt(prompt.text, param="messages", add_special_tokens=False)
+    ids = state.engine.inputs.encode_prompt(prompt.text, param="messages", add_special_tokens=False)
     return prompt, ids
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import Request
 
 from tandem.core import RequestOutput
-from tandem.core.llm.engine import Prompt
+from tandem.core.llm.input_processor import Prompt
 from tandem.core.llm.sequence import TokenLogprobs
 from tandem.server.common import check_request, new_id, usage
 from tandem.server.endpoint import StreamShape, respond
@@ -63,7 +63,7 @@ async def create_completion(
     prompt_logprobs = body.prompt_logprobs
     if prompt_logprobs is None and shape.score_prompt:
         prompt_logprobs = body.logprobs
-    engine = state.engine
+    inputs = state.engine.inputs
 
     def tokenize() -> tuple[list[list[int]], list[str]]:
         """Each prompt's ids (text tokenized once for all n choices, after a size check)
@@ -71,12 +71,12 @@ async def create_completion(
         ids = []
         for prompt in prompts:
             if isinstance(prompt, str):
-                ids.append(engine.encode_prompt(prompt))
+                ids.append(inputs.encode_prompt(prompt))
             else:
-                engine.check_prompt_length(len(prompt))
+                inputs.check_prompt_length(len(prompt))
                 ids.append(prompt)
         echoes = [
-            (p if isinstance(p, str) else engine.tokenizer.decode(i)) if body.echo else ""
+            (p if isinstance(p, str) else inputs.tokenizer.decode(i)) if body.echo else ""
             for p, i in zip(prompts, ids, strict=True)
         ]
         return ids, echoes

@@ -9,8 +9,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from tandem.core import RequestOutput, SamplingParams
-from tandem.core.llm.engine import Prompt
 from tandem.core.llm.engine_loop import RequestStream
+from tandem.core.llm.input_processor import Prompt
 from tandem.core.llm.sequence import TokenSequence
 from tandem.core.llm.structured_output_spec import StructuredOutputSpec
 from tandem.server.deadline import RequestTimedOut
@@ -79,7 +79,7 @@ async def submit_jobs(state: ServerState, jobs: list[Job], request_id: str) -> l
 
     def prepare() -> list[TokenSequence]:
         return [
-            engine.engine.prepare_request(f"{request_id}-{job.index}", job.prompt, job.params)
+            engine.engine.inputs.prepare(f"{request_id}-{job.index}", job.prompt, job.params)
             for job in jobs
         ]
 

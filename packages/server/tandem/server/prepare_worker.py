@@ -107,24 +107,14 @@ class _Engine:
     """The part of LLMEngine that requests are prepared with."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        from tandem.core.llm.input_processor import PromptEncoder
         from tandem.core.llm.tokenizer import Tokenizer
 
         self.tokenizer = Tokenizer(spec.tokenizer_folder)
         self.max_model_len = spec.max_model_len
         self.model_config = _ModelConfig(spec.vocab_size)
-
-    def encode_prompt(
-        self,
-        text: str,
-        param: str = "prompt",
-        add_special_tokens: bool = True,
-        check_length: bool = True,
-    ) -> list[int]:
-        from tandem.core.llm.engine import encode_prompt
-
-        return encode_prompt(
-            self.tokenizer, self.max_model_len, text, param, add_special_tokens, check_length
-        )
+        # Encodes and refuses prompts as the engine's InputProcessor does.
+        self.inputs = PromptEncoder(self.tokenizer, spec.max_model_len)
 
 
 @dataclass(frozen=True)

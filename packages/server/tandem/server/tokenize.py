@@ -33,11 +33,11 @@ def tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:
         check_tokenize_size(state, prompt.text, "messages")
         # The template writes the special tokens; add none unless asked.
         add = bool(body.add_special_tokens)
-        tokens = state.engine.encode_prompt(prompt.text, "messages", add, check_length=False)
+        tokens = state.engine.inputs.encode_prompt(prompt.text, "messages", add, check_length=False)
     else:
         assert body.prompt is not None
         add = True if body.add_special_tokens is None else body.add_special_tokens
-        tokens = state.engine.encode_prompt(body.prompt, "prompt", add, check_length=False)
+        tokens = state.engine.inputs.encode_prompt(body.prompt, "prompt", add, check_length=False)
     check_token_count(state, len(tokens), "prompt" if body.messages is None else "messages")
     return {
         "count": len(tokens),

@@ -1,11 +1,11 @@
 """LLMEngine: requests in, one scheduled step at a time through the executor, outputs out.
 
-Not thread-safe on its own; ``EngineLoop`` drives it from one thread for servers.
+Requests are prepared by ``inputs`` (``input_processor.py``) on any thread. Not thread-safe
+otherwise; ``EngineLoop`` drives it from one thread for servers.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -32,6 +32,7 @@ from tandem.core.kv.block_manager import BlockManager
 from tandem.core.kv.state_slots import StateSlotPool
 from tandem.core.llm.forward_input import ForwardInput, PromptLogprobs, SamplerOutput
 from tandem.core.llm.input_builder import build_forward_input, failing_entries
+from tandem.core.llm.input_processor import InputProcessor, Prompt, eos_token_ids
 from tandem.core.llm.model_runner import LLMRunnerFactory
 from tandem.core.llm.output_processor import OutputProcessor
 from tandem.core.llm.outputs import RequestOutput
@@ -45,8 +46,6 @@ from tandem.device.sync import REAL_SYNC, Promise, Sync
 from tandem.device.task_thread import TaskThread
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | list[int]
 
 
 @dataclass(frozen=True)
@@ -78,15 +77,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer(folder)
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.model.max_model_len or limit, limit)
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
+        eos = eos_token_ids(self.model_config, self.tokenizer)
         self.structured_outputs = StructuredOutputs(
-            self.tokenizer,
-            self.model_config.vocab_size,
-            self.eos_token_ids,
-            config.structured_output,
+            self.tokenizer, self.model_config.vocab_size, eos, config.structured_output
         )
         # Pipelined stepping (--max-concurrency > 1): steps in flight on the workers' lanes.
         self._pipelined = config.pipeline.max_concurrency > 1
@@ -120,9 +113,17 @@ class LLMEngine:
         )
         self.state_slots = self._state_slot_pool()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.state_slots)
+        self.inputs = InputProcessor(
+            self.tokenizer,
+            self.max_model_len,
+            self.model_config.vocab_size,
+            eos,
+            self.block_manager,
+            config.scheduler,
+            self.structured_outputs,
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         self.sequences: dict[str, TokenSequence] = {}
-        self._ids = itertools.count()
         self.dead: str | None = None
         self._free_lanes = list(range(config.pipeline.max_concurrency))
         self._in_flight: deque[_InFlight] = deque()
@@ -164,90 +165,8 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------
 
-    def prepare_request(
-        self, request_id: str | None, prompt: Prompt, params: SamplingParams
-    ) -> TokenSequence:
-        """Validate and tokenize a request without touching engine state (any thread)."""
-        params.validate()
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if isinstance(prompt, str):
-            prompt_ids = self.encode_prompt(prompt)
-        else:
-            prompt_ids = list(prompt)
-            # Length first: it is cheap, the token check below is not for huge lists.
-            self.check_prompt_length(len(prompt_ids))
-            vocab = self.model_config.vocab_size
-            bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(
-                    f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}",
-                    param="prompt",
-                )
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        self._check_token_ids(params)
-        self.check_prompt_length(len(prompt_ids))
-        total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
-        # The last sampled token is never fed back, so its KV is never stored.
-        blocks = self.block_manager.blocks_for(total - 1)
-        if blocks > self.block_manager.num_blocks:
-            capacity = self.block_manager.num_blocks * self.block_manager.block_size
-            raise InvalidRequestError(
-                f"the request needs {total} tokens of KV cache (prompt {len(prompt_ids)} + "
-                f"max_tokens {params.max_tokens}), more than the whole cache holds "
-                f"({capacity} tokens); lower max_tokens or give the cache more memory",
-                param="max_tokens",
-            )
-        sched = self.config.scheduler
-        if not sched.enable_chunked_prefill and len(prompt_ids) > sched.max_tokens_per_batch:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt_ids)} tokens, more than max_tokens_per_batch "
-                f"({sched.max_tokens_per_batch}) without chunked prefill; enable chunked "
-                "prefill or raise --max-tokens-per-batch",
-                param="prompt",
-            )
-        spec = params.structured_output
-        return TokenSequence(
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            params=params,
-            eos_token_ids=self.eos_token_ids,
-            max_total_tokens=self.max_model_len,
-            # Compiled already when the caller awaited structured_outputs.submit(spec).
-            grammar=None if spec is None else self.structured_outputs.new_grammar(spec),
-        )
-
-    def _check_token_ids(self, params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        for name, ids in (
-            ("logit_bias", params.logit_bias),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise InvalidRequestError(
-                    f"{name} names token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
-                    param=name,
-                )
-
-    def encode_prompt(
-        self,
-        text: str,
-        param: str = "prompt",
-        add_special_tokens: bool = True,
-        check_length: bool = True,
-    ) -> list[int]:
-        """``text``'s token ids, after a length check (``encode_prompt`` below)."""
-        return encode_prompt(
-            self.tokenizer, self.max_model_len, text, param, add_special_tokens, check_length
-        )
-
-    def check_prompt_length(self, num_tokens: int, param: str = "prompt") -> None:
-        """InvalidRequestError unless a prompt of ``num_tokens`` leaves room for at least one
-        generated token; ``param`` names the request field the prompt came from."""
-        check_prompt_length(self.max_model_len, num_tokens, param)
-
     def add_sequence(self, seq: TokenSequence) -> None:
+        """Add a request made by ``inputs.prepare``."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         if seq.request_id in self.sequences:
@@ -260,7 +179,7 @@ class LLMEngine:
     def add_request(
         self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None
     ) -> str:
-        seq = self.prepare_request(request_id, prompt, params or SamplingParams())
+        seq = self.inputs.prepare(request_id, prompt, params or SamplingParams())
         self.add_sequence(seq)
         return seq.request_id
 
@@ -717,49 +636,3 @@ def _record_prompt_logprobs(sched_out: SchedulerOutput, scored: PromptLogprobs) 
                 for k in range(count)
             )
         at += count
-
-
-def encode_prompt(
-    tokenizer: Tokenizer,
-    max_model_len: int,
-    text: str,
-    param: str = "prompt",
-    add_special_tokens: bool = True,
-    check_length: bool = True,
-) -> list[int]:
-    """``text``'s token ids, after a length check: a text too long for the context by its
-    size alone is refused before it is tokenized (which would take seconds and hundreds of
-    MB for megabytes of text); so are its tokens, with ``check_length``. A function of the
-    tokenizer alone, so that a preparation process with its own tokenizer encodes as the
-    engine does."""
-    # Normalization may shrink text (NFC composes characters, at most ~3x): the slack
-    # keeps the bound from refusing a text that would fit.
-    limit = 4 * tokenizer.max_token_bytes * max_model_len
-    try:
-        size = len(text.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise InvalidRequestError(
-            f"the {param} is not valid Unicode (it holds a lone surrogate)", param=param
-        ) from None
-    if size > limit:
-        raise InvalidRequestError(
-            f"the {param} is {size} bytes long, too long for this model's maximum context "
-            f"length of {max_model_len} tokens; shorten the {param}",
-            param=param,
-        )
-    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    if check_length:
-        check_prompt_length(max_model_len, len(ids), param)
-    return ids
-
-
-def check_prompt_length(max_model_len: int, num_tokens: int, param: str = "prompt") -> None:
-    """InvalidRequestError unless a prompt of ``num_tokens`` leaves room for at least one
-    generated token."""
-    if num_tokens >= max_model_len:
-        raise InvalidRequestError(
-            f"{num_tokens} tokens of {param}, but this model's maximum context "
-            f"length is {max_model_len} tokens (prompt plus at least one generated "
-            f"token); shorten the {param}",
-            param=param,
-        )

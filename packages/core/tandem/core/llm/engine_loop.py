@@ -17,7 +17,8 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from tandem.core.errors import EngineDeadError, EngineOverloadedError
-from tandem.core.llm.engine import LLMEngine, Prompt
+from tandem.core.llm.engine import LLMEngine
+from tandem.core.llm.input_processor import Prompt
 from tandem.core.llm.outputs import RequestOutput
 from tandem.core.llm.sampling_params import SamplingParams
 from tandem.core.llm.sequence import TokenSequence
@@ -88,12 +89,12 @@ class EngineLoop:
         """Queue a request; raises InvalidRequestError / EngineDeadError /
         EngineOverloadedError on the caller's thread."""
         self._check_accepting()
-        seq = self.engine.prepare_request(request_id, prompt, params)
+        seq = self.engine.inputs.prepare(request_id, prompt, params)
         self.enqueue(seq, callback)
         return seq.request_id
 
     def enqueue(self, seq: TokenSequence, callback: OutputCallback) -> None:
-        """Queue a request made by ``engine.prepare_request`` (on any thread)."""
+        """Queue a request made by ``engine.inputs.prepare`` (on any thread)."""
         self.enqueue_together([(seq, callback)])
 
     def enqueue_together(self, requests: list[tuple[TokenSequence, OutputCallback]]) -> None:
@@ -309,10 +310,10 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue a request now (errors raise here); call from the running event loop. It
         tokenizes on the calling thread: servers prepare requests elsewhere and ``enqueue``."""
-        return self.enqueue(self.engine.prepare_request(request_id, prompt, params))
+        return self.enqueue(self.engine.inputs.prepare(request_id, prompt, params))
 
     def enqueue(self, seq: TokenSequence) -> RequestStream:
-        """Queue a request made by ``engine.prepare_request``; call from the running event
+        """Queue a request made by ``engine.inputs.prepare``; call from the running event
         loop (errors raise here)."""
         return self.enqueue_together([seq])[0]
 

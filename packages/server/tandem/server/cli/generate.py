@@ -16,7 +16,7 @@ from typing import Any
 
 from tandem.core import LLMEngine, SamplingParams
 from tandem.core.executor.follower import run_follower
-from tandem.core.llm.engine import Prompt
+from tandem.core.llm.input_processor import Prompt
 from tandem.core.llm.model_runner import LLMRunnerFactory
 from tandem.core.models.rec_config import is_rec_folder
 from tandem.server.cli.engine_args import add_engine_args, engine_config_from_args, model_folder

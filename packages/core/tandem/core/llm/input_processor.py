@@ -1,0 +1,167 @@
+"""Requests in: validated, tokenized and checked against the model's limits, made into the
+``TokenSequence`` the engine schedules, without touching engine state (any thread).
+
+``PromptEncoder`` is the part that needs the tokenizer alone, so that a preparation process
+with its own tokenizer encodes and refuses prompts as the engine does.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from tandem.core.config import SchedulerConfig
+from tandem.core.errors import InvalidRequestError
+from tandem.core.kv.block_manager import BlockManager
+from tandem.core.llm.sampling_params import SamplingParams
+from tandem.core.llm.sequence import TokenSequence
+from tandem.core.llm.structured_output import StructuredOutputs
+from tandem.core.llm.tokenizer import Tokenizer
+from tandem.core.models.model_config import ModelConfig
+
+Prompt = str | list[int]
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer: Tokenizer) -> frozenset[int]:
+    """The model's end-of-sequence tokens and the tokenizer's."""
+    eos = set(model_config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return frozenset(eos)
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def encode_prompt(
+        self,
+        text: str,
+        param: str = "prompt",
+        add_special_tokens: bool = True,
+        check_length: bool = True,
+    ) -> list[int]:
+        """``text``'s token ids, after a length check: a text too long for the context by
+        its size alone is refused before it is tokenized (which would take seconds and
+        hundreds of MB for megabytes of text); so are its tokens, with ``check_length``."""
+        # Normalization may shrink text (NFC composes characters, at most ~3x): the slack
+        # keeps the bound from refusing a text that would fit.
+        limit = 4 * self.tokenizer.max_token_bytes * self.max_model_len
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise InvalidRequestError(
+                f"the {param} is not valid Unicode (it holds a lone surrogate)", param=param
+            ) from None
+        if size > limit:
+            raise InvalidRequestError(
+                f"the {param} is {size} bytes long, too long for this model's maximum context "
+                f"length of {self.max_model_len} tokens; shorten the {param}",
+                param=param,
+            )
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if check_length:
+            self.check_prompt_length(len(ids), param)
+        return ids
+
+    def check_prompt_length(self, num_tokens: int, param: str = "prompt") -> None:
+        """InvalidRequestError unless a prompt of ``num_tokens`` leaves room for at least one
+        generated token; ``param`` names the request field the prompt came from."""
+        if num_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                f"{num_tokens} tokens of {param}, but this model's maximum context "
+                f"length is {self.max_model_len} tokens (prompt plus at least one generated "
+                f"token); shorten the {param}",
+                param=param,
+            )
+
+
+class InputProcessor(PromptEncoder):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        block_manager: BlockManager,
+        scheduler_config: SchedulerConfig,
+        structured_outputs: StructuredOutputs,
+    ) -> None:
+        super().__init__(tokenizer, max_model_len)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._blocks = block_manager
+        self._scheduler_config = scheduler_config
+        self._structured_outputs = structured_outputs
+        self._ids = itertools.count()
+
+    def prepare(
+        self, request_id: str | None, prompt: Prompt, params: SamplingParams
+    ) -> TokenSequence:
+        """Validate and tokenize a request (any thread)."""
+        params.validate()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if isinstance(prompt, str):
+            prompt_ids = self.encode_prompt(prompt)
+        else:
+            prompt_ids = list(prompt)
+            # Length first: it is cheap, the token check below is not for huge lists.
+            self.check_prompt_length(len(prompt_ids))
+            vocab = self.vocab_size
+            bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}",
+                    param="prompt",
+                )
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        self._check_token_ids(params)
+        self.check_prompt_length(len(prompt_ids))
+        self._check_fits(len(prompt_ids), params.max_tokens)
+        spec = params.structured_output
+        return TokenSequence(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            max_total_tokens=self.max_model_len,
+            # Compiled already when the caller awaited structured_outputs.submit(spec).
+            grammar=None if spec is None else self._structured_outputs.new_grammar(spec),
+        )
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.vocab_size
+        for name, ids in (
+            ("logit_bias", params.logit_bias),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"{name} names token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                    param=name,
+                )
+
+    def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """Refuse a request that could never run: more KV than the whole cache, or a prompt
+        no batch can hold without chunked prefill."""
+        total = min(prompt_len + max_tokens, self.max_model_len)
+        blocks = self._blocks
+        # The last sampled token is never fed back, so its KV is never stored.
+        if blocks.blocks_for(total - 1) > blocks.num_blocks:
+            capacity = blocks.num_blocks * blocks.block_size
+            raise InvalidRequestError(
+                f"the request needs {total} tokens of KV cache (prompt {prompt_len} + "
+                f"max_tokens {max_tokens}), more than the whole cache holds "
+                f"({capacity} tokens); lower max_tokens or give the cache more memory",
+                param="max_tokens",
+            )
+        sched = self._scheduler_config
+        if not sched.enable_chunked_prefill and prompt_len > sched.max_tokens_per_batch:
+            raise InvalidRequestError(
+                f"the prompt has {prompt_len} tokens, more than max_tokens_per_batch "
+                f"({sched.max_tokens_per_batch}) without chunked prefill; enable chunked "
+                "prefill or raise --max-tokens-per-batch",
+                param="prompt",
+            )
