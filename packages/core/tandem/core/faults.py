@@ -28,7 +28,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,9 @@ from tandem.collectives import CollectiveError, ProcessGroup, ReduceOp
 from tandem.core.errors import ConfigError
 from tandem.device import Device, DeviceRuntime, MemoryInfo
 from tandem.device.runtime import DeviceStream
+
+if TYPE_CHECKING:
+    from tandem.core.kv.block_manager import BlockManager
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +130,24 @@ class FaultConfig:
         """The engine step before which every free KV block is taken, if any."""
         steps = [f.step for f in self.faults if f.kind == "kv_exhaust"]
         return min(steps) if steps else None
+
+
+class KvExhaustion:
+    """The engine's hook for ``kv_exhaust``, called before each of its steps."""
+
+    def __init__(self, config: FaultConfig, block_manager: BlockManager) -> None:
+        self._step = config.kv_exhaust_step()
+        self._blocks = block_manager
+        self._steps_taken = 0
+
+    def before_step(self) -> None:
+        """From the step the fault names on, every block that is free is taken for good."""
+        blocks = self._blocks
+        if self._step is not None and self._steps_taken >= self._step and blocks.num_free_blocks:
+            taken = blocks.num_free_blocks
+            blocks.reserve(taken)
+            logger.warning("injected fault: %d free KV blocks taken away for good", taken)
+        self._steps_taken += 1
 
 
 class RankFaults:

@@ -28,6 +28,7 @@ from tandem.core.executor.executor import (
 )
 from tandem.core.executor.step_timeout import STEP_TIMEOUT_GRACE_S
 from tandem.core.failure_text import describe
+from tandem.core.faults import KvExhaustion
 from tandem.core.kv.block_manager import BlockManager
 from tandem.core.kv.state_slots import StateSlotPool
 from tandem.core.llm.forward_input import ForwardInput, PromptLogprobs, SamplerOutput
@@ -137,9 +138,8 @@ class LLMEngine:
         self._busy_since: float | None = None
         # Outputs of requests failed while their batch was built, delivered with the step's.
         self._early: list[RequestOutput] = []
-        self._steps_taken = 0
         self._num_launched_ahead = 0
-        self._kv_fault_step = config.faults.kv_exhaust_step()
+        self._kv_fault = KvExhaustion(config.faults, self.block_manager)
         self.stats = EngineStats()
         self._publish_stats()
         logger.info(
@@ -240,22 +240,13 @@ class LLMEngine:
         self.idle = False
         if self.dead is not None:
             return []
-        self._inject_kv_fault()
+        self._kv_fault.before_step()
         outputs = self._step_pipelined() if self._pipelined else self._step_one()
         if self._early:
             outputs, self._early = self._early + outputs, []
             self.idle = False
         self._publish_stats()
         return outputs
-
-    def _inject_kv_fault(self) -> None:
-        """From the step the fault names on, every block that is free is taken for good."""
-        fault = self._kv_fault_step
-        if fault is not None and self._steps_taken >= fault and self.block_manager.num_free_blocks:
-            taken = self.block_manager.num_free_blocks
-            self.block_manager.reserve(taken)
-            logger.warning("injected fault: %d free KV blocks taken away for good", taken)
-        self._steps_taken += 1
 
     def _step_one(self) -> list[RequestOutput]:
         """One step at a time: schedule, run, process; or complete the step launched ahead
