@@ -7,15 +7,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.core.config import EngineConfig
+from tandem.core.executor.executor import LaneExecutor
 from tandem.core.executor.thread_executor import ThreadExecutor
 from tandem.core.llm.engine import LLMEngine
+from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
 from tandem.core.llm.outputs import RequestOutput
+from tandem.core.llm.pipelined_stepping import PipelinedStepping
 from tandem.core.llm.scheduler import SchedulerOutput
 from tandem.core.rec.engine import RecEngine
 from tandem.core.worker.lane_stager import LaneStager
 from tandem.device.kernel_registry import KernelKey
 from tandem.device.scratch_allocator import ScratchBlock
-from tandem.device.sync import Sync
+from tandem.device.sync import REAL_SYNC, Sync
 from tandem_sim.fake_runtime import RuntimeFault
 
 
@@ -60,17 +64,32 @@ class UnrecordedStager(LaneStager):
         return None
 
 
-class DecodeOnlyEngine(LLMEngine):
+class DecodeOnlyStepping(PipelinedStepping):
     """The engine's launch rule before the livelock fix: with nothing in flight and one
     decode token per running sequence it asked only for a decode-only batch, which skips
     sequences without room for their next block and never preempts, so once none had room
     the engine spun with nothing in flight."""
 
     def _next_batch(self) -> tuple[SchedulerOutput, bool]:
-        if not self._in_flight and self.scheduler.needs_full_step():
+        if not self.in_flight.steps and self.scheduler.needs_full_step():
             return self.scheduler.schedule(), True
-        share = -(-self.scheduler.num_running // self.config.pipeline.max_concurrency)
-        return self.scheduler.schedule_decodes(exclude=self._busy_ids(), max_seqs=share), False
+        share = -(-self.scheduler.num_running // self.parts.config.pipeline.max_concurrency)
+        busy = self.in_flight.busy_ids()
+        return self.scheduler.schedule_decodes(exclude=busy, max_seqs=share), False
+
+
+class DecodeOnlyEngine(LLMEngine):
+    """The pipelined engine with ``DecodeOnlyStepping``."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: LaneExecutor[ForwardInput, SamplerOutput] | None = None,
+        sync: Sync = REAL_SYNC,
+    ) -> None:
+        super().__init__(config, executor, sync)
+        assert isinstance(self.stepper, PipelinedStepping)
+        self.stepper = DecodeOnlyStepping(self.stepper.parts)
 
 
 class LeakyAbortEngine(LLMEngine):

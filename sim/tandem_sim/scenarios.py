@@ -317,7 +317,7 @@ def _pressure_run(engine: LLMEngine, bound: int) -> dict[str, tuple[int, ...]]:
         steps += 1
         if steps > bound:
             raise AssertionError(
-                f"livelock: no end after {bound} engine steps ({engine.scheduler_state()})"
+                f"livelock: no end after {bound} engine steps ({engine.watch.scheduler_state()})"
             )
         for out in engine.step():
             if out.finished:
@@ -348,7 +348,7 @@ def llm_lanes_kv_pressure(s: DeterministicScheduler, broken: bool) -> None:
     engine = engine_class(config, executor=executor, sync=s)
     try:
         tokens = _pressure_run(engine, bound=400)
-        while engine.step() or engine._in_flight:
+        while engine.step() or engine.in_flight:
             pass
     finally:
         engine.shutdown()

@@ -102,7 +102,7 @@ def _run_bounded(engine: LLMEngine, rng: random.Random, params: list[SamplingPar
         engine.step()
         if to_abort and rng.random() < 0.1:
             engine.abort(to_abort.pop())
-    while engine.step() or engine._in_flight:
+    while engine.step() or engine.in_flight:
         pass
     return steps
 

@@ -95,10 +95,10 @@ def test_aborts_return_every_slot_also_with_their_step_in_flight(
             running = [s for s in engine.scheduler.running if s.request_id not in ("r0", "r5")]
             if running:
                 victim = running[0].request_id
-                aborted_in_flight += victim in engine._busy_ids()
+                aborted_in_flight += victim in engine.in_flight.busy_ids()
                 ended = engine.abort(victim)
                 assert ended is not None and ended.finish_reason == "abort"
-    while engine.step() or engine._in_flight:
+    while engine.step() or engine.in_flight:
         pass
     if width > 1:
         assert aborted_in_flight > 0, "no abort hit a step in flight"

@@ -75,7 +75,7 @@ def test_abort_in_flight_frees_blocks_once_its_step_is_done(
     while engine.has_unfinished():
         engine.step()
     # Drain what is still in flight, then every block is back.
-    while engine._in_flight:
+    while engine.in_flight:
         engine.step()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 

@@ -172,7 +172,7 @@ class EngineLoop:
         abort or a new request changes what can run) instead of spinning, and past the stall
         timeout let the watchdog fail what is stuck."""
         limit = self.engine.config.scheduler.stall_timeout_s
-        stalled = self.engine.stalled_for()
+        stalled = self.engine.watch.stalled_for()
         if stalled >= limit:
             for out in self.engine.fail_stalled():
                 self._deliver(out)

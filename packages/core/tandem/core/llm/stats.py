@@ -5,6 +5,10 @@ metrics and health routes) read a consistent view without touching the scheduler
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandem.core.llm.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,24 @@ class EngineStats:
     # Linear-attention state slots (hybrid models; 0 for the others).
     num_state_slots: int = 0
     num_free_state_slots: int = 0
+
+    @classmethod
+    def of(
+        cls, scheduler: Scheduler, num_steps_in_flight: int, num_steps_launched_ahead: int
+    ) -> EngineStats:
+        """The snapshot of ``scheduler``, its KV blocks and state slots, now."""
+        blocks, slots = scheduler.block_manager, scheduler.state_slots
+        return cls(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            num_steps_in_flight=num_steps_in_flight,
+            num_blocks=blocks.num_blocks,
+            num_free_blocks=blocks.num_free_blocks,
+            num_preemptions=scheduler.num_preemptions,
+            num_steps_launched_ahead=num_steps_launched_ahead,
+            num_state_slots=slots.num_slots if slots is not None else 0,
+            num_free_state_slots=slots.num_free if slots is not None else 0,
+        )
 
     @property
     def kv_cache_usage(self) -> float:

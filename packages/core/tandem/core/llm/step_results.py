@@ -1,0 +1,80 @@
+"""A completed step's ``SamplerOutput`` written into its sequences: sampled tokens, their
+logprobs and the prompt's, grammars advanced."""
+
+from __future__ import annotations
+
+import logging
+
+from tandem.core.llm.forward_input import PromptLogprobs, SamplerOutput
+from tandem.core.llm.scheduler import SchedulerOutput
+from tandem.core.llm.sequence import SequenceStatus, TokenLogprobs, TokenSequence
+
+logger = logging.getLogger(__name__)
+
+
+def append_sampled(
+    sched_out: SchedulerOutput, result: SamplerOutput
+) -> list[tuple[TokenSequence, int]]:
+    """Append each running sequence's sampled token; the sequences and their rows of
+    ``result`` (a sequence aborted while the step ran keeps its row, unused)."""
+    sampled: list[tuple[TokenSequence, int]] = []
+    row = 0
+    for entry in sched_out.scheduled:
+        if not entry.samples:
+            continue
+        if entry.seq.status is SequenceStatus.RUNNING:
+            entry.seq.token_ids.append(result.token_ids[row])
+            sampled.append((entry.seq, row))
+        row += 1
+    return sampled
+
+
+def record_logprobs(seq: TokenSequence, row: int, result: SamplerOutput) -> None:
+    """The logprobs of ``seq``'s newest token, if it asked for them."""
+    if seq.params.logprobs is None or result.logprobs is None:
+        return
+    assert result.top_token_ids is not None and result.top_logprobs is not None
+    n = seq.params.logprobs
+    seq.logprobs.append(
+        TokenLogprobs(
+            token_id=seq.token_ids[-1],
+            logprob=result.logprobs[row],
+            top=list(zip(result.top_token_ids[row][:n], result.top_logprobs[row][:n], strict=True)),
+        )
+    )
+
+
+def advance_grammar(seq: TokenSequence, token: int) -> str | None:
+    """Feed the sampled token to the request's grammar; a finish reason once the grammar is
+    complete (nothing but EOS may follow) or broken."""
+    assert seq.grammar is not None
+    if not seq.grammar.accept(token):
+        seq.error = f"the output left its grammar at token {token}: {seq.grammar.error}"
+        logger.warning("request %s: %s", seq.request_id, seq.error)
+        return "error"
+    return "stop" if seq.grammar.is_finished else None
+
+
+def record_prompt_logprobs(sched_out: SchedulerOutput, scored: PromptLogprobs) -> None:
+    at = 0
+    for index, first, count in scored.spans:
+        seq = sched_out.scheduled[index].seq
+        # Equal unless the step raced an abort; never record a position twice.
+        if first == len(seq.prompt_logprobs):
+            n = seq.params.prompt_logprobs or 0
+            seq.prompt_logprobs.extend(
+                TokenLogprobs(
+                    token_id=seq.prompt_token_ids[first + k],
+                    logprob=scored.logprobs[at + k],
+                    top=list(
+                        zip(
+                            scored.top_token_ids[at + k][:n],
+                            scored.top_logprobs[at + k][:n],
+                            strict=True,
+                        )
+                    ),
+                    rank=scored.ranks[at + k],
+                )
+                for k in range(count)
+            )
+        at += count
