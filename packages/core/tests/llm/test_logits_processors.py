@@ -11,6 +11,8 @@ import torch
 
 from tandem.core import InvalidRequestError, LLMEngine, SamplingParams
 from tandem.core.llm.forward_input import SamplingBatch
+from tandem.core.llm.logits_processor import AddedRow, BatchUpdate, ProcessorContext
+from tandem.core.llm.logits_processors import LogitsProcessors
 from tandem.core.llm.sampler import Sampler
 
 
@@ -33,8 +35,12 @@ def test_min_p_keeps_tokens_near_the_top() -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = torch.log(probs).expand(3000, 4).clone()
     # Rows alternate: min_p 0.5 keeps p >= 0.25 (tokens 0, 1); min_p 0 keeps everything.
-    min_p = torch.tensor([0.5, 0.0]).repeat(1500)
-    tokens = torch.tensor(Sampler(seed=0)(logits, _batch(3000, min_p=min_p)).token_ids)
+    # The min_p rows share one slot: the state is per slot, the step names it per row.
+    processors = LogitsProcessors(ProcessorContext(4, torch.device("cpu"), max_rows=1))
+    added = AddedRow(0, SamplingParams(min_p=0.5), frozenset(), num_output_tokens=0)
+    slots = torch.tensor([0, -1]).repeat(1500)
+    batch = _batch(3000, slots=slots, update=BatchUpdate(added=(added,)))
+    tokens = torch.tensor(Sampler(0, processors)(logits, batch).token_ids)
     cut, free = tokens[0::2], tokens[1::2]
     assert set(cut.tolist()) == {0, 1}
     assert abs((cut == 0).float().mean().item() - 0.5 / 0.8) < 0.05

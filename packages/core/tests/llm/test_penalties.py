@@ -12,9 +12,8 @@ import transformers
 
 from tandem.core import LLMEngine, SamplingParams
 from tandem.core.demo.pretrained import stories260k_folder
-from tandem.core.llm.penalties import apply_penalties, build_penalty_batch
-from tandem.core.llm.sequence import TokenSequence
-from tandem.core.llm.token_history import TokenHistory
+from tandem.core.llm.logits_processor import AddedRow, BatchUpdate, ProcessorContext
+from tandem.core.llm.penalties import Penalties
 
 VOCAB = 64
 
@@ -36,16 +35,29 @@ class VllmPresenceFrequency(transformers.LogitsProcessor):
         return scores
 
 
-def _seq(prompt: list[int], output: list[int], **params: Any) -> TokenSequence:
-    seq = TokenSequence(
-        request_id="r",
-        prompt_token_ids=prompt,
-        params=SamplingParams(max_tokens=64, **params),
-        eos_token_ids=frozenset({2}),
-        max_total_tokens=512,
+def penalize(
+    logits: torch.Tensor, rows: list[int], cases: list[tuple[list[int], list[int], dict[str, Any]]]
+) -> torch.Tensor:
+    """``logits`` with the penalties of ``cases`` (prompt, output, params) at ``rows``: each
+    row added to the processor with its tokens, in slots other than its row."""
+    processor = Penalties(ProcessorContext(logits.shape[1], torch.device("cpu"), max_rows=8))
+    added = tuple(
+        AddedRow(
+            slot=7 - i,
+            params=SamplingParams(max_tokens=64, **params),
+            eos_token_ids=frozenset({2}),
+            num_output_tokens=len(output),
+            prompt_token_ids=torch.tensor(prompt),
+            output_token_ids=torch.tensor(output),
+        )
+        for i, (prompt, output, params) in enumerate(cases)
     )
-    seq.token_ids += output
-    return seq
+    processor.update_state(BatchUpdate(added=added))
+    slots = torch.full((logits.shape[0],), -1)
+    slots[rows] = torch.tensor([row.slot for row in added])
+    step = processor.rows_of(slots.numpy())
+    assert step is not None
+    return processor.apply(logits.clone(), step)
 
 
 def test_penalties_equal_the_reference_processors() -> None:
@@ -58,9 +70,7 @@ def test_penalties_equal_the_reference_processors() -> None:
     ]
     # Row 2 has no penalties: it is not in the batch and must come out untouched.
     rows = [0, 1, 3]
-    seqs = [_seq(prompt, output, **params) for prompt, output, params in cases]
-    ours = logits.clone()
-    apply_penalties(ours, build_penalty_batch(rows, seqs))
+    ours = penalize(logits, rows, cases)
     expected = logits.clone()
     for row, (prompt, output, params) in zip(rows, cases, strict=True):
         ids = torch.tensor([prompt + output])
@@ -75,14 +85,6 @@ def test_penalties_equal_the_reference_processors() -> None:
     assert diff <= 1e-6, diff
     assert torch.equal(ours[2], logits[2])
     assert not torch.equal(ours[0], logits[0])
-
-
-def test_token_history_grows_with_the_output() -> None:
-    history = TokenHistory([4, 4, 9])
-    assert history.prompt.tolist() == [4, 9]
-    assert history.output([1, 2]).tolist() == [1, 2]
-    long = list(range(200))
-    assert history.output([1, 2, *long]).tolist() == [1, 2, *long]
 
 
 @pytest.fixture(scope="module")

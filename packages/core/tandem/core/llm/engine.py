@@ -26,6 +26,7 @@ from tandem.core.llm.model_runner import LLMRunnerFactory
 from tandem.core.llm.output_processor import OutputProcessor
 from tandem.core.llm.outputs import RequestOutput
 from tandem.core.llm.sampling_params import SamplingParams
+from tandem.core.llm.sampling_rows import SamplingRows
 from tandem.core.llm.scheduler import Scheduler, SchedulerOutput
 from tandem.core.llm.sequence import TokenSequence
 from tandem.core.llm.stall_watch import StallWatch
@@ -93,6 +94,8 @@ class LLMEngine:
         self.watch = StallWatch(config.parallel, self.scheduler, self.in_flight, sync)
         # Outputs of requests failed while their batch was built, delivered with the step's.
         self._early: list[RequestOutput] = []
+        # The logits processors' slots of the sequences that sample (logits_processor.py).
+        self.sampling_rows = SamplingRows(config.scheduler.max_seqs_per_batch)
         self.stepper = make_stepper(
             StepParts(
                 config,
@@ -101,6 +104,7 @@ class LLMEngine:
                 lanes,
                 self.in_flight,
                 self.watch,
+                self.sampling_rows,
                 sync,
                 lambda seq: self._early.append(self._finish_output(seq)),
             )

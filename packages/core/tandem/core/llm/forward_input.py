@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.core.kernels.attention_metadata import AttentionPlan
+from tandem.core.llm.logits_processor import BatchUpdate
 
 
 @dataclass(frozen=True)
@@ -20,31 +21,6 @@ class GrammarMasks:
 
     rows: torch.Tensor  # [G] int64 sampling rows
     bitmask: torch.Tensor  # [G, ceil(V / 32)] int32: bit t set = token t allowed
-
-
-@dataclass(frozen=True)
-class SparseLogitEdits:
-    """Values added to single logits: logit_bias, and -inf for the stop tokens of rows still
-    short of their min_tokens."""
-
-    rows: torch.Tensor  # [K] int64 sampling rows
-    tokens: torch.Tensor  # [K] int64
-    values: torch.Tensor  # [K] float32
-
-
-@dataclass(frozen=True)
-class PenaltyBatch:
-    """Repetition, frequency and presence penalties of the rows that have any. Tokens come
-    flattened, each tagged with its row's index in ``rows``."""
-
-    rows: torch.Tensor  # [P] int64 sampling rows
-    presence: torch.Tensor  # [P] float32
-    frequency: torch.Tensor  # [P] float32
-    repetition: torch.Tensor  # [P] float32
-    output_rows: torch.Tensor  # [N] int64 in [0, P)
-    output_tokens: torch.Tensor  # [N] int64, with repeats: counts matter
-    prompt_rows: torch.Tensor  # [M] int64 in [0, P)
-    prompt_tokens: torch.Tensor  # [M] int64, distinct per row: only presence matters
 
 
 @dataclass(frozen=True)
@@ -61,11 +37,12 @@ class SamplingBatch:
     all_greedy: bool
     needs_top_k_top_p: bool
     max_logprobs: int | None
-    # Each None unless some row uses it, so a batch without them pays nothing.
+    # None unless some row is under a grammar, so a batch without one pays nothing.
     grammar: GrammarMasks | None = None
-    logit_edits: SparseLogitEdits | None = None
-    penalties: PenaltyBatch | None = None
-    min_p: torch.Tensor | None = None  # [S] float32
+    # The logits processors' rows (logits_processor.py): each row's slot (-1: the row uses
+    # no processor; None: no row does) and the batch's changes since the last step.
+    slots: torch.Tensor | None = None  # [S] int64
+    update: BatchUpdate | None = None
 
     @classmethod
     def uniform(cls, rows: int, temperature: float = 0.0, top_p: float = 1.0) -> SamplingBatch:
@@ -80,12 +57,6 @@ class SamplingBatch:
             all_greedy=temperature == 0.0,
             needs_top_k_top_p=top_p < 1.0,
             max_logprobs=None,
-        )
-
-    @property
-    def edits_logits(self) -> bool:
-        return (
-            self.grammar is not None or self.logit_edits is not None or self.penalties is not None
         )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -11,17 +13,23 @@ from tandem.core.llm.forward_input import (
     GrammarMasks,
     PromptLogprobsRequest,
     SamplingBatch,
-    SparseLogitEdits,
 )
-from tandem.core.llm.penalties import build_penalty_batch
+from tandem.core.llm.sampling_rows import SamplingRows
 from tandem.core.llm.scheduler import ScheduledSequence, SchedulerOutput
 from tandem.core.llm.sequence import TokenSequence
 
 
-def build_forward_input(out: SchedulerOutput, block_size: int) -> ForwardInput:
+def build_forward_input(
+    out: SchedulerOutput,
+    block_size: int,
+    rows: SamplingRows | None = None,
+    alone: bool = True,
+) -> ForwardInput:
     """The step's tensors, built with numpy on the host: a handful of small array ops that
     never release the GIL (each torch op would, and under a busy event loop every release
-    can cost a wait for the GIL back), then handed to torch without a copy."""
+    can cost a wait for the GIL back), then handed to torch without a copy. ``rows``: the
+    engine's logits-processor slots, assigned last (only a step that is built takes them);
+    ``alone``: no other step is in flight (``SamplingRows.assign``)."""
     entries = out.scheduled
     num_seqs = len(entries)
     query_lens: list[int] = []
@@ -52,6 +60,11 @@ def build_forward_input(out: SchedulerOutput, block_size: int) -> ForwardInput:
         tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     )
     num_decodes = sum(1 for q in query_lens if q == 1)
+    sampling = _sampling_batch(out, sample_rows)
+    prompt_logprobs = _prompt_logprobs(out, starts, first_token.tolist())
+    if rows is not None:
+        slots, update = rows.assign([entries[i].seq for i in sample_rows], alone)
+        sampling = replace(sampling, slots=slots, update=update)
     return ForwardInput(
         input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)),
         positions=torch.from_numpy(positions),
@@ -62,9 +75,9 @@ def build_forward_input(out: SchedulerOutput, block_size: int) -> ForwardInput:
         state_slots=torch.from_numpy(np.array([e.seq.state_slot for e in entries], np.int64)),
         num_decodes=num_decodes,
         sample_indices=torch.from_numpy(ends[sample_rows] - 1),
-        sampling=_sampling_batch(out, sample_rows),
+        sampling=sampling,
         block_size=block_size,
-        prompt_logprobs=_prompt_logprobs(out, starts, first_token.tolist()),
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -73,7 +86,6 @@ def _sampling_batch(out: SchedulerOutput, rows: list[int]) -> SamplingBatch:
     params = [seq.params for seq in seqs]
     steps = tuple(out.scheduled[i].seq.num_output_tokens for i in rows)
     asked = [p.logprobs for p in params if p.logprobs is not None]
-    penalized = [row for row, p in enumerate(params) if p.has_penalties]
     return SamplingBatch(
         # Rows below the greedy threshold sample greedily: the sampler knows them by 0.
         temperatures=torch.tensor(
@@ -87,15 +99,6 @@ def _sampling_batch(out: SchedulerOutput, rows: list[int]) -> SamplingBatch:
         needs_top_k_top_p=any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
         max_logprobs=max(asked) if asked else None,
         grammar=_grammar_masks(seqs),
-        logit_edits=_logit_edits(seqs),
-        penalties=build_penalty_batch(penalized, [seqs[r] for r in penalized])
-        if penalized
-        else None,
-        min_p=(
-            torch.tensor([p.min_p for p in params], dtype=torch.float32)
-            if any(p.min_p > 0 and not p.is_greedy for p in params)
-            else None
-        ),
     )
 
 
@@ -106,31 +109,6 @@ def _grammar_masks(seqs: list[TokenSequence]) -> GrammarMasks | None:
     grammars = [g for g in (seqs[r].grammar for r in rows) if g is not None]
     bitmask = grammars[0].owner.fill_bitmasks(grammars)
     return GrammarMasks(rows=torch.tensor(rows, dtype=torch.int64), bitmask=bitmask)
-
-
-def _logit_edits(seqs: list[TokenSequence]) -> SparseLogitEdits | None:
-    """logit_bias, and -inf for the stop tokens of rows short of min_tokens."""
-    rows: list[int] = []
-    tokens: list[int] = []
-    values: list[float] = []
-    for row, seq in enumerate(seqs):
-        params = seq.params
-        if seq.num_output_tokens < params.min_tokens:
-            banned = seq.eos_token_ids.union(params.stop_token_ids)
-            rows += [row] * len(banned)
-            tokens += banned
-            values += [float("-inf")] * len(banned)
-        if params.logit_bias:
-            rows += [row] * len(params.logit_bias)
-            tokens += params.logit_bias.keys()
-            values += params.logit_bias.values()
-    if not rows:
-        return None
-    return SparseLogitEdits(
-        rows=torch.tensor(rows, dtype=torch.int64),
-        tokens=torch.tensor(tokens, dtype=torch.int64),
-        values=torch.tensor(values, dtype=torch.float32),
-    )
 
 
 def _prompt_logprobs(

@@ -1,25 +1,232 @@
-"""Everything the sampler does to the logits before temperature, in vLLM's order: the grammar's
-allowed tokens, min_tokens' banned stop tokens and logit_bias, then the penalties. One batched
-op each, over only the rows that use it; min_p (after temperature) is here too."""
+"""The logits processors every engine runs, the registry that lists them with the plugins'
+(entry point group ``tandem.logits_processors``), and the set one sampling worker holds.
+
+Order, as vLLM applies them: the grammar's allowed tokens first, then min_tokens' banned stop
+tokens and logit_bias, then the penalties; min_p after temperature. The grammar's mask is not
+a processor: its matchers live on the engine thread, which advances them with each token it
+accepts and fills the step's bitmask there (``structured_output.py``); what reaches the
+sampler is that step's mask, not state of its own.
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+
+import numpy as np
 import torch
 
-from tandem.core.llm.forward_input import GrammarMasks, SamplingBatch, SparseLogitEdits
-from tandem.core.llm.penalties import apply_penalties
+from tandem.core.errors import InvalidRequestError
+from tandem.core.llm.forward_input import GrammarMasks, SamplingBatch
+from tandem.core.llm.logits_processor import (
+    AddedRow,
+    LogitsProcessor,
+    ProcessorContext,
+    StepRows,
+    grow_rows,
+)
+from tandem.core.llm.penalties import Penalties
+from tandem.core.llm.sampling_params import SamplingParams
+from tandem.device.sync import LockLike
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "tandem.logits_processors"
 
 
-def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """``logits`` [S, V] float32 with the batch's edits applied (a new tensor)."""
-    logits = logits.clone()
-    if batch.grammar is not None:
-        apply_grammar_masks(logits, batch.grammar)
-    if batch.logit_edits is not None:
-        apply_sparse_edits(logits, batch.logit_edits)
-    if batch.penalties is not None:
-        apply_penalties(logits, batch.penalties)
-    return logits
+class MinTokens(LogitsProcessor):
+    """EOS and the stop token ids are banned (-inf) until a row has ``min_tokens`` tokens."""
+
+    def __init__(self, ctx: ProcessorContext) -> None:
+        super().__init__(ctx)
+        self._remaining = np.zeros(ctx.max_rows, dtype=np.int64)
+        self._banned = np.full((ctx.max_rows, 4), -1, dtype=np.int64)
+
+    @classmethod
+    def uses(cls, params: SamplingParams) -> bool:
+        return params.min_tokens > 0
+
+    def add(self, slot: int, row: AddedRow) -> None:
+        banned = sorted(row.eos_token_ids.union(row.params.stop_token_ids))
+        self._banned = grow_rows(self._banned, len(banned), -1)
+        self._banned[slot] = -1
+        self._banned[slot, : len(banned)] = banned
+        self._remaining[slot] = row.params.min_tokens - row.num_output_tokens
+        if self._remaining[slot] <= 0:
+            self.active[slot] = False
+
+    def apply(self, logits: torch.Tensor, rows: StepRows) -> torch.Tensor:
+        tokens = self._banned[rows.slots]
+        valid = tokens >= 0
+        index = np.broadcast_to(rows.rows[:, None], tokens.shape)[valid]
+        device = logits.device
+        logits.index_put_(
+            (torch.from_numpy(index).to(device), torch.from_numpy(tokens[valid]).to(device)),
+            torch.full((len(index),), float("-inf"), device=device),
+            accumulate=True,
+        )
+        return logits
+
+    def on_sampled(self, rows: StepRows, tokens: torch.Tensor) -> None:
+        self._remaining[rows.slots] -= 1
+        # A row past its minimum costs nothing from now on.
+        self.active[rows.slots[self._remaining[rows.slots] <= 0]] = False
+
+
+class LogitBias(LogitsProcessor):
+    """A value added to the logits of chosen tokens."""
+
+    def __init__(self, ctx: ProcessorContext) -> None:
+        super().__init__(ctx)
+        self._tokens = np.full((ctx.max_rows, 4), -1, dtype=np.int64)
+        self._values = np.zeros((ctx.max_rows, 4), dtype=np.float32)
+
+    @classmethod
+    def uses(cls, params: SamplingParams) -> bool:
+        return bool(params.logit_bias)
+
+    def add(self, slot: int, row: AddedRow) -> None:
+        bias = row.params.logit_bias
+        self._tokens = grow_rows(self._tokens, len(bias), -1)
+        self._values = grow_rows(self._values, len(bias), 0.0)
+        self._tokens[slot] = -1
+        self._tokens[slot, : len(bias)] = list(bias.keys())
+        self._values[slot, : len(bias)] = list(bias.values())
+
+    def apply(self, logits: torch.Tensor, rows: StepRows) -> torch.Tensor:
+        tokens = self._tokens[rows.slots]
+        valid = tokens >= 0
+        index = np.broadcast_to(rows.rows[:, None], tokens.shape)[valid]
+        device = logits.device
+        logits.index_put_(
+            (torch.from_numpy(index).to(device), torch.from_numpy(tokens[valid]).to(device)),
+            torch.from_numpy(self._values[rows.slots][valid]).to(device),
+            accumulate=True,
+        )
+        return logits
+
+
+class MinP(LogitsProcessor):
+    """Drop tokens less likely than ``min_p`` times the row's most likely token (after
+    temperature)."""
+
+    after_temperature = True
+
+    def __init__(self, ctx: ProcessorContext) -> None:
+        super().__init__(ctx)
+        self._min_p = np.zeros(ctx.max_rows, dtype=np.float32)
+
+    @classmethod
+    def uses(cls, params: SamplingParams) -> bool:
+        return params.min_p > 0 and not params.is_greedy
+
+    def add(self, slot: int, row: AddedRow) -> None:
+        self._min_p[slot] = row.params.min_p
+
+    def apply(self, logits: torch.Tensor, rows: StepRows) -> torch.Tensor:
+        # Over every row (0 keeps a row whole), as one op over the batch.
+        min_p = np.zeros(rows.num_rows, dtype=np.float32)
+        min_p[rows.rows] = self._min_p[rows.slots]
+        return apply_min_p(logits, torch.from_numpy(min_p))
+
+
+# Application order: min_tokens' bans and logit_bias add to the logits in one pass each, the
+# penalties read the result (a biased logit's sign decides the repetition penalty's way).
+BUILTIN_PROCESSORS: tuple[type[LogitsProcessor], ...] = (MinTokens, LogitBias, Penalties, MinP)
+
+_registry_lock = threading.Lock()
+_registry: tuple[type[LogitsProcessor], ...] | None = None
+
+
+def processor_classes() -> tuple[type[LogitsProcessor], ...]:
+    """The built-in processors, then the installed plugins' (by entry point name)."""
+    global _registry
+    with _registry_lock:
+        if _registry is None:
+            plugins = []
+            for entry in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+                cls = entry.load()
+                if not (isinstance(cls, type) and issubclass(cls, LogitsProcessor)):
+                    raise TypeError(
+                        f"entry point {entry.name} = {entry.value} in {ENTRY_POINT_GROUP} is "
+                        "not a LogitsProcessor subclass"
+                    )
+                logger.info("logits processor plugin %s (%s)", entry.name, entry.value)
+                plugins.append(cls)
+            _registry = BUILTIN_PROCESSORS + tuple(plugins)
+        return _registry
+
+
+def validate_params(params: SamplingParams) -> None:
+    """Each processor's check of the request, and no extra parameter that none declares."""
+    classes = processor_classes()
+    known = {name for cls in classes for name in cls.extra_params}
+    for name in params.extra:
+        if name not in known:
+            raise InvalidRequestError(
+                f"unknown sampling parameter {name!r}"
+                + (f"; known: {', '.join(sorted(known))}" if known else ""),
+                param=name,
+            )
+    for cls in classes:
+        cls.validate(params)
+
+
+_Active = list[tuple[LogitsProcessor, StepRows]]
+
+
+class LogitsProcessors:
+    """The processors of one sampling worker, built once, shared by its pipeline lanes."""
+
+    def __init__(
+        self,
+        ctx: ProcessorContext,
+        lock: LockLike | None = None,
+        classes: Sequence[type[LogitsProcessor]] | None = None,
+    ) -> None:
+        self.ctx = ctx
+        chosen = processor_classes() if classes is None else classes
+        self.processors = [cls(ctx) for cls in chosen]
+        self._lock: LockLike = lock if lock is not None else threading.Lock()
+
+    def prepare(self, batch: SamplingBatch) -> _Active:
+        """Apply the step's batch update, then the processors some row of the step uses,
+        each with its rows."""
+        with self._lock:
+            if batch.update is not None:
+                for processor in self.processors:
+                    processor.update_state(batch.update)
+            if batch.slots is None:
+                return []
+            slots = batch.slots.numpy()
+            active = []
+            for processor in self.processors:
+                rows = processor.rows_of(slots)
+                if rows is not None:
+                    active.append((processor, rows))
+            return active
+
+    def apply(self, logits: torch.Tensor, active: _Active, after_temperature: bool) -> torch.Tensor:
+        with self._lock:
+            for processor, rows in active:
+                if processor.after_temperature == after_temperature:
+                    logits = processor.apply(logits, rows)
+            return logits
+
+    def on_sampled(self, active: _Active, tokens: torch.Tensor) -> None:
+        with self._lock:
+            for processor, rows in active:
+                processor.on_sampled(rows, tokens)
+
+
+def needs_pre_temperature(active: _Active) -> bool:
+    return any(not processor.after_temperature for processor, _ in active)
+
+
+def needs_after_temperature(active: _Active) -> bool:
+    return any(processor.after_temperature for processor, _ in active)
 
 
 def apply_grammar_masks(logits: torch.Tensor, masks: GrammarMasks) -> None:
@@ -31,15 +238,6 @@ def apply_grammar_masks(logits: torch.Tensor, masks: GrammarMasks) -> None:
     allowed = bits.flatten(1)[:, :vocab].bool()
     rows = masks.rows.to(device)
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-
-
-def apply_sparse_edits(logits: torch.Tensor, edits: SparseLogitEdits) -> None:
-    device = logits.device
-    logits.index_put_(
-        (edits.rows.to(device), edits.tokens.to(device)),
-        edits.values.to(device),
-        accumulate=True,
-    )
 
 
 def apply_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ from tandem.core.layers.linear_attention_state import (
 from tandem.core.layers.weights import parameter_bytes
 from tandem.core.llm.attention_metadata import plan_attention_metadata
 from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
+from tandem.core.llm.logits_processor import ProcessorContext
+from tandem.core.llm.logits_processors import LogitsProcessors
 from tandem.core.llm.prompt_logprobs import score_prompt
 from tandem.core.llm.sampler import Sampler
 from tandem.core.models.causal_lm import CausalLM
@@ -40,12 +42,13 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int,
         samples: bool,
+        processors: LogitsProcessors | None = None,
     ) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
         # With tensor parallelism every rank has the full logits; only one needs to sample.
-        self.sampler = Sampler(seed) if samples else None
+        self.sampler = Sampler(seed, processors) if samples else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._linear_layers = model.linear_attention_layers()
         # Every linear-attention layer of a model has the same conv width; None: no such layer.
@@ -130,7 +133,11 @@ class ModelRunner:
         self, hidden: torch.Tensor, samples: torch.Tensor, fi: ForwardInput
     ) -> SamplerOutput | None:
         if samples.numel() == 0:
-            return SamplerOutput(token_ids=[]) if self.sampler is not None else None
+            if self.sampler is None:
+                return None
+            # The batch's changes still reach the processors, once, in step order.
+            self.sampler.update(fi.sampling)
+            return SamplerOutput(token_ids=[])
         logits = self.model.compute_logits(hidden[samples])
         if self.sampler is None:
             return None
@@ -166,10 +173,22 @@ class LLMRunnerFactory:
         model = load_model(
             Path(config.model.model), self.model_config, context.group, dtype, context.torch_device
         )
+        samples = context.group.rank == 0
+        processors = None
+        if samples:
+            processors = LogitsProcessors(
+                ProcessorContext(
+                    vocab_size=self.model_config.vocab_size,
+                    device=context.torch_device,
+                    max_rows=config.scheduler.max_seqs_per_batch,
+                ),
+                context.sync.lock(),
+            )
         return ModelRunner(
             model,
             context.torch_device,
             dtype,
             seed=config.model.seed,
-            samples=context.group.rank == 0,
+            samples=samples,
+            processors=processors,
         )

@@ -1,65 +1,96 @@
-"""Repetition, frequency and presence penalties, batched.
+"""Repetition, frequency and presence penalties, as a logits processor.
 
 Definitions follow vLLM (and, for repetition, transformers' RepetitionPenaltyLogitsProcessor):
 a token seen in the prompt or the output has its logit divided by ``repetition_penalty`` when
 positive and multiplied when negative; a token generated ``c`` times loses
 ``frequency_penalty * c + presence_penalty * (c > 0)`` (the output only, not the prompt).
 
-The batch reads each sequence's tokens from its ``TokenHistory`` (``token_history.py``).
+Each slot keeps, on the device, how often each token was generated and which tokens its
+prompt holds: filled once when a row is added (from the tokens it has, so a preempted
+request resumes where it was), then counted up from the tokens each step samples, on the
+device (no host sync, nothing rebuilt from token lists per step). Allocated on the first
+penalized row, so an engine that never sees one holds nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
+import numpy as np
 import torch
 
-from tandem.core.llm.forward_input import PenaltyBatch
-from tandem.core.llm.sequence import TokenSequence
-from tandem.core.llm.token_history import TokenHistory
+from tandem.core.llm.logits_processor import (
+    AddedRow,
+    LogitsProcessor,
+    ProcessorContext,
+    StepRows,
+)
+from tandem.core.llm.sampling_params import SamplingParams
 
 
-def build_penalty_batch(rows: list[int], seqs: Sequence[TokenSequence]) -> PenaltyBatch:
-    """The penalties of ``seqs``, which sample at sampling rows ``rows``."""
-    outputs, prompts = [], []
-    for seq in seqs:
-        if seq.token_history is None:
-            seq.token_history = TokenHistory(seq.prompt_token_ids)
-        outputs.append(seq.token_history.output(seq.output_token_ids))
+class Penalties(LogitsProcessor):
+    _counts: torch.Tensor | None = None  # [max_rows, V] float32 times generated
+    _prompt_seen: torch.Tensor | None = None  # [max_rows, V] bool
+
+    def __init__(self, ctx: ProcessorContext) -> None:
+        super().__init__(ctx)
+        rows = self.ctx.max_rows
+        self._presence = np.zeros(rows, dtype=np.float32)
+        self._frequency = np.zeros(rows, dtype=np.float32)
+        self._repetition = np.ones(rows, dtype=np.float32)
+
+    @classmethod
+    def uses(cls, params: SamplingParams) -> bool:
+        return params.has_penalties
+
+    @classmethod
+    def needs_token_ids(cls, params: SamplingParams) -> bool:
+        return True
+
+    def add(self, slot: int, row: AddedRow) -> None:
+        params = row.params
+        self._presence[slot] = params.presence_penalty
+        self._frequency[slot] = params.frequency_penalty
+        self._repetition[slot] = params.repetition_penalty
+        if self._counts is None or self._prompt_seen is None:
+            shape = (self.ctx.max_rows, self.ctx.vocab_size)
+            self._counts = torch.zeros(shape, dtype=torch.float32, device=self.ctx.device)
+            self._prompt_seen = torch.zeros(shape, dtype=torch.bool, device=self.ctx.device)
+        assert row.output_token_ids is not None and row.prompt_token_ids is not None
+        device = self.ctx.device
+        counts = self._counts[slot]
+        counts.zero_()
+        outputs = row.output_token_ids.to(device)
+        counts.index_put_((outputs,), torch.ones(outputs.numel(), device=device), accumulate=True)
+        seen = self._prompt_seen[slot]
+        seen.zero_()
         # Only the repetition penalty looks at the prompt.
-        no_prompt = seq.params.repetition_penalty == 1.0
-        prompts.append(seq.token_history.prompt[:0] if no_prompt else seq.token_history.prompt)
-    index = torch.arange(len(seqs))
-    return PenaltyBatch(
-        rows=torch.tensor(rows, dtype=torch.int64),
-        presence=torch.tensor([s.params.presence_penalty for s in seqs], dtype=torch.float32),
-        frequency=torch.tensor([s.params.frequency_penalty for s in seqs], dtype=torch.float32),
-        repetition=torch.tensor([s.params.repetition_penalty for s in seqs], dtype=torch.float32),
-        output_rows=index.repeat_interleave(torch.tensor([t.numel() for t in outputs])),
-        output_tokens=torch.cat(outputs),
-        prompt_rows=index.repeat_interleave(torch.tensor([t.numel() for t in prompts])),
-        prompt_tokens=torch.cat(prompts),
-    )
+        if params.repetition_penalty != 1.0:
+            seen[row.prompt_token_ids.to(device)] = True
 
+    def apply(self, logits: torch.Tensor, rows: StepRows) -> torch.Tensor:
+        assert self._counts is not None and self._prompt_seen is not None
+        device = logits.device
+        index = rows.rows_on(device)
+        slots = rows.slots_on(device)
+        sub = logits[index]
+        counts = self._counts[slots]
+        generated = counts > 0
+        seen = generated | self._prompt_seen[slots]
+        repetition = torch.from_numpy(self._repetition[rows.slots]).to(device).unsqueeze(1)
+        frequency = torch.from_numpy(self._frequency[rows.slots]).to(device).unsqueeze(1)
+        presence = torch.from_numpy(self._presence[rows.slots]).to(device).unsqueeze(1)
+        penalized = torch.where(sub > 0, sub / repetition, sub * repetition)
+        sub = torch.where(seen, penalized, sub)
+        sub = sub - frequency * counts
+        sub = sub - presence * generated.to(sub.dtype)
+        logits[index] = sub
+        return logits
 
-def apply_penalties(logits: torch.Tensor, batch: PenaltyBatch) -> None:
-    """Penalize, in place, the rows of ``logits`` [S, V] that ``batch`` names."""
-    device = logits.device
-    rows = batch.rows.to(device)
-    sub = logits[rows]
-    num_rows, vocab = sub.shape
-    counts = torch.zeros(num_rows, vocab, dtype=sub.dtype, device=device)
-    counts.index_put_(
-        (batch.output_rows.to(device), batch.output_tokens.to(device)),
-        torch.ones(batch.output_tokens.numel(), dtype=sub.dtype, device=device),
-        accumulate=True,
-    )
-    generated = counts > 0
-    seen = generated.clone()
-    seen[batch.prompt_rows.to(device), batch.prompt_tokens.to(device)] = True
-    repetition = batch.repetition.to(device).unsqueeze(1)
-    penalized = torch.where(sub > 0, sub / repetition, sub * repetition)
-    sub = torch.where(seen, penalized, sub)
-    sub = sub - batch.frequency.to(device).unsqueeze(1) * counts
-    sub = sub - batch.presence.to(device).unsqueeze(1) * generated.to(sub.dtype)
-    logits[rows] = sub
+    def on_sampled(self, rows: StepRows, tokens: torch.Tensor) -> None:
+        assert self._counts is not None
+        device = tokens.device
+        index = rows.rows_on(device)
+        self._counts.index_put_(
+            (rows.slots_on(device), tokens[index]),
+            torch.ones(len(rows.rows), device=device),
+            accumulate=True,
+        )

@@ -1,5 +1,6 @@
-"""Batched sampling: logit edits (grammar, min_tokens, logit_bias, penalties), greedy,
-temperature, min_p, top-k, top-p and per-request seeds.
+"""Batched sampling: a grammar's mask and the logits processors (min_tokens, logit_bias,
+penalties, min_p, plugins: ``logits_processors.py``), greedy, temperature, top-k, top-p and
+per-request seeds.
 
 Random rows are drawn by inverting their cumulative distribution with one uniform number a
 row: the first token whose cumulative probability exceeds u * total. That draws from p as
@@ -19,7 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from tandem.core.llm.forward_input import SamplerOutput, SamplingBatch
-from tandem.core.llm.logits_processors import apply_min_p, process_logits
+from tandem.core.llm.logits_processor import LogitsProcessor, StepRows
+from tandem.core.llm.logits_processors import (
+    LogitsProcessors,
+    apply_grammar_masks,
+    needs_after_temperature,
+    needs_pre_temperature,
+)
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 _CDF_BLOCK = 128
@@ -137,17 +144,35 @@ def inverse_cdf_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, processors: LogitsProcessors | None = None) -> None:
+        """``processors``: the worker's logits processors (None: the batches' processor
+        rows are ignored, as benchmarks and probes run)."""
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
+        self.processors = processors
+
+    def update(self, batch: SamplingBatch) -> None:
+        """Apply the batch update of a step that samples no row."""
+        if self.processors is not None and batch.update is not None:
+            self.processors.prepare(batch)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
+        processors = self.processors
+        active = processors.prepare(batch) if processors is not None else []
         # Logprobs are the model's own, before any edit (vLLM's default "raw_logprobs").
-        processed = process_logits(logits, batch) if batch.edits_logits else logits
+        processed = logits
+        if batch.grammar is not None or needs_pre_temperature(active):
+            processed = logits.clone()
+            if batch.grammar is not None:
+                apply_grammar_masks(processed, batch.grammar)
+            if processors is not None:
+                processed = processors.apply(processed, active, after_temperature=False)
         # max(dim) gives argmax's first-maximum index 3x faster on CPU (one pass, parallel).
         greedy = processed.max(dim=-1).indices if batch.all_greedy else None
-        tokens = greedy if greedy is not None else self._sample(processed, batch)
+        tokens = greedy if greedy is not None else self._sample(processed, batch, active)
+        if processors is not None and active:
+            processors.on_sampled(active, tokens)
         if batch.max_logprobs is None:
             return SamplerOutput(token_ids=tokens.tolist())
         logprobs = logits.log_softmax(dim=-1)
@@ -160,12 +185,17 @@ class Sampler:
             top_logprobs=top_values.tolist(),
         )
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        active: list[tuple[LogitsProcessor, StepRows]],
+    ) -> torch.Tensor:
         temps = batch.temperatures.to(logits.device)
         greedy = temps == 0
         scaled = logits / torch.where(greedy, 1.0, temps).unsqueeze(1)
-        if batch.min_p is not None:
-            scaled = apply_min_p(scaled, batch.min_p)
+        if self.processors is not None and needs_after_temperature(active):
+            scaled = self.processors.apply(scaled, active, after_temperature=True)
         if batch.needs_top_k_top_p:
             scaled = apply_top_k_top_p(
                 scaled, batch.top_k.to(logits.device), batch.top_p.to(logits.device)

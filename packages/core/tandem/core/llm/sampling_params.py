@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.core.errors import InvalidRequestError
 from tandem.core.llm.structured_output_spec import StructuredOutputSpec
@@ -52,6 +53,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # A grammar the output must follow (JSON schema, regex, choice, ...).
     structured_output: StructuredOutputSpec | None = None
+    # Parameters of logits-processor plugins, by the request field each declares
+    # (``LogitsProcessor.extra_params``); each processor checks its own.
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,25 +81,29 @@ class SamplingParams:
     def validate(self) -> None:
         """InvalidRequestError, naming the field, for any value out of range: every value
         must also fit the tensors the step is built from (int64, float32)."""
-        _check_int("max_tokens", self.max_tokens, low=1, high=MAX_INT)
-        _check_float("temperature", self.temperature, low=0.0, high=100.0)
-        _check_float("top_p", self.top_p, low=0.0, high=1.0)
+        check_int("max_tokens", self.max_tokens, low=1, high=MAX_INT)
+        check_float("temperature", self.temperature, low=0.0, high=100.0)
+        check_float("top_p", self.top_p, low=0.0, high=1.0)
         if self.top_p == 0.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         # -1 and 0 both disable the cut.
-        _check_int("top_k", self.top_k, low=-1, high=MAX_INT)
+        check_int("top_k", self.top_k, low=-1, high=MAX_INT)
         if self.seed is not None:
-            _check_int("seed", self.seed, low=0, high=2**63 - 1)
+            check_int("seed", self.seed, low=0, high=2**63 - 1)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must hold non-empty strings", param="stop")
         for token in self.stop_token_ids:
-            _check_int("stop_token_ids", token, low=0, high=MAX_INT)
+            check_int("stop_token_ids", token, low=0, high=MAX_INT)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+            check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
-        _check_int("min_tokens", self.min_tokens, low=0, high=MAX_INT)
+            check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
+        check_int("min_tokens", self.min_tokens, low=0, high=MAX_INT)
         self._validate_logit_processing()
+        # Here, not at the top: the processors' module reads SamplingParams.
+        from tandem.core.llm.logits_processors import validate_params
+
+        validate_params(self)
 
     def _validate_logit_processing(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -129,7 +137,8 @@ class SamplingParams:
                 )
 
 
-def _check_int(name: str, value: object, low: int, high: int) -> None:
+def check_int(name: str, value: object, low: int, high: int) -> None:
+    """InvalidRequestError naming ``name`` unless ``value`` is an int in [low, high]."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
     if low == 1 and value < 1:
@@ -138,7 +147,8 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
         raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {value}", param=name)
 
 
-def _check_float(name: str, value: object, low: float, high: float) -> None:
+def check_float(name: str, value: object, low: float, high: float) -> None:
+    """InvalidRequestError naming ``name`` unless ``value`` is a number in [low, high]."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidRequestError(f"{name} must be a number, got {value!r}", param=name)
     if not low <= value <= high:  # NaN fails this too

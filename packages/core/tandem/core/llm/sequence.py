@@ -11,7 +11,6 @@ from tandem.core.llm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tandem.core.llm.structured_output import GrammarState
-    from tandem.core.llm.token_history import TokenHistory
 
 
 class SequenceStatus(enum.Enum):
@@ -63,9 +62,8 @@ class TokenSequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     # One entry per prompt token once scored; the first token has nothing before it (None).
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    # The request's grammar (structured outputs) and its tokens as tensors (penalties).
+    # The request's grammar (structured outputs).
     grammar: GrammarState | None = None
-    token_history: TokenHistory | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     def __post_init__(self) -> None:

@@ -29,6 +29,7 @@ from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
 from tandem.core.llm.in_flight import InFlight, InFlightSteps
 from tandem.core.llm.input_builder import build_forward_input, failing_entries
 from tandem.core.llm.model_runner import LLMRunnerFactory
+from tandem.core.llm.sampling_rows import SamplingRows
 from tandem.core.llm.scheduler import Scheduler, SchedulerOutput
 from tandem.core.llm.sequence import TokenSequence
 from tandem.core.llm.stall_watch import StallWatch
@@ -60,6 +61,7 @@ class StepParts:
     lanes: LaneExecutor[ForwardInput, SamplerOutput] | None
     in_flight: InFlightSteps
     watch: StallWatch
+    sampling_rows: SamplingRows
     sync: Sync
     # Takes a request that failed while its batch was built (already finished with its
     # error), to deliver its output with the step's.
@@ -142,7 +144,9 @@ class SteppingBase:
         output is delivered with the step's), and the rest run; None if none is left."""
         block_size = self.parts.config.cache.block_size
         try:
-            return build_forward_input(out, block_size)
+            return build_forward_input(
+                out, block_size, self.parts.sampling_rows, alone=not self.in_flight.steps
+            )
         except Exception:
             logger.exception("building a batch of %d requests failed", len(out.scheduled))
         bad = failing_entries(out, block_size)
@@ -219,15 +223,17 @@ class LaunchAheadStepping(SerialStepping):
         the tokens just sampled (already appended), and nothing the processing decides can
         change it, except that a request may end on a stop string, whose row is then wasted
         and whose blocks are freed when the step completes (like an abort's). Requests whose
-        next input depends on that processing (grammars, penalties), waiting requests (the
-        full path admits them) and tight KV space (the full path preempts) rule it out; so do
-        requests that end here on a stop token or their length, which are left out."""
+        next input depends on that processing (grammars: their matchers advance there),
+        waiting requests (the full path admits them) and tight KV space (the full path
+        preempts) rule it out; so do requests that end here on a stop token or their
+        length, which are left out. Logits processors keep their own state from the tokens
+        they see sampled, so they do not."""
         sched = self.scheduler
         if len(sampled) != sched.num_running:
             return
         if sched.needs_full_step() or not sched.decodes_fit():
             return
-        if any(seq.grammar is not None or seq.params.has_penalties for seq, _ in sampled):
+        if any(seq.grammar is not None for seq, _ in sampled):
             return
         ending = {seq.request_id for seq, _ in sampled if seq.check_stop_token() is not None}
         out = sched.schedule_decodes(exclude=ending, max_seqs=sched.config.max_seqs_per_batch)
