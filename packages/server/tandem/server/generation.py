@@ -7,10 +7,12 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import Any
 
 from tandem.core import RequestOutput, SamplingParams
 from tandem.core.llm.engine_loop import RequestStream
 from tandem.core.llm.input_processor import Prompt
+from tandem.core.llm.logits_processors import processor_classes
 from tandem.core.llm.sequence import TokenSequence
 from tandem.core.llm.structured_output_spec import StructuredOutputSpec
 from tandem.server.deadline import RequestTimedOut
@@ -48,7 +50,18 @@ def sampling_params(
         logit_bias=logit_bias(body),
         include_stop_str_in_output=body.include_stop_str_in_output,
         structured_output=structured_output,
+        extra=plugin_params(body),
     )
+
+
+def plugin_params(body: _SamplingFields) -> dict[str, Any]:
+    """The request fields that installed logits-processor plugins declare (each checks its
+    own value when SamplingParams is made: an InvalidRequestError, a 400)."""
+    extra = body.model_extra
+    if not extra:
+        return {}
+    declared = {name for cls in processor_classes() for name in cls.extra_params}
+    return {name: value for name, value in extra.items() if name in declared}
 
 
 def logit_bias(body: _SamplingFields) -> dict[int, float]:

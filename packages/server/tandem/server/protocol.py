@@ -80,6 +80,10 @@ class StructuredOutputsParams(_Request):
 
 
 class _SamplingFields(_Request):
+    # Fields no model here declares are kept aside (``model_extra``): those a logits-processor
+    # plugin declares become its SamplingParams.extra (generation.py); the rest are ignored.
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
     model: StrictStr
     temperature: Number | None = Field(default=None, ge=0.0, le=2.0)
     top_p: Number | None = Field(default=None, gt=0.0, le=1.0)
