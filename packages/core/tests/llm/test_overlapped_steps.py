@@ -127,10 +127,14 @@ def test_nothing_runs_ahead_while_requests_wait_or_need_the_processing(
     demo_dir: Path, make_engine: EngineFactory
 ) -> None:
     engine = _engine(make_engine, demo_dir, overlap=True)
-    # Repetition penalties read the tokens the processing records: never launched ahead.
+    # Logits processors (repetition penalties here) keep their state from the tokens the
+    # sampler draws, not from the processing: their requests run ahead, with the tokens of
+    # one step at a time.
     penalized = SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.3)
-    engine.generate([[5, 6, 7], [8, 9]], penalized)
-    assert engine.stats.num_steps_launched_ahead == 0
+    ahead = engine.generate([[5, 6, 7], [8, 9]], penalized)
+    assert engine.stats.num_steps_launched_ahead > 0
+    plain = _engine(make_engine, demo_dir, overlap=False).generate([[5, 6, 7], [8, 9]], penalized)
+    assert [o.token_ids for o in ahead] == [o.token_ids for o in plain]
     # A request that arrives while others decode waits for the full path (admission).
     engine.add_request("first", [5, 6, 7], SamplingParams.greedy(max_tokens=30, ignore_eos=True))
     for _ in range(3):
