@@ -189,6 +189,8 @@ class LogitsProcessors:
         self.ctx = ctx
         chosen = processor_classes() if classes is None else classes
         self.processors = [cls(ctx) for cls in chosen]
+        # A plain lock, also under the simulator: the lanes' streams that call in are not
+        # simulated threads, and nothing in the processors waits on one.
         self._lock: LockLike = lock if lock is not None else threading.Lock()
 
     def prepare(self, batch: SamplingBatch) -> _Active:

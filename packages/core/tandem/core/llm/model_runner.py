@@ -182,7 +182,6 @@ class LLMRunnerFactory:
                     device=context.torch_device,
                     max_rows=config.scheduler.max_seqs_per_batch,
                 ),
-                context.sync.lock(),
             )
         return ModelRunner(
             model,

@@ -21,7 +21,6 @@ from tandem.core.config import EngineConfig
 from tandem.core.kv.cache_sizing import CacheSize
 from tandem.core.worker.lane_stager import LaneStager, Staged
 from tandem.device import Device
-from tandem.device.sync import REAL_SYNC, Sync
 
 StepT = TypeVar("StepT")
 OutT = TypeVar("OutT")
@@ -41,8 +40,6 @@ class RunnerContext:
     torch_device: torch.device
     group: ProcessGroup
     config: EngineConfig
-    # Locks the runner shares between its lanes come from here (the simulator's are its own).
-    sync: Sync = REAL_SYNC
 
 
 class StepRunner(Protocol[StepT, OutT_co]):

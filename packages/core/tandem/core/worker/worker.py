@@ -107,9 +107,7 @@ class Worker(Generic[StepT, OutT]):
             torch.set_num_threads(cpu_threads)
 
     def load_model(self) -> None:
-        context = RunnerContext(
-            self.device, self._torch_device(), self.group, self.config, self._sync
-        )
+        context = RunnerContext(self.device, self._torch_device(), self.group, self.config)
         # On CPU the kernel libraries build beside the load, and are in place before the
         # worker reports loaded: the server is not ready (/health) until they are.
         with preparing_cpu_kernels(self.device.kind):
