@@ -129,7 +129,7 @@ def run(models_dir: Path, max_tokens: int) -> dict[str, Any]:
         for layout in _LAYOUTS:
             engine = _engine(folder, layout)
             try:
-                eos = min(engine.eos_token_ids)
+                eos = min(engine.inputs.eos_token_ids)
                 named = settings(eos)
                 alone: dict[str, list[list[int]]] = {}
                 for setting, kwargs in named.items():
