@@ -21,7 +21,9 @@ class ServerLimits:
     # Run chat templates that requests bring (--trust-request-chat-template): a template is
     # code, and the model's own is the only one trusted by default.
     trust_request_chat_template: bool = False
-    # Seconds a chat template may take to render before it is stopped (400).
+    # Seconds of CPU time a chat template may use to render before it is stopped (400), its
+    # thread's own (waiting for the CPU or the GIL does not count); a wall-clock backstop
+    # of tandem.core.llm.time_limit.WALL_FACTOR times it stops one that makes no progress.
     template_time_limit_s: float = 5.0
     # Sequences one request may ask for: prompts x n (--max-sequences-per-request); past
     # it, a 400 before anything is tokenized.

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 from tandem.core.errors import InvalidRequestError, ModelLoadError
 from tandem.core.failure_text import client_text
-from tandem.core.llm.time_limit import TimeLimitExceeded, time_limit
+from tandem.core.llm.time_limit import WALL_FACTOR, TimeLimitExceeded, time_limit
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,8 @@ class Tokenizer:
     ) -> str:
         """The prompt text of ``messages``, rendered by ``chat_template`` (the server's
         --chat-template, or a trusted request's) or else the model's own; InvalidRequestError
-        if the template fails or runs longer than ``time_limit_s`` (it is stopped then)."""
+        if the template fails or runs longer than ``time_limit_s`` of CPU time, or a wall-clock
+        backstop several times that (time_limit.py; it is stopped then)."""
         if chat_template is None and not self.has_chat_template:
             raise InvalidRequestError(
                 "this model has no chat template: start the server with --chat-template FILE, "
@@ -176,9 +177,11 @@ class Tokenizer:
                     chat_template=chat_template,
                     **template_kwargs,
                 )
-        except TimeLimitExceeded:
+        except TimeLimitExceeded as exc:
+            assert time_limit_s is not None
             raise InvalidRequestError(
-                f"the chat template ran longer than {time_limit_s:g} s and was stopped",
+                f"the chat template {exc} and was stopped (its limit: {time_limit_s:g} s of "
+                f"CPU time, {WALL_FACTOR * time_limit_s:g} s on the clock)",
                 param="messages",
             ) from None
         except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
