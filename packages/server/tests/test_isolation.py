@@ -6,12 +6,13 @@ integration/test_isolation.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import httpx
 import pytest
@@ -20,8 +21,10 @@ from starlette.types import Message, Receive, Scope, Send
 from tandem.core import CacheConfig, EngineConfig, EngineLoop, LLMEngine, ModelLoadConfig
 from tandem.core.demo.demo_model import tiny_spec, write_demo_model
 from tandem.server.app import ApiKeyMiddleware, create_app
+from tandem.server.body_buffer import Spilled
 from tandem.server.connections import connection_cap
 from tandem.server.metrics import ServerMetrics
+from tandem.server.prepare_worker import Answer
 from tandem.server.preparer import RequestPreparer
 from tandem.server.state import ServerLimits, ServerState
 
@@ -258,3 +261,82 @@ def test_the_connection_cap_stays_below_the_open_file_limit() -> None:
     assert (cap, why) == (8, "accepting at most 8 connections (--max-connections)")
     assert connection_cap(None, 64, 100)[0] == 1
     assert connection_cap(None, None, 30)[0] > 0
+
+
+# ---- large bodies: prepared in a process, never in the server's heap -----------------------
+
+
+class _FakeProcesses:
+    """Stands in for the preparation processes: records each job and its body."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.processes = object()
+        self.jobs: list[tuple[str, bytes]] = []
+        self.answer = answer
+
+    async def run_in_process(self, job: str, body: Spilled) -> tuple[Answer, Spilled]:
+        # The body reached here out of the heap, in a mapping of its own.
+        assert isinstance(body, Spilled)
+        with body.view() as raw:
+            self.jobs.append((job, bytes(raw)))
+        answer = Spilled(len(self.answer))
+        answer.write(self.answer)
+        return Answer(200, b"", body_size=len(self.answer)), answer
+
+
+def _post_in_pieces(app: Any, path: str, body: bytes) -> tuple[int, bytes]:
+    """POST ``body`` to the ASGI ``app`` in 64 KiB pieces, as the connection delivers it."""
+    pieces = [body[i : i + (64 << 10)] for i in range(0, len(body), 64 << 10)]
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        if pieces:
+            piece = pieces.pop(0)
+            return {"type": "http.request", "body": piece, "more_body": bool(pieces)}
+        await asyncio.sleep(10)
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    headers = [(b"content-length", str(len(body)).encode())]
+    scope: Scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
+    asyncio.run(app(scope, receive, send))
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+@pytest.mark.parametrize(
+    ("path", "job"),
+    [("/tokenize", "tokenize"), ("/detokenize", "detokenize"),
+     ("/v1/completions", "completion"), ("/v1/chat/completions", "chat")],
+)  # fmt: skip
+def test_a_large_body_to_any_preparing_route_goes_to_a_process_out_of_the_heap(
+    path: str, job: str
+) -> None:
+    """The issue's cases: a completion with a huge prompt or 20,000 prompts, or a
+    /detokenize of a huge id list, were parsed and prepared on the server's own threads,
+    holding its GIL; and every large body stayed in its heap for good."""
+    from tandem.server.app import BodyLimitMiddleware
+    from tandem.server.preparer import PROCESS_BODY_BYTES, PreparationMiddleware
+
+    answer = b'{"tokens": [' + b"1, " * 100_000 + b"1]}"
+    fake = _FakeProcesses(answer)
+    reached: list[bytes] = []
+
+    async def inner(scope: Scope, receive: Receive, send: Send) -> None:
+        reached.append((await receive())["body"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"inner"})
+
+    app = BodyLimitMiddleware(PreparationMiddleware(inner, cast(Any, fake)), limit=8 << 20)
+    large = json.dumps({"prompt": "x" * (PROCESS_BODY_BYTES + 10)}).encode()
+    status, body = _post_in_pieces(app, path, large)
+    assert (status, body) == (200, answer)
+    assert fake.jobs == [(job, large)] and reached == []
+    # A small body is prepared in the server, as before.
+    small = json.dumps({"prompt": "x"}).encode()
+    assert _post_in_pieces(app, path, small) == (200, b"inner")
+    assert reached == [small] and len(fake.jobs) == 1
+    # A large body to another route reaches it whole, as bytes.
+    assert _post_in_pieces(app, "/v1/other", large) == (200, b"inner")
+    assert reached[-1] == large

@@ -14,6 +14,7 @@ from fastapi.responses import PlainTextResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem.core.errors import EngineUnhealthyError
+from tandem.server.body_buffer import SPILL_BYTES, Spilled
 from tandem.server.chat import create_chat_completion
 from tandem.server.completions import create_completion
 from tandem.server.deadline import DeadlineMiddleware
@@ -41,7 +42,7 @@ from tandem.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from tandem.server.replayed_body import replayed_body
+from tandem.server.replayed_body import SPILLED_SCOPE_KEY, replayed_body
 from tandem.server.state import ServerLimits, ServerState
 from tandem.server.tokenize import check_tokenize_budget, detokenize, tokenize
 
@@ -75,26 +76,48 @@ class BodyLimitMiddleware:
         deadline = loop.time() + self.timeout_s
         chunks: list[bytes] = []
         size = 0
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
-            except asyncio.TimeoutError:
-                text = f"The request body did not arrive within {self.timeout_s:g} s."
-                await _closing(error_response(408, text))(scope, receive, send)
+        # A large body goes into a mapping of its own (body_buffer.py), not the heap.
+        spilled: Spilled | None = None
+        try:
+            while True:
+                try:
+                    message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+                except asyncio.TimeoutError:
+                    text = f"The request body did not arrive within {self.timeout_s:g} s."
+                    await _closing(error_response(408, text))(scope, receive, send)
+                    return
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.limit:
+                    if message.get("more_body", False):
+                        await _discard_rest(receive, min(deadline, loop.time() + _DISCARD_S))
+                    await self._too_large(scope, receive, send)
+                    return
+                if spilled is None and size > SPILL_BYTES:
+                    # h11 delivers no more than a Content-Length declares.
+                    known = declared is not None and declared.isdigit()
+                    spilled = Spilled(int(declared or 0) if known else self.limit)
+                    for earlier in chunks:
+                        spilled.write(earlier)
+                    chunks.clear()
+                if spilled is not None:
+                    spilled.write(chunk)
+                else:
+                    chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+            if spilled is None:
+                await self.app(scope, replayed_body(b"".join(chunks), receive), send)
                 return
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                if message.get("more_body", False):
-                    await _discard_rest(receive, min(deadline, loop.time() + _DISCARD_S))
-                await self._too_large(scope, receive, send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        await self.app(scope, replayed_body(b"".join(chunks), receive), send)
+            # The preparation middleware takes a spilled body from the scope; any other app
+            # reads it as bytes.
+            inner = {**scope, SPILLED_SCOPE_KEY: spilled}
+            await self.app(inner, replayed_body(spilled.to_bytes, receive), send)
+        finally:
+            if spilled is not None:
+                spilled.close()
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"The request body is larger than the limit of {self.limit} bytes."

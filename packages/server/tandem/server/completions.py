@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
 from tandem.core import RequestOutput
-from tandem.core.llm.input_processor import Prompt
+from tandem.core.llm.input_processor import Prompt, PromptEncoder
 from tandem.core.llm.sequence import TokenLogprobs
 from tandem.server.common import check_request, new_id, usage
 from tandem.server.endpoint import StreamShape, respond
 from tandem.server.errors import ApiError
 from tandem.server.generation import Job, sampling_params
 from tandem.server.logprobs import TokenNames, generated, legacy_logprobs, prompt_logprobs_json
+from tandem.server.preparer import PREPARED_SCOPE_KEY
 from tandem.server.protocol import CompletionRequest
 from tandem.server.state import ServerState
 from tandem.server.structured_outputs import compile_grammar, structured_output_spec
+
+if TYPE_CHECKING:
+    pass
 
 
 def _prompts(body: CompletionRequest) -> list[Prompt]:
@@ -38,9 +42,10 @@ def _prompts(body: CompletionRequest) -> list[Prompt]:
     return out
 
 
-async def create_completion(
-    state: ServerState, body: CompletionRequest, request: Request | None = None
-) -> Any:
+def check_completion(state: ServerState, body: CompletionRequest) -> list[Prompt]:
+    """What is refused before any work (the same wherever the request is prepared): the
+    model, the budgets, the fields that contradict one another, the prompts' shape, the
+    grammar's form; the prompts otherwise."""
     check_request(state, body)
     requested = 16 if body.max_tokens is None else body.max_tokens
     if requested == 0 and not body.echo:
@@ -50,9 +55,36 @@ async def create_completion(
             400, "prompt_logprobs are not available with stream=true.", param="prompt_logprobs"
         )
     prompts = _prompts(body)
+    structured_output_spec(body)
+    return prompts
+
+
+def tokenize_prompts(
+    inputs: PromptEncoder, prompts: list[Prompt], echo: bool
+) -> tuple[list[list[int]], list[str]]:
+    """Each prompt's ids (text tokenized once for all n choices, after a size check) and its
+    echo: slow for long inputs, so never on the event loop (a preparation process runs it
+    for a large body)."""
+    ids = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            ids.append(inputs.encode_prompt(prompt))
+        else:
+            inputs.check_prompt_length(len(prompt))
+            ids.append(prompt)
+    echoes = [
+        (p if isinstance(p, str) else inputs.tokenizer.decode(i)) if echo else ""
+        for p, i in zip(prompts, ids, strict=True)
+    ]
+    return ids, echoes
+
+
+async def create_completion(
+    state: ServerState, body: CompletionRequest, request: Request | None = None
+) -> Any:
+    prompts = check_completion(state, body)
+    requested = 16 if body.max_tokens is None else body.max_tokens
     spec = structured_output_spec(body)
-    if spec is not None:
-        await compile_grammar(state, spec)
     shape = _Shape(
         body=body,
         names=TokenNames(state.engine.tokenizer, body.return_tokens_as_token_ids),
@@ -65,23 +97,18 @@ async def create_completion(
         prompt_logprobs = body.logprobs
     inputs = state.engine.inputs
 
-    def tokenize() -> tuple[list[list[int]], list[str]]:
-        """Each prompt's ids (text tokenized once for all n choices, after a size check)
-        and its echo: slow for long inputs, so never on the event loop."""
-        ids = []
-        for prompt in prompts:
-            if isinstance(prompt, str):
-                ids.append(inputs.encode_prompt(prompt))
-            else:
-                inputs.check_prompt_length(len(prompt))
-                ids.append(prompt)
-        echoes = [
-            (p if isinstance(p, str) else inputs.tokenizer.decode(i)) if body.echo else ""
-            for p, i in zip(prompts, ids, strict=True)
-        ]
-        return ids, echoes
-
-    prompt_ids, prompt_echoes = await state.preparer.run(tokenize)
+    # A large body was prepared in a preparation process (preparer.py) before it got here,
+    # and arrives with a stand-in for its prompts.
+    prepared = None if request is None else request.scope.get(PREPARED_SCOPE_KEY)
+    if prepared is not None:
+        prompt_ids, prompt_echoes = prepared
+    else:
+        prompt_ids, prompt_echoes = await state.preparer.run(
+            lambda: tokenize_prompts(inputs, prompts, body.echo)
+        )
+    # After the prompts, as for chat: the same errors first wherever a request is prepared.
+    if spec is not None:
+        await compile_grammar(state, spec)
     # Nothing to generate still takes one step: the one that computes the prompt.
     max_tokens = max(requested, 1)
     jobs = [
@@ -100,7 +127,9 @@ async def create_completion(
 
     def complete(outputs: list[RequestOutput], created: int) -> dict[str, Any]:
         choices = [shape.choice(job.index, out) for job, out in zip(jobs, outputs, strict=True)]
-        prompt_tokens = sum(len(outputs[p * body.n].prompt_token_ids) for p in range(len(prompts)))
+        prompt_tokens = sum(
+            len(outputs[p * body.n].prompt_token_ids) for p in range(len(prompt_ids))
+        )
         generated_tokens = 0 if shape.echo_only else sum(len(o.token_ids) for o in outputs)
         return {
             "id": request_id,

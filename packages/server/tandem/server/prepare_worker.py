@@ -9,11 +9,13 @@ GIL, but turning its result into lists held it 0.4-0.5 s more); pydantic validat
 150,000 chat messages for up to 0.25 s at a time (1.2 s in all); pickling or unpickling such
 a body for up to 0.4 s; a gen-2 garbage collection over its objects 0.2 s; and a template
 rendering them is Python that competes for the GIL with the engine's threads for its whole
-time limit. Here only bytes cross: the server sends the body's bytes and gets back bytes (a
-whole answer, or a small body to go on with) and the few token ids of a prompt that fits.
+time limit; a completion's 20,000 prompts, or a /detokenize of 131,072 ids, are the same
+kind of work. Here only bytes cross: the server sends the body's bytes and gets back bytes
+(a whole answer, or a small body to go on with) and the token ids of prompts that fit.
 
-The process reads frames from stdin and writes them to stdout (``write_frame``); the first
-frame is its ``WorkerSpec``. It ends when stdin closes (the server went away), and after a
+The process reads frames from stdin and writes them to stdout (``write_frame``; a job's
+body and an answer's body go as raw bytes after their frame); the first frame is its
+``WorkerSpec``. It ends when stdin closes (the server went away), and after a
 job that left it holding much more memory than it started with (it says so in its reply;
 the server starts another)."""
 
@@ -41,7 +43,9 @@ _HEADER = struct.Struct("<Q")
 
 # Jobs: what the server asks of a body.
 TOKENIZE = "tokenize"
+DETOKENIZE = "detokenize"
 CHAT = "chat"
+COMPLETION = "completion"
 
 
 @dataclass(frozen=True)
@@ -64,11 +68,13 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class Answer:
-    """The whole answer to the request (status, JSON body)."""
+    """The whole answer to the request (status, JSON body). Between the processes the
+    body travels as raw bytes after the frame (``body_size`` of them; ``write_reply``)."""
 
     status: int
     body: bytes
     retire: bool = False
+    body_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,10 +103,39 @@ def read_frame(stream: IO[bytes]) -> Any:
     if len(header) < _HEADER.size:
         raise EOFError
     (size,) = _HEADER.unpack(header)
+    return pickle.loads(read_exactly(stream, size))
+
+
+def read_exactly(stream: IO[bytes], size: int) -> bytes:
     data = stream.read(size)
     if len(data) < size:
         raise EOFError
-    return pickle.loads(data)
+    return data
+
+
+def write_job(stream: IO[bytes], job: str, body: bytes | memoryview) -> None:
+    """A job and its request body: the body as raw bytes after the frame, never a pickled
+    copy (the server hands over a view of a body it kept out of its heap)."""
+    write_frame(stream, (job, len(body)))
+    stream.write(body)
+    stream.flush()
+
+
+def read_job(stream: IO[bytes]) -> tuple[str, bytes]:
+    job, size = read_frame(stream)
+    return job, read_exactly(stream, size)
+
+
+def write_reply(stream: IO[bytes], reply: Reply) -> None:
+    """``reply``; an answer's body as raw bytes after the frame (the server reads it into a
+    mapping of its own when it is large, body_buffer.py)."""
+    if isinstance(reply, Answer):
+        body = reply.body
+        write_frame(stream, replace(reply, body=b"", body_size=len(body)))
+        stream.write(body)
+        stream.flush()
+    else:
+        write_frame(stream, reply)
 
 
 class _Engine:
@@ -162,10 +197,35 @@ def _error(exc: BaseException) -> Answer:
 
 def _tokenize(state: Any, raw: bytes) -> Reply:
     from tandem.server.protocol import TokenizeRequest
-    from tandem.server.tokenize import tokenize
+    from tandem.server.tokenize import check_tokenize_budget, tokenize
 
     body = TokenizeRequest.model_validate_json(raw)
+    check_tokenize_budget(state, body)
     return _json(200, tokenize(state, body))
+
+
+def _detokenize(state: Any, raw: bytes) -> Reply:
+    from tandem.server.protocol import DetokenizeRequest
+    from tandem.server.tokenize import check_tokenize_budget, detokenize
+
+    body = DetokenizeRequest.model_validate_json(raw)
+    check_tokenize_budget(state, body)
+    return _json(200, detokenize(state, body))
+
+
+def _completion(state: Any, raw: bytes) -> Reply:
+    """The completion request's prompts, tokenized (and their echoes); the body goes on with
+    a one-token stand-in for its prompts (completions.py takes them from the request's
+    scope)."""
+    from tandem.server.completions import check_completion, tokenize_prompts
+    from tandem.server.protocol import CompletionRequest
+
+    body = CompletionRequest.model_validate_json(raw)
+    prompts = check_completion(state, body)
+    prepared = tokenize_prompts(state.engine.inputs, prompts, body.echo)
+    slim = json.loads(raw)
+    slim["prompt"] = [0]
+    return Prepared(json.dumps(slim).encode("ascii"), prepared)
 
 
 def _chat(state: Any, raw: bytes) -> Reply:
@@ -184,7 +244,7 @@ def _chat(state: Any, raw: bytes) -> Reply:
     return Prepared(json.dumps(slim).encode("ascii"), prepared)
 
 
-_JOBS = {TOKENIZE: _tokenize, CHAT: _chat}
+_JOBS = {TOKENIZE: _tokenize, DETOKENIZE: _detokenize, CHAT: _chat, COMPLETION: _completion}
 
 
 def rss_mib() -> float:
@@ -212,8 +272,10 @@ def serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
     state = _State(spec)
     # Every job once, small: what they import and build lazily is in the baseline.
     _JOBS[TOKENIZE](state, b'{"prompt": "warm up"}')
+    _JOBS[DETOKENIZE](state, b'{"tokens": [1, 2]}')
     hello = {"model": spec.served_model_name, "messages": [{"role": "user", "content": "hi"}]}
     _JOBS[CHAT](state, json.dumps(hello).encode())
+    _JOBS[COMPLETION](state, json.dumps({"model": spec.served_model_name, "prompt": "hi"}).encode())
     gc.collect()
     malloc_trim()
     baseline = rss_mib()
@@ -221,7 +283,7 @@ def serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
     write_frame(stdout, "ready")
     while True:
         try:
-            job, raw = read_frame(stdin)
+            job, raw = read_job(stdin)
         except EOFError:
             return
         started = time.monotonic()
@@ -240,7 +302,7 @@ def serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
                 grown,
                 time.monotonic() - started,
             )
-        write_frame(stdout, replace(reply, retire=retire))
+        write_reply(stdout, replace(reply, retire=retire))
         if retire:
             return
 

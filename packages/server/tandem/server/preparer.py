@@ -3,17 +3,20 @@ template, tokenizing, decoding an echoed prompt), so that no request freezes ano
 stream or /health.
 
 Small requests are prepared on a few threads of the server (never the event loop). A
-large body (``PROCESS_BODY_BYTES``) to /tokenize or /v1/chat/completions is parsed,
-rendered and tokenized in a preparation process instead (prepare_worker.py, which says
-what each step held on the server's own threads): ``PreparationMiddleware`` hands it the
-body's bytes and either sends the answer it gets back (/tokenize, every error) or passes
-the request on with its messages dropped and the prepared prompt in the request's scope
-(``PREPARED_SCOPE_KEY``). Those processes run at a lower priority than the server, with a
-tokenizer of their own (the engine's, whose lock its detokenizer takes every step, is never
-held by a large encode); each gives its heap back after every job (``malloc_trim``), and
-one that still grew by a job is replaced. The server itself only holds the body's bytes
-for a while (it does not trim its heap: glibc's trim holds the arena locks every thread
-allocates through, which stalled /health for a second in a measurement)."""
+large body (``PROCESS_BODY_BYTES``) to /tokenize, /detokenize, /v1/completions or
+/v1/chat/completions is parsed, checked, rendered and tokenized in a preparation process
+instead (prepare_worker.py, which says what each step held on the server's own threads):
+``PreparationMiddleware`` hands it the body's bytes and either sends the answer it gets back
+(/tokenize, /detokenize, every error) or passes the request on with its messages or prompts
+replaced by a stand-in and what was prepared in the request's scope (``PREPARED_SCOPE_KEY``).
+Those processes run at a lower priority than the server, with a tokenizer of their own (the
+engine's, whose lock its detokenizer takes every step, is never held by a large encode);
+each gives its heap back after every job (``malloc_trim``), and one that still grew by a job
+is replaced. The server itself never holds a large body or answer in its heap: the body
+limits spill it into a mapping of its own, which goes to the process through its pipe as a
+view, and a large answer comes back into another, sent to the client in pieces
+(body_buffer.py; the server does not trim its heap: glibc's trim holds the arena locks every
+thread allocates through, which stalled /health for a second in a measurement)."""
 
 from __future__ import annotations
 
@@ -30,18 +33,23 @@ from typing import TYPE_CHECKING, TypeVar
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tandem.server.body_buffer import SPILL_BYTES, Payload, Spilled, payload_pieces
 from tandem.server.deadline import RequestTimedOut, before_deadline
 from tandem.server.prepare_worker import (
     CHAT,
+    COMPLETION,
+    DETOKENIZE,
     TOKENIZE,
     Answer,
     Prepared,
     Reply,
     WorkerSpec,
+    read_exactly,
     read_frame,
     write_frame,
+    write_job,
 )
-from tandem.server.replayed_body import replayed_body
+from tandem.server.replayed_body import SPILLED_SCOPE_KEY, replayed_body
 
 if TYPE_CHECKING:
     from tandem.server.state import ServerState
@@ -52,11 +60,17 @@ T = TypeVar("T")
 
 # Where a request's prepared prompt waits for chat.py: (RenderedPrompt, token ids).
 PREPARED_SCOPE_KEY = "tandem.prepared"
-# Bodies larger than this go to a preparation process. Below it, the server's own threads
-# are quick enough (2,000 chat messages validate and render in ~20 ms).
-PROCESS_BODY_BYTES = 64 << 10
+# Bodies larger than this go to a preparation process (the body limits have spilled them
+# out of the heap, body_buffer.py). Below it, the server's own threads are quick enough
+# (2,000 chat messages validate and render in ~20 ms).
+PROCESS_BODY_BYTES = SPILL_BYTES
 # The routes whose large bodies are prepared in a process, and the job each one is.
-_JOBS = {"/tokenize": TOKENIZE, "/v1/chat/completions": CHAT}
+_JOBS = {
+    "/tokenize": TOKENIZE,
+    "/detokenize": DETOKENIZE,
+    "/v1/chat/completions": CHAT,
+    "/v1/completions": COMPLETION,
+}
 
 
 _WORKER_MAIN = "import os; os.nice({nice}); from tandem.server.prepare_worker import main; main()"
@@ -83,19 +97,28 @@ class _Process:
         write_frame(self.stdin, spec)
         self.ready = False
 
-    def call(self, job: str, raw: bytes) -> Reply:
+    def call(self, job: str, raw: bytes | memoryview) -> tuple[Reply, Payload]:
+        """The reply to ``job`` and, for an answer, its body (a large one in a mapping of
+        its own, body_buffer.py)."""
         try:
             if not self.ready:
                 if read_frame(self.stdout) != "ready":
                     raise PreparationFailed("a preparation process did not start")
                 self.ready = True
-            write_frame(self.stdin, (job, raw))
+            write_job(self.stdin, job, raw)
             reply = read_frame(self.stdout)
+            body: Payload = b""
+            if isinstance(reply, Answer):
+                size = reply.body_size
+                if size > SPILL_BYTES:
+                    body = Spilled.read_from(self.stdout, size)
+                else:
+                    body = read_exactly(self.stdout, size)
         except Exception as exc:  # noqa: BLE001 - the process is replaced whatever went wrong
             raise PreparationFailed(f"a preparation process failed ({exc!r})") from None
         if not isinstance(reply, Answer | Prepared):
             raise PreparationFailed(f"a preparation process answered {type(reply).__name__}")
-        return reply
+        return reply, body
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -161,10 +184,10 @@ class PreparationProcesses:
             self._started -= 1
         process.close()
 
-    def call(self, job: str, raw: bytes) -> Reply:
+    def call(self, job: str, raw: bytes | memoryview) -> tuple[Reply, Payload]:
         process = self._take()
         try:
-            reply = process.call(job, raw)
+            reply, body = process.call(job, raw)
         except PreparationFailed:
             self._retire(process)
             raise
@@ -176,7 +199,7 @@ class PreparationProcesses:
             self._retire(process)
         else:
             self._idle.put(process)
-        return reply
+        return reply, body
 
     def close(self) -> None:
         self._closed = True
@@ -207,14 +230,19 @@ class RequestPreparer:
         if count > 0 and self.processes is None:
             self.processes = PreparationProcesses(spec, count)
 
-    async def run_in_process(self, job: str, raw: bytes) -> Reply:
+    async def run_in_process(self, job: str, body: Spilled) -> tuple[Reply, Payload]:
         assert self.processes is not None
         processes = self.processes
         loop = asyncio.get_running_loop()
+
+        def call() -> tuple[Reply, Payload]:
+            # The view goes with the call: the mapping outlives a request that timed out
+            # while its body was still being written to the pipe.
+            with body.view() as raw:
+                return processes.call(job, raw)
+
         # The request's deadline bounds the wait (a job still queued for a thread never runs).
-        return await before_deadline(
-            loop.run_in_executor(processes.threads, processes.call, job, raw)
-        )
+        return await before_deadline(loop.run_in_executor(processes.threads, call))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -247,36 +275,25 @@ class PreparationMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         job = _JOBS.get(str(scope.get("path", "")))
+        spilled = scope.get(SPILLED_SCOPE_KEY)
         if (
             scope["type"] != "http"
             or scope.get("method") != "POST"
             or job is None
             or self.preparer.processes is None
+            or not isinstance(spilled, Spilled)
         ):
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        raw = b"".join(chunks)
-        del chunks
-        if len(raw) <= PROCESS_BODY_BYTES:
-            await self.app(scope, replayed_body(raw, receive), send)
-            return
-        await self._prepare(job, raw, scope, receive, send)
+        await self._prepare(job, spilled, scope, receive, send)
 
     async def _prepare(
-        self, job: str, raw: bytes, scope: Scope, receive: Receive, send: Send
+        self, job: str, body: Spilled, scope: Scope, receive: Receive, send: Send
     ) -> None:
         from tandem.server.errors import error_response
 
         try:
-            reply = await self.preparer.run_in_process(job, raw)
+            reply, answer = await self.preparer.run_in_process(job, body)
         except RequestTimedOut as exc:
             await error_response(504, str(exc), code="timeout")(scope, receive, send)
             return
@@ -286,18 +303,27 @@ class PreparationMiddleware:
                                  "process ended")(scope, receive, send)  # fmt: skip
             return
         if isinstance(reply, Answer):
-            await _send_json(send, reply.status, reply.body)
+            try:
+                await _send_json(send, reply.status, answer)
+            finally:
+                if isinstance(answer, Spilled):
+                    answer.close()
             return
         headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-length"]
         headers.append((b"content-length", str(len(reply.body)).encode()))
-        inner = {**scope, "headers": headers, PREPARED_SCOPE_KEY: reply.value}
+        inner = {k: v for k, v in scope.items() if k != SPILLED_SCOPE_KEY}
+        inner.update({"headers": headers, PREPARED_SCOPE_KEY: reply.value})
         await self.app(inner, replayed_body(reply.body, receive), send)
 
 
-async def _send_json(send: Send, status: int, body: bytes) -> None:
+async def _send_json(send: Send, status: int, body: Payload) -> None:
+    """The answer, a large one in pieces: the connection's write buffer, not the heap,
+    holds the rest, and the event loop never copies megabytes at once."""
     headers: list[tuple[bytes, bytes]] = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    for piece in payload_pieces(body):
+        await send({"type": "http.response.body", "body": piece, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
