@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Iterable
+from dataclasses import dataclass, fields
 from typing import Any
 
 from tandem.core import RequestOutput, SamplingParams
@@ -30,7 +30,7 @@ def sampling_params(
     structured_output: StructuredOutputSpec | None = None,
 ) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    return SamplingParams(
+    mapped: dict[str, Any] = dict(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
@@ -39,19 +39,30 @@ def sampling_params(
         seed=None if body.seed is None else (body.seed + choice) % (2**63),
         stop=stop,
         stop_token_ids=list(body.stop_token_ids or []),
-        ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         presence_penalty=float(body.presence_penalty or 0.0),
         frequency_penalty=float(body.frequency_penalty or 0.0),
         repetition_penalty=float(body.repetition_penalty or 1.0),
         min_p=float(body.min_p or 0.0),
-        min_tokens=body.min_tokens,
         logit_bias=logit_bias(body),
-        include_stop_str_in_output=body.include_stop_str_in_output,
         structured_output=structured_output,
         extra=plugin_params(body),
     )
+    return SamplingParams(**mapped, **passed_through(body, exclude=mapped.keys()))
+
+
+# SamplingParams' fields, for the request fields that pass through under the same name.
+_PARAMS_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+
+
+def passed_through(body: _SamplingFields, exclude: Iterable[str]) -> dict[str, Any]:
+    """The request fields named like a SamplingParams field that need no conversion (``ignore_eos``,
+    ``min_tokens``, ...), as the client set them: a new sampling parameter is its protocol
+    field, its SamplingParams field and its logits processor, with no line here."""
+    names = (type(body).model_fields.keys() & _PARAMS_FIELDS) - set(exclude)
+    values = {name: getattr(body, name) for name in names}
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def plugin_params(body: _SamplingFields) -> dict[str, Any]:
