@@ -48,7 +48,7 @@ class SchedulerConfig:
     # the watchdog logs its state and fails them (a safety net: a live engine never idles
     # with work it could do).
     stall_timeout_s: float = 60.0
-    # Requests that may wait for admission (queued or in the waiting queue) before new ones
+    # Requests that may wait beside the max_seqs_per_batch that can run: past both, new ones
     # are refused with "overloaded" (HTTP 503, Retry-After); None = no bound.
     max_waiting_requests: int | None = None
 
@@ -81,6 +81,10 @@ class ModelLoadConfig:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+
+    def context_length(self, model_limit: int) -> int:
+        """The longest sequence served: ``max_model_len``, within the model's own limit."""
+        return min(self.max_model_len or model_limit, model_limit)
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,14 @@ counts win; a budget without room for one slot fails at start-up, naming the fla
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tandem.core.config import CacheConfig
 from tandem.core.errors import ConfigError
 from tandem.core.kv.cache_sizing import CacheCosts, CacheSize, size_cache
-from tandem.core.kv.kv_cache import GIB
+from tandem.core.kv.kv_cache import GIB, sequence_block_demand
 from tandem.device import Device, MemoryInfo
 
 MEMORY = MemoryInfo(total_bytes=64 * GIB, free_bytes=60 * GIB)
@@ -65,3 +67,39 @@ def test_a_model_without_full_attention_needs_an_explicit_block_count() -> None:
     with pytest.raises(ConfigError, match="--num-blocks"):
         _size(CacheConfig(), costs)
     assert _size(CacheConfig(num_blocks=9), costs) == CacheSize(9, 64)
+
+
+def test_blocks_stop_at_what_the_running_sequences_can_hold() -> None:
+    # 1 GiB of 1 MiB blocks fits 1024; 4 sequences of 100 tokens in blocks of 16 hold 28.
+    costs = CacheCosts(weight_bytes=0, block_bytes=1 << 20, state_slot_bytes=0)
+    config = CacheConfig(cpu_memory_gb=1.0, max_memory_utilization=1.0)
+    demand = sequence_block_demand(4, 100, 16, prefix_cache=False)
+    assert demand.blocks == 4 * 7
+    assert size_cache(config, 4, CPU, MEMORY, costs, demand) == CacheSize(28, 0)
+    cached = sequence_block_demand(4, 100, 16, prefix_cache=True)
+    assert size_cache(config, 4, CPU, MEMORY, costs, cached) == CacheSize(56, 0)
+    # Less memory than the demand: memory decides, as before.
+    tight = CacheConfig(cpu_memory_gb=16 / 1024, max_memory_utilization=1.0)
+    assert size_cache(tight, 4, CPU, MEMORY, costs, demand) == CacheSize(16, 0)
+
+
+def test_an_explicit_block_count_wins_over_the_demand(caplog: pytest.LogCaptureFixture) -> None:
+    costs = CacheCosts(weight_bytes=0, block_bytes=1 << 20, state_slot_bytes=1 << 20)
+    demand = sequence_block_demand(2, 32, 16, prefix_cache=False)
+    with caplog.at_level(logging.INFO, logger="tandem.core.kv.kv_cache"):
+        assert _size(CacheConfig(num_blocks=500), costs).num_blocks == 500
+        config = CacheConfig(num_blocks=500)
+        assert size_cache(config, 2, CPU, MEMORY, costs, demand) == CacheSize(500, 2)
+    assert "as --num-blocks says" in caplog.text
+
+
+def test_the_log_says_the_budget_and_why(caplog: pytest.LogCaptureFixture) -> None:
+    costs = CacheCosts(weight_bytes=0, block_bytes=1 << 20, state_slot_bytes=0)
+    config = CacheConfig(cpu_memory_gb=1.0, max_memory_utilization=1.0)
+    demand = sequence_block_demand(4, 100, 16, prefix_cache=True)
+    with caplog.at_level(logging.INFO, logger="tandem.core.kv.kv_cache"):
+        size_cache(config, 4, CPU, MEMORY, costs, demand)
+    line = caplog.records[-1].getMessage()
+    assert "56 blocks" in line and "4 sequences (--max-num-seqs)" in line, line
+    assert "100 tokens (--max-model-len)" in line and "prefix cache" in line, line
+    assert "would allow 1024" in line, line

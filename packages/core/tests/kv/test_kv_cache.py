@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -61,3 +64,31 @@ def test_cache_starts_zeroed() -> None:
     for k, v in caches:
         assert k.shape == (4, 4, 2, 8)
         assert torch.count_nonzero(k) == 0 and torch.count_nonzero(v) == 0
+
+
+def _resident_kib() -> int:
+    with open("/proc/self/statm") as statm:
+        pages = int(statm.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_a_host_cache_holds_only_the_pages_attention_touched() -> None:
+    # 512 MiB of blocks: zero-filled up front, every page would be resident at once.
+    before = _resident_kib()
+    caches = allocate_kv_cache(
+        4,
+        num_blocks=4095,
+        block_size=16,
+        num_kv_heads=8,
+        head_dim=64,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    grown = _resident_kib() - before
+    assert grown < 64 * 1024, f"{grown} KiB resident after allocating 512 MiB"
+    k, v = caches[3]
+    assert torch.count_nonzero(k[4095]) == 0 and torch.count_nonzero(v[17]) == 0
+    k[5].fill_(1.0)
+    assert float(caches[3][0][5].sum()) == 16 * 8 * 64
+    assert torch.count_nonzero(caches[3][0]) == 16 * 8 * 64

@@ -9,7 +9,10 @@ So the two are sized differently out of the same budget:
   be memory no sequence can use. They may take at most half of what is free after the
   weights: the full-attention layers' KV blocks need the rest, and a running sequence needs
   both. With less than that, fewer slots, and sequences wait for one at admission.
-* KV blocks from what remains, as for the dense models.
+* KV blocks from what remains, as for the dense models, but never more than the product's
+  scheduler can hold at once (``BlockDemand``): for the LLM, ``--max-num-seqs`` sequences
+  of ``--max-model-len`` tokens, twice over with prefix caching. Memory past that would be
+  reserved for blocks no sequence can use.
 
 ``--num-state-slots`` and ``--num-blocks`` override either count. A budget without room for
 a single slot fails at start-up, saying which flags to change.
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 
 from tandem.core.config import CacheConfig
 from tandem.core.errors import ConfigError
-from tandem.core.kv.kv_cache import GIB, num_blocks_for_memory, usable_cache_bytes
+from tandem.core.kv.kv_cache import GIB, BlockDemand, num_blocks_for_memory, usable_cache_bytes
 from tandem.device import Device, MemoryInfo
 
 logger = logging.getLogger(__name__)
@@ -55,10 +58,13 @@ def size_cache(
     device: Device,
     memory: MemoryInfo,
     costs: CacheCosts,
+    demand: BlockDemand | None = None,
 ) -> CacheSize:
     if costs.state_slot_bytes == 0:
         return CacheSize(
-            num_blocks_for_memory(config, device, memory, costs.weight_bytes, costs.block_bytes)
+            num_blocks_for_memory(
+                config, device, memory, costs.weight_bytes, costs.block_bytes, demand=demand
+            )
         )
     slots = config.num_state_slots
     if slots is None:
@@ -81,6 +87,12 @@ def size_cache(
         state_bytes / GIB,
     )
     num_blocks = num_blocks_for_memory(
-        config, device, memory, costs.weight_bytes, costs.block_bytes, reserved_bytes=state_bytes
+        config,
+        device,
+        memory,
+        costs.weight_bytes,
+        costs.block_bytes,
+        reserved_bytes=state_bytes,
+        demand=demand,
     )
     return CacheSize(num_blocks, slots)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
+import mmap
+from dataclasses import dataclass
 
 import torch
 
@@ -38,6 +41,32 @@ def usable_cache_bytes(
     return usable, hint
 
 
+@dataclass(frozen=True)
+class BlockDemand:
+    """The most KV blocks the scheduler can ever hold at once, and why (said in the log)."""
+
+    blocks: int
+    reason: str
+
+
+def sequence_block_demand(
+    max_seqs: int, context_len: int, block_size: int, prefix_cache: bool
+) -> BlockDemand:
+    """What ``max_seqs`` running sequences of ``context_len`` tokens can occupy. With prefix
+    caching, as much again: finished sequences' blocks stay cached until reused, and a pool
+    of exactly the running demand would evict a batch's prefixes as soon as the next full
+    batch runs."""
+    per_seq = -(-context_len // block_size)
+    running = max_seqs * per_seq
+    reason = (
+        f"{max_seqs} sequences (--max-num-seqs) of {context_len} tokens (--max-model-len), "
+        f"{per_seq} blocks each"
+    )
+    if prefix_cache:
+        return BlockDemand(2 * running, reason + ", twice over for the prefix cache")
+    return BlockDemand(running, reason)
+
+
 def num_blocks_for_memory(
     config: CacheConfig,
     device: Device,
@@ -45,10 +74,19 @@ def num_blocks_for_memory(
     weight_bytes: int,
     block_bytes: int,
     reserved_bytes: int = 0,
+    demand: BlockDemand | None = None,
 ) -> int:
     """How many blocks fit in ``max_memory_utilization`` of the device (CPU: of the budget),
-    beside ``reserved_bytes`` of other caches (state slots)."""
+    beside ``reserved_bytes`` of other caches (state slots), and no more than ``demand``:
+    blocks no sequence can ever hold are memory taken from everything else on the machine."""
     if config.num_blocks is not None:
+        logger.info(
+            "KV cache on %s: %d blocks of %d bytes (%.2f GiB), as --num-blocks says",
+            device,
+            config.num_blocks,
+            block_bytes,
+            config.num_blocks * block_bytes / GIB,
+        )
         return config.num_blocks
     usable, hint = usable_cache_bytes(config, device, memory, weight_bytes)
     usable -= reserved_bytes
@@ -65,12 +103,27 @@ def num_blocks_for_memory(
             + (" and state slots" if reserved_bytes else "")
             + f"); {hint}"
         )
+    if demand is not None and demand.blocks < num_blocks:
+        logger.info(
+            "KV cache on %s: %d blocks of %d bytes (%.2f GiB), enough for %s; the memory "
+            "budget would allow %d (pass --num-blocks for more)",
+            device,
+            demand.blocks,
+            block_bytes,
+            demand.blocks * block_bytes / GIB,
+            demand.reason,
+            num_blocks,
+        )
+        return demand.blocks
     logger.info(
-        "KV cache on %s: %d blocks of %d bytes (%.2f GiB)",
+        "KV cache on %s: %d blocks of %d bytes (%.2f GiB), all that the memory budget allows (%s)",
         device,
         num_blocks,
         block_bytes,
         num_blocks * block_bytes / GIB,
+        "--cpu-memory-gb, --max-memory-utilization"
+        if device.kind == "cpu"
+        else "--max-memory-utilization",
     )
     return num_blocks
 
@@ -91,8 +144,22 @@ def allocate_kv_cache(
     from uninitialised memory would still poison the output (0 * NaN).
     """
     shape = (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim)
-    slab = torch.empty(shape, dtype=dtype, device=device)
-    if device.type == "cpu" and not advise_huge_pages(slab):
-        logger.debug("the KV cache stays on 4 KiB pages (no madvise here)")
-    slab.zero_()
+    if device.type == "cpu":
+        slab = zeroed_host_tensor(shape, dtype)
+        if not advise_huge_pages(slab):
+            logger.debug("the KV cache stays on 4 KiB pages (no madvise here)")
+    else:
+        slab = torch.zeros(shape, dtype=dtype, device=device)
     return [(slab[i, 0], slab[i, 1]) for i in range(num_layers)]
+
+
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor on a private anonymous mapping: the kernel hands its pages out zeroed on
+    first touch (mmap(2), MAP_ANONYMOUS), so nothing is written up front and the process
+    holds only the pages attention has used, where ``torch.zeros`` would touch (and keep
+    resident) every byte of a pool that the scheduler may never fill."""
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # torch.frombuffer keeps ``mapping`` alive for as long as the tensor's storage lives.
+    return torch.frombuffer(mapping, dtype=dtype, count=numel).view(shape)

@@ -13,7 +13,12 @@ from tandem.core.kernels.attention_metadata import AttentionMetadata
 from tandem.core.kernels.cpu.packed_linear import packed_bytes
 from tandem.core.kernels.device_copy import to_device_once
 from tandem.core.kv.cache_sizing import CacheSize
-from tandem.core.kv.kv_cache import allocate_kv_cache, bytes_per_block
+from tandem.core.kv.kv_cache import (
+    BlockDemand,
+    allocate_kv_cache,
+    bytes_per_block,
+    sequence_block_demand,
+)
 from tandem.core.layers.linear_attention_state import (
     allocate_linear_attention_state,
     state_bytes_per_slot,
@@ -34,6 +39,16 @@ from tandem.core.worker.lane_stager import LaneStager, Staged
 from tandem.core.worker.step_runner import LaneState, RunnerContext
 
 
+@dataclass(frozen=True)
+class SequenceLimits:
+    """What the engine lets hold KV blocks at once: how many sequences, how long each, and
+    whether finished sequences' blocks stay cached for their prefixes."""
+
+    max_seqs: int
+    context_len: int
+    prefix_cache: bool
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -43,8 +58,11 @@ class ModelRunner:
         seed: int,
         samples: bool,
         processors: LogitsProcessors | None = None,
+        limits: SequenceLimits | None = None,
     ) -> None:
+        """``limits``: what bounds the KV cache beside memory (None: memory alone)."""
         self.model = model
+        self._limits = limits
         self.device = device
         self.dtype = dtype
         # With tensor parallelism every rank has the full logits; only one needs to sample.
@@ -69,6 +87,14 @@ class ModelRunner:
 
     def state_slot_bytes(self) -> int:
         return state_bytes_per_slot(self._linear_layers, self.dtype)
+
+    def block_demand(self, block_size: int) -> BlockDemand | None:
+        limits = self._limits
+        if limits is None:
+            return None
+        return sequence_block_demand(
+            limits.max_seqs, limits.context_len, block_size, limits.prefix_cache
+        )
 
     def init_kv_cache(self, size: CacheSize, block_size: int) -> None:
         layers = self.model.attention_layers()
@@ -190,4 +216,11 @@ class LLMRunnerFactory:
             seed=config.model.seed,
             samples=samples,
             processors=processors,
+            limits=SequenceLimits(
+                max_seqs=config.scheduler.max_seqs_per_batch,
+                context_len=config.model.context_length(self.model_config.max_position_embeddings),
+                # The engine turns prefix caching off for models with linear attention.
+                prefix_cache=config.cache.enable_prefix_cache
+                and not self.model_config.has_linear_attention,
+            ),
         )

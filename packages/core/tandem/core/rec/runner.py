@@ -10,7 +10,7 @@ import torch
 
 from tandem.core.kv.block_pool import NULL_BLOCK
 from tandem.core.kv.cache_sizing import CacheSize
-from tandem.core.kv.kv_cache import allocate_kv_cache, bytes_per_block
+from tandem.core.kv.kv_cache import BlockDemand, allocate_kv_cache, bytes_per_block
 from tandem.core.layers.weights import parameter_bytes
 from tandem.core.models.loader import resolve_dtype
 from tandem.core.models.rec_config import RecModelConfig
@@ -64,6 +64,11 @@ class RecModelRunner:
     def state_slot_bytes(self) -> int:
         """None: a recommender keeps no per-sequence recurrent state."""
         return 0
+
+    def block_demand(self, block_size: int) -> BlockDemand | None:
+        """None: the fixed-steps scheduler's batches hold a request's history and every beam
+        across lanes, a bound it does not state yet, so memory alone sizes the cache."""
+        return None
 
     def init_kv_cache(self, size: CacheSize, block_size: int) -> None:
         heads, head_dim = self.model.cross_heads()

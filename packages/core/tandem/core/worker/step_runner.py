@@ -19,6 +19,7 @@ import torch
 from tandem.collectives import ProcessGroup
 from tandem.core.config import EngineConfig
 from tandem.core.kv.cache_sizing import CacheSize
+from tandem.core.kv.kv_cache import BlockDemand
 from tandem.core.worker.lane_stager import LaneStager, Staged
 from tandem.device import Device
 
@@ -54,6 +55,11 @@ class StepRunner(Protocol[StepT, OutT_co]):
     def state_slot_bytes(self) -> int:
         """Bytes one sequence's linear-attention state takes on this rank (0: the model keeps
         no per-sequence state)."""
+        ...
+
+    def block_demand(self, block_size: int) -> BlockDemand | None:
+        """The most KV blocks of ``block_size`` positions the product's scheduler can hold at
+        once (the cache is sized no larger); None: as many as memory allows."""
         ...
 
     def init_kv_cache(self, size: CacheSize, block_size: int) -> None:

@@ -129,6 +129,7 @@ class Worker(Generic[StepT, OutT]):
             self.device,
             self.runtime.memory_info(self.device),
             costs,
+            runner.block_demand(self.config.cache.block_size),
         )
 
     def agree_cache_size(self, size: CacheSize) -> CacheSize:
