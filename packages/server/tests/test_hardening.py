@@ -24,6 +24,7 @@ from tandem.core import (
     SchedulerConfig,
 )
 from tandem.core.demo.demo_model import tiny_spec, write_demo_model
+from tandem.core.faults import Fault, FaultConfig
 from tandem.server.app import create_app
 from tandem.server.metrics import ServerMetrics
 from tandem.server.state import ServerLimits, ServerState
@@ -47,20 +48,26 @@ AppRunner = Callable[..., Any]
 
 @pytest.fixture
 def run_app(model: Path) -> Iterator[AppRunner]:
-    """``run_app(scenario, limits=..., max_waiting_requests=...)``: an engine, its loop and the
-    app, and ``scenario(client, engine)`` run against it; everything stopped after."""
+    """``run_app(scenario, limits=..., max_waiting_requests=..., max_num_seqs=..., faults=...)``:
+    an engine, its loop and the app, and ``scenario(client, engine)`` run against it;
+    everything stopped after."""
     loops: list[EngineLoop] = []
 
     def run(
         scenario: Callable[[Client, LLMEngine], Awaitable[T]],
         limits: ServerLimits | None = None,
         max_waiting_requests: int | None = None,
+        max_num_seqs: int = 64,
+        faults: FaultConfig | None = None,
     ) -> T:
         engine = LLMEngine(
             EngineConfig(
                 model=ModelLoadConfig(model=str(model)),
                 cache=CacheConfig(num_blocks=64),
-                scheduler=SchedulerConfig(max_waiting_requests=max_waiting_requests),
+                scheduler=SchedulerConfig(
+                    max_waiting_requests=max_waiting_requests, max_seqs_per_batch=max_num_seqs
+                ),
+                faults=faults or FaultConfig(),
             )
         )
         metrics = ServerMetrics(engine, "m")
@@ -339,4 +346,32 @@ def test_past_max_waiting_requests_new_ones_get_503_with_retry_after(
         assert all(len(r.json()["choices"]) == 4 for r in answers if r.status_code == 200)
         assert (await client.post("/v1/completions", json=COMPLETION)).status_code == 200
 
-    run_app(scenario, max_waiting_requests=2)
+    run_app(scenario, max_waiting_requests=2, max_num_seqs=2)
+
+
+def test_a_burst_at_an_idle_server_fills_the_running_and_the_waiting_places(
+    run_app: AppRunner,
+) -> None:
+    """--max-num-seqs 2 --max-waiting-requests 4: six of a burst of 30 are admitted (two to
+    run, four to wait), not four (at the burst's instant none runs yet, and all six are in
+    the engine's queue). The first step is held for a while so that nothing finishes and
+    frees a place before the whole burst has arrived."""
+
+    async def scenario(client: Client, engine: LLMEngine) -> None:
+        body = {**COMPLETION, "max_tokens": 4, "ignore_eos": True}
+        answers = await asyncio.gather(
+            *(client.post("/v1/completions", json=body) for _ in range(30))
+        )
+        statuses = [r.status_code for r in answers]
+        assert statuses.count(200) == 6, statuses
+        assert statuses.count(503) == 24, statuses
+        for response in answers:
+            if response.status_code == 503:
+                assert response.headers["retry-after"] == "1"
+                assert "--max-num-seqs 2" in response.json()["error"]["message"]
+        # Every place came back: a second burst is admitted the same way.
+        again = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(6)))
+        assert [r.status_code for r in again] == [200] * 6
+
+    hold = FaultConfig((Fault("forward_delay", rank=0, step=0, seconds=5.0),))
+    run_app(scenario, max_waiting_requests=4, max_num_seqs=2, faults=hold)

@@ -57,8 +57,10 @@ class EngineLoop:
         self.engine = engine
         self._on_finished = on_finished
         self._commands: deque[_Add | _Abort | _AbortAll] = deque()
-        # _Add commands in the queue: with the engine's waiting queue, what backpressure bounds.
-        self._queued_adds = 0
+        # Sequences admitted and not yet finished: queued here, waiting or running in the
+        # engine. Counted here, under the lock, because the engine's stats lag a step behind
+        # and a burst arrives between two steps.
+        self._admitted = 0
         self._callbacks: dict[str, OutputCallback] = {}
         self._wake = sync.condition()
         self._stopping = False
@@ -98,22 +100,33 @@ class EngineLoop:
         self.enqueue_together([(seq, callback)])
 
     def enqueue_together(self, requests: list[tuple[TokenSequence, OutputCallback]]) -> None:
-        """Queue requests all or none (the choices of one API request): refused together
-        (EngineOverloadedError) when ``--max-waiting-requests`` wait already, so a request
-        with more choices than the bound still gets in when the queue is short."""
+        """Queue requests all or none (the choices of one API request). With
+        ``--max-waiting-requests``, admitted while fewer sequences than ``--max-num-seqs``
+        (they can run) plus ``--max-waiting-requests`` (they may wait) are in the engine,
+        queued, waiting or running; refused together (EngineOverloadedError) beyond, so a
+        request with more choices than the bound still gets in when the engine is short."""
         with self._wake:
             self._check_accepting()
-            limit = self.engine.config.scheduler.max_waiting_requests
-            waiting = self._queued_adds + self.engine.stats.num_waiting
-            if limit is not None and waiting >= limit:
-                raise EngineOverloadedError(
-                    f"the server is overloaded: {waiting} requests are waiting already "
-                    f"(--max-waiting-requests {limit}); retry later"
-                )
+            scheduler = self.engine.config.scheduler
+            limit = scheduler.max_waiting_requests
+            if limit is not None:
+                capacity = scheduler.max_seqs_per_batch + limit
+                if self._admitted >= capacity:
+                    raise EngineOverloadedError(
+                        f"the server is overloaded: {self._admitted} requests are running or "
+                        f"waiting already, as many as --max-num-seqs "
+                        f"{scheduler.max_seqs_per_batch} can run plus --max-waiting-requests "
+                        f"{limit} may wait; retry later"
+                    )
             for seq, callback in requests:
                 self._commands.append(_Add(seq, callback))
-            self._queued_adds += len(requests)
+            self._admitted += len(requests)
             self._wake.notify()
+
+    def _release(self) -> None:
+        """One admitted sequence finished (or never got into the engine)."""
+        with self._wake:
+            self._admitted -= 1
 
     def _check_accepting(self) -> None:
         if self._refusing is not None:
@@ -148,13 +161,12 @@ class EngineLoop:
                 if not self._commands:
                     return
                 command = self._commands.popleft()
-                if isinstance(command, _Add):
-                    self._queued_adds -= 1
             if isinstance(command, _Add):
                 try:
                     self.engine.add_sequence(command.seq)
                     self._callbacks[command.seq.request_id] = command.callback
                 except Exception as exc:  # noqa: BLE001 - reported to the request
+                    self._release()
                     command.callback(_error_output(command.seq, str(exc)))
             elif isinstance(command, _Abort):
                 out = self.engine.abort(command.request_id)
@@ -183,13 +195,13 @@ class EngineLoop:
 
     def _deliver(self, out: RequestOutput) -> None:
         callback = self._callbacks.get(out.request_id)
-        if out.finished:
-            self._callbacks.pop(out.request_id, None)
-            if self._on_finished is not None:
-                try:
-                    self._on_finished(out)
-                except Exception:
-                    logger.exception("on_finished hook failed for %s", out.request_id)
+        if out.finished and self._callbacks.pop(out.request_id, None) is not None:
+            self._release()
+        if out.finished and self._on_finished is not None:
+            try:
+                self._on_finished(out)
+            except Exception:
+                logger.exception("on_finished hook failed for %s", out.request_id)
         if callback is not None:
             try:
                 callback(out)

@@ -148,8 +148,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-waiting-requests",
         type=int,
         default=None,
-        help="requests that may wait for admission before new ones are refused with 503 "
-        "and Retry-After (default: no bound)",
+        help="requests that may wait beside the --max-num-seqs running ones; past both, new "
+        "ones are refused with 503 and Retry-After (default: no bound)",
     )
     g.add_argument(
         "--enable-chunked-prefill",
