@@ -15,12 +15,18 @@ from collections.abc import Callable, Sequence
 import torch.distributed as dist
 
 from tandem.collectives import CollectiveTimeout, ProcessGroup
-from tandem.collectives.backends import LocalGroups
+from tandem.collectives.backends import CrossProcessGroup, LocalGroups
 from tandem.device import Device, DeviceRuntime
 from tandem.device.sync import Promise
 from tandem.device.task_thread import TaskThread
 from tandem_hw.accelerator_runtime import AcceleratorRuntime
-from tandem_hw.comm_group import CommGroup, Communicators, DeviceBinder, StreamHandle
+from tandem_hw.comm_group import (
+    BeforeCall,
+    CommGroup,
+    Communicators,
+    DeviceBinder,
+    StreamHandle,
+)
 from tandem_hw.comm_library import CommLibrary
 from tandem_hw.ctypes_library import LibraryNotFound
 from tandem_hw.hccl import HcclLibrary
@@ -57,6 +63,24 @@ def thread_binder(runtime: DeviceRuntime, library: CommLibrary) -> DeviceBinder:
         set_device(device.index)
 
     return bind
+
+
+def thread_device_mirror(runtime: DeviceRuntime, library: CommLibrary) -> BeforeCall | None:
+    """On host devices under the CPU stand-in: before each collective, hand the stand-in's ACL
+    the device the runtime bound on the calling thread, as a card's ACL holds the device
+    torch.npu.set_device bound there. A thread the runtime never bound hands over nothing,
+    and the stand-in refuses its call as HCCL refuses one from a thread without a device.
+    None for a real library, whose runtime the framework's set_device reaches itself."""
+    set_device = None if isinstance(runtime, AcceleratorRuntime) else library.host_set_device
+    if set_device is None:
+        return None
+
+    def mirror() -> None:
+        device = runtime.current_device()
+        if device is not None:
+            set_device(device.index)
+
+    return mirror
 
 
 class LibraryBackend:
@@ -121,7 +145,16 @@ class LibraryBackend:
         finally:
             thread.stop(timeout=0)
         turns = shared_turns([str(d) for d in devices])
-        communicators = Communicators(library, comms, devices, bind, turns, timeout_s)
+        communicators = Communicators(
+            library,
+            comms,
+            devices,
+            bind,
+            turns,
+            timeout_s,
+            label=f"one of {len(devices)} made at once",
+        )
+        mirror = thread_device_mirror(runtime, library)
         groups: list[ProcessGroup] = [
             CommGroup(
                 library,
@@ -131,6 +164,7 @@ class LibraryBackend:
                 stream_handle_for(runtime, device),
                 communicators,
                 runtime.torch_device(device),
+                mirror,
             )
             for rank, (comm, device) in enumerate(zip(comms, devices, strict=True))
         ]
@@ -167,7 +201,7 @@ class LibraryBackend:
 
     def process_group(
         self, device: Device, runtime: DeviceRuntime, rank: int, size: int, timeout_s: float
-    ) -> ProcessGroup:
+    ) -> CrossProcessGroup:
         library = self.library()
         bind = thread_binder(runtime, library)
         bind(device)
@@ -177,16 +211,27 @@ class LibraryBackend:
         assert isinstance(unique_id, bytes)
         comm = library.init_rank(size, unique_id, rank)
         logger.info("%s: rank %d of %d joined through root info", self.name, rank, size)
-        return CommGroup(
+        # One rank in this process: its turns are its own.
+        communicators = Communicators(
+            library,
+            [comm],
+            [device],
+            bind,
+            LaunchTurns([str(device)]),
+            timeout_s,
+            label=f"rank {rank} of {size} through root info",
+        )
+        group = CommGroup(
             library,
             comm,
             rank,
             size,
             stream_handle_for(runtime, device),
-            # One rank in this process: its turns are its own.
-            Communicators(library, [comm], [device], bind, LaunchTurns([str(device)]), timeout_s),
+            communicators,
             runtime.torch_device(device),
+            thread_device_mirror(runtime, library),
         )
+        return CrossProcessGroup(group, communicators)
 
 
 class HcclBackend(LibraryBackend):

@@ -35,6 +35,9 @@ StreamHandle = Callable[[], int]
 # Makes a device the calling thread's current one, the way the backend's runtime binds.
 DeviceBinder = Callable[[Device], None]
 
+# Run on the calling thread before each library call (see comm_backend.thread_device_mirror).
+BeforeCall = Callable[[], None]
+
 # How long teardown waits for one communicator's destroy call.
 DESTROY_TIMEOUT_S = 60.0
 
@@ -57,13 +60,16 @@ class Communicators:
         bind: DeviceBinder,
         turns: LaunchTurns,
         timeout_s: float,
+        label: str = "",
     ) -> None:
+        """``label``: how the log names this set ("rank 1 of 2 through root info")."""
         if len(comms) != len(devices):
             raise ValueError(f"{len(comms)} communicators for {len(devices)} devices")
         self._library = library
         self._comms = list(comms)
         self._devices = list(devices)
         self._bind = bind
+        self._label = label
         self.turns = turns
         self.timeout_s = timeout_s
         self.owner = new_owner()
@@ -107,7 +113,14 @@ class Communicators:
             return
         for comm, device in zip(self._comms, self._devices, strict=True):
             error = self._destroy_on_bound_thread(comm, device)
-            if error is not None:
+            if error is None:
+                logger.info(
+                    "%s: closed the communicator of %s%s",
+                    self._library.name,
+                    device,
+                    f" ({self._label})" if self._label else "",
+                )
+            else:
                 self.close_failures.append(CloseFailure(device, error))
                 logger.error(
                     "%s: the communicator of %s was not destroyed: %s",
@@ -155,8 +168,10 @@ class CommGroup:
         stream: StreamHandle,
         communicators: Communicators,
         device: torch.device,
+        before_call: BeforeCall | None = None,
     ) -> None:
         self._library = library
+        self._before_call = before_call
         self._device = device
         self._comm = comm
         self._rank = rank
@@ -198,6 +213,8 @@ class CommGroup:
             lambda: communicators.aborted,
             communicators.timeout_s,
         ):
+            if self._before_call is not None:
+                self._before_call()
             call(self._stream())
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:

@@ -5,6 +5,7 @@ runs on (skipped with the reason where there is none)."""
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import threading
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from tandem_hw.hccl import HcclLibrary
 from tandem_hw.nccl import NcclLibrary
 from tandem_sim.standin_library import StandinProbe, StandinUnavailable, build_standin_library
 
-from tandem.device import get_runtime
+from tandem.device import Device, get_runtime
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +41,7 @@ def library(request: pytest.FixtureRequest, standin_path: Path) -> CommLibrary:
     return NcclLibrary(standin_path)
 
 
-RunRanks = Callable[[int, Callable[[int], Any]], list[Any]]
+RunRanks = Callable[..., list[Any]]
 
 
 @pytest.fixture
@@ -55,12 +56,28 @@ def probe(standin_path: Path) -> StandinProbe:
     return StandinProbe(standin_path)
 
 
-def _run_ranks(n: int, fn: Callable[[int], Any], timeout_s: float = 60.0) -> list[Any]:
+def bind_worker_thread(index: int, standin: Path) -> None:
+    """Bind the calling thread to ``cpu:index`` as a worker thread is bound: the CPU runtime,
+    and the stand-in's ACL after it (torch.npu.set_device reaches aclrtSetDevice on a card),
+    since HCCL reads the calling thread's device in every collective."""
+    get_runtime("cpu").bind(Device("cpu", index))
+    StandinProbe(standin).set_device(index)
+
+
+def _run_ranks(
+    n: int,
+    fn: Callable[[int], Any],
+    timeout_s: float = 60.0,
+    *,
+    standin: Path,
+    device_of: Callable[[int], int] = lambda rank: rank,
+) -> list[Any]:
     results: list[Any] = [None] * n
     errors: list[BaseException] = []
 
     def body(rank: int) -> None:
         try:
+            bind_worker_thread(device_of(rank), standin)
             results[rank] = fn(rank)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the test thread
             errors.append(exc)
@@ -77,10 +94,11 @@ def _run_ranks(n: int, fn: Callable[[int], Any], timeout_s: float = 60.0) -> lis
 
 
 @pytest.fixture
-def run_ranks() -> RunRanks:
-    """``run_ranks(n, fn)``: ``fn(rank)`` on one thread per rank, all at once; results in rank
-    order, the first error re-raised."""
-    return _run_ranks
+def run_ranks(standin_path: Path) -> RunRanks:
+    """``run_ranks(n, fn, device_of=...)``: ``fn(rank)`` on one thread per rank, all at once,
+    each bound to ``cpu:device_of(rank)`` (``cpu:rank`` by default) as a worker thread is;
+    results in rank order, the first error re-raised."""
+    return functools.partial(_run_ranks, standin=standin_path)
 
 
 def accelerator_unavailable(kind: str, needed: int = 2) -> str | None:

@@ -13,10 +13,13 @@ real streams, the library's own transport.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from harness import generate_token_ids
+from harness import free_port, generate_token_ids
 from reference_models import write_reference_model
 
 NEW_TOKENS = 32
@@ -58,10 +61,20 @@ def test_tp2_with_library_collectives_matches_tp1(
     assert f"{name}: one communicator set for 2 local devices" in single.logs[0]
     assert_torn_down(single.logs[0])
     multi = generate_token_ids(
-        model, "tp2-multi-process", NEW_TOKENS, ("--process-collectives", name), env, "INFO"
+        model,
+        "tp2-multi-process",
+        NEW_TOKENS,
+        ("--process-collectives", name),
+        {**env, **LEAK_REPORT},
+        "INFO",
     )
     assert multi.token_ids == reference
     assert f"{name}: rank 1 of 2 joined through root info" in multi.logs[0]
+    # Each worker process closes its root-info communicator on its own device's thread.
+    for rank in (0, 1):
+        closed = f"{name}: closed the communicator of cpu:{rank} (rank {rank} of 2 through root"
+        assert closed in multi.logs[0], multi.logs[0][-3000:]
+    assert_torn_down(multi.logs[0])
 
 
 @pytest.mark.parametrize("name", ["hccl", "nccl"])
@@ -109,18 +122,20 @@ def test_two_nodes_with_hccl_at_both_levels_match_tp1(
     model: Path, reference: list[list[int]], standin_path: Path
 ) -> None:
     flags = ("--local-collectives", "hccl", "--process-collectives", "hccl")
-    env = {"HCCL_SO_PATH": str(standin_path)}
+    env = {"HCCL_SO_PATH": str(standin_path), **LEAK_REPORT}
     two_nodes = generate_token_ids(
         model, "tp4-2nodes-single-process", NEW_TOKENS, flags, env, "INFO"
     )
     assert two_nodes.token_ids == reference
     assert all("hccl: rank" in log and "joined through root info" in log for log in two_nodes.logs)
+    # Both levels closed on every node: the node's set and its leader's node-level one.
+    for node, log in enumerate(two_nodes.logs):
+        assert log.count("hccl: closed the communicator of cpu:") == 3, log[-3000:]
+        assert f"(rank {node} of 2 through root info)" in log, log[-3000:]
+        assert_torn_down(log)
 
 
 def test_missing_library_fails_before_serving(model: Path, tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     command = [sys.executable, "-m", "tandem.server.cli.main", "generate", "--model", str(model),
                "--devices", "cpu:0,cpu:1", "--single-process", "--local-collectives", "hccl",
                "--prompt", "x", "--max-tokens", "2"]  # fmt: skip
@@ -129,3 +144,25 @@ def test_missing_library_fails_before_serving(model: Path, tmp_path: Path) -> No
     assert done.returncode != 0
     assert "HCCL_SO_PATH" in done.stderr and "is not a file" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_worker_processes_that_fail_still_close_their_communicators(
+    model: Path, standin_path: Path
+) -> None:
+    """Both ranks of a multi-process TP=2 engine fail at the start of a step (an injected
+    fault): each worker reports its failure, then destroys its root-info communicator on a
+    thread bound to its device before exiting; the stand-in names any left at exit."""
+    faults = "forward_raise:rank=0,step=2;forward_raise:rank=1,step=2"
+    command = [sys.executable, "-m", "tandem.server.cli.main", "generate", "--model", str(model),
+               "--devices", "cpu:0,cpu:1", "--master-node-addr", f"127.0.0.1:{free_port()}",
+               "--process-collectives", "hccl", "--num-blocks", "64", "--log-level", "INFO",
+               "--prompt-token-ids", "1,45,300,21", "--max-tokens", "8",
+               "--ignore-eos"]  # fmt: skip
+    env = {**os.environ, "HCCL_SO_PATH": str(standin_path), "TANDEM_FAULTS": faults, **LEAK_REPORT}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    log = done.stderr
+    assert "InjectedFault" in log or "injected" in log.lower(), log[-3000:]
+    for rank in (0, 1):
+        closed = f"hccl: closed the communicator of cpu:{rank} (rank {rank} of 2 through root"
+        assert closed in log, log[-3000:]
+    assert_torn_down(log)

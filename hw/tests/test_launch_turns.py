@@ -26,7 +26,7 @@ from tandem.collectives import CollectiveAborted, CollectiveTimeout, ProcessGrou
 from tandem.collectives.backends import LocalGroups
 from tandem.device import Device, get_runtime
 
-RunRanks = Callable[[int, Callable[[int], Any]], list[Any]]
+RunRanks = Callable[..., list[Any]]
 DEVICES = [Device("cpu", 0), Device("cpu", 1)]
 
 
@@ -41,9 +41,14 @@ def _lanes(backend: LibraryBackend, count: int) -> list[LocalGroups]:
     return [backend.local_groups(DEVICES, get_runtime("cpu"), timeout_s=60) for _ in range(count)]
 
 
-def _run(fn: Callable[[], Any], errors: list[BaseException], out: list[Any]) -> threading.Thread:
+def _run(
+    device: Device, fn: Callable[[], Any], errors: list[BaseException], out: list[Any]
+) -> threading.Thread:
+    """``fn()`` on a new thread that the CPU runtime binds to ``device``, as a lane's is."""
+
     def body() -> None:
         try:
+            get_runtime("cpu").bind(device)
             out.append(fn())
         except BaseException as exc:  # noqa: BLE001 - checked by the test
             errors.append(exc)
@@ -62,17 +67,17 @@ def test_a_second_lane_waits_for_the_card_instead_of_calling_into_it(
     a, b = _lanes(HcclBackend(), 2)
     errors: list[BaseException] = []
     out: list[Any] = []
-    a0 = _run(lambda: a.groups[0].all_reduce(torch.tensor([1.0])), errors, out)
+    a0 = _run(DEVICES[0], lambda: a.groups[0].all_reduce(torch.tensor([1.0])), errors, out)
     deadline = time.monotonic() + 10
     while probe.in_flight(0) != 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert probe.in_flight(0) == 1
-    b0 = _run(lambda: b.groups[0].all_reduce(torch.tensor([10.0])), errors, out)
+    b0 = _run(DEVICES[0], lambda: b.groups[0].all_reduce(torch.tensor([10.0])), errors, out)
     b0.join(0.5)
     assert not errors, errors
     assert b0.is_alive(), "lane B's rank 0 should wait for its turn"
-    a1 = _run(lambda: a.groups[1].all_reduce(torch.tensor([2.0])), errors, out)
-    b1 = _run(lambda: b.groups[1].all_reduce(torch.tensor([20.0])), errors, out)
+    a1 = _run(DEVICES[1], lambda: a.groups[1].all_reduce(torch.tensor([2.0])), errors, out)
+    b1 = _run(DEVICES[1], lambda: b.groups[1].all_reduce(torch.tensor([20.0])), errors, out)
     for thread in (a0, a1, b0, b1):
         thread.join(30)
         assert not thread.is_alive()
@@ -100,7 +105,7 @@ def test_lanes_issuing_at_once_never_share_a_card(
             for step in range(rounds)
         ]
 
-    results = run_ranks(6, body)
+    results = run_ranks(6, body, device_of=lambda index: index % 2)
     for index, values in enumerate(results):
         lane = index // 2
         assert values == [float(2 * (100 * lane + step) + 1) for step in range(rounds)]
@@ -121,9 +126,11 @@ def test_an_aborted_set_gives_up_its_turn() -> None:
         with turns.turn(2, 1, lambda: aborted.get(2), 5):
             entered.append(turns.holder)
 
-    waiter = _run(other, errors, [])
+    waiter = _run(DEVICES[0], other, errors, [])
     # Set 1's second rank is waiting for its next collective when set 1 is aborted.
-    second = _run(lambda: turns.turn(1, 2, lambda: aborted.get(1), 5).__enter__(), errors, [])
+    second = _run(
+        DEVICES[0], lambda: turns.turn(1, 2, lambda: aborted.get(1), 5).__enter__(), errors, []
+    )
     time.sleep(0.2)
     assert waiter.is_alive() and not entered
     aborted[1] = "rank 1 failed"
@@ -144,6 +151,8 @@ def test_a_turn_never_granted_times_out_naming_the_holder() -> None:
     turns = LaunchTurns(["cpu:0", "cpu:1"])
     with turns.turn(7, 3, lambda: None, 5):
         errors: list[BaseException] = []
-        _run(lambda: turns.turn(8, 1, lambda: None, 0.2).__enter__(), errors, []).join(5)
+        _run(DEVICES[0], lambda: turns.turn(8, 1, lambda: None, 0.2).__enter__(), errors, []).join(
+            5
+        )
     assert len(errors) == 1 and isinstance(errors[0], CollectiveTimeout)
     assert "collective 3 of communicator set 7" in str(errors[0])

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tandem.collectives import ReduceOp
 from tandem.device import Device
 
-RunRanks = Callable[[int, Callable[[int], Any]], list[Any]]
+RunRanks = Callable[..., list[Any]]
 
 STREAM = "<stream handle read>"
 # Ops that only reserve memory: nothing to enqueue, so nothing to order.

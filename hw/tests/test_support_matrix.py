@@ -32,7 +32,7 @@ from tandem_hw.launch_turns import LaunchTurns
 from tandem.collectives import ReduceOp
 from tandem.device import Device, get_runtime
 
-RunRanks = Callable[[int, Callable[[int], Any]], list[Any]]
+RunRanks = Callable[..., list[Any]]
 
 HCCL_REDUCE = {
     torch.int8,
@@ -205,8 +205,8 @@ def test_data_movement_takes_the_documented_types(
     supported = HCCL_MOVE if library.name == "hccl" else NCCL_ALL
     assert set(checked(library).data_types) == supported
     for dtype in sorted(supported, key=str):
-        gathered = run_ranks(2, lambda r, d=dtype: groups[r].all_gather(_values(d, r)))  # type: ignore[misc]
-        sent = run_ranks(2, lambda r, d=dtype: groups[r].broadcast(_values(d, r), root=1))  # type: ignore[misc]
+        gathered = run_ranks(2, lambda r, d=dtype: groups[r].all_gather(_values(d, r)))
+        sent = run_ranks(2, lambda r, d=dtype: groups[r].broadcast(_values(d, r), root=1))
         for rank in range(2):
             assert torch.equal(gathered[rank], torch.cat([_values(dtype, 0), _values(dtype, 1)]))
             assert torch.equal(sent[rank], _values(dtype, 1))
@@ -228,7 +228,7 @@ def test_half_precision_sums_round_like_torch(
         inputs[1][:8] = torch.tensor([6e-8, 6.1e-5, 65504.0, 2**-11, 1.0, 0.0, 3.0e-5, 2.0]).to(
             dtype
         )
-        out = run_ranks(2, lambda r, i=inputs: groups[r].all_reduce(i[r].clone()))  # type: ignore[misc]
+        out = run_ranks(2, lambda r, i=inputs: groups[r].all_reduce(i[r].clone()))
         expected = inputs[0].clone()
         expected += inputs[1]
         for result in out:

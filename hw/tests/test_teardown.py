@@ -19,17 +19,19 @@ from typing import Any, cast
 
 import pytest
 import torch
-from tandem_hw.comm_backend import LibraryBackend
+import torch.distributed as dist
+from harness import free_port
+from tandem_hw.comm_backend import HcclBackend, LibraryBackend
 from tandem_hw.comm_group import CommGroup, Communicators, DeviceBinder
 from tandem_hw.comm_library import CommLibrary, CommLibraryError
 from tandem_hw.hccl import HcclLibrary
 from tandem_hw.launch_turns import LaunchTurns
 from tandem_sim.standin_library import StandinProbe
 
-from tandem.collectives import CollectiveTimeout
+from tandem.collectives import CollectiveTimeout, ReduceOp
 from tandem.device import Device, get_runtime
 
-RunRanks = Callable[[int, Callable[[int], Any]], list[Any]]
+RunRanks = Callable[..., list[Any]]
 
 
 def on_fresh_thread(fn: Callable[[], Any]) -> Any:
@@ -172,4 +174,80 @@ def test_a_timed_out_creation_destroys_what_it_creates_late(
     deadline = time.monotonic() + 30
     while probe.live_comms() != before and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert probe.live_comms() == before
+
+
+def test_every_hccl_collective_needs_a_device_on_the_calling_thread(
+    standin_path: Path, probe: StandinProbe
+) -> None:
+    """op_base.cc reads the calling thread's device first in HcclAllReduce, HcclAllGather,
+    HcclReduceScatter, HcclBroadcast and HcclBarrier, before even a count of 0 succeeds."""
+    library = HcclLibrary(standin_path)
+    probe.set_device(0)
+    comm = library.init_all([0])[0]
+    buf = torch.ones(4)
+    send, recv = buf.data_ptr(), torch.empty(4).data_ptr()
+    calls: dict[str, Callable[[], None]] = {
+        "HcclAllReduce": lambda: library.all_reduce(
+            send, recv, 4, torch.float32, ReduceOp.SUM, comm, 1
+        ),
+        "HcclAllGather": lambda: library.all_gather(send, recv, 4, torch.float32, comm, 1),
+        "HcclReduceScatter": lambda: library.reduce_scatter(
+            send, recv, 0, torch.float32, ReduceOp.SUM, comm, 1
+        ),
+        "HcclBroadcast": lambda: library.broadcast(send, 4, torch.float32, 0, comm, 1),
+        "HcclBarrier": lambda: library.barrier(comm, 1),
+    }
+    for function, call in calls.items():
+        with pytest.raises(CommLibraryError) as err:
+            on_fresh_thread(call)
+        assert err.value.function == function
+        assert err.value.code == 15, err.value
+    # The same calls from a bound thread go through (one rank: nobody to wait for).
+    for call in calls.values():
+        call()
+    library.destroy(comm)
+
+
+def test_a_collective_from_a_thread_the_runtime_never_bound_fails_on_cpu(
+    standin_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Groups of the hccl backend on host devices: a worker thread bound through the CPU
+    runtime issues its collectives; a thread that never was (the executor's, a stray one) is
+    refused, as HCCL refuses it on a card."""
+    monkeypatch.setenv("HCCL_SO_PATH", str(standin_path))
+    made = HcclBackend().local_groups([Device("cpu", 0)], get_runtime("cpu"), timeout_s=60)
+    group = made.groups[0]
+    with pytest.raises(CommLibraryError, match="HcclAllReduce failed: call runtime api fail"):
+        on_fresh_thread(lambda: group.all_reduce(torch.ones(2)))
+
+    def bound() -> torch.Tensor:
+        get_runtime("cpu").bind(Device("cpu", 0))
+        return group.all_reduce(torch.ones(2))
+
+    assert on_fresh_thread(bound).tolist() == [1.0, 1.0]
+    on_fresh_thread(made.communicators.close)
+
+
+def test_a_root_info_group_comes_with_the_communicators_that_close_it(
+    standin_path: Path, probe: StandinProbe, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The multi-process path: what process_group makes, its caller can close."""
+
+    monkeypatch.setenv("HCCL_SO_PATH", str(standin_path))
+    before = probe.live_comms()
+
+    def join() -> Any:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        )
+        try:
+            return HcclBackend().process_group(Device("cpu", 2), get_runtime("cpu"), 0, 1, 60)
+        finally:
+            dist.destroy_process_group()
+
+    made = on_fresh_thread(join)
+    assert probe.live_comms() == before + 1
+    assert made.group.all_reduce(torch.ones(1)).tolist() == [1.0]
+    on_fresh_thread(made.communicators.close)
     assert probe.live_comms() == before

@@ -561,10 +561,15 @@ static const hccl_type_row HCCL_TYPES[] = {
 };
 #define HCCL_TYPE_COUNT ((int)(sizeof(HCCL_TYPES) / sizeof(HCCL_TYPES[0])))
 
-/* HCCL reads the calling thread's device first in every entry point (hrtGetDeviceRefresh ->
-   aclrtGetDevice, failing with HCCL_E_RUNTIME). The stand-in checks it where tandem_hw's own
-   threads call: creating and destroying communicators. Collectives come from worker threads
-   that the CPU runtime binds, and that runtime has no ACL underneath it to tell. */
+/* HCCL reads the calling thread's device (hrtGetDeviceRefresh -> aclrtGetDevice) and fails
+   with HCCL_E_RUNTIME without one, first thing, before any argument check, in these entry
+   points of CANN HCCL's open-source op_base.cc (2024, zhuxy-USTC/HCCL mirror, commit
+   3a845e5c): HcclGetRootInfo, HcclCommInitAll, HcclCommInitRootInfo (through its Inner),
+   HcclAllReduce, HcclAllGather, HcclReduceScatter, HcclBroadcast, HcclBarrier and
+   HcclCommDestroy; the API reference's samples call aclrtSetDevice on each thread before any
+   of them (CANN "HcclCommInitRootInfo initialization" sample). HcclGetErrorString does not.
+   The stand-in checks the same calls at the same point. The device itself is only read, never
+   compared with the communicator's, as op_base.cc does. */
 static int hccl_thread_device(const char *function) {
     int32_t device;
     if (aclrtGetDevice(&device) != ACL_SUCCESS) {
@@ -593,11 +598,12 @@ static void hccl_leave(comm_t *c) {
     __atomic_sub_fetch(&hccl_in_flight[c->device], 1, __ATOMIC_SEQ_CST);
 }
 
-/* The checks of op_base.cc, in its order: count 0 succeeds at once; null comm or buffer;
+/* The checks of op_base.cc, in its order: the calling thread's device; count 0 succeeds at once; null comm or buffer;
    data type (HcomCheckDataType); null stream; reduction op (HcomCheckReductionOp); data type
    for the op (the support matrix); root inside the clique (HcomCheckUserRank). */
 static int hccl_call(const char *function, kind_t kind, void *send, void *recv, uint64_t count,
                      int data_type, int op, uint32_t root, HcclComm comm, aclrtStream stream) {
+    if (hccl_thread_device(function) < 0) return HCCL_E_RUNTIME;
     if (count == 0 && kind != K_BARRIER) return HCCL_SUCCESS;
     comm_t *c = comm;
     if (c == NULL) return HCCL_E_PTR;

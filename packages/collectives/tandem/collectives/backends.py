@@ -36,6 +36,15 @@ class LocalGroups:
     communicators: CommunicatorSet
 
 
+@dataclass
+class CrossProcessGroup:
+    """This process's rank of a group spanning processes, and the communicator beneath it,
+    which whoever made the group closes once no thread uses it."""
+
+    group: ProcessGroup
+    communicators: CommunicatorSet
+
+
 class CollectiveBackend(Protocol):
     name: str
     # The device kind whose collectives this is ("auto" picks it for that kind), and the
@@ -56,7 +65,7 @@ class CollectiveBackend(Protocol):
 
     def process_group(
         self, device: Device, runtime: DeviceRuntime, rank: int, size: int, timeout_s: float
-    ) -> ProcessGroup:
+    ) -> CrossProcessGroup:
         """This process's rank of a group spanning processes. torch.distributed's default
         (CPU) group is already up and serves to exchange the communicator id."""
         ...

@@ -26,6 +26,7 @@ from tandem.core.parallel.groups import (
     NO_COMMUNICATOR,
     Abortable,
     CommunicatorHandles,
+    close_communicators,
     join_process_world,
     make_local_groups,
     make_process_group,
@@ -71,6 +72,8 @@ class ThreadExecutor(Generic[StepT, OutT]):
         self._lane_steps: dict[int, list[Promise[Any]]] = {}
         # Per pipeline lane (lane 0 = the worker threads'), its communicator set.
         self._comms: list[CommunicatorHandles] = []
+        # The node level of two-level groups (several nodes), beside lane 0's local set.
+        self._inter_comms = NO_COMMUNICATOR
         self._runtime = runtime
         self._control: dist.ProcessGroup | None = None
         self.uses_lanes = lanes
@@ -141,7 +144,7 @@ class ThreadExecutor(Generic[StepT, OutT]):
             topology.master_node_addr, topology.nnodes, topology.node_rank, choice, timeout
         )
         first = topology.devices[0]
-        inter = make_process_group(
+        inter, self._inter_comms = make_process_group(
             choice, first, self._group_runtime(first.kind), topology.node_rank, topology.nnodes,
             timeout,
         )  # fmt: skip
@@ -193,6 +196,9 @@ class ThreadExecutor(Generic[StepT, OutT]):
         abortable = self._comms[lane].abortable if lane < len(self._comms) else None
         if abortable is not None:
             abortable.abort(reason)
+        # Lane 0's leaders also run the node level of the two-level groups.
+        if lane == 0 and self._inter_comms.abortable is not None:
+            self._inter_comms.abortable.abort(reason)
 
     def _group_runtime(self, kind: str) -> DeviceRuntime:
         return self._runtime if self._runtime is not None else get_runtime(kind)
@@ -364,7 +370,8 @@ class ThreadExecutor(Generic[StepT, OutT]):
                 dist.broadcast_object_list([_STOP], src=0, group=self._control)
             except RuntimeError:
                 logger.warning("could not tell the other nodes to stop")
-        for comms in self._comms:
+        every = [*self._comms, self._inter_comms]
+        for comms in every:
             if comms.closeable is None and comms.abortable is not None:
                 comms.abortable.abort("the executor is shutting down")
         for worker in self._workers:
@@ -382,11 +389,10 @@ class ThreadExecutor(Generic[StepT, OutT]):
         idle = not any(t.is_alive() for t in self._threads) and not any(
             lane.is_alive() for w in self._workers for lane in w.lanes
         )
-        for comms in self._comms:
-            if comms.closeable is None:
-                continue
-            if idle:
-                comms.closeable.close()
-            else:
+        if idle:
+            close_communicators(every, "the executor is shutting down")
+            return
+        for comms in every:
+            if comms.closeable is not None:
                 # A thread still inside a collective: release it, never free under it.
                 comms.closeable.abort("the executor is shutting down")

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import pickle
+import signal
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from types import FrameType
 from typing import Any
 
 import torch.distributed as dist
@@ -18,7 +21,12 @@ from tandem.core.config import EngineConfig
 from tandem.core.executor.transport import ShmBroadcastReader
 from tandem.core.failure_text import describe
 from tandem.core.parallel.collective_choice import resolve_collectives
-from tandem.core.parallel.groups import join_process_world, make_process_group
+from tandem.core.parallel.groups import (
+    CommunicatorHandles,
+    close_communicators,
+    join_process_world,
+    make_process_group,
+)
 from tandem.core.worker.step_runner import RunnerFactory
 from tandem.core.worker.worker import Worker
 from tandem.device import Device, get_runtime
@@ -64,8 +72,23 @@ def worker_main(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s rank{spec.rank} %(name)s: %(message)s",
     )
+    # The library communicators this process made: closed on every way out (a stop, a
+    # failure, the engine's SIGTERM), on threads bound to their devices, after the engine has
+    # heard of any failure.
+    comms: list[CommunicatorHandles] = []
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    terminated = False
+    # SIGTERMs that arrived once the process was on its way out.
+    noted: list[int] = []
     try:
-        _run(spec, config, runner_factory, notes, results)
+        try:
+            _run(spec, config, runner_factory, notes, results, comms)
+        finally:
+            # On the way out a SIGTERM (the engine stops every rank once one fails) must not
+            # cut the report or the closing short: it is noted, and obeyed after them.
+            signal.signal(signal.SIGTERM, lambda signum, _: noted.append(signum))
+    except _Terminated:
+        terminated = True
     except Exception as exc:  # reported to the engine, then the process exits
         logger.exception("worker rank %d failed", spec.rank)
         if results is not None:
@@ -76,6 +99,21 @@ def worker_main(
             with contextlib.suppress(OSError):
                 results.send(("error", failure))
         raise SystemExit(1) from None
+    finally:
+        # No thread of this process is inside a collective now: the steps run on this one.
+        close_communicators(comms, f"worker rank {spec.rank} is exiting")
+    if terminated or noted:
+        # Die of the signal after all, so the engine still reads "killed by SIGTERM".
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived: unwind (closing the communicators) instead of dying on the spot."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated
 
 
 def _run(
@@ -84,15 +122,17 @@ def _run(
     runner_factory: RunnerFactory[Any, Any],
     notes: Connection | None,
     results: Connection | None,
+    comms: list[CommunicatorHandles],
 ) -> None:
     timeout = config.parallel.timeout_s
     choice = resolve_collectives(
         config.parallel, spec.device.kind, uses_local=False, uses_process=True
     )
     join_process_world(spec.master_node_addr, spec.world_size, spec.rank, choice, timeout)
-    group = make_process_group(
+    group, handles = make_process_group(
         choice, spec.device, get_runtime(spec.device.kind), spec.rank, spec.world_size, timeout
     )
+    comms.append(handles)
     control = dist.new_group(backend="gloo") if spec.multi_node else None
     worker: Worker[Any, Any] = Worker(spec.device, group, config, runner_factory)
     worker.init_device(spec.cpu_threads)

@@ -5,6 +5,7 @@ of a process, created at once."""
 from __future__ import annotations
 
 import datetime
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,6 +24,8 @@ from tandem.core.errors import ConfigError
 from tandem.core.parallel.collective_choice import INPROCESS, TORCH, CollectiveChoice
 from tandem.device import Device, DeviceRuntime
 from tandem.device.sync import Sync
+
+logger = logging.getLogger(__name__)
 
 
 class Abortable(Protocol):
@@ -65,18 +68,32 @@ def make_process_group(
     rank: int,
     size: int,
     timeout_s: float,
-) -> ProcessGroup:
+) -> tuple[ProcessGroup, CommunicatorHandles]:
     """The group among processes: torch.distributed's (its collectives time out after
-    ``timeout_s``, the step timeout), or the library's communicator made from an id rank 0
-    shares over the world group."""
+    ``timeout_s``, the step timeout; destroy_process_group tears it down), or the library's
+    communicator made from an id rank 0 shares over the world group, with the handles that
+    close it."""
     if choice.process == TORCH:
         steps = dist.new_group(
             backend=choice.dist_backend, timeout=datetime.timedelta(seconds=timeout_s)
         )
-        return TorchDistributedGroup(choice.dist_backend, group=steps)
-    return get_collective_backend(choice.process).process_group(
+        return TorchDistributedGroup(choice.dist_backend, group=steps), NO_COMMUNICATOR
+    made = get_collective_backend(choice.process).process_group(
         device, runtime, rank, size, timeout_s
     )
+    return made.group, CommunicatorHandles(made.communicators, made.communicators)
+
+
+def close_communicators(handles: Sequence[CommunicatorHandles], reason: str) -> None:
+    """Close every set that can be closed, each on its own: a failure is logged and the rest
+    are still closed. Call only once no thread uses them (else abort them with ``reason``)."""
+    for comms in handles:
+        if comms.closeable is None:
+            continue
+        try:
+            comms.closeable.close()
+        except Exception:
+            logger.exception("a communicator set could not be closed (%s)", reason)
 
 
 def make_local_groups(
