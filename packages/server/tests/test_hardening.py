@@ -165,6 +165,31 @@ def test_every_field_is_range_checked_at_the_edge(
 
 
 @pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("stop", ["x"] * 10_000, "at most 64 items, not 10000"),
+        ("stop_token_ids", [1] * 10_000, "at most 64 items, not 10000"),
+        ("stop", 5, "valid string"),
+    ],
+)
+def test_a_list_past_its_length_limit_is_refused_naming_the_field_and_the_limit(
+    run_app: AppRunner, field: str, value: Any, says: str
+) -> None:
+    """A field that takes a string or a list: a list too long is refused for its length (not
+    with "Input should be a valid string", the message of the union's other branch)."""
+
+    async def scenario(client: Client, _: LLMEngine) -> None:
+        body = {**COMPLETION, field: value}
+        message = _error(await client.post("/v1/completions", json=body), 400, field)
+        assert says in message, message
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
+        message = _error(await client.post("/v1/chat/completions", json=chat), 400, field)
+        assert says in message, message
+
+    run_app(scenario)
+
+
+@pytest.mark.parametrize(
     ("kwargs", "param"),
     [
         ({"tokenize": True}, "chat_template_kwargs"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -95,7 +96,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
+    first = _most_telling(errors)
     if first.get("type") == "json_invalid":
         return "We could not parse the JSON body of your request: it is not valid JSON.", None
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -108,7 +109,28 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "model_attributes_type":
         return "The request body must be a JSON object.", None
     reason = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    reason = reason.replace(" after validation", "")
     return f"Invalid value for '{param}': {reason}.", param
+
+
+def _most_telling(errors: Sequence[Any]) -> Any:
+    """The error to report: of the first field's, one that is not a type mismatch if there
+    is one. A field that takes a string or a list (``stop``) fails both branches of its
+    union, and pydantic lists the string branch's "Input should be a valid string" first,
+    even for a list that failed only for being too long."""
+    first = errors[0]
+    field = _top_field(first)
+    for error in errors:
+        if _top_field(error) != field:
+            break
+        if not str(error.get("type", "")).endswith("_type"):
+            return error
+    return first
+
+
+def _top_field(error: Any) -> str | None:
+    loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+    return loc[0] if loc else None
 
 
 def install_error_handlers(app: FastAPI) -> None:
