@@ -6,6 +6,7 @@ integration/test_hardening.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
@@ -23,6 +24,7 @@ from tandem.core import (
     ModelLoadConfig,
     SchedulerConfig,
 )
+from tandem.core.config import StructuredOutputConfig
 from tandem.core.demo.demo_model import tiny_spec, write_demo_model
 from tandem.core.faults import Fault, FaultConfig
 from tandem.server.app import create_app
@@ -59,6 +61,7 @@ def run_app(model: Path) -> Iterator[AppRunner]:
         max_waiting_requests: int | None = None,
         max_num_seqs: int = 64,
         faults: FaultConfig | None = None,
+        structured_output: StructuredOutputConfig | None = None,
     ) -> T:
         engine = LLMEngine(
             EngineConfig(
@@ -68,6 +71,7 @@ def run_app(model: Path) -> Iterator[AppRunner]:
                     max_waiting_requests=max_waiting_requests, max_seqs_per_batch=max_num_seqs
                 ),
                 faults=faults or FaultConfig(),
+                structured_output=structured_output or StructuredOutputConfig(),
             )
         )
         metrics = ServerMetrics(engine, "m")
@@ -400,3 +404,34 @@ def test_a_burst_at_an_idle_server_fills_the_running_and_the_waiting_places(
 
     hold = FaultConfig((Fault("forward_delay", rank=0, step=0, seconds=5.0),))
     run_app(scenario, max_waiting_requests=4, max_num_seqs=2, faults=hold)
+
+
+def test_a_grammar_past_the_engines_limits_mid_output_is_a_4xx_never_a_5xx(
+    run_app: AppRunner,
+) -> None:
+    """A grammar that breaks the grammar engine's run-time limits while generating (the probe
+    is off here, standing for a limit met past its walk) is the client's input: a 400 naming
+    the field, and a stream that already sent tokens ends with an invalid_request_error
+    event, not a server error."""
+    alternatives = " | ".join(f'"w{i}"' for i in range(3000))
+    grammar = f'start: "Once " pick\npick: {alternatives}\n'
+    body = {**COMPLETION, "max_tokens": 16, "structured_outputs": {"grammar": grammar}}
+
+    async def scenario(client: Client, _: LLMEngine) -> None:
+        response = await client.post("/v1/completions", json=body)
+        message = _error(response, 400, "structured_outputs.grammar")
+        assert "max is 2000" in message and "grammar engine's limits" in message, message
+        streamed = await client.post("/v1/completions", json={**body, "stream": True})
+        assert streamed.status_code == 200
+        events = [
+            json.loads(line.removeprefix("data: "))
+            for line in streamed.text.splitlines()
+            if line.startswith("data: {")
+        ]
+        error = events[-1]["error"]
+        assert error["type"] == "invalid_request_error", error
+        assert error["param"] == "structured_outputs.grammar", error
+        assert streamed.text.rstrip().endswith("data: [DONE]")
+        assert (await client.post("/v1/completions", json=COMPLETION)).status_code == 200
+
+    run_app(scenario, structured_output=StructuredOutputConfig(probe_tokens=0))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ from tandem.core import InvalidRequestError, LLMEngine, SamplingParams
 from tandem.core.config import StructuredOutputConfig
 from tandem.core.llm.structured_output import StructuredOutputs, close_objects
 from tandem.core.llm.structured_output_spec import StructuredOutputSpec, json_depth
+
+from ..conftest import engine_config
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -208,3 +211,54 @@ def test_json_depth_counts_brackets_outside_strings() -> None:
     assert json_depth("3") == 0
     assert json_depth('{"a": "[[{{", "b": [1, {"c": []}]}') == 4
     assert json_depth("[" * 100_000 + "]" * 100_000) == 100_000
+
+
+# 3,000 options after a prefix: llguidance's parser row outgrows max_items_in_row (2000)
+# once it computes what may follow; a grammar the probe lets through stands for one whose
+# limit is met past the probe's walk.
+WIDE = StructuredOutputSpec.grammar(
+    'start: "Once " pick\npick: ' + " | ".join(f'"w{i}"' for i in range(3000)) + "\n",
+    "structured_outputs.grammar",
+)
+
+
+def test_a_choice_list_longer_than_a_parser_row_is_refused_naming_the_limit(
+    demo_dir: Path, make_engine: Callable[..., LLMEngine]
+) -> None:
+    engine = make_engine(demo_dir)
+    spec = StructuredOutputSpec.choice([f"option {i}" for i in range(20_000)], "choice")
+    message = _refusal(_compiler(engine, probe_tokens=0), spec)
+    assert "20000 options" in message and "at most 1999 options" in message, message
+
+
+def test_a_grammar_past_the_engines_limits_mid_output_is_the_clients_failure(
+    demo_dir: Path,
+) -> None:
+    """Not refused up front (no probe here), the grammar breaks llguidance's row limit while
+    the engine computes its mask: the request ends with an error naming the field, marked as
+    the client's input (error_param), so the server answers 4xx, not 5xx."""
+    config = replace(
+        engine_config(demo_dir), structured_output=StructuredOutputConfig(probe_tokens=0)
+    )
+    engine = LLMEngine(config)
+    try:
+        out = engine.generate(["hi"], SamplingParams(max_tokens=16, structured_output=WIDE))[0]
+    finally:
+        engine.shutdown()
+    assert out.finish_reason == "error"
+    assert out.error_param == "structured_outputs.grammar"
+    assert out.error is not None and "max is 2000" in out.error, out.error
+    assert "grammar engine's limits" in out.error, out.error
+
+
+def test_a_token_the_grammar_refuses_stays_the_servers_failure(
+    demo_dir: Path, make_engine: Callable[..., LLMEngine]
+) -> None:
+    """A sound grammar refusing a token means the bitmask failed to keep it out: not the
+    client's input."""
+    engine = make_engine(demo_dir)
+    grammar = engine.structured_outputs.new_grammar(
+        StructuredOutputSpec.regex("abc", "structured_outputs.regex")
+    )
+    refused = next(t for t in range(engine.model_config.vocab_size) if not grammar.accept(t))
+    assert refused >= 0 and not grammar.broken

@@ -62,9 +62,16 @@ def stream_failure(out: RequestOutput) -> dict[str, Any] | None:
 
 
 def failure(outputs: list[RequestOutput]) -> tuple[int, dict[str, Any]] | None:
-    """The error to answer with when a job could not finish normally, if any: 500 naming
-    the cause when the engine failed, 503 when the server aborted it (shutting down)."""
+    """The error to answer with when a job could not finish normally, if any: 400 naming the
+    field when the client's input could not be served (a grammar past the grammar engine's
+    limits mid-output: the client's fault, whatever tokens came before), 500 naming the
+    cause when the engine failed, 503 when the server aborted it (shutting down)."""
     for out in outputs:
+        if out.finish_reason == "error" and out.error_param is not None:
+            message = client_text(out.error or "the request cannot be served")
+            return 400, error_body(
+                400, f"The request cannot be served: {message}.", param=out.error_param
+            )
         if out.finish_reason == "error":
             message = client_text(out.error or "the engine failed")
             return 500, error_body(500, f"Generation failed: {message}")

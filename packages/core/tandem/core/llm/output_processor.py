@@ -99,6 +99,7 @@ class OutputProcessor:
             finish_reason=seq.finish_reason,
             stop_reason=state.stop_reason,
             error=seq.error,
+            error_param=seq.error_param,
             logprobs=seq.logprobs if seq.params.logprobs is not None else None,
             new_logprobs=new_logprobs,
             prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,

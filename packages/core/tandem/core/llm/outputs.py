@@ -22,6 +22,9 @@ class RequestOutput:
     # The stop string or stop token id that ended the request, if any.
     stop_reason: str | int | None = None
     error: str | None = None
+    # Set when the error is the client's input (a request field the engine could not serve):
+    # the field's name, for a 400 instead of a 500.
+    error_param: str | None = None
     logprobs: list[TokenLogprobs] | None = None
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # One per prompt token (the first None), once the prompt is computed, when asked for.

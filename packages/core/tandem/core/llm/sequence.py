@@ -57,6 +57,9 @@ class TokenSequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None
+    # The request field whose content the engine could not serve (its grammar went past the
+    # grammar engine's limits mid-output): the client's input failed, not the engine.
+    error_param: str | None = None
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)

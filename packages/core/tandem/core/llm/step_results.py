@@ -50,6 +50,12 @@ def advance_grammar(seq: TokenSequence, token: int) -> str | None:
     assert seq.grammar is not None
     if not seq.grammar.accept(token):
         seq.error = f"the output left its grammar at token {token}: {seq.grammar.error}"
+        if seq.grammar.broken:
+            seq.error_param = seq.grammar.param
+            seq.error = (
+                f"the grammar of {seq.grammar.param} went past the grammar engine's limits "
+                f"at output token {len(seq.output_token_ids)}: {seq.grammar.error}; simplify it"
+            )
         logger.warning("request %s: %s", seq.request_id, seq.error)
         return "error"
     return "stop" if seq.grammar.is_finished else None

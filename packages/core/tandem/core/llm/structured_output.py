@@ -42,12 +42,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# How llguidance (1.9) words a token outside the grammar, as opposed to its limits.
+_TOKEN_REFUSED = "doesn't satisfy the grammar"
+
+
 class GrammarState:
     """One request's position in its grammar."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, owner: StructuredOutputs) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, owner: StructuredOutputs, param: str) -> None:
+        """``param``: the request field the grammar came from."""
         self.matcher = matcher
         self.owner = owner
+        self.param = param
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False when the grammar does not allow it."""
@@ -61,6 +67,14 @@ class GrammarState:
     @property
     def error(self) -> str:
         return str(self.matcher.get_error())
+
+    @property
+    def broken(self) -> bool:
+        """The grammar engine gave up on this grammar (a run-time limit, such as the items of
+        a parser row, broken while it advanced): the client's grammar is at fault. Not so
+        for a token the grammar refuses, which llguidance reports as not satisfying the
+        grammar: the bitmask should have kept it out, and that is the server's fault."""
+        return bool(self.matcher.is_error()) and _TOKEN_REFUSED not in self.error
 
 
 class StructuredOutputs:
@@ -111,7 +125,7 @@ class StructuredOutputs:
             prototype = self.submit(spec).result()
         except InvalidRequestError as exc:
             raise fresh_error(exc) from None
-        return GrammarState(prototype.deep_copy(), self)
+        return GrammarState(prototype.deep_copy(), self, spec.param)
 
     @property
     def compile_timeout_s(self) -> float:
@@ -164,8 +178,17 @@ class StructuredOutputs:
                 f"{config.max_schema_depth} this server compiles (--max-schema-depth)",
                 param=spec.param,
             )
-        grammar = self._serialize(spec)
         limits = llguidance.LLParserLimits(verbose_errors=False)
+        if spec.kind == "choice" and (count := len(json.loads(spec.value))) >= (
+            row := limits.max_items_in_row
+        ):
+            # Every option is an item of the parser's first row, beside the start rule.
+            return InvalidRequestError(
+                f"the choice list has {count} options; the grammar engine holds at most "
+                f"{row} items in a parser row, so at most {row - 1} options",
+                param=spec.param,
+            )
+        grammar = self._serialize(spec)
         matcher = llguidance.LLMatcher(
             self._tokenizer_for_grammars(), grammar, log_level=0, limits=limits
         )
@@ -182,6 +205,8 @@ class StructuredOutputs:
         """``matcher`` once a copy of it (sharing its lexer, which the walk warms up for the
         requests to come) has walked probe_tokens tokens, each the longest the grammar
         allows, through llguidance's limits and within compile_timeout_s; else the error."""
+        if self._config.probe_tokens == 0:
+            return matcher
         walker = matcher.deep_copy()
         token_bytes = self._token_bytes_for_probe()
         shifts = torch.arange(32, dtype=torch.int32)
