@@ -29,6 +29,7 @@ that runs the class and returns its statuses and notes.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import os
@@ -42,7 +43,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,8 @@ class Attack:
     # The server it runs against (``SERVERS``).
     server: str = "main"
     # Runs the class instead of ``clients`` senders of ``body``: its statuses and notes.
-    custom: Callable[[str, Sizes], tuple[list[str], str]] | None = None
+    # (base URL, sizes, the sender processes when there are some)
+    custom: Callable[[str, Sizes, ProcessPoolExecutor | None], tuple[list[str], str]] | None = None
 
 
 def _text(size: int) -> str:
@@ -255,7 +257,7 @@ def attacks(sizes: Sizes, tokenizer_folder: Path | None = None) -> list[Attack]:
             "request-timeout",
             "POST",
             "/tokenize",
-            dumps({"model": MODEL_NAME, "messages": _messages(CHAT_MESSAGES)}),
+            lambda: _heavy_bodies(sizes.messages)[1],
             n,
             server="timeout",
             custom=_short_behind_heavy,
@@ -273,7 +275,9 @@ def attacks(sizes: Sizes, tokenizer_folder: Path | None = None) -> list[Attack]:
     ]
 
 
-def _unbuildable_regexes(base: str, sizes: Sizes) -> tuple[list[str], str]:
+def _unbuildable_regexes(
+    base: str, sizes: Sizes, senders: ProcessPoolExecutor | None
+) -> tuple[list[str], str]:
     """Six different unbuildable regexes at once, then the first again (answered from the
     grammar cache on the old code, which then said 200 where it had said 500)."""
     statuses: list[str] = []
@@ -304,22 +308,40 @@ def _unbuildable_regexes(base: str, sizes: Sizes) -> tuple[list[str], str]:
     return statuses, note
 
 
-def _short_behind_heavy(base: str, sizes: Sizes) -> tuple[list[str], str]:
+@functools.cache
+def _heavy_bodies(messages: int) -> tuple[bytes, bytes]:
+    """The request-timeout class's two bodies, made before its measurement starts (by the
+    attack's ``body``): JSON-encoding megabytes here holds this process's GIL, which the
+    probes' threads would wait for and count as the server's stall."""
+    return tuple(  # type: ignore[return-value]
+        json.dumps({"model": MODEL_NAME, "messages": _messages(count)}).encode()
+        for count in (messages, CHAT_MESSAGES)
+    )
+
+
+def _short_behind_heavy(
+    base: str, sizes: Sizes, senders: ProcessPoolExecutor | None
+) -> tuple[list[str], str]:
     """Heavy preparation from ``sizes.clients`` clients (half send ``sizes.messages`` chat
     messages, the issue's case, which the old code rendered up to the template's time
     limit; half the most messages the budget admits, rendered and tokenized), and 0.5 s
     later a short chat request: when is it answered? The issue's old code: 504 after
     11.6 s for a 3 s limit."""
     statuses: list[str] = []
-    bodies = [
-        json.dumps({"model": MODEL_NAME, "messages": _messages(count)}).encode()
-        for count in (sizes.messages, CHAT_MESSAGES)
-    ]
+    bodies = _heavy_bodies(sizes.messages)
+    heavy: list[Future[tuple[str, float]]] = []
+    if senders is not None:
+        # From processes of their own, as the plain attacks send (run_attack says why).
+        heavy = [
+            senders.submit(_send_from_pool, base, "POST", "/tokenize", bodies[i % 2], 300.0, True)
+            for i in range(sizes.clients)
+        ]
 
     def one(i: int) -> None:
         statuses.append(_send(base, "POST", "/tokenize", bodies[i % 2], 300.0, key=True))
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(sizes.clients)]
+    clients = 0 if senders is not None else sizes.clients
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
     for t in threads:
         t.start()
     time.sleep(0.5)
@@ -330,6 +352,7 @@ def _short_behind_heavy(base: str, sizes: Sizes) -> tuple[list[str], str]:
     took = time.perf_counter() - begin
     for t in threads:
         t.join()
+    statuses += [future.result()[0] for future in heavy]
     statuses.append(f"short {status}")
     return (
         statuses,
@@ -337,7 +360,9 @@ def _short_behind_heavy(base: str, sizes: Sizes) -> tuple[list[str], str]:
     )
 
 
-def _idle_and_slow_connections(base: str, sizes: Sizes) -> tuple[list[str], str]:
+def _idle_and_slow_connections(
+    base: str, sizes: Sizes, senders: ProcessPoolExecutor | None
+) -> tuple[list[str], str]:
     """A client trickling its headers and one trickling its body, one byte per 0.1 s (how
     does each end?); then ``sizes.idle_connections`` connections that send nothing: is a
     request on a new connection answered while they are open, and once they have been
@@ -775,7 +800,7 @@ def run_attack(
     statuses: list[str] = []
     start = time.perf_counter()
     if attack.custom is not None:
-        statuses, result.notes = attack.custom(base, sizes)
+        statuses, result.notes = attack.custom(base, sizes, senders)
     elif senders is not None:
         # From processes of their own: a client reading a large answer holds its GIL, which
         # the probes' threads here would otherwise wait for (and count as the server's).
