@@ -25,6 +25,7 @@ from tandem.server.connections import (
     open_descriptors,
 )
 from tandem.server.metrics import ServerMetrics
+from tandem.server.startup_heap import freeze_startup_objects
 from tandem.server.state import DEFAULT_TOKENIZE_TOKENS, ServerLimits, ServerState
 from tandem.server.supervision import EXIT_ENGINE_FAILED, SupervisedServer
 
@@ -273,6 +274,7 @@ def _run_server(server: uvicorn.Server) -> None:
     # no-op and the process exits 0 after a clean shutdown.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _after_shutdown)
+    freeze_startup_objects()
     server.run()
 
 
