@@ -59,18 +59,23 @@ def test_rows_without_a_processor_take_no_slot() -> None:
 
 def test_a_row_takes_a_slot_once_and_carries_its_tokens() -> None:
     rows = SamplingRows(4)
-    plain, penalized = _seq("a", [1]), _seq("b", [5, 6], presence_penalty=1.0)
+    plain, penalized = _seq("a", [1]), _seq("b", [6, 5, 6], repetition_penalty=1.2)
     penalized.token_ids.append(9)
     slots, update = rows.assign([plain, penalized], True)
     assert slots is not None and slots.tolist() == [-1, 0]
     assert update is not None and update.removed == ()
     [added] = update.added
     assert added.slot == 0 and added.num_output_tokens == 1
+    # The repetition penalty reads which tokens the prompt holds, not their order.
     assert added.prompt_token_ids is not None and added.prompt_token_ids.tolist() == [5, 6]
     assert added.output_token_ids is not None and added.output_token_ids.tolist() == [9]
     # The next step names the same slot and changes nothing.
     slots, update = rows.assign([penalized, plain], True)
     assert slots is not None and slots.tolist() == [0, -1] and update is None
+    # Presence and frequency penalties read the output only: the prompt stays behind.
+    _, update = rows.assign([_seq("d", [7, 8], presence_penalty=1.0)], True)
+    assert update is not None and update.added[0].prompt_token_ids is None
+    assert update.added[0].output_token_ids is not None
     # min_p needs no tokens: none are copied for it.
     _, update = rows.assign([_seq("c", [1], temperature=1.0, min_p=0.1)], True)
     assert update is not None and update.added[0].prompt_token_ids is None

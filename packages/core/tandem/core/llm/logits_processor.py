@@ -56,8 +56,11 @@ class AddedRow:
     eos_token_ids: frozenset[int]
     # Output tokens the sequence has already (more than 0 after a preemption).
     num_output_tokens: int
-    # int64, given only when a processor the row uses asks for them (``needs_token_ids``);
-    # the step's own copies (work handed to another thread owns its inputs).
+    # int64, given only when a processor the row uses asks for them (``needs_token_ids``;
+    # the prompt only if one also ``needs_prompt``, and as its distinct tokens when none of
+    # those needs its order: the step carries every added row's prompt to the sampling
+    # worker, across processes too); the step's own copies (work handed to another thread
+    # owns its inputs).
     prompt_token_ids: torch.Tensor | None = None
     output_token_ids: torch.Tensor | None = None
 
@@ -122,6 +125,14 @@ class LogitsProcessor(ABC):
     def needs_token_ids(cls, params: SamplingParams) -> bool:
         """Whether ``add`` needs the row's prompt and output tokens."""
         return False
+
+    @classmethod
+    def needs_prompt(cls, params: SamplingParams) -> bool:
+        """Whether ``add`` reads the prompt too (with ``needs_token_ids``)."""
+        return cls.needs_token_ids(params)
+
+    # Whether the prompt must come in order; False: its distinct tokens, sorted, suffice.
+    prompt_order_matters: ClassVar[bool] = True
 
     @abstractmethod
     def add(self, slot: int, row: AddedRow) -> None:

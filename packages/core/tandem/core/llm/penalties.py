@@ -45,6 +45,13 @@ class Penalties(LogitsProcessor):
     def needs_token_ids(cls, params: SamplingParams) -> bool:
         return True
 
+    @classmethod
+    def needs_prompt(cls, params: SamplingParams) -> bool:
+        # Only the repetition penalty looks at the prompt, and only at which tokens it holds.
+        return params.repetition_penalty != 1.0
+
+    prompt_order_matters = False
+
     def add(self, slot: int, row: AddedRow) -> None:
         params = row.params
         self._presence[slot] = params.presence_penalty
@@ -54,7 +61,7 @@ class Penalties(LogitsProcessor):
             shape = (self.ctx.max_rows, self.ctx.vocab_size)
             self._counts = torch.zeros(shape, dtype=torch.float32, device=self.ctx.device)
             self._prompt_seen = torch.zeros(shape, dtype=torch.bool, device=self.ctx.device)
-        assert row.output_token_ids is not None and row.prompt_token_ids is not None
+        assert row.output_token_ids is not None
         device = self.ctx.device
         counts = self._counts[slot]
         counts.zero_()
@@ -62,8 +69,7 @@ class Penalties(LogitsProcessor):
         counts.index_put_((outputs,), torch.ones(outputs.numel(), device=device), accumulate=True)
         seen = self._prompt_seen[slot]
         seen.zero_()
-        # Only the repetition penalty looks at the prompt.
-        if params.repetition_penalty != 1.0:
+        if row.prompt_token_ids is not None:
             seen[row.prompt_token_ids.to(device)] = True
 
     def apply(self, logits: torch.Tensor, rows: StepRows) -> torch.Tensor:

@@ -97,16 +97,20 @@ class SamplingRows:
 
     def _added_row(self, seq: TokenSequence, slot: int) -> AddedRow:
         params = seq.params
-        tokens = any(cls.uses(params) and cls.needs_token_ids(params) for cls in self._classes)
+        using = [cls for cls in self._classes if cls.uses(params) and cls.needs_token_ids(params)]
+        reading = [cls for cls in using if cls.needs_prompt(params)]
+        prompt: torch.Tensor | None = None
+        if reading:
+            prompt = torch.tensor(seq.prompt_token_ids, dtype=torch.int64)
+            if not any(cls.prompt_order_matters for cls in reading):
+                prompt = torch.unique(prompt)
         return AddedRow(
             slot=slot,
             params=params,
             eos_token_ids=seq.eos_token_ids,
             num_output_tokens=seq.num_output_tokens,
-            prompt_token_ids=(
-                torch.tensor(seq.prompt_token_ids, dtype=torch.int64) if tokens else None
-            ),
+            prompt_token_ids=prompt,
             output_token_ids=(
-                torch.tensor(seq.output_token_ids, dtype=torch.int64) if tokens else None
+                torch.tensor(seq.output_token_ids, dtype=torch.int64) if using else None
             ),
         )
