@@ -19,7 +19,11 @@ from tandem.collectives import (
     create_inprocess_groups,
     init_distributed,
 )
-from tandem.collectives.backends import CommunicatorSet, get_collective_backend
+from tandem.collectives.backends import (
+    CommunicatorSet,
+    CrossProcessGroup,
+    get_collective_backend,
+)
 from tandem.core.errors import ConfigError
 from tandem.core.parallel.collective_choice import INPROCESS, TORCH, CollectiveChoice
 from tandem.device import Device, DeviceRuntime
@@ -81,6 +85,13 @@ def make_process_group(
     made = get_collective_backend(choice.process).process_group(
         device, runtime, rank, size, timeout_s
     )
+    if not isinstance(made, CrossProcessGroup):
+        # A plugin written to the older protocol: its communicator would never be closed.
+        raise ConfigError(
+            f"the collective backend {choice.process!r} returned {type(made).__name__} from "
+            "process_group; it must return CrossProcessGroup(group, communicators) "
+            "(tandem.collectives.backends), so that the communicator is closed"
+        )
     return made.group, CommunicatorHandles(made.communicators, made.communicators)
 
 
