@@ -147,3 +147,15 @@ def test_prefix_caching_is_off_for_hybrid_models_with_one_log_line(
     # The same prompt twice: with a cached prefix and no state the second would go astray.
     twice = engine.generate([PROMPTS[3], PROMPTS[3]], PARAMS)
     assert [o.token_ids for o in twice] == [reference[3], reference[3]]
+
+
+def test_state_slots_for_a_config_without_linear_attention_are_refused(
+    demo_dir: Path, make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model whose layers keep state (the workers made slots for them) but whose config
+    says it has none: one slot shared by every sequence must never be served."""
+    from tandem.core.executor.thread_executor import ThreadExecutor
+
+    monkeypatch.setattr(ThreadExecutor, "num_state_slots", property(lambda self: 4))
+    with pytest.raises(ConfigError, match="has_linear_attention"):
+        make_engine(demo_dir)

@@ -132,9 +132,16 @@ class LLMEngine:
 
     def _state_slot_pool(self) -> StateSlotPool | None:
         """The linear-attention state slots of a hybrid model, as many as every worker has."""
-        if not self.model_config.has_linear_attention:
-            return None
         num_slots = self.executor.num_state_slots
+        if not self.model_config.has_linear_attention:
+            if num_slots > 0:
+                # Without a pool every sequence would share slot 0's recurrent state.
+                raise ConfigError(
+                    f"the {self.model_config.architecture} model has linear-attention layers "
+                    "(linear_attention_layers()) but its config does not say so: its "
+                    "parse_config must return a config whose has_linear_attention is True"
+                )
+            return None
         if num_slots < 1:
             raise ConfigError(
                 f"{self.model_config.architecture} has linear-attention layers but the workers "

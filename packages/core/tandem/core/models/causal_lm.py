@@ -53,7 +53,9 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def linear_attention_layers(self) -> list[GatedDeltaNet]:
-        """The layers that keep a per-sequence state slot; none for a plain decoder."""
+        """The layers that keep a per-sequence state slot; none for a plain decoder. A model
+        with some declares it in its config too (``has_linear_attention``: the engine keeps
+        the slots' pool and turns prefix caching off from it; start-up checks both agree)."""
         return []
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
