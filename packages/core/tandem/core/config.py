@@ -195,6 +195,10 @@ class StructuredOutputConfig:
 
     # Threads compiling grammars, off the server's event loop and the engine's thread.
     compile_threads: int = 2
+    # How much nicer than the rest of the process those threads run (Linux keeps a niceness
+    # per thread): a burst of compiles then yields the cores to the event loop and the
+    # engine instead of sharing them evenly, as the preparation processes do (+10).
+    compile_niceness: int = 10
     # Compiled grammars kept for reuse (most recently used first).
     cache_size: int = 256
     # Let JSON grammars allow free whitespace between tokens. Off by default: a weak model
@@ -218,6 +222,8 @@ class StructuredOutputConfig:
     def __post_init__(self) -> None:
         if self.compile_threads < 1:
             raise ConfigError(f"compile_threads must be >= 1, got {self.compile_threads}")
+        if not 0 <= self.compile_niceness <= 19:
+            raise ConfigError(f"compile_niceness must be in [0, 19], got {self.compile_niceness}")
         if self.cache_size < 1:
             raise ConfigError(f"cache_size must be >= 1, got {self.cache_size}")
         if self.max_grammar_bytes < 1:

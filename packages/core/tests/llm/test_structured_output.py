@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -262,3 +263,25 @@ def test_a_token_the_grammar_refuses_stays_the_servers_failure(
     )
     refused = next(t for t in range(engine.model_config.vocab_size) if not grammar.accept(t))
     assert refused >= 0 and not grammar.broken
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread niceness is Linux's")
+def test_grammars_compile_on_threads_nicer_than_the_server(
+    demo_dir: Path, make_engine: Callable[..., LLMEngine]
+) -> None:
+    """A burst of compiles must yield the cores to the event loop and the engine."""
+    compiler = _compiler(make_engine(demo_dir), compile_niceness=7)
+    before = {thread.ident for thread in threading.enumerate()}
+    compiler.submit(StructuredOutputSpec.regex("[a-z]{3}", "structured_outputs.regex")).result()
+
+    def niceness(task: Path) -> int:
+        # Field 19 of stat, counted after the parenthesised name (which may hold spaces).
+        return int((task / "stat").read_text().rsplit(")", 1)[1].split()[16])
+
+    grammar = [
+        Path(f"/proc/self/task/{thread.native_id}")
+        for thread in threading.enumerate()
+        if thread.name.startswith("tandem-grammar") and thread.ident not in before
+    ]
+    mine = Path(f"/proc/self/task/{threading.get_native_id()}")
+    assert grammar and {niceness(t) for t in grammar} == {niceness(mine) + 7}

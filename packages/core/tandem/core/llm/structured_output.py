@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -44,6 +46,18 @@ logger = logging.getLogger(__name__)
 
 # How llguidance (1.9) words a token outside the grammar, as opposed to its limits.
 _TOKEN_REFUSED = "doesn't satisfy the grammar"
+
+
+def run_nicer(increment: int) -> None:
+    """Raise the calling thread's niceness by ``increment`` (Linux only: elsewhere niceness
+    is the whole process's, which must not change)."""
+    if increment == 0 or sys.platform != "linux":
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + increment)
+    except OSError as exc:  # a container may forbid it; compiles then share the cores evenly
+        logger.warning("grammar threads keep the server's priority: %s", exc)
 
 
 class GrammarState:
@@ -92,7 +106,12 @@ class StructuredOutputs:
         self.vocab_size = max(vocab_size, tokenizer.vocab_size)
         self._eos = sorted(eos_token_ids)
         self._config = config
-        self._pool = ThreadPoolExecutor(config.compile_threads, "tandem-grammar")
+        self._pool = ThreadPoolExecutor(
+            config.compile_threads,
+            "tandem-grammar",
+            initializer=run_nicer,
+            initargs=(config.compile_niceness,),
+        )
         self._lock = threading.Lock()
         self._compiled: OrderedDict[StructuredOutputSpec, Future[llguidance.LLMatcher]] = (
             OrderedDict()
