@@ -189,6 +189,12 @@ def test_tokenize_is_bounded_by_size_before_the_work_and_by_tokens_after(
         some = "tandem " * 60
         message = _error(await client.post("/tokenize", json={"prompt": some}), 400, "prompt")
         assert "tokens per request (--max-tokenize-tokens)" in message
+        # Under the size bound but far over 50 tokens: a prefix's tokens refuse it.
+        encoded.clear()
+        large = "tandem " * 350
+        message = _error(await client.post("/tokenize", json={"prompt": large}), 400, "prompt")
+        assert "The prompt is at least" in message and "(--max-tokenize-tokens)" in message
+        assert encoded and max(encoded) < len(large) // 3, encoded
         message = _error(await client.post("/detokenize", json={"tokens": [1] * 51}), 400)
         assert "--max-tokenize-tokens" in message
         assert (await client.post("/tokenize", json={"prompt": "tandem"})).status_code == 200

@@ -10,7 +10,7 @@ import pytest
 from tandem.core.config import SchedulerConfig, StructuredOutputConfig
 from tandem.core.errors import InvalidRequestError
 from tandem.core.kv.block_manager import BlockManager
-from tandem.core.llm.input_processor import InputProcessor, PromptEncoder
+from tandem.core.llm.input_processor import InputProcessor, PromptEncoder, TokenBudget
 from tandem.core.llm.sampling_params import SamplingParams
 from tandem.core.llm.structured_output import StructuredOutputs
 from tandem.core.llm.tokenizer import Tokenizer
@@ -88,6 +88,93 @@ def test_check_length_off_lets_a_long_text_through(tokenizer: Tokenizer) -> None
     assert len(ids) >= 4 and ids == tokenizer.encode(text)
     with pytest.raises(InvalidRequestError, match="maximum context length is 4"):
         encoder.encode_prompt(text)
+
+
+DEMO_TEXT = "the quick brown fox jumps over the lazy dog 123 "
+
+
+def recording_encodes(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The lengths of the texts ``tokenizer`` is asked to encode from now on (it still
+    encodes them)."""
+    lengths: list[int] = []
+    encode = tokenizer.encode
+
+    def recording(text: str, add_special_tokens: bool = True) -> list[int]:
+        lengths.append(len(text))
+        return encode(text, add_special_tokens=add_special_tokens)
+
+    monkeypatch.setattr(tokenizer, "encode", recording)
+    return lengths
+
+
+def test_a_text_far_over_the_limit_is_refused_by_a_prefix_of_it(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    encoder = PromptEncoder(tokenizer, max_model_len=1024)
+    # Under the size bound (4 * max_token_bytes bytes per position), tens of times too long.
+    text = (DEMO_TEXT * 1100)[: 4 * tokenizer.max_token_bytes * 1024 - 100]
+    lengths = recording_encodes(tokenizer, monkeypatch)
+    with pytest.raises(InvalidRequestError, match=r"^at least \d+ tokens of prompt, but") as err:
+        encoder.encode_prompt(text)
+    assert err.value.param == "prompt"
+    assert len(lengths) == 1 and lengths[0] <= encoder.prefix_chars_per_token * (
+        1023 + 2 * tokenizer.max_token_bytes
+    ), lengths
+    at_least = int(str(err.value).split()[2])
+    assert 1023 < at_least <= len(encode_plain(tokenizer, text))
+    # /tokenize's budget: its own limit and message.
+    lengths.clear()
+    budget = TokenBudget(300, lambda what: InvalidRequestError(f"{what}, over 300", "prompt"))
+    with pytest.raises(InvalidRequestError, match=r"^at least \d+ tokens, over 300$"):
+        encoder.encode_prompt(text, check_length=False, budget=budget)
+    assert len(lengths) == 1 and lengths[0] < len(text) // 10
+
+
+def encode_plain(tokenizer: Tokenizer, text: str) -> list[int]:
+    return Tokenizer.encode(tokenizer, text)
+
+
+@pytest.mark.parametrize("chars_per_token", [8, 1])
+def test_texts_around_the_limit_are_judged_by_all_their_tokens(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, chars_per_token: int
+) -> None:
+    """Just over: refused with the exact count, as ever; just under: the whole text's ids,
+    also when (with a small prefix) a prefix was counted first."""
+    encoder = PromptEncoder(tokenizer, max_model_len=256)
+    encoder.prefix_chars_per_token = chars_per_token
+    text = DEMO_TEXT * 40
+    ids = tokenizer.encode(text)
+    fits = tokenizer.decode(ids[:255])
+    over = tokenizer.decode(ids[:300])
+    assert len(tokenizer.encode(fits)) == 255 and len(tokenizer.encode(over)) == 300
+    lengths = recording_encodes(tokenizer, monkeypatch)
+    assert encoder.encode_prompt(fits) == encode_plain(tokenizer, fits)
+    assert lengths[-1] == len(fits) and (len(lengths) > 1) == (chars_per_token == 1)
+    with pytest.raises(InvalidRequestError) as err:
+        encoder.encode_prompt(over)
+    assert str(err.value).startswith("300 tokens of prompt, but this model's maximum context")
+
+
+@pytest.mark.parametrize(
+    "dense",
+    ["0123456789" * 8, "数据并行与张量" * 12, "\n" * 40],
+    ids=["digits", "cjk", "newlines"],
+)
+def test_a_dense_start_never_gets_a_text_that_fits_refused(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, dense: str
+) -> None:
+    """A start far denser than the rest (digits, CJK at three byte tokens a character)
+    makes a short prefix look too long by its rate; it is refused only by its own count."""
+    sparse = " checkpoint scheduler tokenizer" * 30
+    text = dense + sparse
+    count = len(tokenizer.encode(text))
+    encoder = PromptEncoder(tokenizer, max_model_len=count + 1)
+    encoder.prefix_chars_per_token = 1
+    lengths = recording_encodes(tokenizer, monkeypatch)
+    assert encoder.encode_prompt(text) == encode_plain(tokenizer, text)
+    assert len(lengths) > 1, "the prefix path should have run"
+    with pytest.raises(InvalidRequestError, match=f"^{count} tokens of prompt"):
+        PromptEncoder(tokenizer, max_model_len=count).encode_prompt(text)
 
 
 def test_prepared_requests_are_numbered_and_carry_the_limits(

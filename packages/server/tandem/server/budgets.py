@@ -1,9 +1,11 @@
 """Per-request budgets, refused up front with a 400 that names the limit and its flag: how
 many sequences a request asks for, how many chat messages it brings, how many tokens a
-/tokenize may produce (its size checked before it is tokenized, its tokens after)."""
+/tokenize may produce (its size checked before it is tokenized, its tokens after, or a
+prefix's tokens for a large text)."""
 
 from __future__ import annotations
 
+from tandem.core.llm.input_processor import TokenBudget
 from tandem.server.errors import ApiError
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from tandem.server.state import DEFAULT_TOKENIZE_TOKENS, ServerLimits, ServerState
@@ -73,6 +75,12 @@ def check_tokenize_size(state: ServerState, text: str, param: str) -> None:
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > bound:
         raise _too_many_tokens(state, f"{size} bytes long, so more tokens", param)
+
+
+def tokenize_budget(state: ServerState, param: str) -> TokenBudget:
+    """The token budget a /tokenize text is encoded within: one far over it is refused by a
+    prefix's tokens, not tokenized whole."""
+    return TokenBudget(tokenize_limit(state), lambda what: _too_many_tokens(state, what, param))
 
 
 def check_token_count(state: ServerState, count: int, param: str) -> None:

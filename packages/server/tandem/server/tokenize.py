@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.server.budgets import check_messages, check_token_count, check_tokenize_size
+from tandem.server.budgets import (
+    check_messages,
+    check_token_count,
+    check_tokenize_size,
+    tokenize_budget,
+)
 from tandem.server.chat import render_chat
 from tandem.server.chat_messages import template_messages
 from tandem.server.common import check_model
@@ -33,11 +38,19 @@ def tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:
         check_tokenize_size(state, prompt.text, "messages")
         # The template writes the special tokens; add none unless asked.
         add = bool(body.add_special_tokens)
-        tokens = state.engine.inputs.encode_prompt(prompt.text, "messages", add, check_length=False)
+        tokens = state.engine.inputs.encode_prompt(
+            prompt.text,
+            "messages",
+            add,
+            check_length=False,
+            budget=tokenize_budget(state, "messages"),
+        )
     else:
         assert body.prompt is not None
         add = True if body.add_special_tokens is None else body.add_special_tokens
-        tokens = state.engine.inputs.encode_prompt(body.prompt, "prompt", add, check_length=False)
+        tokens = state.engine.inputs.encode_prompt(
+            body.prompt, "prompt", add, check_length=False, budget=tokenize_budget(state, "prompt")
+        )
     check_token_count(state, len(tokens), "prompt" if body.messages is None else "messages")
     return {
         "count": len(tokens),
