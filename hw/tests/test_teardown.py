@@ -183,30 +183,40 @@ def test_every_hccl_collective_needs_a_device_on_the_calling_thread(
     """op_base.cc reads the calling thread's device first in HcclAllReduce, HcclAllGather,
     HcclReduceScatter, HcclBroadcast and HcclBarrier, before even a count of 0 succeeds."""
     library = HcclLibrary(standin_path)
-    probe.set_device(0)
-    comm = library.init_all([0])[0]
-    buf = torch.ones(4)
-    send, recv = buf.data_ptr(), torch.empty(4).data_ptr()
-    calls: dict[str, Callable[[], None]] = {
-        "HcclAllReduce": lambda: library.all_reduce(
-            send, recv, 4, torch.float32, ReduceOp.SUM, comm, 1
-        ),
-        "HcclAllGather": lambda: library.all_gather(send, recv, 4, torch.float32, comm, 1),
-        "HcclReduceScatter": lambda: library.reduce_scatter(
-            send, recv, 0, torch.float32, ReduceOp.SUM, comm, 1
-        ),
-        "HcclBroadcast": lambda: library.broadcast(send, 4, torch.float32, 0, comm, 1),
-        "HcclBarrier": lambda: library.barrier(comm, 1),
-    }
-    for function, call in calls.items():
-        with pytest.raises(CommLibraryError) as err:
-            on_fresh_thread(call)
-        assert err.value.function == function
-        assert err.value.code == 15, err.value
-    # The same calls from a bound thread go through (one rank: nobody to wait for).
-    for call in calls.values():
-        call()
-    library.destroy(comm)
+    # Tensors kept alive for the calls' whole span: the library writes through raw pointers.
+    buf, out = torch.ones(4), torch.empty(4)
+    send, recv = buf.data_ptr(), out.data_ptr()
+
+    def calls(comm: int) -> dict[str, Callable[[], None]]:
+        return {
+            "HcclAllReduce": lambda: library.all_reduce(
+                send, recv, 4, torch.float32, ReduceOp.SUM, comm, 1
+            ),
+            "HcclAllGather": lambda: library.all_gather(send, recv, 4, torch.float32, comm, 1),
+            "HcclReduceScatter": lambda: library.reduce_scatter(
+                send, recv, 0, torch.float32, ReduceOp.SUM, comm, 1
+            ),
+            "HcclBroadcast": lambda: library.broadcast(send, 4, torch.float32, 0, comm, 1),
+            "HcclBarrier": lambda: library.barrier(comm, 1),
+        }
+
+    def bound_thread() -> None:
+        # Set on a thread of its own: a device left set on pytest's thread would let later
+        # tests' unbound calls through.
+        probe.set_device(0)
+        comm = library.init_all([0])[0]
+        for function, call in calls(comm).items():
+            with pytest.raises(CommLibraryError) as err:
+                on_fresh_thread(call)
+            assert err.value.function == function
+            assert err.value.code == 15, err.value
+        # The same calls from a bound thread go through (one rank: nobody to wait for).
+        for call in calls(comm).values():
+            call()
+        library.destroy(comm)
+
+    on_fresh_thread(bound_thread)
+    assert out.tolist() == [1.0] * 4
 
 
 def test_a_collective_from_a_thread_the_runtime_never_bound_fails_on_cpu(
@@ -248,6 +258,13 @@ def test_a_root_info_group_comes_with_the_communicators_that_close_it(
 
     made = on_fresh_thread(join)
     assert probe.live_comms() == before + 1
-    assert made.group.all_reduce(torch.ones(1)).tolist() == [1.0]
+
+    def reduce() -> list[float]:
+        get_runtime("cpu").bind(Device("cpu", 2))
+        out: list[float] = made.group.all_reduce(torch.ones(1)).tolist()
+        return out
+
+    # On a bound thread: HCCL refuses a collective from a thread with no device set.
+    assert on_fresh_thread(reduce) == [1.0]
     on_fresh_thread(made.communicators.close)
     assert probe.live_comms() == before
