@@ -22,7 +22,11 @@ import pytest
 
 pytest.importorskip("triton")
 
-PROMPTS = ["5,17,300,42", "11,3,250,8,61,7,7,7,7,7,7,7,7,7,7,7,7,7,7"]
+# The second crosses a KV block. Greedy choices in bfloat16 are compared across kernel families,
+# so the prompts are ones whose choices have margins well above bfloat16's rounding on these
+# demo models: "11,3,250,8,61" then fourteen 7s was a near-tie that flipped between the C++
+# kernels of an AVX512-BF16 CPU and TP=2's reduction order (the float32 answer was TP=2's).
+PROMPTS = ["5,17,300,42", "11,3,250,8,61,90,400,12,77,5,300,21,8,150,2,99,64,31,7"]
 NEW_TOKENS = 5
 # (kind, dtype, kernels that must come from torch_npu's ops, and from Triton)
 CASES = [
