@@ -36,6 +36,22 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "tandem.logits_processors"
 
 
+def add_at_tokens(
+    logits: torch.Tensor, rows: StepRows, tokens: np.ndarray, values: np.ndarray
+) -> torch.Tensor:
+    """``values`` [rows, K] added, in place, to the logits of ``tokens`` [rows, K] of each of
+    the step's rows (-1: no token), in one scatter."""
+    valid = tokens >= 0
+    index = np.broadcast_to(rows.rows[:, None], tokens.shape)[valid]
+    device = logits.device
+    logits.index_put_(
+        (torch.from_numpy(index).to(device), torch.from_numpy(tokens[valid]).to(device)),
+        torch.from_numpy(values[valid]).to(device),
+        accumulate=True,
+    )
+    return logits
+
+
 class MinTokens(LogitsProcessor):
     """EOS and the stop token ids are banned (-inf) until a row has ``min_tokens`` tokens."""
 
@@ -59,15 +75,7 @@ class MinTokens(LogitsProcessor):
 
     def apply(self, logits: torch.Tensor, rows: StepRows) -> torch.Tensor:
         tokens = self._banned[rows.slots]
-        valid = tokens >= 0
-        index = np.broadcast_to(rows.rows[:, None], tokens.shape)[valid]
-        device = logits.device
-        logits.index_put_(
-            (torch.from_numpy(index).to(device), torch.from_numpy(tokens[valid]).to(device)),
-            torch.full((len(index),), float("-inf"), device=device),
-            accumulate=True,
-        )
-        return logits
+        return add_at_tokens(logits, rows, tokens, np.full(tokens.shape, -np.inf, np.float32))
 
     def on_sampled(self, rows: StepRows, tokens: torch.Tensor) -> None:
         self._remaining[rows.slots] -= 1
@@ -96,16 +104,7 @@ class LogitBias(LogitsProcessor):
         self._values[slot, : len(bias)] = list(bias.values())
 
     def apply(self, logits: torch.Tensor, rows: StepRows) -> torch.Tensor:
-        tokens = self._tokens[rows.slots]
-        valid = tokens >= 0
-        index = np.broadcast_to(rows.rows[:, None], tokens.shape)[valid]
-        device = logits.device
-        logits.index_put_(
-            (torch.from_numpy(index).to(device), torch.from_numpy(tokens[valid]).to(device)),
-            torch.from_numpy(self._values[rows.slots][valid]).to(device),
-            accumulate=True,
-        )
-        return logits
+        return add_at_tokens(logits, rows, self._tokens[rows.slots], self._values[rows.slots])
 
 
 class MinP(LogitsProcessor):

@@ -40,11 +40,9 @@ class StallWatch:
         """EngineUnhealthyError while a step has run past the health deadline (any thread)."""
         since = self.busy_since
         limits = self._limits
-        if since is not None and self._sync.monotonic() - since > limits.health_timeout_s:
-            raise EngineUnhealthyError(
-                f"a step has been running for {self._sync.monotonic() - since:.0f} s, over "
-                f"the {limits.health_timeout_s:g} s health deadline (it fails at "
-                f"{limits.timeout_s:g} s)"
+        if since is not None:
+            check_step_health(
+                self._sync.monotonic() - since, limits.health_timeout_s, limits.timeout_s
             )
 
     def give_up(self) -> str:
@@ -72,4 +70,14 @@ class StallWatch:
                 if slots is not None
                 else ""
             )
+        )
+
+
+def check_step_health(running_s: float, health_timeout_s: float, timeout_s: float) -> None:
+    """EngineUnhealthyError once a step has run ``running_s`` past the health deadline (it
+    fails at ``timeout_s``)."""
+    if running_s > health_timeout_s:
+        raise EngineUnhealthyError(
+            f"a step has been running for {running_s:.0f} s, over the {health_timeout_s:g} s "
+            f"health deadline (it fails at {timeout_s:g} s)"
         )

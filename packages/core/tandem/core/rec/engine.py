@@ -15,9 +15,10 @@ from typing import Protocol
 
 import torch
 
-from tandem.core.errors import EngineDeadError, EngineUnhealthyError
+from tandem.core.errors import EngineDeadError
 from tandem.core.executor.step_timeout import STEP_TIMEOUT_GRACE_S
 from tandem.core.failure_text import describe
+from tandem.core.llm.stall_watch import check_step_health
 from tandem.core.rec.fixed_steps_scheduler import FixedStepsScheduler, RecBatch
 from tandem.core.rec.request import RecRequest, RecResult
 from tandem.core.rec.runner import pad_block_tables
@@ -124,11 +125,9 @@ class RecEngine:
         if not self.is_running:
             raise EngineDeadError(self.dead or "the recommendation engine loop is not running")
         since = self._busy_since
-        if since is not None and self._sync.monotonic() - since > self._health_timeout_s:
-            raise EngineUnhealthyError(
-                f"a step has been running for {self._sync.monotonic() - since:.0f} s, over "
-                f"the {self._health_timeout_s:g} s health deadline (it fails at "
-                f"{self._step_timeout_s:g} s)"
+        if since is not None:
+            check_step_health(
+                self._sync.monotonic() - since, self._health_timeout_s, self._step_timeout_s
             )
 
     def _loop(self) -> None:
