@@ -195,6 +195,12 @@ def test_tokenize_is_bounded_by_size_before_the_work_and_by_tokens_after(
         message = _error(await client.post("/tokenize", json={"prompt": large}), 400, "prompt")
         assert "The prompt is at least" in message and "(--max-tokenize-tokens)" in message
         assert encoded and max(encoded) < len(large) // 3, encoded
+        # So is one with no space to cut the prefix at.
+        encoded.clear()
+        digits = "2026" * 600
+        message = _error(await client.post("/tokenize", json={"prompt": digits}), 400, "prompt")
+        assert "The prompt is at least" in message and "(--max-tokenize-tokens)" in message
+        assert encoded and max(encoded) < len(digits) // 3, encoded
         message = _error(await client.post("/detokenize", json={"tokens": [1] * 51}), 400)
         assert "--max-tokenize-tokens" in message
         assert (await client.post("/tokenize", json={"prompt": "tandem"})).status_code == 200

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tandem.core.config import SchedulerConfig, StructuredOutputConfig
+from tandem.core.demo.pretrained import stories260k_folder
 from tandem.core.errors import InvalidRequestError
 from tandem.core.kv.block_manager import BlockManager
 from tandem.core.llm.input_processor import InputProcessor, PromptEncoder, TokenBudget
@@ -23,6 +25,14 @@ InputsFactory = Callable[..., InputProcessor]
 @pytest.fixture(scope="module")
 def tokenizer(demo_dir: Path) -> Tokenizer:
     return Tokenizer(demo_dir)
+
+
+@pytest.fixture(scope="module", params=["demo", "stories260k"])
+def any_tokenizer(request: pytest.FixtureRequest, tokenizer: Tokenizer) -> Tokenizer:
+    """The demo's byte-level BPE (GPT-2's regex keeps a run of digits or of CJK letters in
+    one pre-token), or the bundled Llama 2 SentencePiece BPE with byte fallback (no
+    pre-tokenizer at all)."""
+    return tokenizer if request.param == "demo" else Tokenizer(stories260k_folder())
 
 
 @pytest.fixture
@@ -175,6 +185,98 @@ def test_a_dense_start_never_gets_a_text_that_fits_refused(
     assert len(lengths) > 1, "the prefix path should have run"
     with pytest.raises(InvalidRequestError, match=f"^{count} tokens of prompt"):
         PromptEncoder(tokenizer, max_model_len=count).encode_prompt(text)
+
+
+# Texts with no space to cut a prefix at, each many times its 8 * 1049 characters' prefix.
+UNSPACED = {
+    "digits": "0123456789",
+    "cjk": "数据并行与张量切分，流水线调度。",
+    "punctuation": "=-*#.,;:!?()[]{}<>/|",
+}
+
+
+@pytest.mark.parametrize("kind", UNSPACED)
+def test_a_huge_text_without_spaces_is_refused_by_a_prefix_of_it(
+    any_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The issue's case: 6 MB of digits, CJK or punctuation, no space in it, under the size
+    bound of a long context; it was tokenized whole before its 400, as no cut was found."""
+    tokenizer = any_tokenizer
+    unit = UNSPACED[kind]
+    text = unit * (6_000_000 // len(unit.encode("utf-8")))
+    encoder = PromptEncoder(tokenizer, max_model_len=1 << 20)
+    assert len(text.encode("utf-8")) <= 4 * tokenizer.max_token_bytes * (1 << 20)
+    budget = TokenBudget(1000, lambda what: InvalidRequestError(f"{what}, over 1000", "prompt"))
+    lengths = recording_encodes(tokenizer, monkeypatch)
+    with pytest.raises(InvalidRequestError, match=r"^at least \d+ tokens, over 1000$") as err:
+        encoder.encode_prompt(text, check_length=False, budget=budget)
+    prefix = encoder.prefix_chars_per_token * (1000 + 2 * tokenizer.max_token_bytes)
+    assert len(lengths) == 1 and prefix // 2 < lengths[0] <= prefix, lengths
+    assert int(str(err.value).split()[2]) > 1000
+    # The engine's own limit, from a text under its size bound: refused by a prefix too, and
+    # by no more tokens than the whole has.
+    lengths.clear()
+    encoder = PromptEncoder(tokenizer, max_model_len=1024)
+    text = text[: 4 * tokenizer.max_token_bytes * 1024 // 3]
+    with pytest.raises(InvalidRequestError, match=r"^at least \d+ tokens of prompt") as err:
+        encoder.encode_prompt(text)
+    prefix = encoder.prefix_chars_per_token * (1023 + 2 * tokenizer.max_token_bytes)
+    assert len(lengths) == 1 and lengths[0] <= prefix < len(text), (lengths, len(text))
+    assert 1023 < int(str(err.value).split()[2]) <= len(encode_plain(tokenizer, text))
+
+
+@pytest.mark.parametrize("kind", [*UNSPACED, "words"])
+def test_cutting_a_text_without_spaces_anywhere_adds_fewer_tokens_than_the_margin(
+    any_tokenizer: Tokenizer, kind: str
+) -> None:
+    """The docstring's bound, for cuts inside one pre-token (every cut here, for Llama 2's
+    SentencePiece): a prefix has at most 2 * max_token_bytes more tokens than the whole
+    text's tokens that end inside it."""
+    tokenizer = any_tokenizer
+    backend = tokenizer.backend.backend_tokenizer
+    words = ["checkpoint", "scheduler", "tokenizer", "数据", "2026", "=="]
+    text = ("".join(words) if kind == "words" else UNSPACED[kind]) * 100
+    text = text[:1200]
+    ends = sorted(end for _, end in backend.encode(text, add_special_tokens=False).offsets)
+    worst = 0
+    for cut in range(1, len(text), 5):
+        prefix = len(backend.encode(text[:cut], add_special_tokens=False).ids)
+        worst = max(worst, prefix - bisect.bisect_right(ends, cut))
+    assert worst < 2 * tokenizer.max_token_bytes, worst
+
+
+@pytest.mark.parametrize("kind", UNSPACED)
+def test_a_text_without_spaces_at_the_limit_is_judged_by_all_its_tokens(
+    any_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Unspaced words around runs of ``kind``, so that the prefix path runs and cuts where
+    it finds no space: a text at the limit gets the whole text's ids; one token over, the
+    whole text's exact count."""
+    tokenizer = any_tokenizer
+    unit = "checkpointschedulertokenizer" * 3 + UNSPACED[kind][:4]
+    lengths = recording_encodes(tokenizer, monkeypatch)
+    for end in range(600, 1200, 53):
+        text = (unit * 20)[:end]
+        count = len(encode_plain(tokenizer, text))
+        encoder = PromptEncoder(tokenizer, max_model_len=count + 1)
+        encoder.prefix_chars_per_token = 1
+        lengths.clear()
+        assert encoder.encode_prompt(text) == encode_plain(tokenizer, text)
+        assert len(lengths) > 1 and lengths[-1] == len(text), "the prefix path should have run"
+        with pytest.raises(InvalidRequestError, match=f"^{count} tokens of prompt"):
+            PromptEncoder(tokenizer, max_model_len=count).encode_prompt(text)
+
+
+def test_a_text_without_spaces_is_cut_before_a_letter_not_between_it_and_its_marks(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Decomposed accents: NFC would compose a mark with its letter only on one side.
+    text = "e\u0301\u0323" * 8_000
+    encoder = PromptEncoder(tokenizer, max_model_len=1000)
+    lengths = recording_encodes(tokenizer, monkeypatch)
+    with pytest.raises(InvalidRequestError, match=r"^at least \d+ tokens of prompt"):
+        encoder.encode_prompt(text)
+    assert len(lengths) == 1 and text[lengths[0]] == "e", lengths
 
 
 def test_prepared_requests_are_numbered_and_carry_the_limits(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -100,27 +101,33 @@ class PromptEncoder:
         byte-level regexes of GPT-2, Llama 3 and Qwen; SentencePiece's Metaspace; BERT's and
         the Whitespace ones) splits there, the normalizers in use act on single characters
         or the text's ends, special tokens are added alike to both, and each pre-token is
-        encoded on its own: the prefix has exactly as many tokens as that part of the whole. A
-        tokenizer without such a split (a SentencePiece model whose pieces may span a space)
-        changes only the tokens overlapping the cut: the whole text's token across it covers
-        at most max_token_bytes bytes, which the prefix encodes as at most one token per
-        byte. The margin of twice that covers it with room for a changed merge on each
-        side, and is small next to any real limit; a refusal is never wrong."""
+        encoded on its own: the prefix has exactly as many tokens as that part of the whole.
+
+        Otherwise the cut falls inside a pre-token: always for a tokenizer without that split
+        (Llama 2's SentencePiece BPE, whose pieces may span a space), and for a text with no
+        such space in the prefix's second half (digits, CJK, a run of punctuation: one
+        pre-token to GPT-2's regex), cut then before a character that starts a combining
+        sequence, so that normalization (NFC reorders and composes within one) treats both
+        sides alike. A regex looks at most a character past its match, so only the
+        pre-token at the cut is encoded differently, and within it BPE merges in rank
+        order: the cut takes away the merges reaching past it, and the whole text's token
+        across the cut covers at most max_token_bytes bytes, which the prefix encodes as at
+        most one token per byte. A taken-away merge frees its left part for another merge,
+        and the change spreads further left only through a chain of merges, each freed by the
+        one before and ranked after it; trained vocabularies hold such chains of a few
+        tokens (at most 4 extra tokens over any cut of digits, CJK, punctuation or unspaced
+        words with the test tokenizers). The margin of twice max_token_bytes covers both and
+        is small next to any real limit: a refusal is wrong only for a vocabulary built to
+        hold a longer chain."""
         if budget is None:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         margin = 2 * self.tokenizer.max_token_bytes
         most = budget.limit + margin
         size = self.prefix_chars_per_token * most
         while size < len(text):
-            # Cut at the last space after a non-space in the prefix's second half; a text
-            # with none there is encoded whole, as no cut is known to be safe.
-            window = text[size // 2 : size][::-1]
-            found = _CUT.search(window)
-            if found is None:
-                break
             count = len(
                 self.tokenizer.encode(
-                    text[: size - 1 - found.start()], add_special_tokens=add_special_tokens
+                    text[: _cut(text, size)], add_special_tokens=add_special_tokens
                 )
             )
             if count > most:
@@ -141,6 +148,20 @@ class PromptEncoder:
             f"shorten the {param}",
             param=param,
         )
+
+
+def _cut(text: str, size: int) -> int:
+    """Where a prefix of about ``size`` characters of ``text`` (which is longer) ends: before
+    the last space after a non-space in its second half, else before the last character in
+    it that starts a combining sequence, else at ``size`` (see ``_encode_within``)."""
+    found = _CUT.search(text[size // 2 : size][::-1])
+    if found is not None:
+        return size - 1 - found.start()
+    # Marks attach to the character before them; a text of nothing but marks is cut anyway.
+    for end in range(size, size // 2, -1):
+        if unicodedata.combining(text[end]) == 0:
+            return end
+    return size
 
 
 class InputProcessor(PromptEncoder):
