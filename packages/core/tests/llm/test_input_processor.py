@@ -127,7 +127,7 @@ def test_a_text_far_over_the_limit_is_refused_by_a_prefix_of_it(
     with pytest.raises(InvalidRequestError, match=r"^at least \d+ tokens of prompt, but") as err:
         encoder.encode_prompt(text)
     assert err.value.param == "prompt"
-    assert len(lengths) == 1 and lengths[0] <= encoder.prefix_chars_per_token * (
+    assert len(lengths) == 1 and lengths[0] <= encoder.prefix_bytes_per_token * (
         1023 + 2 * tokenizer.max_token_bytes
     ), lengths
     at_least = int(str(err.value).split()[2])
@@ -144,14 +144,14 @@ def encode_plain(tokenizer: Tokenizer, text: str) -> list[int]:
     return Tokenizer.encode(tokenizer, text)
 
 
-@pytest.mark.parametrize("chars_per_token", [8, 1])
+@pytest.mark.parametrize("bytes_per_token", [8, 1])
 def test_texts_around_the_limit_are_judged_by_all_their_tokens(
-    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, chars_per_token: int
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, bytes_per_token: int
 ) -> None:
     """Just over: refused with the exact count, as ever; just under: the whole text's ids,
     also when (with a small prefix) a prefix was counted first."""
     encoder = PromptEncoder(tokenizer, max_model_len=256)
-    encoder.prefix_chars_per_token = chars_per_token
+    encoder.prefix_bytes_per_token = bytes_per_token
     text = DEMO_TEXT * 40
     ids = tokenizer.encode(text)
     fits = tokenizer.decode(ids[:255])
@@ -159,7 +159,7 @@ def test_texts_around_the_limit_are_judged_by_all_their_tokens(
     assert len(tokenizer.encode(fits)) == 255 and len(tokenizer.encode(over)) == 300
     lengths = recording_encodes(tokenizer, monkeypatch)
     assert encoder.encode_prompt(fits) == encode_plain(tokenizer, fits)
-    assert lengths[-1] == len(fits) and (len(lengths) > 1) == (chars_per_token == 1)
+    assert lengths[-1] == len(fits) and (len(lengths) > 1) == (bytes_per_token == 1)
     with pytest.raises(InvalidRequestError) as err:
         encoder.encode_prompt(over)
     assert str(err.value).startswith("300 tokens of prompt, but this model's maximum context")
@@ -179,7 +179,7 @@ def test_a_dense_start_never_gets_a_text_that_fits_refused(
     text = dense + sparse
     count = len(tokenizer.encode(text))
     encoder = PromptEncoder(tokenizer, max_model_len=count + 1)
-    encoder.prefix_chars_per_token = 1
+    encoder.prefix_bytes_per_token = 1
     lengths = recording_encodes(tokenizer, monkeypatch)
     assert encoder.encode_prompt(text) == encode_plain(tokenizer, text)
     assert len(lengths) > 1, "the prefix path should have run"
@@ -187,7 +187,7 @@ def test_a_dense_start_never_gets_a_text_that_fits_refused(
         PromptEncoder(tokenizer, max_model_len=count).encode_prompt(text)
 
 
-# Texts with no space to cut a prefix at, each many times its 8 * 1049 characters' prefix.
+# Texts with no space to cut a prefix at, each many times the bytes of its prefix.
 UNSPACED = {
     "digits": "0123456789",
     "cjk": "数据并行与张量切分，流水线调度。",
@@ -210,8 +210,8 @@ def test_a_huge_text_without_spaces_is_refused_by_a_prefix_of_it(
     lengths = recording_encodes(tokenizer, monkeypatch)
     with pytest.raises(InvalidRequestError, match=r"^at least \d+ tokens, over 1000$") as err:
         encoder.encode_prompt(text, check_length=False, budget=budget)
-    prefix = encoder.prefix_chars_per_token * (1000 + 2 * tokenizer.max_token_bytes)
-    assert len(lengths) == 1 and prefix // 2 < lengths[0] <= prefix, lengths
+    prefix = encoder.prefix_bytes_per_token * (1000 + 2 * tokenizer.max_token_bytes)
+    assert len(lengths) == 1 and prefix // 2 < len(text[: lengths[0]].encode()) <= prefix
     assert int(str(err.value).split()[2]) > 1000
     # The engine's own limit, from a text under its size bound: refused by a prefix too, and
     # by no more tokens than the whole has.
@@ -220,8 +220,8 @@ def test_a_huge_text_without_spaces_is_refused_by_a_prefix_of_it(
     text = text[: 4 * tokenizer.max_token_bytes * 1024 // 3]
     with pytest.raises(InvalidRequestError, match=r"^at least \d+ tokens of prompt") as err:
         encoder.encode_prompt(text)
-    prefix = encoder.prefix_chars_per_token * (1023 + 2 * tokenizer.max_token_bytes)
-    assert len(lengths) == 1 and lengths[0] <= prefix < len(text), (lengths, len(text))
+    prefix = encoder.prefix_bytes_per_token * (1023 + 2 * tokenizer.max_token_bytes)
+    assert len(lengths) == 1 and len(text[: lengths[0]].encode()) <= prefix < len(text.encode())
     assert 1023 < int(str(err.value).split()[2]) <= len(encode_plain(tokenizer, text))
 
 
@@ -259,7 +259,7 @@ def test_a_text_without_spaces_at_the_limit_is_judged_by_all_its_tokens(
         text = (unit * 20)[:end]
         count = len(encode_plain(tokenizer, text))
         encoder = PromptEncoder(tokenizer, max_model_len=count + 1)
-        encoder.prefix_chars_per_token = 1
+        encoder.prefix_bytes_per_token = 1
         lengths.clear()
         assert encoder.encode_prompt(text) == encode_plain(tokenizer, text)
         assert len(lengths) > 1 and lengths[-1] == len(text), "the prefix path should have run"
@@ -272,7 +272,8 @@ def test_a_text_without_spaces_is_cut_before_a_letter_not_between_it_and_its_mar
 ) -> None:
     # Decomposed accents: NFC would compose a mark with its letter only on one side.
     text = "e\u0301\u0323" * 8_000
-    encoder = PromptEncoder(tokenizer, max_model_len=1000)
+    # 8 * (1000 + 2 * 13) bytes end between a mark and the next.
+    encoder = PromptEncoder(tokenizer, max_model_len=1001)
     lengths = recording_encodes(tokenizer, monkeypatch)
     with pytest.raises(InvalidRequestError, match=r"^at least \d+ tokens of prompt"):
         encoder.encode_prompt(text)

@@ -50,11 +50,12 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
 
-    # A text longer than this many characters per token of its limit is counted by a prefix
-    # first. Prose and code average 3-5 characters per token, so a text that fits the limit
-    # almost never pays for the prefix, while a text many times too long is refused after
-    # tokenizing about twice what the largest admitted text costs.
-    prefix_chars_per_token = 8
+    # A text longer than this many UTF-8 bytes per token of its limit is counted by a prefix
+    # first. Prose and code average 3-5 bytes per token, and so does CJK (a character of 3
+    # bytes, 1-2 characters a token), so a text that fits the limit almost never pays for the
+    # prefix, while a text many times too long is refused after tokenizing about twice what
+    # the largest admitted text costs. Characters would give CJK a prefix 3x as costly.
+    prefix_bytes_per_token = 8
 
     def encode_prompt(
         self,
@@ -72,29 +73,30 @@ class PromptEncoder:
         # keeps the bound from refusing a text that would fit.
         limit = 4 * self.tokenizer.max_token_bytes * self.max_model_len
         try:
-            size = len(text.encode("utf-8"))
+            data = text.encode("utf-8")
         except UnicodeEncodeError:
             raise InvalidRequestError(
                 f"the {param} is not valid Unicode (it holds a lone surrogate)", param=param
             ) from None
-        if size > limit:
+        if len(data) > limit:
             raise InvalidRequestError(
-                f"the {param} is {size} bytes long, too long for this model's maximum context "
+                f"the {param} is {len(data)} bytes long, too long for this model's maximum context "
                 f"length of {self.max_model_len} tokens; shorten the {param}",
                 param=param,
             )
         if check_length:
             budget = TokenBudget(self.max_model_len - 1, lambda what: self._too_long(what, param))
-        ids = self._encode_within(text, add_special_tokens, budget)
+        ids = self._encode_within(text, data, add_special_tokens, budget)
         if check_length:
             self.check_prompt_length(len(ids), param)
         return ids
 
     def _encode_within(
-        self, text: str, add_special_tokens: bool, budget: TokenBudget | None
+        self, text: str, data: bytes, add_special_tokens: bool, budget: TokenBudget | None
     ) -> list[int]:
-        """The whole text's ids, unless a prefix of it already has more than ``budget``'s
-        tokens (a prefix 4x larger each time, so at most ~1.3x the work of the last one).
+        """The whole text's ids (``data``: its UTF-8), unless a prefix of it already has more
+        than ``budget``'s tokens (a prefix 4x larger each time, so at most ~1.3x the work of
+        the last one).
 
         Why a prefix's count proves the text too long: the prefix ends just before a space
         that follows a non-space character. Every pre-tokenizer that splits on spaces (the
@@ -123,11 +125,13 @@ class PromptEncoder:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         margin = 2 * self.tokenizer.max_token_bytes
         most = budget.limit + margin
-        size = self.prefix_chars_per_token * most
-        while size < len(text):
+        size = self.prefix_bytes_per_token * most
+        while size < len(data):
+            # The characters whole within ``size`` bytes: fewer than the text's.
+            chars = len(data[:size].decode("utf-8", "ignore"))
             count = len(
                 self.tokenizer.encode(
-                    text[: _cut(text, size)], add_special_tokens=add_special_tokens
+                    text[: _cut(text, chars)], add_special_tokens=add_special_tokens
                 )
             )
             if count > most:
