@@ -31,6 +31,8 @@ from tandem.server.app import create_app
 from tandem.server.metrics import ServerMetrics
 from tandem.server.state import ServerLimits, ServerState
 
+from .burst import check_burst
+
 SPEC = replace(tiny_spec(), num_layers=1, vocab_size=400, max_position_embeddings=512)
 T = TypeVar("T")
 Client = httpx.AsyncClient
@@ -388,19 +390,7 @@ def test_a_burst_at_an_idle_server_fills_the_running_and_the_waiting_places(
 
     async def scenario(client: Client, engine: LLMEngine) -> None:
         body = {**COMPLETION, "max_tokens": 4, "ignore_eos": True}
-        answers = await asyncio.gather(
-            *(client.post("/v1/completions", json=body) for _ in range(30))
-        )
-        statuses = [r.status_code for r in answers]
-        assert statuses.count(200) == 6, statuses
-        assert statuses.count(503) == 24, statuses
-        for response in answers:
-            if response.status_code == 503:
-                assert response.headers["retry-after"] == "1"
-                assert "--max-num-seqs 2" in response.json()["error"]["message"]
-        # Every place came back: a second burst is admitted the same way.
-        again = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(6)))
-        assert [r.status_code for r in again] == [200] * 6
+        await check_burst(client, "/v1/completions", body, 6, "--max-num-seqs 2")
 
     hold = FaultConfig((Fault("forward_delay", rank=0, step=0, seconds=5.0),))
     run_app(scenario, max_waiting_requests=4, max_num_seqs=2, faults=hold)

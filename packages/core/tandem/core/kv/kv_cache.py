@@ -49,19 +49,45 @@ class BlockDemand:
     reason: str
 
 
+@dataclass(frozen=True)
+class SequenceLimits:
+    """What an engine lets hold KV blocks at once: how many sequences, how long each, and
+    whether finished sequences' blocks stay cached for their prefixes; with, for the
+    start-up log, what a sequence is and which flags bound each count (the two products
+    bound them with different flags)."""
+
+    max_seqs: int
+    context_len: int
+    prefix_cache: bool
+    seqs: str = "sequences (--max-num-seqs)"
+    length: str = "tokens (--max-model-len)"
+
+    def block_demand(self, block_size: int) -> BlockDemand:
+        return sequence_block_demand(
+            self.max_seqs,
+            self.context_len,
+            block_size,
+            self.prefix_cache,
+            seqs=self.seqs,
+            length=self.length,
+        )
+
+
 def sequence_block_demand(
-    max_seqs: int, context_len: int, block_size: int, prefix_cache: bool
+    max_seqs: int,
+    context_len: int,
+    block_size: int,
+    prefix_cache: bool,
+    seqs: str = "sequences (--max-num-seqs)",
+    length: str = "tokens (--max-model-len)",
 ) -> BlockDemand:
-    """What ``max_seqs`` running sequences of ``context_len`` tokens can occupy. With prefix
-    caching, as much again: finished sequences' blocks stay cached until reused, and a pool
-    of exactly the running demand would evict a batch's prefixes as soon as the next full
-    batch runs."""
+    """What ``max_seqs`` running sequences of ``context_len`` positions can occupy. With
+    prefix caching, as much again: finished sequences' blocks stay cached until reused, and a
+    pool of exactly the running demand would evict a batch's prefixes as soon as the next
+    full batch runs. ``seqs`` and ``length`` name the units and their bounds in the reason."""
     per_seq = -(-context_len // block_size)
     running = max_seqs * per_seq
-    reason = (
-        f"{max_seqs} sequences (--max-num-seqs) of {context_len} tokens (--max-model-len), "
-        f"{per_seq} blocks each"
-    )
+    reason = f"{max_seqs} {seqs} of {context_len} {length}, {per_seq} blocks each"
     if prefix_cache:
         return BlockDemand(2 * running, reason + ", twice over for the prefix cache")
     return BlockDemand(running, reason)

@@ -16,7 +16,8 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
-from tandem.core.errors import EngineDeadError, EngineOverloadedError
+from tandem.core.admission import EngineCapacity
+from tandem.core.errors import EngineDeadError
 from tandem.core.llm.engine import LLMEngine
 from tandem.core.llm.input_processor import Prompt
 from tandem.core.llm.outputs import RequestOutput
@@ -61,6 +62,12 @@ class EngineLoop:
         # engine. Counted here, under the lock, because the engine's stats lag a step behind
         # and a burst arrives between two steps.
         self._admitted = 0
+        scheduler = engine.config.scheduler
+        self._capacity = EngineCapacity(
+            running=scheduler.max_seqs_per_batch,
+            running_why=f"--max-num-seqs {scheduler.max_seqs_per_batch}",
+            waiting=scheduler.max_waiting_requests,
+        )
         self._callbacks: dict[str, OutputCallback] = {}
         self._wake = sync.condition()
         self._stopping = False
@@ -107,17 +114,7 @@ class EngineLoop:
         request with more choices than the bound still gets in when the engine is short."""
         with self._wake:
             self._check_accepting()
-            scheduler = self.engine.config.scheduler
-            limit = scheduler.max_waiting_requests
-            if limit is not None:
-                capacity = scheduler.max_seqs_per_batch + limit
-                if self._admitted >= capacity:
-                    raise EngineOverloadedError(
-                        f"the server is overloaded: {self._admitted} requests are running or "
-                        f"waiting already, as many as --max-num-seqs "
-                        f"{scheduler.max_seqs_per_batch} can run plus --max-waiting-requests "
-                        f"{limit} may wait; retry later"
-                    )
+            self._capacity.admit(self._admitted)
             for seq, callback in requests:
                 self._commands.append(_Add(seq, callback))
             self._admitted += len(requests)

@@ -15,9 +15,9 @@ from tandem.core.kernels.device_copy import to_device_once
 from tandem.core.kv.cache_sizing import CacheSize
 from tandem.core.kv.kv_cache import (
     BlockDemand,
+    SequenceLimits,
     allocate_kv_cache,
     bytes_per_block,
-    sequence_block_demand,
 )
 from tandem.core.layers.linear_attention_state import (
     allocate_linear_attention_state,
@@ -37,16 +37,6 @@ from tandem.core.models.model_config import ModelConfig
 from tandem.core.models.registry import model_class
 from tandem.core.worker.lane_stager import LaneStager, Staged
 from tandem.core.worker.step_runner import LaneState, RunnerContext
-
-
-@dataclass(frozen=True)
-class SequenceLimits:
-    """What the engine lets hold KV blocks at once: how many sequences, how long each, and
-    whether finished sequences' blocks stay cached for their prefixes."""
-
-    max_seqs: int
-    context_len: int
-    prefix_cache: bool
 
 
 class ModelRunner:
@@ -89,12 +79,7 @@ class ModelRunner:
         return state_bytes_per_slot(self._linear_layers, self.dtype)
 
     def block_demand(self, block_size: int) -> BlockDemand | None:
-        limits = self._limits
-        if limits is None:
-            return None
-        return sequence_block_demand(
-            limits.max_seqs, limits.context_len, block_size, limits.prefix_cache
-        )
+        return None if self._limits is None else self._limits.block_demand(block_size)
 
     def init_kv_cache(self, size: CacheSize, block_size: int) -> None:
         layers = self.model.attention_layers()
