@@ -94,7 +94,7 @@ class RecEngine:
 
     def submit(self, *requests: RecRequest) -> list[Promise[RecResult]]:
         """Queue ``requests`` together (InvalidRequestError, none queued, if one could never
-        be served)."""
+        be served; EngineOverloadedError, none queued, past the scheduler's capacity)."""
         with self._cond:
             # Under the lock the loop's end takes too: a request is either refused here or
             # queued before the loop fails what is waiting, never lost in between.
@@ -237,11 +237,14 @@ class RecEngine:
             self._launch(batch, RecStep(batch.batch_id, batch.round + 1))
             return
         assert out.candidates is not None and out.scores is not None
+        # Places and blocks back first: a client that sends its next request as soon as it
+        # has this answer must not find its own finished request still counted against
+        # --max-num-seqs + --max-waiting-requests.
+        self._finish(batch, None)
         for request, candidates, scores in zip(
             batch.requests, out.candidates, out.scores, strict=True
         ):
             request.result.set_result(RecResult(request.request_id, candidates, scores))
-        self._finish(batch, None)
 
     def _finish(self, batch: RecBatch, error: BaseException | None) -> None:
         del self._in_flight[batch.batch_id]

@@ -10,7 +10,12 @@ import torch
 
 from tandem.core.kv.block_pool import NULL_BLOCK
 from tandem.core.kv.cache_sizing import CacheSize
-from tandem.core.kv.kv_cache import BlockDemand, allocate_kv_cache, bytes_per_block
+from tandem.core.kv.kv_cache import (
+    BlockDemand,
+    SequenceLimits,
+    allocate_kv_cache,
+    bytes_per_block,
+)
 from tandem.core.layers.weights import parameter_bytes
 from tandem.core.models.loader import resolve_dtype
 from tandem.core.models.rec_config import RecModelConfig
@@ -18,6 +23,7 @@ from tandem.core.models.rec_loader import load_rec_model
 from tandem.core.models.rec_model import GenerativeRecommender
 from tandem.core.rec.beam_search import Beams, beam_step, best_candidates, initial_beams
 from tandem.core.rec.catalog import Catalog, load_catalog
+from tandem.core.rec.fixed_steps_scheduler import rec_capacity
 from tandem.core.rec.step import RecPrefill, RecStep, RecStepOutput
 from tandem.core.worker.lane_stager import LaneStager, Staged
 from tandem.core.worker.step_runner import LaneState, RunnerContext
@@ -43,8 +49,11 @@ class RecModelRunner:
         catalog: Catalog,
         device: torch.device,
         dtype: torch.dtype,
+        limits: SequenceLimits | None = None,
     ) -> None:
+        """``limits``: what bounds the KV cache beside memory (None: memory alone)."""
         self.model = model
+        self._limits = limits
         self.catalog = catalog
         self.device = device
         self.dtype = dtype
@@ -66,9 +75,7 @@ class RecModelRunner:
         return 0
 
     def block_demand(self, block_size: int) -> BlockDemand | None:
-        """None: the fixed-steps scheduler's batches hold a request's history and every beam
-        across lanes, a bound it does not state yet, so memory alone sizes the cache."""
-        return None
+        return None if self._limits is None else self._limits.block_demand(block_size)
 
     def init_kv_cache(self, size: CacheSize, block_size: int) -> None:
         heads, head_dim = self.model.cross_heads()
@@ -167,4 +174,18 @@ class RecRunnerFactory:
             folder, self.model_config, context.group, dtype, context.torch_device
         )
         catalog = load_catalog(folder, self.model_config.codebook_size)
-        return RecModelRunner(model, catalog, context.torch_device, dtype)
+        capacity = rec_capacity(config)
+        # A request's blocks hold its history's cross-attention keys and values, reserved at
+        # admission for its whole life. Its beams add none: they all read those same keys,
+        # and the decoder's self-attention over the few codes emitted so far is computed
+        # afresh every round, outside the cache. So one request is one sequence whatever its
+        # beam width, at most the model's max_history items long; nothing is shared between
+        # histories (no prefix cache).
+        limits = SequenceLimits(
+            max_seqs=capacity.running,
+            context_len=self.model_config.max_history,
+            prefix_cache=False,
+            seqs=f"requests ({capacity.running_why}; a request's beams share its blocks)",
+            length="history items (the model's max_history)",
+        )
+        return RecModelRunner(model, catalog, context.torch_device, dtype, limits)

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.core.config import EngineConfig
-from tandem.core.errors import ConfigError, EngineOverloadedError
+from tandem.core.errors import ConfigError
 from tandem.core.executor.executor import create_lane_executor
 from tandem.core.kv.block_manager import BlockManager
 from tandem.core.models.rec_config import RecModelConfig, load_rec_config
 from tandem.core.rec.engine import RecEngine
-from tandem.core.rec.fixed_steps_scheduler import FixedStepsScheduler
+from tandem.core.rec.fixed_steps_scheduler import FixedStepsScheduler, rec_capacity
 from tandem.core.rec.request import RecResult, make_rec_request
 from tandem.core.rec.runner import RecRunnerFactory
 from tandem.core.worker.step_runner import MemoryFootprint
@@ -62,6 +62,7 @@ class RecService:
                 max_batch_size=config.rec.max_batch_size,
                 max_concurrency=config.pipeline.max_concurrency,
                 max_decode_rounds=self.model_config.max_decode_rounds,
+                capacity=rec_capacity(config),
             )
             self.engine = RecEngine(
                 self.executor,
@@ -74,11 +75,14 @@ class RecService:
             self.executor.shutdown()
             raise
         logger.info(
-            "recommender ready: %d blocks of %d items, %d pipeline lanes, batches of %d, %d beams",
+            "recommender ready: %d blocks of %d items, %d pipeline lanes, batches of %d, "
+            "%d requests at once (%s), %d beams",
             self.executor.num_blocks,
             config.cache.block_size,
             config.pipeline.max_concurrency,
             config.rec.max_batch_size,
+            self.scheduler.capacity.running,
+            self.scheduler.capacity.running_why,
             self.beam_width,
         )
 
@@ -86,23 +90,16 @@ class RecService:
         self, history: list[list[int]], num_candidates: int, request_id: str | None = None
     ) -> Promise[RecResult]:
         """Raises InvalidRequestError (HTTP 400) for a request that can never be served,
-        EngineOverloadedError (503) while too many wait already."""
+        EngineOverloadedError (503) while as many as can run and may wait are in already."""
         request = make_rec_request(
             history, num_candidates, self.model_config, self.beam_width, request_id
         )
-        limit = self.config.scheduler.max_waiting_requests
-        waiting = self.scheduler.num_waiting
-        if limit is not None and waiting >= limit:
-            raise EngineOverloadedError(
-                f"the server is overloaded: {waiting} requests are waiting already "
-                f"(--max-waiting-requests {limit}); retry later"
-            )
         return self.engine.submit(request)[0]
 
     def submit_many(self, requests: list[tuple[list[list[int]], int]]) -> list[Promise[RecResult]]:
         """(history, num_candidates) pairs queued together: they are batched in order, by
         ``--rec-max-batch-size``, however many lanes there are (so the results do not depend
-        on the pipeline width)."""
+        on the pipeline width); admitted or refused together, as ``submit``."""
         made = [make_rec_request(h, k, self.model_config, self.beam_width) for h, k in requests]
         return self.engine.submit(*made)
 

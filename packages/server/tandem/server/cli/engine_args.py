@@ -142,7 +142,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         dest="max_seqs_per_batch",
         type=int,
         default=64,
-        help="sequence budget of one engine step",
+        help="sequence budget of one engine step (recommender: requests in flight at once)",
     )
     g.add_argument(
         "--max-waiting-requests",
