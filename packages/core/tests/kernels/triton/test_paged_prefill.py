@@ -26,7 +26,11 @@ ulps: torch's CPU flash attention takes its exponentials with ``exp_u20``). With
 in [-1, 1), A <= 1, and for the data here (L <= 153, R <= 22) B stays under 1e-4 (which the
 test asserts too). float16 and bfloat16 add the output's one rounding: half an ulp to nearest
 in float16, a whole one in bfloat16 (the interpreter converts float32 to bfloat16 by
-truncation); on a device it rounds to nearest, and the device check compares there.
+truncation); on a device it rounds to nearest, and the device check compares there. In those
+two dtypes the weights reach the weighted sum of V split into parts of the input dtype (the
+kernel's docstring): 24 bits in bfloat16, even truncated, and in float16 22 bits down to its
+subnormal step, an absolute 2^-25 per weight, at most L u / 2 on the numerator (|v| <= 1)
+over a denominator of at least 1: inside B's 8 L u A for these data (A about 1/2).
 """
 
 from __future__ import annotations

@@ -21,13 +21,28 @@ count, known on the host, so the launch reads nothing back from the device. The 
 past the last tile (the count is an upper bound) run empty loops and store nothing.
 
 Numerics: float32 throughout whatever the cache dtype; the output is rounded once. Scores are
-``tl.dot`` of the query tile with the key tile: in float16 on float16 inputs (the products are
-exact in float32 and accumulate in float32), otherwise in float32, bfloat16 widened first
-(Triton's interpreter cannot multiply bfloat16). The softmax weights stay float32 for the
-weighted sum of V (widened likewise), not rounded to the input dtype as many flash kernels do.
-Float32 ``tl.dot`` is asked for at IEEE precision: CUDA would otherwise take TF32's 10-bit
-mantissas. Only loads, stores, elementwise math, reductions, loops with runtime bounds and
-``tl.dot`` on tiles of at least 16x16: the subset triton-ascend compiles.
+``tl.dot`` of the query tile with the key tile: in the input dtype on float16 and bfloat16
+inputs (the products of two such values are exact in float32 and accumulate in float32),
+otherwise in float32. The softmax weights keep float32's precision for the weighted sum of V,
+not rounded to the input dtype as many flash kernels do: on float16 and bfloat16 inputs each
+weight is split into parts in that dtype (the weight rounded, then the rest rounded, and so
+on: three bfloat16 parts carry 24 significant bits, two float16 ones 22, down to float16's
+subnormal step of 2^-24), each part times V exact in float32, so the matrix units do the sum
+with float32 accumulation. Float32 inputs take float32 ``tl.dot`` at IEEE precision (CUDA
+would otherwise take TF32's 10-bit mantissas). Triton's interpreter cannot multiply bfloat16:
+there bfloat16 operands (the query, the keys, the parts of the weights, V) are widened first,
+with the same products.
+
+Tiles and warps. A float32 ``tl.dot`` runs as FMAs on a GPU with its operand tiles in
+registers, which is why the float32 kernel takes 32-query, 16-key tiles in eight warps for
+heads wider than 64: the 64x32 tiles overflow the registers there. So did every dtype's before
+the weights were split (all took FMA dots then): at head size 128 ptxas spilled about 30 KB
+per thread, and on an H200 bfloat16 ran eight times slower than at head size 64. The
+tensor-core dots hold 64x32 tiles in four warps without a spill up to head size 128 (ptxas
+for sm_90a, Triton 3.6); 256-wide heads take 32x16 tiles.
+
+Only loads, stores, elementwise math, reductions, loops with runtime bounds and ``tl.dot`` on
+tiles of at least 16x16: the subset triton-ascend compiles.
 """
 
 from __future__ import annotations
@@ -60,7 +75,8 @@ def _attend_tile(
     d,
     d_mask,
     MASKED: tl.constexpr,
-    DOT_F16: tl.constexpr,
+    DOT_NATIVE: tl.constexpr,
+    PV_PARTS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -70,7 +86,7 @@ def _attend_tile(
         cache_block_stride, cache_slot_stride, cache_head_stride, BLOCK_SIZE, BLOCK_N,
     )  # fmt: skip
     k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
-    if DOT_F16:
+    if DOT_NATIVE:
         s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
     else:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -81,8 +97,21 @@ def _attend_tile(
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
-    v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
+    acc = acc * alpha[:, None]
+    if PV_PARTS == 0:
+        acc += tl.dot(p, v, input_precision="ieee")
+    else:
+        # The weights as a sum of parts in V's dtype (module docstring): each part times V is
+        # exact in float32, so the matrix units keep float32's weights.
+        rest = p
+        for _ in tl.static_range(PV_PARTS):
+            part = rest.to(v.dtype)
+            if DOT_NATIVE:
+                acc = tl.dot(part, v, acc, out_dtype=tl.float32)
+            else:
+                acc += tl.dot(part.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            rest -= part.to(tl.float32)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return acc, m_new, l_i
 
@@ -114,7 +143,8 @@ def _paged_prefill(
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    DOT_F16: tl.constexpr,
+    DOT_NATIVE: tl.constexpr,
+    PV_PARTS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -146,7 +176,7 @@ def _paged_prefill(
     io_mask = row_mask[:, None] & d_mask[None, :]
     q_offsets = token[:, None] * q_token_stride + head[:, None] * q_head_stride + d[None, :]
     q = tl.load(q_ptr + q_offsets, mask=io_mask, other=0.0)
-    if not DOT_F16:
+    if not DOT_NATIVE:
         q = q.to(tl.float32)
     table = tables_ptr + seq * table_stride
 
@@ -160,7 +190,7 @@ def _paged_prefill(
         acc, m_i, l_i = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, table, start, kv_head, q_pos, kv_len, acc, m_i, l_i,
             scale, cache_block_stride, cache_slot_stride, cache_head_stride, d, d_mask,
-            False, DOT_F16, BLOCK_SIZE, BLOCK_N,
+            False, DOT_NATIVE, PV_PARTS, BLOCK_SIZE, BLOCK_N,
         )  # fmt: skip
     # The diagonal: keys up to the tile's last query, masked ahead of each row.
     diag_end = tl.where(live, tl.minimum(kv_len, ctx + q0 + BLOCK_Q), 0)
@@ -168,7 +198,7 @@ def _paged_prefill(
         acc, m_i, l_i = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, table, start, kv_head, q_pos, kv_len, acc, m_i, l_i,
             scale, cache_block_stride, cache_slot_stride, cache_head_stride, d, d_mask,
-            True, DOT_F16, BLOCK_SIZE, BLOCK_N,
+            True, DOT_NATIVE, PV_PARTS, BLOCK_SIZE, BLOCK_N,
         )  # fmt: skip
     # Rows of a dead program never met a key (their sum is 0); they are not stored.
     out = acc / tl.where(row_mask, l_i, 1.0)[:, None]
@@ -176,10 +206,23 @@ def _paged_prefill(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def _tiles(head_dim: int) -> tuple[int, int]:
-    """(BLOCK_M query rows, BLOCK_N keys) per tile: fewer for the widest heads, whose float32
-    accumulator is [BLOCK_M, head_dim]."""
-    return (64, 32) if head_dim <= 128 else (32, 16)
+def _tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M query rows, BLOCK_N keys, warps) per program (module docstring)."""
+    if dtype == torch.float32 and head_dim > 64:
+        return 32, 16, 8
+    return (64, 32, 4) if head_dim <= 128 else (32, 16, 4)
+
+
+def _dots(q: torch.Tensor) -> tuple[bool, int]:
+    """(whether the ``tl.dot``s multiply in q's own dtype, the parts the weights are split
+    into for the weighted sum of V: 0 to keep them float32) for q's dtype."""
+    # An interpreted kernel is not a JITFunction, and cannot multiply bfloat16.
+    compiled = isinstance(_paged_prefill, triton.runtime.JITFunction)
+    if q.dtype == torch.float16:
+        return True, 2
+    if q.dtype == torch.bfloat16:
+        return compiled, 3
+    return False, 0
 
 
 def paged_prefill(
@@ -203,13 +246,14 @@ def paged_prefill(
         return out
     q, strides = read_in_place(q, k_cache, v_cache, out)
     group_size = num_heads // num_kv_heads
-    block_m, block_n = _tiles(head_dim)
+    block_m, block_n, num_warps = _tiles(head_dim, q.dtype)
     block_m = max(block_m, triton.next_power_of_2(group_size))
     block_q = block_m // group_size
     tables = group.gather_blocks
     num_seqs = tables.shape[0]
     # Each sequence's tiles: ceil(len / block_q) <= (len + block_q - 1) / block_q; summed.
     max_tiles = (num_tokens + num_seqs * (block_q - 1)) // block_q
+    dot_native, pv_parts = _dots(q)
     _paged_prefill[(max_tiles, num_kv_heads)](
         q,
         k_cache,
@@ -230,6 +274,8 @@ def paged_prefill(
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
-        DOT_F16=q.dtype == torch.float16,
+        DOT_NATIVE=dot_native,
+        PV_PARTS=pv_parts,
+        num_warps=num_warps,
     )
     return out
