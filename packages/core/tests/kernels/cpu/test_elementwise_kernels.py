@@ -70,6 +70,23 @@ def test_rms_norm_and_residual_add(dtype: torch.dtype, rows: int) -> None:
 
 
 @needs_native
+def test_rms_norm_of_a_strided_weight_reads_a_live_copy() -> None:
+    """A non-contiguous weight is copied for the kernel; the copy must outlive the call. Many
+    calls, each freeing a block the next allocation can reuse, make a dangling pointer show."""
+    kernels = native_elementwise()
+    assert kernels is not None
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 1024, generator=g)
+    strided = (1 + 0.1 * torch.randn(2048, generator=g))[::2]
+    assert not strided.is_contiguous()
+    want = rms_norm(x, strided.contiguous(), 1e-6)
+    for _ in range(50):
+        got = kernels.rms_norm(x, strided, 1e-6)
+        torch.full((1024,), float("nan"))  # reuses a freed copy's block, if one was freed
+        within(got, want, rms_norm_bound(x, strided, want, 1024, torch.float32))
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_norm", [True, False])
 # 64 and 128 take the vectorized kernel where the CPU has AVX-512 or AVX2, 96 the portable one.

@@ -99,8 +99,11 @@ class NativeElementwise:
         weight: torch.Tensor,
         eps: float,
     ) -> None:
+        # Bound to a name: a temporary's memory is freed as soon as its pointer is read,
+        # before the kernel reads through it (another worker thread may reuse it by then).
+        weight = weight.contiguous()
         code = self._norm(
-            out.data_ptr(), _ptr(residual), x.data_ptr(), weight.contiguous().data_ptr(),
+            out.data_ptr(), _ptr(residual), x.data_ptr(), weight.data_ptr(),
             x.shape[0], x.shape[1], x.stride(0), out.stride(0),
             residual.stride(0) if residual is not None else 0, eps, _DTYPES[x.dtype],
             torch.get_num_threads(),
