@@ -123,6 +123,19 @@ def model_runner(worker: Worker[ForwardInput, SamplerOutput]) -> ModelRunner:
     return runner
 
 
+class HeldTensor:
+    """A checkpoint tensor as safetensors' slices present it (``LazyTensor``), held in memory."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        return self.tensor[index]  # type: ignore[index]
+
+
 def prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     """Logits at every prompt position, through the engine's real input path: one prefill
     step of a sequence with its own KV blocks and state slot 1 (slots matter only to hybrid

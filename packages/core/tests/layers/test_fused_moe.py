@@ -18,6 +18,8 @@ from tandem.collectives import ProcessGroup, SingleRankGroup, create_inprocess_g
 from tandem.core.kernels.reference.fused_moe import fused_moe
 from tandem.core.layers.sparse_moe_block import SparseMoeBlock
 
+from ..conftest import HeldTensor
+
 HIDDEN, EXPERTS, TOP_K, INTER, SHARED = 32, 8, 2, 16, 24
 
 
@@ -29,19 +31,6 @@ def _one_intra_op_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-class _Lazy:
-    """A checkpoint tensor as safetensors' slices present it."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-    def get_shape(self) -> list[int]:
-        return list(self.tensor.shape)
-
-    def __getitem__(self, index: object) -> torch.Tensor:
-        return self.tensor[index]  # type: ignore[index]
 
 
 def _reference(shared: bool, normalize: bool) -> Any:
@@ -108,7 +97,7 @@ def _ours(
     )
     params = dict(block.named_parameters())
     for name, tensor in tensors.items():
-        lazy = _Lazy(tensor)
+        lazy = HeldTensor(tensor)
         if name.startswith("experts."):
             block.experts.load_checkpoint_tensor(name.removeprefix("experts."), lazy, name)
         elif name.startswith("shared_expert."):

@@ -24,6 +24,7 @@ from tandem.core.kernels.reference import causal_conv1d as conv_ref
 from tandem.core.kernels.reference import elementwise as ref
 from tandem.core.kernels.reference import fused_moe as moe_ref
 from tandem.core.kernels.reference import gated_delta_rule as delta_ref
+from tandem.core.kernels.reference import int8_linear as int8_ref
 from tandem.core.kernels.reference import paged_attention as attention_ref
 from tandem.core.kernels.triton.loading import triton_kernel
 
@@ -157,3 +158,26 @@ def moe_topk_softmax() -> KernelHandle[Pair]:
     """The MoE router's softmax and top-k over its logits."""
     npu = torch_npu_kernel("fused_moe", "topk_softmax")
     return KernelHandle("moe_topk_softmax", moe_ref.topk_softmax, npu=npu)
+
+
+def int8_linear() -> KernelHandle[torch.Tensor]:
+    """A W8A8 linear: int8 weights [N, K] with per-channel scales, activations quantized per
+    token (or with a given scale) inside the kernel, int32 accumulation. Only the reference
+    for now; a CPU (VNNI / AMX-INT8) or NPU kernel joins here with the same arguments."""
+    return KernelHandle("int8_linear", int8_ref.int8_linear)
+
+
+def int8_quantize() -> KernelHandle[Pair]:
+    """Activations to int8 codes and their scales: the first step of ``int8_linear``, apart
+    where the int32 sums cross ranks before they are scaled (row-parallel layers)."""
+    return KernelHandle("int8_quantize", int8_ref.quantize_int8)
+
+
+def int8_matmul() -> KernelHandle[torch.Tensor]:
+    """int8 codes times int8 weights, exact int32 sums."""
+    return KernelHandle("int8_matmul", int8_ref.int8_matmul)
+
+
+def int8_dequantize() -> KernelHandle[torch.Tensor]:
+    """int32 sums times the activation and weight scales, plus the bias."""
+    return KernelHandle("int8_dequantize", int8_ref.dequantize)

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from tandem.collectives import ProcessGroup
-from tandem.core.kernels.cpu.packed_linear import PackableLinear
+from tandem.core.layers.quant_scheme import W8A8Scheme
+from tandem.core.layers.quantized_linear import QuantizableLinear
 from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
 
 
@@ -16,19 +17,31 @@ def _divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-class ColumnParallelLinear(PackableLinear):
-    """y = x W^T + b with W split by output rows; the output stays sharded."""
+class ColumnParallelLinear(QuantizableLinear):
+    """y = x W^T + b with W split by output rows; the output stays sharded. Quantized
+    (``quant``), the per-channel weight scales split with the rows."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group: ProcessGroup):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        group: ProcessGroup,
+        quant: W8A8Scheme | None = None,
+        input_sources: int = 1,
+    ):
         super().__init__()
         self.group = group
         self.out_per_rank = _divide(out_features, group.size, "output size")
-        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
+        self.make_weight(self.out_per_rank, in_features, quant, input_sources)
         self.bias = (
             nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) if bias else None
         )
 
     def load_weight(self, param: nn.Parameter, loaded: LazyTensor, name: str) -> None:
+        if param is self.input_scale:
+            self.load_input_scale(loaded, 0, name)
+            return
         start = self.group.rank * self.out_per_rank
         copy_checked(param.data, read_shard(loaded, 0, start, self.out_per_rank), name)
 
@@ -39,11 +52,21 @@ class ColumnParallelLinear(PackableLinear):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input fused into one matmul (gate/up)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, group: ProcessGroup):
-        super().__init__(in_features, sum(out_sizes), bias, group)
+    def __init__(
+        self,
+        in_features: int,
+        out_sizes: list[int],
+        bias: bool,
+        group: ProcessGroup,
+        quant: W8A8Scheme | None = None,
+    ):
+        super().__init__(in_features, sum(out_sizes), bias, group, quant, len(out_sizes))
         self.shard_sizes = [_divide(s, group.size, "output size") for s in out_sizes]
 
     def load_shard(self, param: nn.Parameter, loaded: LazyTensor, shard: int, name: str) -> None:
+        if param is self.input_scale:
+            self.load_input_scale(loaded, shard, name)
+            return
         size = self.shard_sizes[shard]
         offset = sum(self.shard_sizes[:shard])
         src = read_shard(loaded, 0, self.group.rank * size, size)
@@ -64,6 +87,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool,
         group: ProcessGroup,
         gated_query: bool = False,
+        quant: W8A8Scheme | None = None,
     ):
         tp = group.size
         self.num_heads = _divide(num_heads, tp, "number of attention heads")
@@ -77,7 +101,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim = head_dim
         q_size = self.num_heads * head_dim * (2 if gated_query else 1)
         kv_size = self.num_kv_heads * head_dim
-        super().__init__(hidden_size, (q_size + 2 * kv_size) * tp, bias, group)
+        super().__init__(hidden_size, (q_size + 2 * kv_size) * tp, bias, group, quant, 3)
         # (offset in this rank's fused output, size, start row in the checkpoint tensor)
         self._layout = {
             "q": (0, q_size, group.rank * q_size),
@@ -86,22 +110,38 @@ class QKVParallelLinear(ColumnParallelLinear):
         }
 
     def load_shard(self, param: nn.Parameter, loaded: LazyTensor, shard: str, name: str) -> None:
+        if param is self.input_scale:
+            self.load_input_scale(loaded, "qkv".index(shard), name)
+            return
         offset, size, start = self._layout[shard]
         copy_checked(param.data.narrow(0, offset, size), read_shard(loaded, 0, start, size), name)
 
 
-class RowParallelLinear(PackableLinear):
-    """y = x W^T + b with W split by input columns; partial sums are all-reduced."""
+class RowParallelLinear(QuantizableLinear):
+    """y = x W^T + b with W split by input columns; partial sums are all-reduced. Quantized
+    (``quant``), every rank holds all the per-channel weight scales and the ranks reduce
+    exact int32 sums (``reduced_int8_matmul``)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group: ProcessGroup):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        group: ProcessGroup,
+        *,
+        quant: W8A8Scheme | None = None,
+    ):
         super().__init__()
         self.group = group
         self.in_per_rank = _divide(in_features, group.size, "input size")
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
+        self.make_weight(out_features, self.in_per_rank, quant)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def load_weight(self, param: nn.Parameter, loaded: LazyTensor, name: str) -> None:
-        if param is self.bias:
+        if param is self.input_scale:
+            self.load_input_scale(loaded, 0, name)
+            return
+        if param is not self.weight:  # bias, per-channel weight scales: whole on every rank
             copy_checked(param.data, read_shard(loaded, 0, 0, param.shape[0]), name)
             return
         start = self.group.rank * self.in_per_rank
@@ -110,6 +150,8 @@ class RowParallelLinear(PackableLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
             return self.matmul(x, self.bias)
+        if self.weight_scale is not None:
+            return self.reduced_int8_matmul(x, self.bias, self.group)
         y = self.group.all_reduce(self.matmul(x))
         return y + self.bias if self.bias is not None else y
 

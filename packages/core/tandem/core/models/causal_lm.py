@@ -28,6 +28,9 @@ from tandem.core.models.weight_mapping import WeightMapping, load_mapped_weights
 class CausalLM(nn.Module):
     # How the checkpoint's tensor names reach the parameters (``weight_mapping.py``).
     WEIGHTS: ClassVar[WeightMapping]
+    # Whether its linear layers are built int8 for a W8A8 checkpoint (``quantization_config``);
+    # a quantized checkpoint of an architecture without is refused at start-up.
+    SERVES_W8A8: ClassVar[bool] = False
     # The loader ties and zero-pads these (vocab-parallel shards keep their padding rows zero).
     embed_tokens: VocabParallelEmbedding
     lm_head: ParallelLMHead

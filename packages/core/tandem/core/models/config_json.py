@@ -11,6 +11,7 @@ from typing import Any
 
 from tandem.core.errors import ModelLoadError
 from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.quantization_config import parse_quantization
 from tandem.core.models.registry import model_class
 
 
@@ -20,13 +21,15 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     if not archs:
         raise ModelLoadError("config.json has no 'architectures' entry")
     arch = str(archs[0])
-    parse = model_class(arch).parse_config
+    cls = model_class(arch)
     try:
-        return parse(raw, arch)
+        config = cls.parse_config(raw, arch)
     except KeyError as exc:
         raise ModelLoadError(f"config.json lacks the required field {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"config.json has a malformed field: {exc}") from None
+    quantization = parse_quantization(raw, arch, cls.SERVES_W8A8, config.num_layers)
+    return config if quantization is None else replace(config, quantization=quantization)
 
 
 def load_model_config(folder: Path) -> ModelConfig:

@@ -36,13 +36,18 @@ class DecoderAttention(nn.Module):
             config.num_kv_heads,
             bias=config.qkv_bias,
             group=group,
+            quant=config.quantization,
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(
-            config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias, group=group
+            config.num_heads * config.head_dim,
+            config.hidden_size,
+            bias=config.o_bias,
+            group=group,
+            quant=config.quantization,
         )
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -78,10 +83,18 @@ class DecoderMLP(nn.Module):
         super().__init__()
         self.act = handles.gated_activation(config.hidden_act)
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias, group=group
+            config.hidden_size,
+            [config.intermediate_size] * 2,
+            bias=config.mlp_bias,
+            group=group,
+            quant=config.quantization,
         )
         self.down_proj = RowParallelLinear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias, group=group
+            config.intermediate_size,
+            config.hidden_size,
+            bias=config.mlp_bias,
+            group=group,
+            quant=config.quantization,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,6 +175,8 @@ class DecoderForCausalLM(CausalLM):
     @staticmethod
     def parse_config(raw: dict[str, Any], arch: str) -> ModelConfig:
         return parse_plain_config(raw, arch)
+
+    SERVES_W8A8 = True
 
     # How its checkpoint's names map to its parameters (weight_mapping.py).
     WEIGHTS = WeightMapping(

@@ -25,6 +25,9 @@ from tandem.core.models.qwen3_family_config import (
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
+    # Its experts have no int8 layers yet.
+    SERVES_W8A8 = False
+
     @staticmethod
     def parse_config(raw: dict[str, Any], arch: str) -> Qwen3FamilyConfig:
         return parse_family_config(raw, arch)

@@ -1,0 +1,156 @@
+"""A ``config.json``'s ``quantization_config``: what we serve (compressed-tensors INT8 W8A8, the
+``int-quantized`` format llm-compressor writes and vLLM reads) and, for anything else, a refusal
+at start-up that names the field and what is supported.
+
+Supported: one config group targeting ``Linear``; weights int8, symmetric, one scale per output
+channel; input activations int8, symmetric, either dynamic per token or static per tensor (an
+``input_scale`` per layer); ``lm_head`` ignored, every decoder projection quantized.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from tandem.core.errors import ModelLoadError
+from tandem.core.layers.quant_scheme import W8A8Scheme
+
+QUANT_METHOD = "compressed-tensors"
+INT_QUANTIZED = "int-quantized"
+SUPPORTED = (
+    "supported: compressed-tensors int8 W8A8 (format 'int-quantized'; weights 8-bit int "
+    "symmetric per channel; activations 8-bit int symmetric, dynamic per token or static per "
+    "tensor)"
+)
+# The decoder projections a dense decoder's checkpoint names, per layer.
+_PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+_ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True}
+# Activation schemes by (dynamic, strategy): whether the checkpoint has static input scales.
+_ACTIVATION_STRATEGIES: dict[tuple[object, object], bool] = {
+    (True, "token"): False,
+    (False, "tensor"): True,
+}
+
+
+def _refuse(field: str, value: object, supported: str = SUPPORTED) -> ModelLoadError:
+    return ModelLoadError(f"config.json: quantization_config.{field} is {value!r}; {supported}")
+
+
+def parse_quantization(
+    raw: Mapping[str, Any], architecture: str, serves_w8a8: bool, num_layers: int
+) -> W8A8Scheme | None:
+    """The scheme of the parsed ``config.json`` ``raw``; None for a float checkpoint.
+    ``serves_w8a8``: whether the architecture's model builds quantized linear layers."""
+    config = raw.get("quantization_config")
+    if config is None:
+        return None
+    if not isinstance(config, Mapping):
+        raise _refuse("", config, "it must be an object")
+    method = config.get("quant_method")
+    if method != QUANT_METHOD:
+        raise _refuse("quant_method", method)
+    if not serves_w8a8:
+        raise ModelLoadError(
+            f"config.json: quantized checkpoints of {architecture} are not supported; "
+            "int8 W8A8 is served for LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM"
+        )
+    status = config.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise _refuse(
+            "quantization_status", status, "supported: 'compressed' (int8 weights on disk)"
+        )
+    for empty in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if config.get(empty):
+            raise _refuse(empty, config[empty], "supported: none (null or {})")
+    groups = config.get("config_groups")
+    if not isinstance(groups, Mapping) or len(groups) != 1:
+        raise _refuse("config_groups", groups, "supported: exactly one group; " + SUPPORTED)
+    [(name, group)] = groups.items()
+    scheme = _parse_group(f"config_groups.{name}", group, config.get("format"))
+    _check_ignore(config.get("ignore") or [], num_layers)
+    return scheme
+
+
+def _parse_group(path: str, group: Any, top_format: object) -> W8A8Scheme:
+    if not isinstance(group, Mapping):
+        raise _refuse(path, group, "it must be an object")
+    # A group's own format wins over the top-level one (which says "mixed-precision" when
+    # groups differ).
+    form, field = (
+        (group["format"], f"{path}.format") if group.get("format") else (top_format, "format")
+    )
+    if form != INT_QUANTIZED:
+        raise _refuse(field, form)
+    targets = group.get("targets")
+    if targets != ["Linear"]:
+        raise _refuse(f"{path}.targets", targets, "supported: ['Linear']")
+    if group.get("output_activations") is not None:
+        raise _refuse(f"{path}.output_activations", group["output_activations"], SUPPORTED)
+    weights = _args(f"{path}.weights", group.get("weights"), _WEIGHTS)
+    if weights.get("dynamic", False) is not False:
+        raise _refuse(f"{path}.weights.dynamic", weights["dynamic"])
+    acts = _args(f"{path}.input_activations", group.get("input_activations"), _ACTIVATIONS)
+    dynamic, strategy = acts.get("dynamic", False), acts.get("strategy")
+    static = _ACTIVATION_STRATEGIES.get((dynamic, strategy))
+    if static is None:
+        raise _refuse(f"{path}.input_activations.strategy", strategy, _activation_help(dynamic))
+    return W8A8Scheme(static=static)
+
+
+def _activation_help(dynamic: object) -> str:
+    return (
+        f"with dynamic {dynamic!r}: supported are dynamic true with strategy 'token' and "
+        "dynamic false with strategy 'tensor'"
+    )
+
+
+def _args(path: str, args: Any, required: Mapping[str, object]) -> Mapping[str, Any]:
+    """Check one ``QuantizationArgs`` object against ``required``; grouping, blocks and
+    activation ordering are refused (none of them has a meaning for per-channel int8)."""
+    if not isinstance(args, Mapping):
+        raise _refuse(path, args)
+    for key, want in required.items():
+        if args.get(key) != want:
+            raise _refuse(f"{path}.{key}", args.get(key), f"supported: {want!r}; {SUPPORTED}")
+    for key in ("group_size", "block_structure", "actorder"):
+        value = args.get(key)
+        if value not in (None, False, -1):
+            raise _refuse(f"{path}.{key}", value, f"supported: null; {SUPPORTED}")
+    return args
+
+
+def _matches(target: str, name: str) -> bool:
+    # compressed-tensors' rule: "re:" entries are regular expressions matched from the start
+    # of the module name, others are exact module names (or class names, none of which is a
+    # decoder projection's).
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name
+
+
+def _check_ignore(ignore: list[str], num_layers: int) -> None:
+    """The LM head must be left float; every decoder projection must be quantized (a layer
+    built for int8 cannot take a float tensor)."""
+    if not any(_matches(t, "lm_head") for t in ignore):
+        raise _refuse("ignore", ignore, "supported: lists that include 'lm_head' (kept float)")
+    for i in range(num_layers):
+        for projection in _PROJECTIONS:
+            name = f"model.layers.{i}.{projection}"
+            hit = next((t for t in ignore if _matches(t, name)), None)
+            if hit is not None:
+                raise _refuse(
+                    "ignore",
+                    ignore,
+                    f"its entry {hit!r} leaves {name} float; supported: every decoder "
+                    "projection quantized, only 'lm_head' ignored",
+                )
