@@ -7,7 +7,7 @@ import logging
 import sys
 
 from tandem.core import TandemError
-from tandem.server.cli import bench, doctor, generate, make_demo_model, serve
+from tandem.server.cli import bench, doctor, generate, make_demo_model, quantize, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", default=argparse.SUPPRESS, choices=levels)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (serve, generate, make_demo_model, bench, doctor):
+    for module in (serve, generate, make_demo_model, quantize, bench, doctor):
         module.add_parser(sub, [common])
     return parser
 

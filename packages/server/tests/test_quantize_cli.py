@@ -1,0 +1,56 @@
+"""``tandem quantize`` as a user runs it: a real subprocess, then the folder it wrote served."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .test_cli import tandem
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("float") / "model"
+    result = tandem("make-demo-model", str(folder))
+    assert result.returncode == 0, result.stderr
+    return folder
+
+
+def test_quantize_writes_a_folder_that_generates(demo: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "w8a8"
+    result = tandem("--log-level", "INFO", "quantize", str(demo), str(dst), "--scheme", "w8a8")
+    assert result.returncode == 0, result.stderr
+    assert "quantize: model.safetensors (1 of 1 files)" in result.stderr
+    config = json.loads((dst / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in dst.iterdir()}
+    out = tandem(
+        "generate", "--model", str(dst), "--prompt", "hello", "--max-tokens", "4", "--json"
+    )
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout.splitlines()[0])["token_ids"]) == 4
+
+
+@pytest.mark.parametrize("case", ["non-empty destination", "already quantized", "no model"])
+def test_bad_input_is_one_error_line(case: str, demo: Path, tmp_path: Path) -> None:
+    src, dst = demo, tmp_path / "out"
+    if case == "non-empty destination":
+        dst.mkdir()
+        (dst / "x").write_text("")
+    elif case == "already quantized":
+        first = tmp_path / "first"
+        assert tandem("quantize", str(demo), str(first), "--scheme", "w8a8").returncode == 0
+        src = first
+    else:
+        src = tmp_path / "missing"
+    result = tandem("quantize", str(src), str(dst), "--scheme", "w8a8")
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+    said = {
+        "non-empty destination": "is not empty",
+        "already quantized": "already quantized",
+        "no model": "does not exist",
+    }[case]
+    assert said in result.stderr
