@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,26 +14,11 @@ from tandem.server.cli.engine_args import engine_config_from_args
 from tandem.server.cli.main import build_parser
 from tandem.server.cli.serve import apply_model_tag
 
-
-def tandem(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tandem.server.cli.main", "--log-level", "WARNING", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+from .conftest import tandem
 
 
 def _digest(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("demo") / "model"
-    result = tandem("make-demo-model", str(folder))
-    assert result.returncode == 0, result.stderr
-    return folder
 
 
 def test_make_demo_model_is_reproducible(demo: Path, tmp_path: Path) -> None:

@@ -7,15 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from .test_cli import tandem
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("float") / "model"
-    result = tandem("make-demo-model", str(folder))
-    assert result.returncode == 0, result.stderr
-    return folder
+# ``demo``: the float demo model folder the CLI tests make with ``tandem make-demo-model``.
+from .conftest import tandem
 
 
 def test_quantize_writes_a_folder_that_generates(demo: Path, tmp_path: Path) -> None:
