@@ -14,7 +14,12 @@ from tandem.server.cli.engine_args import engine_config_from_args
 from tandem.server.cli.main import build_parser
 from tandem.server.cli.serve import apply_model_tag
 
-from .conftest import tandem
+from .cli_runner import make_demo_model, tandem
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_demo_model(tmp_path_factory)
 
 
 def _digest(folder: Path) -> dict[str, str]:

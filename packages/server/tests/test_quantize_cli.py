@@ -7,8 +7,12 @@ from pathlib import Path
 
 import pytest
 
-# ``demo``: the float demo model folder the CLI tests make with ``tandem make-demo-model``.
-from .conftest import tandem
+from .cli_runner import make_demo_model, tandem
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_demo_model(tmp_path_factory)
 
 
 def test_quantize_writes_a_folder_that_generates(demo: Path, tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """The ``tandem`` command run as a user runs it, and the demo model folder it makes, for the
-CLI tests."""
+CLI tests (a module of its own: a second ``tests/conftest.py`` would clash with the core
+package's under mypy)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ def tandem(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]
     )
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def make_demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("demo") / "model"
     result = tandem("make-demo-model", str(folder))
     assert result.returncode == 0, result.stderr
