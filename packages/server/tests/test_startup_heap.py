@@ -32,7 +32,9 @@ def test_the_objects_alive_at_start_up_leave_the_collectors_generations(
     del a, b
     frozen = freeze_startup_objects()
     assert frozen >= len(kept)
-    assert gc.get_freeze_count() == frozen
+    # Frozen objects that die leave the count: other threads of this test process (a
+    # server's, an executor's) may free some between the two reads, never freeze any.
+    assert len(kept) <= gc.get_freeze_count() <= frozen
     survivors = [o for o in gc.get_objects() if isinstance(o, _Node)]
     # Frozen objects are outside every generation: a full pass no longer lists them.
     assert survivors == []
