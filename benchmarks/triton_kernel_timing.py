@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from device_check import prefill_input
 
 Fn = Callable[[], torch.Tensor]
 
@@ -73,38 +74,12 @@ class Row:
     ok: bool
 
 
-def prefill_input(seqs: int, length: int, seed: int) -> Any:
-    """A step of ``seqs`` fresh prompts of ``length`` tokens on scattered cache blocks, each
-    with a state slot of its own (from 1: slot 0 is the pool's null slot)."""
-    from tandem.core.llm.forward_input import ForwardInput, SamplingBatch
-
-    gen = torch.Generator().manual_seed(seed)
-    width = -(-length // BLOCK_SIZE)
-    tables = (torch.randperm(seqs * width, generator=gen) + 1).view(seqs, width)
-    positions = torch.arange(length).repeat(seqs)
-    rows = torch.arange(seqs).repeat_interleave(length)
-    slots = tables[rows, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
-    return ForwardInput(
-        input_ids=torch.zeros(seqs * length, dtype=torch.int64),
-        positions=positions,
-        slot_mapping=slots,
-        query_lens=torch.full((seqs,), length),
-        context_lens=torch.full((seqs,), length),
-        block_tables=tables,
-        state_slots=torch.arange(1, seqs + 1),
-        num_decodes=0,
-        sample_indices=torch.arange(1, seqs + 1) * length - 1,
-        sampling=SamplingBatch.uniform(seqs),
-        block_size=BLOCK_SIZE,
-    )
-
-
 def prefill_cases(shapes: Shapes, dtype: torch.dtype, device: torch.device) -> list[Case]:
     from tandem.core.kernels.reference.paged_attention import reference_prefill
     from tandem.core.kernels.triton.paged_prefill import paged_prefill
     from tandem.core.llm.attention_metadata import build_attention_metadata
 
-    fi = prefill_input(shapes.prefill_seqs, shapes.prefill_len, seed=0)
+    fi = prefill_input(shapes.prefill_seqs, shapes.prefill_len, vocab=1, base_block=1, seed=0)
     group = build_attention_metadata(fi, device).prefill
     assert group is not None
     num_blocks = int(fi.block_tables.max()) + 1
@@ -157,7 +132,7 @@ def delta_rule_case(shapes: Shapes, dtype: torch.dtype, device: torch.device) ->
     from tandem.core.kernels.triton import gated_delta_rule as kernel
     from tandem.core.llm.attention_metadata import build_attention_metadata
 
-    fi = prefill_input(shapes.prefill_seqs, shapes.prefill_len, seed=1)
+    fi = prefill_input(shapes.prefill_seqs, shapes.prefill_len, vocab=1, base_block=1, seed=1)
     meta = build_attention_metadata(fi, device, conv_kernel_size=4).linear
     assert meta is not None
     n, hk, hv, dk, dv = fi.positions.shape[0], 4, 8, 64, 64
