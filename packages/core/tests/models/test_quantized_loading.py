@@ -10,7 +10,6 @@ wrong row, a shard off by one) cannot hide behind it: greedy tokens must be equa
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,8 +18,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from tandem.core import SamplingParams
 from tandem.core.config import ParallelConfig
@@ -29,6 +26,7 @@ from tandem.core.models import loader
 from tandem.core.models.w8a8_writer import write_w8a8
 
 from ..conftest import HfFactory
+from .checkpoint_files import read_tensors, rewrite_folder
 
 PROMPTS = [[5, 17, 300, 42, 9, 100, 7], [3, 9, 27, 81, 243, 11, 33, 99, 297, 2, 6, 18, 54]]
 NEW_TOKENS = 24
@@ -47,22 +45,8 @@ def quantized(hf_model: HfFactory, tmp_path_factory: pytest.TempPathFactory) -> 
     return dst
 
 
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-
-
-def _rewrite(
-    src: Path, dst: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]
-) -> Path:
-    shutil.copytree(src, dst)
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(config), encoding="utf-8")
-    return dst
-
-
 def _dequantized(src: Path, dst: Path) -> Path:
-    tensors = _tensors(src)
+    tensors = read_tensors(src)
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if name.endswith("_scale"):
@@ -73,17 +57,17 @@ def _dequantized(src: Path, dst: Path) -> Path:
         out[name] = t
     config = json.loads((src / "config.json").read_text())
     del config["quantization_config"]
-    return _rewrite(src, dst, out, config)
+    return rewrite_folder(src, dst, out, config)
 
 
 def _static(src: Path, dst: Path) -> Path:
-    tensors = _tensors(src)
+    tensors = read_tensors(src)
     for name in [n for n, t in tensors.items() if t.dtype is torch.int8]:
         tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor([STATIC_SCALE])
     config = json.loads((src / "config.json").read_text())
     group = config["quantization_config"]["config_groups"]["group_0"]
     group["input_activations"].update(dynamic=False, strategy="tensor", observer="minmax")
-    return _rewrite(src, dst, tensors, config)
+    return rewrite_folder(src, dst, tensors, config)
 
 
 def _fake_quantized_matmul(static: float | None) -> Callable[..., torch.Tensor]:
@@ -155,7 +139,7 @@ def test_the_written_folder_is_what_llm_compressor_writes(quantized: Path) -> No
     assert group["weights"]["strategy"] == "channel" and group["weights"]["symmetric"]
     assert group["input_activations"]["dynamic"] is True
     assert group["input_activations"]["strategy"] == "token"
-    tensors = _tensors(quantized)
+    tensors = read_tensors(quantized)
     q = tensors["model.layers.0.self_attn.q_proj.weight"]
     scale = tensors["model.layers.0.self_attn.q_proj.weight_scale"]
     assert q.dtype is torch.int8 and scale.shape == (q.shape[0], 1)

@@ -10,21 +10,13 @@ stay as they are; the tokenizer and generation files are copied.
 
 from __future__ import annotations
 
-import json
 import logging
-import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from tandem.core.errors import ModelLoadError
-from tandem.core.models.config_json import load_model_config
-from tandem.core.models.loader import weight_files
-from tandem.core.models.registry import model_class
+from tandem.core.models.quantized_writer import read_float_config, write_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -33,20 +25,6 @@ COMPRESSED_TENSORS_VERSION = "0.12.2"
 _INT8_MIN, _INT8_MAX = -128, 127
 # llm-compressor's symmetric scale: the absmax over half the int8 range (255 / 2).
 _HALF_RANGE = (_INT8_MAX - _INT8_MIN) / 2
-_PROJECTION = re.compile(
-    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$"
-)
-# Files beside the weights that a served folder needs.
-_COPIED = (
-    "tokenizer*",
-    "*.model",
-    "vocab*",
-    "merges.txt",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template*",
-    "generation_config.json",
-)
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,67 +83,15 @@ def w8a8_quantization_config() -> dict[str, Any]:
     }
 
 
+def _quantize(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    q, scale = quantize_weight(weight)
+    return {name: q, name.removesuffix("weight") + "weight_scale": scale}
+
+
 def write_w8a8(src: Path, dst: Path) -> int:
     """Write the W8A8 copy of the float folder ``src`` into ``dst`` (new or empty); returns
     how many weights were quantized."""
-    config = load_model_config(src)
-    raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
-    if "quantization_config" in raw:
-        raise ModelLoadError(
-            f"{src} is already quantized (its config.json has quantization_config)"
-        )
-    if not model_class(config.architecture).SERVES_W8A8:
-        raise ModelLoadError(
-            f"{config.architecture} cannot be served int8 W8A8; supported: LlamaForCausalLM, "
-            "Qwen2ForCausalLM, Qwen3ForCausalLM"
-        )
-    if dst.exists() and any(dst.iterdir()):
-        raise ModelLoadError(f"{dst} is not empty; give a new folder")
-    dst.mkdir(parents=True, exist_ok=True)
-    files = weight_files(src)
-    placed: dict[str, str] = {}
-    quantized = total_bytes = 0
-    for number, path in enumerate(files, 1):
-        tensors: dict[str, torch.Tensor] = {}
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not dicts
-                tensor = handle.get_tensor(name)
-                if _PROJECTION.match(name):
-                    q, scale = quantize_weight(tensor)
-                    tensors[name] = q
-                    tensors[name.removesuffix("weight") + "weight_scale"] = scale
-                    quantized += 1
-                else:
-                    tensors[name] = tensor
-        save_file(tensors, str(dst / path.name), metadata={"format": "pt"})
-        placed.update(dict.fromkeys(tensors, path.name))
-        total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-        logger.info(
-            "quantize: %s (%d of %d files), %d weights int8 so far",
-            path.name,
-            number,
-            len(files),
-            quantized,
-        )
-    if quantized == 0:
-        raise ModelLoadError(f"{src} has no decoder projection weights to quantize")
-    _write_index(src, dst, placed, total_bytes)
-    raw["quantization_config"] = w8a8_quantization_config()
-    # As compressed-tensors writes it: sorted keys, two-space indent.
-    (dst / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True), encoding="utf-8")
-    for pattern in _COPIED:
-        for extra in src.glob(pattern):
-            if extra.is_file():
-                shutil.copy2(extra, dst / extra.name)
+    read_float_config(src, "int8 W8A8")
+    quantized = write_quantized(src, dst, _quantize, w8a8_quantization_config())
     logger.info("quantize: wrote %s (%d weights int8 W8A8)", dst, quantized)
     return quantized
-
-
-def _write_index(src: Path, dst: Path, placed: dict[str, str], total_bytes: int) -> None:
-    name = "model.safetensors.index.json"
-    if (src / name).is_file():
-        index = {
-            "metadata": {"total_size": total_bytes},
-            "weight_map": dict(sorted(placed.items())),
-        }
-        (dst / name).write_text(json.dumps(index, indent=2), encoding="utf-8")

@@ -1,0 +1,119 @@
+"""Write a quantized copy of a float Hugging Face folder (``tandem quantize``): every decoder
+projection weight the scheme quantizes is replaced by the tensors its format stores; embeddings,
+norms, biases and ``lm_head`` stay as they are; the tokenizer and generation files are copied
+and ``config.json`` gains the scheme's ``quantization_config``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tandem.core.errors import ModelLoadError
+from tandem.core.models.config_json import load_model_config
+from tandem.core.models.loader import weight_files
+from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+# A decoder projection's weight; group 1 is its name within the layer (``self_attn.q_proj``).
+PROJECTION_WEIGHT = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight$"
+)
+# Files beside the weights that a served folder needs.
+_COPIED = (
+    "tokenizer*",
+    "*.model",
+    "vocab*",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template*",
+    "generation_config.json",
+)
+# A projection's checkpoint name and float weight -> the tensors stored instead (named in
+# full), or None to keep it float.
+Quantize = Callable[[str, torch.Tensor], dict[str, torch.Tensor] | None]
+
+
+def read_float_config(src: Path, scheme: str) -> ModelConfig:
+    """The config of ``src``, refused when it is quantized already or the architecture does
+    not serve quantized checkpoints."""
+    config = load_model_config(src)
+    raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    if "quantization_config" in raw:
+        raise ModelLoadError(
+            f"{src} is already quantized (its config.json has quantization_config)"
+        )
+    if not model_class(config.architecture).SERVES_W8A8:
+        raise ModelLoadError(
+            f"{config.architecture} cannot be served {scheme}; supported: LlamaForCausalLM, "
+            "Qwen2ForCausalLM, Qwen3ForCausalLM"
+        )
+    return config
+
+
+def write_quantized(
+    src: Path, dst: Path, quantize: Quantize, quantization_config: dict[str, Any]
+) -> int:
+    """Write the copy of the float folder ``src`` into ``dst`` (new or empty); returns how many
+    weights were quantized."""
+    if dst.exists() and any(dst.iterdir()):
+        raise ModelLoadError(f"{dst} is not empty; give a new folder")
+    dst.mkdir(parents=True, exist_ok=True)
+    files = weight_files(src)
+    placed: dict[str, str] = {}
+    quantized = total_bytes = 0
+    for number, path in enumerate(files, 1):
+        tensors: dict[str, torch.Tensor] = {}
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not dicts
+                tensor = handle.get_tensor(name)
+                stored = quantize(name, tensor) if PROJECTION_WEIGHT.match(name) else None
+                if stored is None:
+                    tensors[name] = tensor
+                else:
+                    tensors.update(stored)
+                    quantized += 1
+        save_file(tensors, str(dst / path.name), metadata={"format": "pt"})
+        placed.update(dict.fromkeys(tensors, path.name))
+        total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        logger.info(
+            "quantize: %s (%d of %d files), %d weights quantized so far",
+            path.name,
+            number,
+            len(files),
+            quantized,
+        )
+    if quantized == 0:
+        raise ModelLoadError(f"{src} has no decoder projection weights to quantize")
+    _write_index(src, dst, placed, total_bytes)
+    raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    raw["quantization_config"] = quantization_config
+    # As compressed-tensors and transformers write it: sorted keys, two-space indent.
+    (dst / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True), encoding="utf-8")
+    for pattern in _COPIED:
+        for extra in src.glob(pattern):
+            if extra.is_file():
+                shutil.copy2(extra, dst / extra.name)
+    return quantized
+
+
+def _write_index(src: Path, dst: Path, placed: dict[str, str], total_bytes: int) -> None:
+    name = "model.safetensors.index.json"
+    if (src / name).is_file():
+        index = {
+            "metadata": {"total_size": total_bytes},
+            "weight_map": dict(sorted(placed.items())),
+        }
+        (dst / name).write_text(json.dumps(index, indent=2), encoding="utf-8")
