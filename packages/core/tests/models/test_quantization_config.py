@@ -50,7 +50,7 @@ def test_float_dynamic_and_static_configs() -> None:
 
 
 REFUSED = {
-    "method": (("quant_method",), "gptq", "quant_method is 'gptq'"),
+    "method": (("quant_method",), "bitsandbytes", "quant_method is 'bitsandbytes'"),
     "4-bit": ((*GROUP, "weights", "num_bits"), 4, "weights.num_bits is 4"),
     "fp8": ((*GROUP, "weights", "type"), "float", "weights.type is 'float'"),
     "asymmetric": ((*GROUP, "weights", "symmetric"), False, "weights.symmetric is False"),

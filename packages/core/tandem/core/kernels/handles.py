@@ -24,6 +24,7 @@ from tandem.core.kernels.reference import causal_conv1d as conv_ref
 from tandem.core.kernels.reference import elementwise as ref
 from tandem.core.kernels.reference import fused_moe as moe_ref
 from tandem.core.kernels.reference import gated_delta_rule as delta_ref
+from tandem.core.kernels.reference import int4_linear as int4_ref
 from tandem.core.kernels.reference import int8_linear as int8_ref
 from tandem.core.kernels.reference import paged_attention as attention_ref
 from tandem.core.kernels.triton.loading import triton_kernel
@@ -181,3 +182,10 @@ def int8_matmul() -> KernelHandle[torch.Tensor]:
 def int8_dequantize() -> KernelHandle[torch.Tensor]:
     """int32 sums times the activation and weight scales, plus the bias."""
     return KernelHandle("int8_dequantize", int8_ref.dequantize)
+
+
+def int4_linear() -> KernelHandle[torch.Tensor]:
+    """A W4A16 linear (GPTQ 4-bit weights, float activations): codes packed once at load
+    into [N, K / 8] int32, per-group scales and zero points, dequantized on the fly. Only the
+    reference for now; a CPU kernel that reads the codes without a float copy joins here."""
+    return KernelHandle("int4_linear", int4_ref.int4_linear)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tandem.collectives import ProcessGroup
-from tandem.core.layers.quant_scheme import W8A8Scheme
+from tandem.core.layers.quant_scheme import QuantScheme
 from tandem.core.layers.quantized_linear import QuantizableLinear
 from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
 
@@ -27,7 +27,7 @@ class ColumnParallelLinear(QuantizableLinear):
         out_features: int,
         bias: bool,
         group: ProcessGroup,
-        quant: W8A8Scheme | None = None,
+        quant: QuantScheme | None = None,
         input_sources: int = 1,
     ):
         super().__init__()
@@ -43,7 +43,7 @@ class ColumnParallelLinear(QuantizableLinear):
             self.load_input_scale(loaded, 0, name)
             return
         start = self.group.rank * self.out_per_rank
-        copy_checked(param.data, read_shard(loaded, 0, start, self.out_per_rank), name)
+        self.load_output_rows(param, loaded, name, start, self.out_per_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -58,7 +58,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         out_sizes: list[int],
         bias: bool,
         group: ProcessGroup,
-        quant: W8A8Scheme | None = None,
+        quant: QuantScheme | None = None,
     ):
         super().__init__(in_features, sum(out_sizes), bias, group, quant, len(out_sizes))
         self.shard_sizes = [_divide(s, group.size, "output size") for s in out_sizes]
@@ -69,8 +69,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return
         size = self.shard_sizes[shard]
         offset = sum(self.shard_sizes[:shard])
-        src = read_shard(loaded, 0, self.group.rank * size, size)
-        copy_checked(param.data.narrow(0, offset, size), src, name)
+        self.load_output_rows(param, loaded, name, self.group.rank * size, size, offset)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -87,7 +86,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool,
         group: ProcessGroup,
         gated_query: bool = False,
-        quant: W8A8Scheme | None = None,
+        quant: QuantScheme | None = None,
     ):
         tp = group.size
         self.num_heads = _divide(num_heads, tp, "number of attention heads")
@@ -114,7 +113,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.load_input_scale(loaded, "qkv".index(shard), name)
             return
         offset, size, start = self._layout[shard]
-        copy_checked(param.data.narrow(0, offset, size), read_shard(loaded, 0, start, size), name)
+        self.load_output_rows(param, loaded, name, start, size, offset)
 
 
 class RowParallelLinear(QuantizableLinear):
@@ -129,23 +128,27 @@ class RowParallelLinear(QuantizableLinear):
         bias: bool,
         group: ProcessGroup,
         *,
-        quant: W8A8Scheme | None = None,
+        quant: QuantScheme | None = None,
     ):
         super().__init__()
         self.group = group
         self.in_per_rank = _divide(in_features, group.size, "input size")
-        self.make_weight(out_features, self.in_per_rank, quant)
+        self.make_weight(out_features, self.in_per_rank, quant, full_columns=in_features)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def load_weight(self, param: nn.Parameter, loaded: LazyTensor, name: str) -> None:
         if param is self.input_scale:
             self.load_input_scale(loaded, 0, name)
             return
-        if param is not self.weight:  # bias, per-channel weight scales: whole on every rank
-            copy_checked(param.data, read_shard(loaded, 0, 0, param.shape[0]), name)
+        split = self.input_split(param)
+        if split is None:  # bias, per-channel weight scales: whole on every rank
+            copy_checked(param.data, read_shard(loaded, 0, 0, loaded.get_shape()[0]), name)
             return
+        n = split.per_entry
         start = self.group.rank * self.in_per_rank
-        copy_checked(param.data, read_shard(loaded, 1, start, self.in_per_rank), name)
+        copy_checked(
+            param.data, read_shard(loaded, split.dim, start // n, self.in_per_rank // n), name
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:

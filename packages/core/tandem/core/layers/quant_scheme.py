@@ -5,6 +5,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A dense decoder layer's projections, by their names in the checkpoint.
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+# The checkpoint projections each of our fused layers computes in one matmul.
+FUSED_PROJECTIONS = (PROJECTIONS[:3], PROJECTIONS[4:6])
+
 
 @dataclass(frozen=True)
 class W8A8Scheme:
@@ -13,3 +26,28 @@ class W8A8Scheme:
     (True)."""
 
     static: bool
+
+
+@dataclass(frozen=True)
+class W4A16Scheme:
+    """4-bit weights in GPTQ's layout, activations float: ``group_size`` inputs share a scale
+    and zero point (-1: one group per output channel); ``sym``: every zero point is 8;
+    ``desc_act``: inputs were quantized in activation order (each input's group is in
+    ``g_idx``). ``quantized``: the projections (``PROJECTIONS``) stored 4-bit, the same in
+    every layer; the others are float."""
+
+    group_size: int
+    sym: bool
+    desc_act: bool
+    quantized: frozenset[str] = frozenset(PROJECTIONS)
+
+
+QuantScheme = W8A8Scheme | W4A16Scheme
+
+
+def projection_scheme(quant: QuantScheme | None, *projections: str) -> QuantScheme | None:
+    """The scheme of the layer that computes ``projections`` (one, or a fused group the config
+    parser checked are stored alike)."""
+    if isinstance(quant, W4A16Scheme) and projections[0] not in quant.quantized:
+        return None
+    return quant

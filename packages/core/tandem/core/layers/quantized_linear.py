@@ -1,5 +1,7 @@
-"""The base of the parallel linear layers: float weights, or int8 weights with their scales
-(W8A8, the compressed-tensors ``int-quantized`` layout vLLM reads).
+"""The base of the parallel linear layers: float weights, int8 weights with their scales
+(W8A8, the compressed-tensors ``int-quantized`` layout vLLM reads), or 4-bit GPTQ weights
+(W4A16: ``qweight``, ``qzeros``, ``scales``, ``g_idx``; ``int4_weights.py`` says how they are
+laid out, sharded and packed).
 
 A quantized layer holds, beside ``weight`` (int8 [out, in], this rank's shard),
 ``weight_scale`` ([out, 1], one per output channel: split with the output rows, whole where
@@ -16,25 +18,43 @@ from torch import nn
 from tandem.collectives import ProcessGroup, ReduceOp
 from tandem.core.kernels import handles
 from tandem.core.kernels.cpu.packed_linear import PackableLinear
-from tandem.core.layers.quant_scheme import W8A8Scheme
-from tandem.core.layers.weights import LazyTensor
+from tandem.core.layers.int4_weights import Int4Parameters, Split
+from tandem.core.layers.quant_scheme import QuantScheme, W4A16Scheme
+from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
+
+# A float or int8 weight [out, in], and what is cut along its outputs alone.
+_WEIGHT_OUTPUTS = Split(dim=0, per_entry=1)
+_WEIGHT_INPUTS = Split(dim=1, per_entry=1)
 
 
 class QuantizableLinear(PackableLinear):
-    """``x W^T (+ b)`` with a float weight, or through the int8 kernel when built with a
-    ``W8A8Scheme`` (``weight_scale`` is then set)."""
+    """``x W^T (+ b)`` with a float weight, through the int8 kernel when built with a
+    ``W8A8Scheme`` (``weight_scale`` is then set), or the 4-bit one with a ``W4A16Scheme``
+    (``int4`` is then set, and there is no ``weight``)."""
 
     # Registered by ``make_weight`` (None for a float layer).
     weight_scale: nn.Parameter | None
     input_scale: nn.Parameter | None
+    int4: Int4Parameters | None = None
 
     def make_weight(
-        self, rows: int, columns: int, quant: W8A8Scheme | None, input_sources: int = 1
+        self,
+        rows: int,
+        columns: int,
+        quant: QuantScheme | None,
+        input_sources: int = 1,
+        full_columns: int | None = None,
     ) -> None:
         """Create ``weight`` [rows, columns] and, when quantized, its scales; the layer fuses
-        ``input_sources`` checkpoint tensors (each with its own static input scale)."""
+        ``input_sources`` checkpoint tensors (each with its own static input scale).
+        ``full_columns``: the unsharded input size, where this rank holds some of the inputs."""
         self.register_parameter("weight_scale", None)
         self.register_parameter("input_scale", None)
+        if isinstance(quant, W4A16Scheme):
+            self.register_parameter("weight", None)
+            self.int4 = Int4Parameters(self, rows, columns, full_columns or columns, quant)
+            self._int4_linear = handles.int4_linear()
+            return
         if quant is None:
             self.weight = nn.Parameter(torch.empty(rows, columns), requires_grad=False)
             return
@@ -49,7 +69,56 @@ class QuantizableLinear(PackableLinear):
         self._int8_matmul = handles.int8_matmul()
         self._int8_dequantize = handles.int8_dequantize()
 
+    def output_split(self, param: nn.Parameter) -> Split | None:
+        """Where ``param`` holds this layer's output channels (None: it has no output axis)."""
+        if self.int4 is not None and self.int4.owns(param):
+            return self.int4.output_split(param)
+        return _WEIGHT_OUTPUTS
+
+    def input_split(self, param: nn.Parameter) -> Split | None:
+        """Where ``param`` holds input channels (None: every rank loads it whole)."""
+        if self.int4 is not None and self.int4.owns(param):
+            return self.int4.input_split(param)
+        return _WEIGHT_INPUTS if param is self.weight else None
+
+    def load_output_rows(
+        self,
+        param: nn.Parameter,
+        loaded: LazyTensor,
+        name: str,
+        start: int,
+        size: int,
+        offset: int = 0,
+    ) -> None:
+        """Outputs ``[start, start + size)`` of the checkpoint tensor into this rank's outputs
+        from ``offset`` (a fused part's place), along whichever axis ``param`` keeps them."""
+        split = self.output_split(param)
+        if split is None:  # g_idx: inputs only, one per fused part
+            assert self.int4 is not None
+            src = loaded[tuple(slice(None) for _ in loaded.get_shape())]
+            if self.int4.check_shared_g_idx(src, name):
+                return
+            copy_checked(param.data, src, name)
+            return
+        n = split.per_entry
+        if (offset | start | size) % n:
+            raise ValueError(
+                f"checkpoint tensor {name}: outputs {start}..{start + size} of this rank do "
+                f"not fall on whole packed words of {n}; use fewer tensor-parallel ranks"
+            )
+        dst = param.data.narrow(split.dim, offset // n, size // n)
+        copy_checked(dst, read_shard(loaded, split.dim, start // n, size // n), name)
+
+    def finish_loading(self, name: str) -> None:
+        """Repack loaded 4-bit weights into the kernel's layout (nothing for other layers)."""
+        if self.int4 is not None:
+            self.int4.finish_loading(name)
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.int4 is not None:
+            w = self.int4
+            g_idx = w.g_idx if w.g_idx.numel() else None
+            return self._int4_linear(x, w.qweight, w.scales, w.qzeros, g_idx, bias)
         weight_scale = self.weight_scale
         if weight_scale is None:
             return super().matmul(x, bias)

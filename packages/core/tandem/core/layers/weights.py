@@ -33,8 +33,9 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
             f"checkpoint tensor {name} has shape {tuple(src.shape)}, the model expects "
             f"{tuple(dst.shape)}; the config.json does not match the weights"
         )
-    if (dst.dtype is torch.int8) != (src.dtype is torch.int8):
-        # A copy would cast silently: int8 codes read as floats, or floats truncated to int8.
+    if dst.dtype != src.dtype and not (dst.is_floating_point() and src.is_floating_point()):
+        # A copy would cast silently: integer codes read as floats, floats truncated to
+        # integers, or packed int32 words to int8.
         raise ValueError(
             f"checkpoint tensor {name} is {src.dtype}, the model expects {dst.dtype}; "
             "config.json's quantization_config does not match the weights"

@@ -19,6 +19,7 @@ from tandem.core.layers.linear import (
     RowParallelLinear,
 )
 from tandem.core.layers.norm import RMSNorm
+from tandem.core.layers.quant_scheme import projection_scheme
 from tandem.core.layers.rotary import RotaryEmbedding
 from tandem.core.models.causal_lm import CausalLM
 from tandem.core.models.model_config import ModelConfig, parse_plain_config
@@ -36,7 +37,7 @@ class DecoderAttention(nn.Module):
             config.num_kv_heads,
             bias=config.qkv_bias,
             group=group,
-            quant=config.quantization,
+            quant=projection_scheme(config.quantization, "self_attn.q_proj"),
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
@@ -47,7 +48,7 @@ class DecoderAttention(nn.Module):
             config.hidden_size,
             bias=config.o_bias,
             group=group,
-            quant=config.quantization,
+            quant=projection_scheme(config.quantization, "self_attn.o_proj"),
         )
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -87,14 +88,14 @@ class DecoderMLP(nn.Module):
             [config.intermediate_size] * 2,
             bias=config.mlp_bias,
             group=group,
-            quant=config.quantization,
+            quant=projection_scheme(config.quantization, "mlp.gate_proj"),
         )
         self.down_proj = RowParallelLinear(
             config.intermediate_size,
             config.hidden_size,
             bias=config.mlp_bias,
             group=group,
-            quant=config.quantization,
+            quant=projection_scheme(config.quantization, "mlp.down_proj"),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

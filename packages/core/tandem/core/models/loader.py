@@ -18,6 +18,7 @@ from tandem.collectives import ProcessGroup
 from tandem.core.errors import ModelLoadError
 from tandem.core.kernels.cpu.packed_linear import pack_linear_weights
 from tandem.core.layers.fused_moe import pack_expert_weights
+from tandem.core.layers.quantized_linear import QuantizableLinear
 from tandem.core.layers.weights import LazyTensor
 from tandem.core.models.causal_lm import CausalLM
 from tandem.core.models.model_config import ModelConfig
@@ -164,6 +165,7 @@ def _load(
     model.embed_tokens.weight.data.zero_()
     model.lm_head.weight.data.zero_()
     fill_from_checkpoint(model, weight_files(folder), f"loading {folder.name} (rank {group.rank})")
+    finish_quantized_layers(model)
     if _cpu_kernels_serve():
         pack_linear_weights(model, device, dtype)
         pack_expert_weights(model, device, dtype)
@@ -171,6 +173,16 @@ def _load(
         "loaded %s (%s, %d layers) in %s", folder, config.architecture, config.num_layers, dtype
     )
     return model
+
+
+def finish_quantized_layers(model: nn.Module) -> None:
+    """Pack each 4-bit layer's loaded checkpoint tensors into its kernel's layout, once."""
+    try:
+        for name, module in model.named_modules():
+            if isinstance(module, QuantizableLinear):
+                module.finish_loading(name)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 M = TypeVar("M", bound=nn.Module)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.core.layers.quant_scheme import W8A8Scheme
+from tandem.core.layers.quant_scheme import QuantScheme
 
 
 @dataclass(frozen=True)
@@ -34,10 +34,10 @@ class ModelConfig:
     checkpoint_dtype: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    # The checkpoint's linear layers are int8 (``quantization_config``, read by
+    # How the checkpoint's linear layers are quantized (``quantization_config``, read by
     # ``quantization_config.py``); None: float. Keyword-only so that subclasses' fields need
     # no defaults.
-    quantization: W8A8Scheme | None = field(default=None, kw_only=True)
+    quantization: QuantScheme | None = field(default=None, kw_only=True)
 
     @property
     def has_linear_attention(self) -> bool:

@@ -1,10 +1,12 @@
 """A ``config.json``'s ``quantization_config``: what we serve (compressed-tensors INT8 W8A8, the
-``int-quantized`` format llm-compressor writes and vLLM reads) and, for anything else, a refusal
-at start-up that names the field and what is supported.
+``int-quantized`` format llm-compressor writes and vLLM reads; GPTQ 4-bit weight-only, read in
+``gptq_config.py``) and, for anything else, a refusal at start-up that names the field and what
+is supported.
 
-Supported: one config group targeting ``Linear``; weights int8, symmetric, one scale per output
-channel; input activations int8, symmetric, either dynamic per token or static per tensor (an
-``input_scale`` per layer); ``lm_head`` ignored, every decoder projection quantized.
+Supported for compressed-tensors: one config group targeting ``Linear``; weights int8,
+symmetric, one scale per output channel; input activations int8, symmetric, either dynamic per
+token or static per tensor (an ``input_scale`` per layer); ``lm_head`` ignored, every decoder
+projection quantized.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from tandem.core.errors import ModelLoadError
-from tandem.core.layers.quant_scheme import W8A8Scheme
+from tandem.core.layers.quant_scheme import PROJECTIONS, QuantScheme, W8A8Scheme
+from tandem.core.models import gptq_config
 
 QUANT_METHOD = "compressed-tensors"
 INT_QUANTIZED = "int-quantized"
@@ -22,16 +25,6 @@ SUPPORTED = (
     "supported: compressed-tensors int8 W8A8 (format 'int-quantized'; weights 8-bit int "
     "symmetric per channel; activations 8-bit int symmetric, dynamic per token or static per "
     "tensor)"
-)
-# The decoder projections a dense decoder's checkpoint names, per layer.
-_PROJECTIONS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
 )
 _WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
 _ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True}
@@ -48,7 +41,7 @@ def _refuse(field: str, value: object, supported: str = SUPPORTED) -> ModelLoadE
 
 def parse_quantization(
     raw: Mapping[str, Any], architecture: str, serves_w8a8: bool, num_layers: int
-) -> W8A8Scheme | None:
+) -> QuantScheme | None:
     """The scheme of the parsed ``config.json`` ``raw``; None for a float checkpoint.
     ``serves_w8a8``: whether the architecture's model builds quantized linear layers."""
     config = raw.get("quantization_config")
@@ -57,13 +50,16 @@ def parse_quantization(
     if not isinstance(config, Mapping):
         raise _refuse("", config, "it must be an object")
     method = config.get("quant_method")
-    if method != QUANT_METHOD:
-        raise _refuse("quant_method", method)
+    if method not in (QUANT_METHOD, gptq_config.GPTQ):
+        raise _refuse("quant_method", method, f"{SUPPORTED}; {gptq_config.SUPPORTED}")
     if not serves_w8a8:
         raise ModelLoadError(
             f"config.json: quantized checkpoints of {architecture} are not supported; "
-            "int8 W8A8 is served for LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM"
+            "int8 W8A8 and GPTQ 4-bit are served for LlamaForCausalLM, Qwen2ForCausalLM and "
+            "Qwen3ForCausalLM"
         )
+    if method == gptq_config.GPTQ:
+        return gptq_config.parse_gptq(config, num_layers)
     status = config.get("quantization_status", "compressed")
     if status != "compressed":
         raise _refuse(
@@ -144,7 +140,7 @@ def _check_ignore(ignore: list[str], num_layers: int) -> None:
     if not any(_matches(t, "lm_head") for t in ignore):
         raise _refuse("ignore", ignore, "supported: lists that include 'lm_head' (kept float)")
     for i in range(num_layers):
-        for projection in _PROJECTIONS:
+        for projection in PROJECTIONS:
             name = f"model.layers.{i}.{projection}"
             hit = next((t for t in ignore if _matches(t, name)), None)
             if hit is not None:

@@ -104,8 +104,9 @@ def pack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dty
     for module in model.modules():
         if not isinstance(module, PackableLinear) or module.packed is not None:
             continue
-        weight = module.weight
-        if weight.dtype is not dtype or weight.dim() != 2 or weight.numel() == 0:
+        # None: a 4-bit layer, whose codes its own kernel reads.
+        weight: nn.Parameter | None = module.weight
+        if weight is None or weight.dtype is not dtype or weight.dim() != 2 or weight.numel() == 0:
             continue
         out_features, in_features = weight.shape
         module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _LAYOUT_BATCH_HINT)

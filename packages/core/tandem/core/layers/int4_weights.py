@@ -1,0 +1,184 @@
+"""A GPTQ 4-bit linear layer's parameters: what each rank holds, how its shard is cut from the
+checkpoint tensors, and the kernel layout they are packed into once, after loading.
+
+Checkpoint layout (``kernels/reference/int4_packing.py`` has the rules and their sources):
+``qweight`` int32 [K / 8, N], ``qzeros`` int32 [G, N / 8], ``scales`` [G, N], ``g_idx`` [K].
+
+Tensor parallelism, as vLLM shards them (``auto_gptq.py``, ``marlin_repeat_scales_on_all_ranks``;
+its older ``gptq.py`` for activation order):
+
+- split by outputs (column-parallel): every tensor's N columns; ``qzeros`` by whole words, so
+  each rank's outputs (and each fused part's) must be a multiple of 8; ``g_idx`` whole;
+- split by inputs (row-parallel): ``qweight`` by whole words, ``g_idx`` by inputs, and the
+  groups with them, so the group size must divide a rank's inputs (a group never straddles two
+  ranks); one group per channel (``group_size`` -1) or activation order (a rank's inputs then
+  belong to any group) keep every group's scales and zeros on every rank.
+
+The kernel layout (``finish_loading``): ``qweight`` repacked output-major, int32 [N, K / 8] (a
+row of codes per output, so the dequantized weight is the [N, K] ``F.linear`` takes),
+``scales`` [N, G], ``qzeros`` the true zero points uint8 [N, G] (8 for a symmetric checkpoint,
+whatever it stores, as vLLM's ``uint4b8`` type reads it; else the stored value plus one), and
+``g_idx`` int64 only for activation order (else empty: groups are consecutive inputs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tandem.core.kernels.reference.int4_packing import PACK, pack_int4, unpack_int4
+from tandem.core.layers.quant_scheme import W4A16Scheme
+
+# Symmetric 4-bit codes are centred on 8 (vLLM's uint4b8).
+_SYMMETRIC_ZERO = 8
+# AutoGPTQ stores each zero point minus one (checkpoint_format "gptq").
+_STORED_ZERO_OFFSET = 1
+_NAMES = ("qweight", "qzeros", "scales", "g_idx")
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a parameter is cut from its checkpoint tensor along one axis: the dimension, and
+    how many channels one entry of that dimension covers (8 inputs a ``qweight`` word, a
+    group's inputs a ``scales`` row)."""
+
+    dim: int
+    per_entry: int
+
+
+def check_packable(size: int, what: str) -> None:
+    if size % PACK:
+        raise ValueError(
+            f"{what} ({size}) is not a multiple of {PACK}: GPTQ packs {PACK} 4-bit codes per "
+            "int32 word, so 4-bit checkpoints need it (per tensor-parallel rank)"
+        )
+
+
+class Int4Parameters:
+    """Registers and describes one layer's GPTQ parameters (``rows`` outputs, ``columns``
+    inputs of this rank, out of ``full_columns``)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        rows: int,
+        columns: int,
+        full_columns: int,
+        scheme: W4A16Scheme,
+    ) -> None:
+        check_packable(rows, "a layer's output size")
+        check_packable(columns, "a layer's input size")
+        size = scheme.group_size
+        if size != -1 and columns % size:
+            raise ValueError(
+                f"a layer's input size per rank ({columns}) is not a multiple of the group "
+                f"size {size}: a quantization group would straddle two tensor-parallel "
+                "ranks; use fewer ranks, or a checkpoint with a smaller group size"
+            )
+        # Whether each rank keeps every group (else the groups of its own inputs).
+        self.whole_groups = size == -1 or scheme.desc_act
+        groups = 1 if size == -1 else (full_columns if scheme.desc_act else columns) // size
+        self.scheme = scheme
+        self.group_inputs = size
+
+        def param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        # _NAMES, in order.
+        module.register_parameter("qweight", param(columns // PACK, rows, dtype=torch.int32))
+        module.register_parameter("qzeros", param(groups, rows // PACK, dtype=torch.int32))
+        module.register_parameter("scales", param(groups, rows))
+        module.register_parameter("g_idx", param(columns, dtype=torch.int32))
+        # Looked up by name on each use: moving the module (``_apply``) may replace them.
+        self._module = module
+        # The checkpoint tensor whose g_idx a fused layer took first (its parts must agree).
+        self.g_idx_from: str | None = None
+
+    def _param(self, name: str) -> nn.Parameter:
+        param = self._module._parameters[name]
+        assert param is not None
+        return param
+
+    @property
+    def qweight(self) -> nn.Parameter:
+        return self._param("qweight")
+
+    @property
+    def qzeros(self) -> nn.Parameter:
+        return self._param("qzeros")
+
+    @property
+    def scales(self) -> nn.Parameter:
+        return self._param("scales")
+
+    @property
+    def g_idx(self) -> nn.Parameter:
+        return self._param("g_idx")
+
+    def owns(self, param: nn.Parameter) -> bool:
+        return any(param is self._module._parameters[n] for n in _NAMES)
+
+    def output_split(self, param: nn.Parameter) -> Split | None:
+        """Where ``param`` holds output channels (None: ``g_idx``, which has none)."""
+        if param is self.g_idx:
+            return None
+        return Split(dim=1, per_entry=PACK if param is self.qzeros else 1)
+
+    def input_split(self, param: nn.Parameter) -> Split | None:
+        """Where ``param`` holds input channels (None: the same whole tensor on every rank)."""
+        if param is self.qweight:
+            return Split(dim=0, per_entry=PACK)
+        if param is self.g_idx:
+            return Split(dim=0, per_entry=1)
+        if self.whole_groups:
+            return None
+        return Split(dim=0, per_entry=self.group_inputs)
+
+    def check_shared_g_idx(self, loaded: torch.Tensor, name: str) -> bool:
+        """For a fused layer's parts: False when ``loaded`` is the first g_idx (copy it), True
+        when an earlier part's is there (it must be the same)."""
+        if self.g_idx_from is None:
+            self.g_idx_from = name
+            return False
+        if not torch.equal(self.g_idx.data, loaded.to(torch.int32)):
+            raise ValueError(
+                f"checkpoint tensors {self.g_idx_from} and {name} give the inputs different "
+                "groups; projections this engine fuses must share g_idx"
+            )
+        return True
+
+    def finish_loading(self, name: str) -> None:
+        """Repack the loaded checkpoint tensors into the kernel layout (once)."""
+        m = self
+        g_idx = m.g_idx.data.long()
+        groups = m.scales.shape[0]
+        if self.scheme.desc_act:
+            # Every rank holds every group: g_idx indexes them directly.
+            if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+                raise ValueError(f"{name}.g_idx names groups outside 0..{groups - 1}")
+        else:
+            # Without activation order the groups must be consecutive runs of inputs.
+            runs = g_idx - g_idx[:1]
+            expected = (
+                torch.zeros_like(g_idx)
+                if self.group_inputs == -1
+                else torch.arange(g_idx.numel()) // self.group_inputs
+            )
+            if not torch.equal(runs, expected):
+                raise ValueError(
+                    f"{name}.g_idx is not consecutive groups of {self.group_inputs} inputs, "
+                    "but quantization_config.desc_act is false"
+                )
+        codes = unpack_int4(m.qweight.data, dim=0)
+        m.qweight.data = pack_int4(codes.t(), dim=1)
+        if self.scheme.sym:
+            zeros = torch.full(m.scales.shape, _SYMMETRIC_ZERO, dtype=torch.uint8)
+        else:
+            # No wrap: a stored 15 reads 16, as AutoGPTQ's own kernels read it (a zero point
+            # of 0 cannot be stored in this format; our writer never needs one).
+            zeros = unpack_int4(m.qzeros.data, dim=1) + _STORED_ZERO_OFFSET
+        m.qzeros.data = zeros.t().contiguous()
+        m.scales.data = m.scales.data.t().contiguous()
+        m.g_idx.data = g_idx if self.scheme.desc_act else g_idx.new_empty(0)

@@ -1,0 +1,94 @@
+"""A GPTQ ``quantization_config`` (``quant_method: gptq``, as AutoGPTQ, GPTQModel and
+transformers write it) read into a ``W4A16Scheme``, or refused at start-up naming the field.
+
+Fields read as vLLM reads them (vLLM 0.32, ``auto_gptq.py`` ``from_config``): ``bits``,
+``group_size``, ``desc_act``, ``sym``, ``lm_head`` (a quantized LM head: refused here),
+``dynamic`` (GPTQModel's per-module overrides: refused here) and
+``modules_in_block_to_quantize`` (the projections stored 4-bit; the others float, matched as
+vLLM matches them: an entry names a projection when it is a substring of its module path).
+Activation order with one group per channel changes nothing, so it is read as without (vLLM
+does the same). Other fields (``damp_percent``, ``true_sequential``, ``static_groups``, ...)
+describe how the weights were made, not how they are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tandem.core.errors import ModelLoadError
+from tandem.core.layers.quant_scheme import FUSED_PROJECTIONS, PROJECTIONS, W4A16Scheme
+
+GPTQ = "gptq"
+GROUP_SIZES = (32, 64, 128, -1)
+SUPPORTED = (
+    "supported: gptq 4-bit weight-only (bits 4; group_size 32, 64, 128 or -1; sym true or "
+    "false; desc_act true or false; checkpoint_format 'gptq'; lm_head not quantized; no "
+    "'dynamic' overrides)"
+)
+
+
+def _refuse(field: str, value: object, supported: str = SUPPORTED) -> ModelLoadError:
+    return ModelLoadError(f"config.json: quantization_config.{field} is {value!r}; {supported}")
+
+
+def _flag(config: Mapping[str, Any], field: str, default: bool) -> bool:
+    value = config.get(field, default)
+    if not isinstance(value, bool):
+        raise _refuse(field, value, "supported: true or false")
+    return value
+
+
+def parse_gptq(config: Mapping[str, Any], num_layers: int) -> W4A16Scheme:
+    """The scheme of a GPTQ ``quantization_config``."""
+    bits = config.get("bits")
+    if bits != 4:
+        raise _refuse("bits", bits)
+    group_size = config.get("group_size")
+    if group_size not in GROUP_SIZES or isinstance(group_size, bool):
+        raise _refuse("group_size", group_size)
+    form = config.get("checkpoint_format", GPTQ)
+    if form != GPTQ:
+        raise _refuse("checkpoint_format", form)
+    for absent in ("lm_head", "dynamic"):
+        if config.get(absent):
+            raise _refuse(absent, config[absent])
+    sym = _flag(config, "sym", default=True)
+    desc_act = _flag(config, "desc_act", default=False) and group_size != -1
+    quantized = _quantized_projections(config.get("modules_in_block_to_quantize"), num_layers)
+    return W4A16Scheme(group_size=group_size, sym=sym, desc_act=desc_act, quantized=quantized)
+
+
+def _flatten(entries: object) -> list[str]:
+    if isinstance(entries, str):
+        return [entries]
+    if not isinstance(entries, list):
+        raise _refuse("modules_in_block_to_quantize", entries, "supported: a list of names")
+    return [name for entry in entries for name in _flatten(entry)]
+
+
+def _quantized_projections(entries: object, num_layers: int) -> frozenset[str]:
+    if entries is None or entries == []:
+        return frozenset(PROJECTIONS)
+    names = _flatten(entries)
+    field = "modules_in_block_to_quantize"
+    unmatched = [n for n in names if not any(n in f"model.layers.0.{p}" for p in PROJECTIONS)]
+    if unmatched:
+        raise _refuse(
+            field, names, f"{unmatched[0]!r} names none of the supported {', '.join(PROJECTIONS)}"
+        )
+    per_layer = {
+        frozenset(p for p in PROJECTIONS if any(n in f"model.layers.{i}.{p}" for n in names))
+        for i in range(num_layers)
+    }
+    if len(per_layer) != 1:
+        raise _refuse(field, names, "supported: the same projections in every layer")
+    [quantized] = per_layer
+    for fused in FUSED_PROJECTIONS:
+        if 0 < len(quantized.intersection(fused)) < len(fused):
+            raise _refuse(
+                field,
+                names,
+                f"supported: {', '.join(fused)} all 4-bit or all float (they run as one matmul)",
+            )
+    return quantized

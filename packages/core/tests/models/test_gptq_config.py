@@ -1,0 +1,98 @@
+"""A GPTQ ``quantization_config``: the 4-bit schemes served, and a start-up refusal naming
+the field for everything else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tandem.core.errors import ModelLoadError
+from tandem.core.layers.quant_scheme import PROJECTIONS, W4A16Scheme
+from tandem.core.models.config_json import parse_model_config
+from tandem.core.models.w4a16_writer import gptq_quantization_config
+
+from .test_quantization_config import BASE
+
+ALL = frozenset(PROJECTIONS)
+
+
+def _config(**changes: Any) -> dict[str, Any]:
+    qc = gptq_quantization_config(group_size=128, sym=True, quantized=ALL)
+    qc.update(changes)
+    return {**BASE, "quantization_config": {k: v for k, v in qc.items() if v is not None}}
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128, -1])
+@pytest.mark.parametrize("sym", [True, False])
+def test_served_group_sizes_and_zero_points(group_size: int, sym: bool) -> None:
+    scheme = parse_model_config(_config(group_size=group_size, sym=sym)).quantization
+    assert scheme == W4A16Scheme(group_size=group_size, sym=sym, desc_act=False)
+
+
+def test_activation_order_is_kept_unless_there_is_one_group_per_channel() -> None:
+    assert parse_model_config(_config(desc_act=True)).quantization == W4A16Scheme(
+        group_size=128, sym=True, desc_act=True
+    )
+    per_channel = parse_model_config(_config(desc_act=True, group_size=-1)).quantization
+    assert per_channel == W4A16Scheme(group_size=-1, sym=True, desc_act=False)
+
+
+def test_a_minimal_config_takes_autogptq_defaults() -> None:
+    raw = {**BASE, "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 64}}
+    assert parse_model_config(raw).quantization == W4A16Scheme(64, sym=True, desc_act=False)
+
+
+@pytest.mark.parametrize(
+    "modules",
+    [
+        [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"]],
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+    ],
+    ids=["nested", "flat"],
+)
+def test_modules_in_block_to_quantize_leave_the_others_float(modules: list[Any]) -> None:
+    scheme = parse_model_config(_config(modules_in_block_to_quantize=modules)).quantization
+    assert isinstance(scheme, W4A16Scheme)
+    assert scheme.quantized == frozenset(PROJECTIONS[:4])
+
+
+REFUSED: dict[str, tuple[dict[str, Any], str]] = {
+    "8-bit": ({"bits": 8}, "bits is 8"),
+    "3-bit": ({"bits": 3}, "bits is 3"),
+    "group size 16": ({"group_size": 16}, "group_size is 16"),
+    "group size missing": ({"group_size": None}, "group_size is None"),
+    "gptq_v2": ({"checkpoint_format": "gptq_v2"}, "checkpoint_format is 'gptq_v2'"),
+    "marlin": ({"checkpoint_format": "marlin"}, "checkpoint_format is 'marlin'"),
+    "quantized lm_head": ({"lm_head": True}, "lm_head is True"),
+    "dynamic": ({"dynamic": {"-:.*down_proj": {}}}, "dynamic is"),
+    "sym not a flag": ({"sym": "yes"}, "sym is 'yes'"),
+    "fused parts apart": (
+        {"modules_in_block_to_quantize": [["self_attn.q_proj", "self_attn.k_proj"]]},
+        "all 4-bit or all float",
+    ),
+    "unknown module": (
+        {"modules_in_block_to_quantize": [["mlp.experts"]]},
+        "'mlp.experts' names none of",
+    ),
+    "one layer only": (
+        {"modules_in_block_to_quantize": ["model.layers.0.self_attn.o_proj"]},
+        "the same projections in every layer",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_unsupported_configs_are_refused_naming_the_field(case: str) -> None:
+    changes, said = REFUSED[case]
+    with pytest.raises(ModelLoadError) as caught:
+        parse_model_config(_config(**changes))
+    message = str(caught.value)
+    assert said in message and "quantization_config." in message
+    assert "supported" in message
+
+
+def test_an_architecture_without_quantized_layers_is_refused() -> None:
+    raw = {**_config(), "architectures": ["Qwen3MoeForCausalLM"]}
+    with pytest.raises(ModelLoadError, match="Qwen3MoeForCausalLM are not supported"):
+        parse_model_config(raw)
