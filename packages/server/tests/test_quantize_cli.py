@@ -30,7 +30,24 @@ def test_quantize_writes_a_folder_that_generates(demo: Path, tmp_path: Path) -> 
     assert len(json.loads(out.stdout.splitlines()[0])["token_ids"]) == 4
 
 
-@pytest.mark.parametrize("case", ["non-empty destination", "already quantized", "no model"])
+def test_quantize_w4a16_writes_a_gptq_folder_that_generates(demo: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "w4a16"
+    args = ("--scheme", "w4a16", "--group-size", "64", "--no-sym")
+    result = tandem("quantize", str(demo), str(dst), *args)
+    assert result.returncode == 0, result.stderr
+    qc = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["sym"]) == ("gptq", 4, 64, False)
+    out = tandem(
+        "generate", "--model", str(dst), "--prompt", "hello", "--max-tokens", "4", "--json"
+    )
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout.splitlines()[0])["token_ids"]) == 4
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["non-empty destination", "already quantized", "no model", "group size with w8a8"],
+)
 def test_bad_input_is_one_error_line(case: str, demo: Path, tmp_path: Path) -> None:
     src, dst = demo, tmp_path / "out"
     if case == "non-empty destination":
@@ -40,14 +57,16 @@ def test_bad_input_is_one_error_line(case: str, demo: Path, tmp_path: Path) -> N
         first = tmp_path / "first"
         assert tandem("quantize", str(demo), str(first), "--scheme", "w8a8").returncode == 0
         src = first
-    else:
+    elif case == "no model":
         src = tmp_path / "missing"
-    result = tandem("quantize", str(src), str(dst), "--scheme", "w8a8")
+    extra = ("--group-size", "32") if case == "group size with w8a8" else ()
+    result = tandem("quantize", str(src), str(dst), "--scheme", "w8a8", *extra)
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
     said = {
         "non-empty destination": "is not empty",
         "already quantized": "already quantized",
         "no model": "does not exist",
+        "group size with w8a8": "apply to --scheme w4a16 only",
     }[case]
     assert said in result.stderr

@@ -1,5 +1,6 @@
-"""``tandem quantize SRC DST --scheme w8a8``: write a quantized copy of a float model folder,
-in the compressed-tensors layout that Tandem and vLLM both read."""
+"""``tandem quantize SRC DST --scheme w8a8|w4a16``: write a quantized copy of a float model
+folder, in a layout that Tandem and vLLM both read (compressed-tensors for W8A8, GPTQ for
+W4A16)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,15 @@ from typing import Any
 from safetensors import SafetensorError
 
 from tandem.core.errors import ModelLoadError
+from tandem.core.models.gptq_config import GROUP_SIZES
+from tandem.core.models.w4a16_writer import write_w4a16
 from tandem.core.models.w8a8_writer import write_w8a8
 
 logger = logging.getLogger(__name__)
 
-SCHEMES = ("w8a8",)
+SCHEMES = ("w8a8", "w4a16")
+# AutoGPTQ's and vLLM's usual choice.
+DEFAULT_GROUP_SIZE = 128
 
 
 def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -32,14 +37,37 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
         required=True,
         help="w8a8: int8 weights, one scale per output channel (round to nearest), and int8 "
         "activations quantized per token at run time (compressed-tensors 'int-quantized', "
-        "as llm-compressor's W8A8 writes it); embeddings, norms and lm_head stay float",
+        "as llm-compressor's W8A8 writes it); w4a16: 4-bit weights per group of inputs "
+        "(round to nearest), float activations, in GPTQ's format as AutoGPTQ writes it; "
+        "embeddings, norms and lm_head stay float",
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        choices=GROUP_SIZES,
+        help="w4a16: inputs that share a scale and zero point (-1: one per output channel); "
+        f"a projection whose inputs it does not divide stays float (default: {DEFAULT_GROUP_SIZE})",
+    )
+    p.add_argument(
+        "--no-sym",
+        dest="sym",
+        action="store_false",
+        help="w4a16: a zero point per group (asymmetric) instead of 8 for all; note that "
+        "vLLM 0.32 serves only symmetric GPTQ",
     )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    src, dst = Path(args.src), Path(args.dst)
+    if args.scheme == "w8a8" and (args.group_size is not None or not args.sym):
+        raise ModelLoadError("--group-size and --no-sym apply to --scheme w4a16 only")
+    group_size = DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size
     try:
-        count = write_w8a8(Path(args.src), Path(args.dst))
+        if args.scheme == "w8a8":
+            count = write_w8a8(src, dst)
+        else:
+            count = write_w4a16(src, dst, group_size=group_size, sym=args.sym)
     except (OSError, SafetensorError) as exc:
         raise ModelLoadError(f"quantize {args.src} -> {args.dst}: {exc}") from None
     logger.info(
