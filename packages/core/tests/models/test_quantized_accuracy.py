@@ -48,7 +48,7 @@ TEXTS = [
 MEAN_KL, P99_KL, TOP1 = 4e-3, 3e-2, 0.95
 
 
-def _log_probs(engine: LLMEngine, prompts: list[list[int]]) -> torch.Tensor:
+def log_probs(engine: LLMEngine, prompts: list[list[int]]) -> torch.Tensor:
     logits = torch.cat([prompt_logits(engine, p) for p in prompts])
     return logits.double().log_softmax(-1)
 
@@ -61,8 +61,8 @@ def test_int8_w8a8_stays_within_the_kl_budget_of_float32(
     write_w8a8(STORIES, quantized)
     prompts = [Tokenizer(STORIES).encode(text) for text in TEXTS]
     assert sum(map(len, prompts)) >= 300
-    exact = _log_probs(make_engine(STORIES, dtype="float32"), prompts)
-    approx = _log_probs(make_engine(quantized, dtype="float32"), prompts)
+    exact = log_probs(make_engine(STORIES, dtype="float32"), prompts)
+    approx = log_probs(make_engine(quantized, dtype="float32"), prompts)
     kl = (exact.exp() * (exact - approx)).sum(-1)
     mean, p99 = kl.mean().item(), kl.quantile(0.99).item()
     top1 = (exact.argmax(-1) == approx.argmax(-1)).double().mean().item()

@@ -28,6 +28,7 @@ from tandem.core.models.w4a16_writer import gptq_tensors, write_w4a16
 
 from ..conftest import HfFactory
 from .checkpoint_files import read_tensors, rewrite_folder
+from .gptq_reference import dequantized_folder, nibbles
 
 PROMPTS = [[5, 17, 300, 42, 9, 100, 7], [3, 9, 27, 81, 243, 11, 33, 99, 297, 2, 6, 18, 54]]
 NEW_TOKENS = 24
@@ -66,36 +67,6 @@ def _act_order(src: Path, quantized: Path, dst: Path, group: int) -> Path:
     return rewrite_folder(quantized, dst, tensors, config)
 
 
-def _nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:
-    """Unpacked the slow way: entry 8c + i along ``dim`` from bits 4i..4i+3 of word c."""
-    w = words.long() if dim == 1 else words.long().t()
-    out = torch.zeros(w.shape[0], 8 * w.shape[1], dtype=torch.int64)
-    for c in range(w.shape[1]):
-        for i in range(8):
-            out[:, 8 * c + i] = (w[:, c] >> (4 * i)) & 0xF
-    return out if dim == 1 else out.t()
-
-
-def _dequantized(src: Path, dst: Path) -> Path:
-    tensors = read_tensors(src)
-    config = json.loads((src / "config.json").read_text())
-    sym = config.pop("quantization_config")["sym"]
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        base, _, kind = name.rpartition(".")
-        if kind in ("qzeros", "scales", "g_idx"):
-            continue
-        if kind == "qweight":
-            q = _nibbles(t, dim=0).double()  # [K, N]
-            g = tensors[f"{base}.g_idx"].long()
-            scales = tensors[f"{base}.scales"].double()[g]  # [K, N]
-            zeros = 8.0 if sym else _nibbles(tensors[f"{base}.qzeros"], dim=1).double()[g] + 1
-            out[f"{base}.weight"] = ((q - zeros) * scales).t().float().contiguous()
-        else:
-            out[name] = t
-    return rewrite_folder(src, dst, out, config)
-
-
 def _generate(engine: LLMEngine) -> list[list[int]]:
     params = SamplingParams.greedy(max_tokens=NEW_TOKENS, ignore_eos=True)
     return [out.token_ids for out in engine.generate(PROMPTS, params)]
@@ -126,7 +97,7 @@ def test_greedy_tokens_equal_the_dequantized_float_reference(
 ) -> None:
     folder = _folder(float_folder, tmp_path, case)
     got = _generate(make_engine(folder))
-    reference = _dequantized(folder, tmp_path / "float")
+    reference = dequantized_folder(folder, tmp_path / "float")
     with monkeypatch.context() as patch:
         # Plain float32 weights through F.linear, as the 4-bit kernel multiplies.
         patch.setattr(loader, "pack_linear_weights", lambda *args: 0)
@@ -180,7 +151,7 @@ def test_the_written_folder_is_what_autogptq_writes(float_folder: Path, tmp_path
     # Round to nearest: within half a step of the float weight. The top code 15 clips the
     # largest value, +7.5 steps, by half a step, and rounding the scale to float16 (2^-11
     # relative) can make it up to 7.5 * 2^-11 steps more.
-    q = _nibbles(tensors[f"{base}.qweight"], dim=0).t().double()
+    q = nibbles(tensors[f"{base}.qweight"], dim=0).t().double()
     step = tensors[f"{base}.scales"].double().t().repeat_interleave(32, dim=1)
     error = (weight.double() - (q - 8) * step).abs()
     assert (error <= step * (0.5 + 7.5 * 2.0**-11)).all()
