@@ -99,6 +99,6 @@ def test_an_architecture_without_int8_layers_is_refused() -> None:
 
 def test_the_engine_refuses_before_loading_weights(tmp_path: Path) -> None:
     """Start-up reads the config first: no weights need to exist for the refusal."""
-    (tmp_path / "config.json").write_text(json.dumps(_with(("quant_method",), "awq")))
-    with pytest.raises(ModelLoadError, match="quant_method is 'awq'"):
+    (tmp_path / "config.json").write_text(json.dumps(_with(("quant_method",), "bitsandbytes")))
+    with pytest.raises(ModelLoadError, match="quant_method is 'bitsandbytes'"):
         LLMRunnerFactory.from_folder(tmp_path)

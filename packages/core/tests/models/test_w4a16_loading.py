@@ -21,7 +21,7 @@ import torch
 from tandem.core import SamplingParams
 from tandem.core.config import ParallelConfig
 from tandem.core.errors import TandemError
-from tandem.core.kernels.reference.int4_packing import pack_int4, unpack_int4
+from tandem.core.kernels.reference.int4_packing import AWQ_ORDER, pack_int4, unpack_int4
 from tandem.core.llm.engine import LLMEngine
 from tandem.core.models import loader
 from tandem.core.models.w4a16_writer import gptq_tensors, write_w4a16
@@ -72,19 +72,49 @@ def _generate(engine: LLMEngine) -> list[list[int]]:
     return [out.token_ids for out in engine.generate(PROMPTS, params)]
 
 
+def _awq(gptq: Path, dst: Path, group: int) -> Path:
+    """The asymmetric GPTQ folder ``gptq``'s weights in AutoAWQ's GEMM layout: codes and zero
+    points packed along the outputs in AWQ's nibble order, zero points as they are, no
+    g_idx."""
+    tensors = read_tensors(gptq)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        kind = name.rpartition(".")[2]
+        if kind == "qweight":
+            out[name] = pack_int4(unpack_int4(t, dim=0), dim=1, order=AWQ_ORDER)
+        elif kind == "qzeros":
+            zeros = unpack_int4(t, dim=1).long() + 1
+            out[name] = pack_int4(zeros, dim=1, order=AWQ_ORDER)
+        elif kind != "g_idx":
+            out[name] = t
+    config = json.loads((gptq / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": group,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    }
+    return rewrite_folder(gptq, dst, out, config)
+
+
 CASES = {
-    "group 32 sym": (32, True, False),
-    "group 64 asym": (64, False, False),
-    "per channel": (-1, True, False),
-    "act order asym": (32, False, True),
+    "group 32 sym": (32, True, ""),
+    "group 64 asym": (64, False, ""),
+    "per channel": (-1, True, ""),
+    "act order asym": (32, False, "act order"),
+    "awq group 32": (32, False, "awq"),
 }
 
 
 def _folder(float_folder: Path, tmp_path: Path, case: str) -> Path:
-    group, sym, act_order = CASES[case]
+    group, sym, variant = CASES[case]
     written = tmp_path / "gptq"
     assert write_w4a16(float_folder, written, group_size=group, sym=sym) == 2 * 7
-    return _act_order(float_folder, written, tmp_path / "act", group) if act_order else written
+    if variant == "awq":
+        return _awq(written, tmp_path / "awq", group)
+    return _act_order(float_folder, written, tmp_path / "act", group) if variant else written
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -107,7 +137,7 @@ def test_greedy_tokens_equal_the_dequantized_float_reference(
     assert got != float_tokens  # the quantization is there to see
 
 
-@pytest.mark.parametrize("case", ["group 32 sym", "act order asym"])
+@pytest.mark.parametrize("case", ["group 32 sym", "act order asym", "awq group 32"])
 def test_two_tensor_parallel_ranks_generate_what_one_does(
     case: str, float_folder: Path, tmp_path: Path, make_engine: Callable[..., LLMEngine]
 ) -> None:

@@ -1,8 +1,10 @@
-"""A GPTQ 4-bit linear layer's parameters: what each rank holds, how its shard is cut from the
-checkpoint tensors, and the kernel layout they are packed into once, after loading.
+"""A 4-bit linear layer's parameters (GPTQ or AWQ): what each rank holds, how its shard is cut
+from the checkpoint tensors, and the kernel layout they are packed into once, after loading.
 
 Checkpoint layout (``kernels/reference/int4_packing.py`` has the rules and their sources):
-``qweight`` int32 [K / 8, N], ``qzeros`` int32 [G, N / 8], ``scales`` [G, N], ``g_idx`` [K].
+GPTQ ``qweight`` int32 [K / 8, N], ``qzeros`` int32 [G, N / 8], ``scales`` [G, N], ``g_idx``
+[K]; AWQ ``qweight`` int32 [K, N / 8] (packed along the outputs), the same ``qzeros`` and
+``scales`` in its own nibble order, no ``g_idx``.
 
 Tensor parallelism, as vLLM shards them (``auto_gptq.py``, ``marlin_repeat_scales_on_all_ranks``;
 its older ``gptq.py`` for activation order):
@@ -28,8 +30,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tandem.core.kernels.reference.int4_packing import PACK, pack_int4, unpack_int4
-from tandem.core.layers.quant_scheme import W4A16Scheme
+from tandem.core.kernels.reference.int4_packing import (
+    AWQ_ORDER,
+    PACK,
+    pack_int4,
+    unpack_int4,
+)
+from tandem.core.layers.quant_scheme import AWQ_LAYOUT, W4A16Scheme
 
 # Symmetric 4-bit codes are centred on 8 (vLLM's uint4b8).
 _SYMMETRIC_ZERO = 8
@@ -86,11 +93,13 @@ class Int4Parameters:
         def param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
-        # _NAMES, in order.
-        module.register_parameter("qweight", param(columns // PACK, rows, dtype=torch.int32))
+        self.awq = scheme.layout == AWQ_LAYOUT
+        packed = (columns, rows // PACK) if self.awq else (columns // PACK, rows)
+        module.register_parameter("qweight", param(*packed, dtype=torch.int32))
         module.register_parameter("qzeros", param(groups, rows // PACK, dtype=torch.int32))
         module.register_parameter("scales", param(groups, rows))
-        module.register_parameter("g_idx", param(columns, dtype=torch.int32))
+        if not self.awq:
+            module.register_parameter("g_idx", param(columns, dtype=torch.int32))
         # Looked up by name on each use: moving the module (``_apply``) may replace them.
         self._module = module
         # The checkpoint tensor whose g_idx a fused layer took first (its parts must agree).
@@ -118,19 +127,24 @@ class Int4Parameters:
         return self._param("g_idx")
 
     def owns(self, param: nn.Parameter) -> bool:
-        return any(param is self._module._parameters[n] for n in _NAMES)
+        return any(param is self._module._parameters.get(n) for n in _NAMES)
+
+    def kernel_g_idx(self) -> torch.Tensor | None:
+        """Each input's group, for the kernel; None: consecutive groups."""
+        return self.g_idx if not self.awq and self.scheme.desc_act else None
 
     def output_split(self, param: nn.Parameter) -> Split | None:
         """Where ``param`` holds output channels (None: ``g_idx``, which has none)."""
-        if param is self.g_idx:
+        if not self.awq and param is self.g_idx:
             return None
-        return Split(dim=1, per_entry=PACK if param is self.qzeros else 1)
+        packed = param is self.qzeros or (self.awq and param is self.qweight)
+        return Split(dim=1, per_entry=PACK if packed else 1)
 
     def input_split(self, param: nn.Parameter) -> Split | None:
         """Where ``param`` holds input channels (None: the same whole tensor on every rank)."""
         if param is self.qweight:
-            return Split(dim=0, per_entry=PACK)
-        if param is self.g_idx:
+            return Split(dim=0, per_entry=1 if self.awq else PACK)
+        if not self.awq and param is self.g_idx:
             return Split(dim=0, per_entry=1)
         if self.whole_groups:
             return None
@@ -151,6 +165,14 @@ class Int4Parameters:
 
     def finish_loading(self, name: str) -> None:
         """Repack the loaded checkpoint tensors into the kernel layout (once)."""
+        if self.awq:
+            codes = unpack_int4(self.qweight.data, dim=1, order=AWQ_ORDER)
+            self.qweight.data = pack_int4(codes.t(), dim=1)
+            # AWQ stores zero points as they are.
+            zeros = unpack_int4(self.qzeros.data, dim=1, order=AWQ_ORDER)
+            self.qzeros.data = zeros.t().contiguous()
+            self.scales.data = self.scales.data.t().contiguous()
+            return
         m = self
         g_idx = m.g_idx.data.long()
         groups = m.scales.shape[0]

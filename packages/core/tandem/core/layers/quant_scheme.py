@@ -28,18 +28,24 @@ class W8A8Scheme:
     static: bool
 
 
+# The two 4-bit checkpoint layouts (``kernels/reference/int4_packing.py``).
+GPTQ_LAYOUT = "gptq"
+AWQ_LAYOUT = "awq"
+
+
 @dataclass(frozen=True)
 class W4A16Scheme:
-    """4-bit weights in GPTQ's layout, activations float: ``group_size`` inputs share a scale
-    and zero point (-1: one group per output channel); ``sym``: every zero point is 8;
-    ``desc_act``: inputs were quantized in activation order (each input's group is in
-    ``g_idx``). ``quantized``: the projections (``PROJECTIONS``) stored 4-bit, the same in
-    every layer; the others are float."""
+    """4-bit weights, activations float: ``group_size`` inputs share a scale and zero point
+    (-1: one group per output channel); ``sym``: every zero point is 8; ``desc_act``: inputs
+    were quantized in activation order (each input's group is in ``g_idx``). ``quantized``:
+    the projections (``PROJECTIONS``) stored 4-bit, the same in every layer; the others are
+    float. ``layout``: how the checkpoint packs them, GPTQ's or AWQ's."""
 
     group_size: int
     sym: bool
     desc_act: bool
     quantized: frozenset[str] = frozenset(PROJECTIONS)
+    layout: str = GPTQ_LAYOUT
 
 
 QuantScheme = W8A8Scheme | W4A16Scheme

@@ -117,7 +117,7 @@ class QuantizableLinear(PackableLinear):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.int4 is not None:
             w = self.int4
-            g_idx = w.g_idx if w.g_idx.numel() else None
+            g_idx = w.kernel_g_idx()
             return self._int4_linear(x, w.qweight, w.scales, w.qzeros, g_idx, bias)
         weight_scale = self.weight_scale
         if weight_scale is None:

@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from tandem.core.errors import ModelLoadError
-from tandem.core.layers.quant_scheme import FUSED_PROJECTIONS, PROJECTIONS, W4A16Scheme
+from tandem.core.layers.quant_scheme import PROJECTIONS, W4A16Scheme
+from tandem.core.models.projection_match import picked_projections, split_fused_group
 
 GPTQ = "gptq"
 GROUP_SIZES = (32, 64, 128, -1)
@@ -77,18 +78,14 @@ def _quantized_projections(entries: object, num_layers: int) -> frozenset[str]:
         raise _refuse(
             field, names, f"{unmatched[0]!r} names none of the supported {', '.join(PROJECTIONS)}"
         )
-    per_layer = {
-        frozenset(p for p in PROJECTIONS if any(n in f"model.layers.{i}.{p}" for n in names))
-        for i in range(num_layers)
-    }
-    if len(per_layer) != 1:
+    quantized = picked_projections(names, num_layers)
+    if quantized is None:
         raise _refuse(field, names, "supported: the same projections in every layer")
-    [quantized] = per_layer
-    for fused in FUSED_PROJECTIONS:
-        if 0 < len(quantized.intersection(fused)) < len(fused):
-            raise _refuse(
-                field,
-                names,
-                f"supported: {', '.join(fused)} all 4-bit or all float (they run as one matmul)",
-            )
+    fused = split_fused_group(quantized)
+    if fused is not None:
+        raise _refuse(
+            field,
+            names,
+            f"supported: {', '.join(fused)} all 4-bit or all float (they run as one matmul)",
+        )
     return quantized

@@ -1,7 +1,7 @@
 """A ``config.json``'s ``quantization_config``: what we serve (compressed-tensors INT8 W8A8, the
-``int-quantized`` format llm-compressor writes and vLLM reads; GPTQ 4-bit weight-only, read in
-``gptq_config.py``) and, for anything else, a refusal at start-up that names the field and what
-is supported.
+``int-quantized`` format llm-compressor writes and vLLM reads; GPTQ and AWQ 4-bit weight-only,
+read in ``gptq_config.py`` and ``awq_config.py``) and, for anything else, a refusal at
+start-up that names the field and what is supported.
 
 Supported for compressed-tensors: one config group targeting ``Linear``; weights int8,
 symmetric, one scale per output channel; input activations int8, symmetric, either dynamic per
@@ -17,7 +17,7 @@ from typing import Any
 
 from tandem.core.errors import ModelLoadError
 from tandem.core.layers.quant_scheme import PROJECTIONS, QuantScheme, W8A8Scheme
-from tandem.core.models import gptq_config
+from tandem.core.models import awq_config, gptq_config
 
 QUANT_METHOD = "compressed-tensors"
 INT_QUANTIZED = "int-quantized"
@@ -50,16 +50,19 @@ def parse_quantization(
     if not isinstance(config, Mapping):
         raise _refuse("", config, "it must be an object")
     method = config.get("quant_method")
-    if method not in (QUANT_METHOD, gptq_config.GPTQ):
-        raise _refuse("quant_method", method, f"{SUPPORTED}; {gptq_config.SUPPORTED}")
+    if method not in (QUANT_METHOD, gptq_config.GPTQ, awq_config.AWQ):
+        supported = f"{SUPPORTED}; {gptq_config.SUPPORTED}; {awq_config.SUPPORTED}"
+        raise _refuse("quant_method", method, supported)
     if not serves_w8a8:
         raise ModelLoadError(
             f"config.json: quantized checkpoints of {architecture} are not supported; "
-            "int8 W8A8 and GPTQ 4-bit are served for LlamaForCausalLM, Qwen2ForCausalLM and "
+            "int8 W8A8 and GPTQ/AWQ 4-bit are served for LlamaForCausalLM, Qwen2ForCausalLM and "
             "Qwen3ForCausalLM"
         )
     if method == gptq_config.GPTQ:
         return gptq_config.parse_gptq(config, num_layers)
+    if method == awq_config.AWQ:
+        return awq_config.parse_awq(config, num_layers)
     status = config.get("quantization_status", "compressed")
     if status != "compressed":
         raise _refuse(

@@ -17,7 +17,7 @@ import torch
 
 from tandem.core.kernels import handles
 from tandem.core.kernels.reference.int4_linear import int4_linear
-from tandem.core.kernels.reference.int4_packing import pack_int4, unpack_int4
+from tandem.core.kernels.reference.int4_packing import AWQ_ORDER, pack_int4, unpack_int4
 
 U32 = 2.0**-24
 
@@ -37,6 +37,17 @@ def test_pack_puts_the_first_code_in_the_lowest_nibble() -> None:
     (word,) = pack_int4(codes, dim=1).flatten().tolist()
     assert word & 0xFFFFFFFF == 0xF7654321
     assert word < 0  # stored as int32, so the top nibble 15 sets the sign bit
+
+
+def test_awq_order_interleaves_the_run() -> None:
+    """AutoAWQ's ``order_map`` [0, 2, 4, 6, 1, 3, 5, 7]: nibble i holds code order_map[i]."""
+    codes = torch.arange(8).reshape(1, 8)
+    (word,) = pack_int4(codes, dim=1, order=AWQ_ORDER).flatten().tolist()
+    assert word == 0x75316420
+    packed = pack_int4(torch.randint(0, 16, (4, 16)), dim=1, order=AWQ_ORDER)
+    assert torch.equal(
+        pack_int4(unpack_int4(packed, dim=1, order=AWQ_ORDER), dim=1, order=AWQ_ORDER), packed
+    )
 
 
 @pytest.mark.parametrize("dim", [0, 1])

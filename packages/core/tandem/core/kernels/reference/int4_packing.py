@@ -17,6 +17,12 @@ eight from bits ``4 * i``):
 - ``g_idx`` int32 [K]: the group of each input; ``i // group_size`` unless the layer was
   quantized in activation order (``desc_act``), where it is a permutation's groups;
 - a weight is ``(code - zero) * scale`` of its input's group.
+
+AWQ (``quant_method: awq``, ``version: gemm``, as AutoAWQ writes it; vLLM 0.32's
+``auto_awq.py``, ``_convert_awq_to_standard_format``) packs both ``qweight`` [K, N / 8] and
+``qzeros`` [G, N / 8] along the outputs, in another order within a word: nibble p holds
+output ``AWQ_ORDER[p]`` of its run of eight (AutoAWQ's ``order_map``); zero points are stored
+as they are (no offset), and there is no ``g_idx`` (groups are consecutive inputs).
 """
 
 from __future__ import annotations
@@ -26,30 +32,46 @@ import torch
 BITS = 4
 PACK = 32 // BITS
 _MASK = (1 << BITS) - 1
+# Which code of a run of eight each nibble holds, lowest nibble first.
+GPTQ_ORDER = (0, 1, 2, 3, 4, 5, 6, 7)
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 def _shifts(device: torch.device) -> torch.Tensor:
     return torch.arange(0, 32, BITS, dtype=torch.int32, device=device)
 
 
-def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
+def unpack_int4(
+    packed: torch.Tensor, dim: int, order: tuple[int, ...] = GPTQ_ORDER
+) -> torch.Tensor:
     """int32 words -> their 4-bit codes (uint8), eight per word along ``dim`` (0 or 1 of a 2-D
-    tensor), the lowest nibble first."""
+    tensor); nibble p (from the lowest) holds code ``order[p]`` of its run."""
     words = packed.movedim(dim, -1)
     # >> on int32 sign-extends the top nibble; the mask drops those bits.
-    codes = (words.unsqueeze(-1) >> _shifts(packed.device)) & _MASK
-    return codes.flatten(-2).to(torch.uint8).movedim(-1, dim)
+    nibbles = (words.unsqueeze(-1) >> _shifts(packed.device)) & _MASK
+    if order != GPTQ_ORDER:
+        nibbles = nibbles[..., _inverse(order)]
+    return nibbles.flatten(-2).to(torch.uint8).movedim(-1, dim)
 
 
-def pack_int4(codes: torch.Tensor, dim: int) -> torch.Tensor:
-    """4-bit codes (any integer dtype, values 0..15) -> int32 words, eight along ``dim``;
-    that size must be a multiple of eight."""
+def pack_int4(codes: torch.Tensor, dim: int, order: tuple[int, ...] = GPTQ_ORDER) -> torch.Tensor:
+    """4-bit codes (any integer dtype, values 0..15) -> int32 words, eight along ``dim``
+    (that size must be a multiple of eight), code ``order[p]`` of each run in nibble p."""
     values = codes.movedim(dim, -1).to(torch.int32)
     if values.shape[-1] % PACK:
         raise ValueError(f"{values.shape[-1]} codes do not pack into whole int32 words of {PACK}")
     if values.numel() and (int(values.min()) < 0 or int(values.max()) > _MASK):
         raise ValueError("4-bit codes must lie in 0..15")
-    runs = values.reshape(*values.shape[:-1], -1, PACK) << _shifts(codes.device)
+    runs = values.reshape(*values.shape[:-1], -1, PACK)[..., list(order)]
+    runs = runs << _shifts(codes.device)
     # Disjoint bit fields: their sum is their bitwise or (int32 wraps into the sign bit).
     words: torch.Tensor = runs.sum(-1, dtype=torch.int32)
     return words.movedim(-1, dim).contiguous()
+
+
+def _inverse(order: tuple[int, ...]) -> list[int]:
+    """Where each code of a run sits: the inverse permutation of ``order``."""
+    where = [0] * len(order)
+    for slot, code in enumerate(order):
+        where[code] = slot
+    return where
