@@ -1,8 +1,8 @@
 """Greedy token ids are byte-identical across topologies: TP=1; TP=2 in one process; TP=2 as
 one process per device; TP=4 as 2 nodes x 2 devices, one process per node, on loopback. For
-dense models, a Qwen3.5 hybrid (state slots, linear-attention heads and conv channels split)
-and a Qwen3-MoE model (experts' intermediate split), the latter two with prompts prefilled
-in chunks of 8 tokens beside decodes."""
+dense models (one of them GPTQ 4-bit), a Qwen3.5 hybrid (state slots, linear-attention heads
+and conv channels split) and a Qwen3-MoE model (experts' intermediate split), the latter two
+with prompts prefilled in chunks of 8 tokens beside decodes."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from harness import PROMPT_IDS, free_port, generate_token_ids
 from reference_models import write_reference_model
+
+from tandem.core.models.w4a16_writer import write_w4a16
 
 STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260k"
 
@@ -36,7 +38,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     )
     # Top-2 of 8 experts, the experts' intermediate split 4 ways.
     write_reference_model(root / "qwen3_moe", "Qwen3MoeForCausalLM", head_dim=16)
-    found = {name: root / name for name in ("llama", "qwen3", "qwen3_5", "qwen3_moe")}
+    # The qwen3 model's GPTQ 4-bit copy (zero points, groups of 32): packed words and groups
+    # split at every rank count here.
+    write_w4a16(root / "qwen3", root / "qwen3_w4a16", group_size=32, sym=False)
+    names = ("llama", "qwen3", "qwen3_w4a16", "qwen3_5", "qwen3_moe")
+    found = {name: root / name for name in names}
     if (STORIES / "model.safetensors").is_file():
         found["stories260k"] = STORIES
     return found
@@ -49,11 +55,13 @@ TOPOLOGIES = ["tp2-single-process", "tp2-multi-process", "tp4-2nodes-single-proc
 CHUNKED = ("--max-tokens-per-batch", "8")
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen3", "stories260k", "qwen3_5", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "model", ["llama", "qwen3", "qwen3_w4a16", "stories260k", "qwen3_5", "qwen3_moe"]
+)
 def test_greedy_tokens_identical_across_topologies(models: dict[str, Path], model: str) -> None:
     if model not in models:
         pytest.skip(f"{STORIES} is not present")
-    extra = CHUNKED if model.startswith("qwen3_") else ()
+    extra = CHUNKED if model in ("qwen3_5", "qwen3_moe") else ()
     reference = generate_token_ids(models[model], "tp1", NEW_TOKENS, extra).token_ids
     for topology in TOPOLOGIES:
         tokens = generate_token_ids(models[model], topology, NEW_TOKENS, extra).token_ids
