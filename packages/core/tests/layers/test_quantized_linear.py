@@ -4,12 +4,9 @@ their rows, and every shard computes exactly the rows the unsharded layer does."
 
 from __future__ import annotations
 
-from typing import cast
-
 import pytest
 import torch
 
-from tandem.collectives import ProcessGroup
 from tandem.core.kernels.reference.int8_linear import int8_linear
 from tandem.core.layers.linear import (
     ColumnParallelLinear,
@@ -18,37 +15,15 @@ from tandem.core.layers.linear import (
     RowParallelLinear,
 )
 from tandem.core.layers.quant_scheme import W8A8Scheme
-from tandem.core.layers.quantized_linear import QuantizableLinear
 
-from ..conftest import HeldTensor
+from .shard_helpers import load_tensors, rank_of
 
 DYNAMIC, STATIC = W8A8Scheme(static=False), W8A8Scheme(static=True)
-
-
-class _Rank:
-    """Just the coordinates a layer shards by (loading and forward of column-parallel layers
-    issue no collective)."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self.rank, self.size = rank, size
-
-
-def _group(rank: int, size: int) -> ProcessGroup:
-    return cast(ProcessGroup, _Rank(rank, size))
 
 
 def _int8(rows: int, cols: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     w = torch.randint(-128, 128, (rows, cols), dtype=torch.int8, generator=gen)
     return w, torch.rand(rows, 1, generator=gen) + 0.1
-
-
-def _load(layer: QuantizableLinear, tensors: dict[str, torch.Tensor], shard: object = None) -> None:
-    params = dict(layer.named_parameters())
-    for name, tensor in tensors.items():
-        if shard is None:
-            layer.load_weight(params[name], HeldTensor(tensor), name)  # type: ignore[operator]
-        else:
-            layer.load_shard(params[name], HeldTensor(tensor), shard, name)  # type: ignore[operator]
 
 
 def test_column_shards_carry_their_rows_scales() -> None:
@@ -58,8 +33,8 @@ def test_column_shards_carry_their_rows_scales() -> None:
     whole = int8_linear(x, w, ws, None, None)
     outs = []
     for rank in range(2):
-        layer = ColumnParallelLinear(16, 8, False, _group(rank, 2), DYNAMIC)
-        _load(layer, {"weight": w, "weight_scale": ws})
+        layer = ColumnParallelLinear(16, 8, False, rank_of(rank, 2), DYNAMIC)
+        load_tensors(layer, {"weight": w, "weight_scale": ws})
         assert layer.weight.dtype is torch.int8 and layer.weight_scale is not None
         assert torch.equal(layer.weight_scale, ws[rank * 4 : rank * 4 + 4])
         outs.append(layer(x))
@@ -70,8 +45,8 @@ def test_row_shards_split_the_weight_and_keep_every_scale() -> None:
     gen = torch.Generator().manual_seed(1)
     w, ws = _int8(6, 8, gen)
     for rank in range(2):
-        layer = RowParallelLinear(8, 6, False, _group(rank, 2), quant=STATIC)
-        _load(layer, {"weight": w, "weight_scale": ws, "input_scale": torch.tensor([0.25])})
+        layer = RowParallelLinear(8, 6, False, rank_of(rank, 2), quant=STATIC)
+        load_tensors(layer, {"weight": w, "weight_scale": ws, "input_scale": torch.tensor([0.25])})
         assert torch.equal(layer.weight, w[:, rank * 4 : rank * 4 + 4])
         assert torch.equal(layer.weight_scale, ws)  # type: ignore[arg-type]
         assert layer.input_scale is not None and layer.input_scale.tolist() == [0.25]
@@ -83,9 +58,9 @@ def test_fused_gate_up_concatenates_scales_like_the_weights(tp: int) -> None:
     gate, up = _int8(8, 16, gen), _int8(8, 16, gen)
     x = torch.randn(5, 16, generator=gen)
     for rank in range(tp):
-        layer = MergedColumnParallelLinear(16, [8, 8], False, _group(rank, tp), DYNAMIC)
+        layer = MergedColumnParallelLinear(16, [8, 8], False, rank_of(rank, tp), DYNAMIC)
         for shard, (w, ws) in enumerate((gate, up)):
-            _load(layer, {"weight": w, "weight_scale": ws}, shard)
+            load_tensors(layer, {"weight": w, "weight_scale": ws}, shard)
         rows = slice(rank * 8 // tp, (rank + 1) * 8 // tp)
         expected = [int8_linear(x, w[rows], ws[rows], None, None) for w, ws in (gate, up)]
         assert torch.equal(layer(x), torch.cat(expected, dim=-1))
@@ -98,10 +73,10 @@ def test_fused_qkv_takes_the_largest_static_input_scale() -> None:
     scales = {"q": 0.02, "k": 0.05, "v": 0.03}
     x = torch.randn(4, 16, generator=gen)
     for rank in range(2):
-        layer = QKVParallelLinear(16, 4, 4, 2, False, _group(rank, 2), quant=STATIC)
+        layer = QKVParallelLinear(16, 4, 4, 2, False, rank_of(rank, 2), quant=STATIC)
         for name, (w, ws) in parts.items():
             tensors = {"weight": w, "weight_scale": ws, "input_scale": torch.tensor([scales[name]])}
-            _load(layer, tensors, name)
+            load_tensors(layer, tensors, name)
         expected = []
         for w, ws in parts.values():
             rows = w.shape[0] // 2
@@ -111,10 +86,10 @@ def test_fused_qkv_takes_the_largest_static_input_scale() -> None:
 
 
 def test_a_float_tensor_for_an_int8_weight_is_refused() -> None:
-    layer = ColumnParallelLinear(4, 4, False, _group(0, 1), DYNAMIC)
+    layer = ColumnParallelLinear(4, 4, False, rank_of(0, 1), DYNAMIC)
     with pytest.raises(ValueError, match="quantization_config does not match"):
-        _load(layer, {"weight": torch.randn(4, 4)})
-    plain = ColumnParallelLinear(4, 4, False, _group(0, 1))
+        load_tensors(layer, {"weight": torch.randn(4, 4)})
+    plain = ColumnParallelLinear(4, 4, False, rank_of(0, 1))
     assert plain.weight_scale is None and plain.input_scale is None
     with pytest.raises(ValueError, match=r"is torch\.int8"):
-        _load(plain, {"weight": torch.zeros(4, 4, dtype=torch.int8)})
+        load_tensors(plain, {"weight": torch.zeros(4, 4, dtype=torch.int8)})
