@@ -64,8 +64,9 @@ def check_packable(size: int, what: str) -> None:
 
 
 class Int4Parameters:
-    """Registers and describes one layer's GPTQ parameters (``rows`` outputs, ``columns``
-    inputs of this rank, out of ``full_columns``)."""
+    """Registers and describes one layer's 4-bit parameters (``rows`` outputs, ``columns``
+    inputs of this rank, out of ``full_columns``), in the checkpoint's layout until
+    ``finish_loading`` repacks them for the kernel."""
 
     def __init__(
         self,
@@ -104,6 +105,8 @@ class Int4Parameters:
         self._module = module
         # The checkpoint tensor whose g_idx a fused layer took first (its parts must agree).
         self.g_idx_from: str | None = None
+        # Whether the parameters hold the kernel layout yet (``finish_loading``).
+        self.packed = False
 
     def _param(self, name: str) -> nn.Parameter:
         param = self._module._parameters[name]
@@ -164,7 +167,11 @@ class Int4Parameters:
         return True
 
     def finish_loading(self, name: str) -> None:
-        """Repack the loaded checkpoint tensors into the kernel layout (once)."""
+        """Repack the loaded checkpoint tensors into the kernel layout (once: a second call
+        changes nothing)."""
+        if self.packed:
+            return
+        self.packed = True
         if self.awq:
             codes = unpack_int4(self.qweight.data, dim=1, order=AWQ_ORDER)
             self.qweight.data = pack_int4(codes.t(), dim=1)
@@ -173,9 +180,8 @@ class Int4Parameters:
             self.qzeros.data = zeros.t().contiguous()
             self.scales.data = self.scales.data.t().contiguous()
             return
-        m = self
-        g_idx = m.g_idx.data.long()
-        groups = m.scales.shape[0]
+        g_idx = self.g_idx.data.long()
+        groups = self.scales.shape[0]
         if self.scheme.desc_act:
             # Every rank holds every group: g_idx indexes them directly.
             if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
@@ -193,14 +199,14 @@ class Int4Parameters:
                     f"{name}.g_idx is not consecutive groups of {self.group_inputs} inputs, "
                     "but quantization_config.desc_act is false"
                 )
-        codes = unpack_int4(m.qweight.data, dim=0)
-        m.qweight.data = pack_int4(codes.t(), dim=1)
+        codes = unpack_int4(self.qweight.data, dim=0)
+        self.qweight.data = pack_int4(codes.t(), dim=1)
         if self.scheme.sym:
-            zeros = torch.full(m.scales.shape, _SYMMETRIC_ZERO, dtype=torch.uint8)
+            zeros = torch.full(self.scales.shape, _SYMMETRIC_ZERO, dtype=torch.uint8)
         else:
             # No wrap: a stored 15 reads 16, as AutoGPTQ's own kernels read it (a zero point
             # of 0 cannot be stored in this format; our writer never needs one).
-            zeros = unpack_int4(m.qzeros.data, dim=1) + _STORED_ZERO_OFFSET
-        m.qzeros.data = zeros.t().contiguous()
-        m.scales.data = m.scales.data.t().contiguous()
-        m.g_idx.data = g_idx if self.scheme.desc_act else g_idx.new_empty(0)
+            zeros = unpack_int4(self.qzeros.data, dim=1) + _STORED_ZERO_OFFSET
+        self.qzeros.data = zeros.t().contiguous()
+        self.scales.data = self.scales.data.t().contiguous()
+        self.g_idx.data = g_idx if self.scheme.desc_act else g_idx.new_empty(0)
