@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from tandem.core.errors import ConfigError
@@ -238,6 +239,92 @@ class StructuredOutputConfig:
             raise ConfigError(f"--grammar-probe-tokens must be >= 0, got {self.probe_tokens}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+# Methods vLLM has that Tandem does not serve yet, named so that the refusal says so.
+_LATER_METHODS = ("mtp", "eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "suffix")
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+# A verify step runs 1 + K query tokens per sequence; past this, rejected drafts cost more
+# than the weight pass they could save.
+MAX_SPECULATIVE_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``--speculative-config``, vLLM's JSON keys and defaults): n-gram
+    (prompt lookup) drafts of ``num_speculative_tokens`` tokens, taken from what followed the
+    longest suffix n-gram (``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens) that
+    occurred earlier in the prompt and output, verified by the target model in one step."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 1
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+
+    def __post_init__(self) -> None:
+        flag = "--speculative-config"
+        if self.method not in SPECULATIVE_METHODS:
+            later = " (not served yet)" if self.method in _LATER_METHODS else ""
+            raise ConfigError(
+                f"{flag}: method {self.method!r}{later} is not supported; supported: "
+                + ", ".join(repr(m) for m in SPECULATIVE_METHODS)
+            )
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                f"{flag}: num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {self.num_speculative_tokens}"
+            )
+        if self.prompt_lookup_min < 1:
+            raise ConfigError(
+                f"{flag}: prompt_lookup_min must be >= 1, got {self.prompt_lookup_min}"
+            )
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ConfigError(
+                f"{flag}: prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """The config of a ``--speculative-config`` JSON object. As in vLLM, a missing
+        prompt_lookup bound takes the other's value, and 5 when both are missing."""
+        flag = "--speculative-config"
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{flag} is not valid JSON ({exc.msg} at char {exc.pos})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{flag} must be a JSON object, e.g. " + _SPECULATIVE_EXAMPLE)
+        unknown = sorted(set(raw) - set(SPECULATIVE_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"{flag}: unsupported key(s) {', '.join(unknown)}; supported: "
+                f"{', '.join(SPECULATIVE_KEYS)}"
+            )
+        if "method" not in raw or "num_speculative_tokens" not in raw:
+            raise ConfigError(
+                f"{flag} needs method and num_speculative_tokens, e.g. " + _SPECULATIVE_EXAMPLE
+            )
+        method = raw["method"]
+        if not isinstance(method, str):
+            raise ConfigError(f"{flag}: method must be a string, got {method!r}")
+        for key in SPECULATIVE_KEYS[1:]:
+            value = raw.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ConfigError(f"{flag}: {key} must be an integer, got {value!r}")
+        low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+        low = high if low is None else low
+        high = low if high is None else high
+        return cls(
+            method=method,
+            num_speculative_tokens=raw["num_speculative_tokens"],
+            prompt_lookup_max=5 if high is None else high,
+            prompt_lookup_min=5 if low is None else low,
+        )
+
+
+_SPECULATIVE_EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelLoadConfig
@@ -247,5 +334,7 @@ class EngineConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     rec: RecConfig = field(default_factory=RecConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    # None: no speculative decoding.
+    speculative: SpeculativeConfig | None = None
     # Off unless TANDEM_FAULTS names faults (tests only).
     faults: FaultConfig = field(default_factory=FaultConfig)
