@@ -11,7 +11,7 @@ import torch
 from reference_models import write_reference_model
 
 from tandem.core import CacheConfig, EngineConfig, LLMEngine, ModelLoadConfig, SchedulerConfig
-from tandem.core.config import ParallelConfig, PipelineConfig
+from tandem.core.config import ParallelConfig, PipelineConfig, SpeculativeConfig
 from tandem.core.demo.demo_model import tiny_spec, write_demo_model
 from tandem.core.executor.thread_executor import ThreadExecutor
 from tandem.core.kv.block_manager import BlockManager
@@ -71,6 +71,7 @@ def engine_config(
     max_model_len: int | None = None,
     parallel: ParallelConfig | None = None,
     pipeline: PipelineConfig | None = None,
+    speculative: SpeculativeConfig | None = None,
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelLoadConfig(model=str(model), dtype=dtype, max_model_len=max_model_len),
@@ -89,6 +90,7 @@ def engine_config(
         ),
         parallel=parallel or ParallelConfig(),
         pipeline=pipeline or PipelineConfig(),
+        speculative=speculative,
     )
 
 

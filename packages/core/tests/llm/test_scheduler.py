@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from tandem.core.config import SchedulerConfig
+from tandem.core.config import SchedulerConfig, SpeculativeConfig
 from tandem.core.kv.block_manager import BlockManager
+from tandem.core.llm.drafting import Drafter
 from tandem.core.llm.sampling_params import SamplingParams
 from tandem.core.llm.scheduler import Scheduler, SchedulerOutput
 from tandem.core.llm.sequence import SequenceStatus, TokenSequence
@@ -102,3 +103,50 @@ def test_waiting_request_waits_for_blocks_instead_of_failing() -> None:
     s.finish(s.running[0], "stop")
     out = s.schedule()
     assert [e.seq.request_id for e in out.scheduled] == ["b"]
+
+
+def _drafting_scheduler(num_blocks: int, tokens: int) -> Scheduler:
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2, prompt_lookup_min=1)
+    return Scheduler(
+        SchedulerConfig(max_tokens_per_batch=tokens, max_seqs_per_batch=8),
+        BlockManager(num_blocks=num_blocks, block_size=4, enable_prefix_cache=False),
+        drafter=Drafter(spec, uses_processor=lambda seq: False),
+    )
+
+
+def _decoding(scheduler: Scheduler, prompt: list[int]) -> TokenSequence:
+    seq = TokenSequence("r", prompt, SamplingParams(max_tokens=100), frozenset(), 10_000)
+    scheduler.add(seq)
+    _complete(scheduler, scheduler.schedule())
+    return seq
+
+
+def test_a_decode_with_drafts_schedules_them_within_the_token_budget() -> None:
+    s = _drafting_scheduler(num_blocks=64, tokens=64)
+    seq = _decoding(s, [1, 2, 3, 7, 1, 2, 3])  # + 7: the suffix 3, 7 occurred before
+    out = s.schedule()
+    assert [(e.num_new_tokens, e.draft_token_ids, e.samples) for e in out.scheduled] == [
+        (5, (1, 2, 3, 7), True)
+    ]
+    assert len(seq.block_table) == 3  # positions 0..11
+    # A budget of 3 tokens: the prompt goes in chunks, and a step with drafts has two.
+    s = _drafting_scheduler(num_blocks=64, tokens=3)
+    s.add(
+        TokenSequence("r", [1, 2, 3, 7, 1, 2, 3], SamplingParams(max_tokens=100), frozenset(), 99)
+    )
+    steps = []
+    for _ in range(4):
+        out = s.schedule()
+        steps.append([(e.num_new_tokens, e.draft_token_ids) for e in out.scheduled])
+        _complete(s, out)
+    # The last prompt token samples, so it verifies drafts too: 2, 3 occurred before.
+    assert steps == [[(3, ())], [(3, ())], [(3, (7, 1))], [(3, (1, 2))]]
+
+
+def test_drafts_are_dropped_rather_than_preempt_anyone() -> None:
+    # Two blocks hold the 8 tokens: drafts would need a third, and none is free.
+    s = _drafting_scheduler(num_blocks=2, tokens=64)
+    _decoding(s, [1, 2, 3, 7, 1, 2, 3])
+    out = s.schedule()
+    assert [(e.num_new_tokens, e.draft_token_ids) for e in out.scheduled] == [(1, ())]
+    assert not out.preempted

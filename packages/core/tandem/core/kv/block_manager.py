@@ -102,6 +102,15 @@ class BlockManager:
         for _ in range(needed):
             seq.block_table.append(self._pool.take())
 
+    def trim(self, seq: BlockOwner, num_tokens: int) -> None:
+        """Give back ``seq``'s blocks past those that ``num_tokens`` tokens need (blocks
+        taken for speculative positions that were rejected)."""
+        with self._lock:
+            keep = self.blocks_for(num_tokens)
+            for block in reversed(seq.block_table[keep:]):
+                self._pool.release(block)
+            del seq.block_table[keep:]
+
     def reserve(self, num_blocks: int) -> list[int] | None:
         """``num_blocks`` blocks at once, or None (and nothing taken) if there are fewer free:
         for requests whose whole footprint is known up front."""

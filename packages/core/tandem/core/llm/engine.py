@@ -19,6 +19,7 @@ from tandem.core.failure_text import describe
 from tandem.core.faults import KvExhaustion
 from tandem.core.kv.block_manager import BlockManager
 from tandem.core.kv.state_slots import StateSlotPool
+from tandem.core.llm.drafting import Drafter
 from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
 from tandem.core.llm.in_flight import InFlightSteps
 from tandem.core.llm.input_processor import InputProcessor, Prompt, eos_token_ids
@@ -29,9 +30,12 @@ from tandem.core.llm.sampling_params import SamplingParams
 from tandem.core.llm.sampling_rows import SamplingRows
 from tandem.core.llm.scheduler import Scheduler, SchedulerOutput
 from tandem.core.llm.sequence import TokenSequence
+from tandem.core.llm.spec_decode_stats import SpecDecodeStats
 from tandem.core.llm.stall_watch import StallWatch
 from tandem.core.llm.stats import EngineStats
 from tandem.core.llm.step_results import (
+    AcceptedDrafts,
+    accept_drafts,
     advance_grammar,
     append_sampled,
     record_logprobs,
@@ -76,7 +80,15 @@ class LLMEngine:
             sync=sync,
         )
         self.state_slots = self._state_slot_pool()
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.state_slots)
+        # The logits processors' slots of the sequences that sample (logits_processor.py).
+        self.sampling_rows = SamplingRows(config.scheduler.max_seqs_per_batch)
+        drafter = self._drafter()
+        self.spec_stats = (
+            SpecDecodeStats(drafter.config.num_speculative_tokens) if drafter is not None else None
+        )
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, self.state_slots, drafter=drafter
+        )
         self.inputs = InputProcessor(
             self.tokenizer,
             self.max_model_len,
@@ -94,8 +106,6 @@ class LLMEngine:
         self.watch = StallWatch(config.parallel, self.scheduler, self.in_flight, sync)
         # Outputs of requests failed while their batch was built, delivered with the step's.
         self._early: list[RequestOutput] = []
-        # The logits processors' slots of the sequences that sample (logits_processor.py).
-        self.sampling_rows = SamplingRows(config.scheduler.max_seqs_per_batch)
         self.stepper = make_stepper(
             StepParts(
                 config,
@@ -129,6 +139,33 @@ class LLMEngine:
             )
             return False
         return self.config.cache.enable_prefix_cache
+
+    def _drafter(self) -> Drafter | None:
+        """Speculative decoding's drafter, if asked for and served with this model and
+        configuration (anything else is refused, never run silently wrong)."""
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        flag = "--speculative-config"
+        if self.config.pipeline.max_concurrency > 1:
+            raise ConfigError(
+                f"{flag} is not supported with --max-concurrency > 1 (pipeline lanes) yet: "
+                "drop one of them"
+            )
+        if self.model_config.has_linear_attention:
+            raise ConfigError(
+                f"{flag} is not supported for {self.model_config.architecture} yet: its "
+                "linear-attention states would keep the updates of rejected drafts; serve it "
+                "without speculative decoding"
+            )
+        logger.info(
+            "speculative decoding: %s, %d tokens, n-grams of %d to %d tokens",
+            spec.method,
+            spec.num_speculative_tokens,
+            spec.prompt_lookup_min,
+            spec.prompt_lookup_max,
+        )
+        return Drafter(spec, uses_processor=self.sampling_rows.uses_processor)
 
     def _state_slot_pool(self) -> StateSlotPool | None:
         """The linear-attention state slots of a hybrid model, as many as every worker has."""
@@ -194,7 +231,9 @@ class LLMEngine:
     def _publish_stats(self) -> None:
         in_flight = self.in_flight
         # Replaced, never mutated: other threads read it whole.
-        self.stats = EngineStats.of(self.scheduler, len(in_flight), in_flight.num_launched_ahead)
+        self.stats = EngineStats.of(
+            self.scheduler, len(in_flight), in_flight.num_launched_ahead, self.spec_stats
+        )
 
     # -- stepping -------------------------------------------------------------------------
 
@@ -230,21 +269,28 @@ class LLMEngine:
             return self._fail_all(f"the engine failed: a step raised {describe(exc)}")
         finally:
             self.watch.progressed()
+        drafts = AcceptedDrafts()
+        if self.spec_stats is not None:
+            drafts = accept_drafts(due.out, result, self.spec_stats)
         self.scheduler.on_step_done(due.out)
-        return self._process(due.out, result)
+        return self._process(due.out, result, drafts)
 
-    def _process(self, sched_out: SchedulerOutput, result: SamplerOutput) -> list[RequestOutput]:
+    def _process(
+        self, sched_out: SchedulerOutput, result: SamplerOutput, drafts: AcceptedDrafts
+    ) -> list[RequestOutput]:
         if result.prompt_logprobs is not None:
             record_prompt_logprobs(sched_out, result.prompt_logprobs)
         # The sampled tokens first: with them the next step can be launched while the rest
         # (logprobs, text, stop strings, outputs) is done beside it.
-        sampled = append_sampled(sched_out, result)
+        sampled = append_sampled(sched_out, result, drafts.ended)
         self.stepper.on_sampled(sampled)
         busy = self.in_flight.busy_ids()
         outputs: list[RequestOutput] = []
         for seq, row in sampled:
             record_logprobs(seq, row, result)
-            reason = self.outputs.on_token(seq) or seq.check_stop_token()
+            rid = seq.request_id
+            new = drafts.appended.get(rid, 0) + (0 if rid in drafts.ended else 1)
+            reason = self.outputs.on_tokens(seq, new) or seq.check_stop_token()
             if reason is None and seq.grammar is not None:
                 reason = advance_grammar(seq, seq.token_ids[-1])
             if reason is None:

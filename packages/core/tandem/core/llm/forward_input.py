@@ -24,8 +24,18 @@ class GrammarMasks:
 
 
 @dataclass(frozen=True)
+class DraftRows:
+    """Speculative decoding's verify rows: each sampled sequence samples at its last known
+    token and at each of its drafts, so the batch has one row per such position."""
+
+    num_drafts: tuple[int, ...]  # [sequences that sample] drafts of each (0: a plain row)
+    token_ids: tuple[int, ...]  # [sum(num_drafts)] the drafts, in row order
+
+
+@dataclass(frozen=True)
 class SamplingBatch:
-    """Sampling settings of the rows that sample this step, one entry per row."""
+    """Sampling settings of the rows that sample this step, one entry per row (with drafts:
+    per sampled position, see ``DraftRows``)."""
 
     temperatures: torch.Tensor  # [S] float32, 0 = greedy
     top_p: torch.Tensor  # [S] float32
@@ -43,6 +53,8 @@ class SamplingBatch:
     # no processor; None: no row does) and the batch's changes since the last step.
     slots: torch.Tensor | None = None  # [S] int64
     update: BatchUpdate | None = None
+    # None unless some row verifies drafts.
+    drafts: DraftRows | None = None
 
     @classmethod
     def uniform(cls, rows: int, temperature: float = 0.0, top_p: float = 1.0) -> SamplingBatch:
@@ -110,9 +122,13 @@ class PromptLogprobs:
 
 @dataclass(frozen=True)
 class SamplerOutput:
-    token_ids: list[int]  # [S]
+    # [S] one per sequence that samples: with drafts, the token after its accepted ones.
+    token_ids: list[int]
     # Filled only when some row asked for logprobs.
     logprobs: list[float] | None = None
     top_token_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # With drafts: how many of each sequence's drafts were accepted (the engine appends
+    # that many of them before the sequence's token).
+    num_accepted: list[int] | None = None

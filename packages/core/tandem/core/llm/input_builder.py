@@ -9,6 +9,7 @@ import torch
 
 from tandem.core.kv.block_pool import NULL_BLOCK
 from tandem.core.llm.forward_input import (
+    DraftRows,
     ForwardInput,
     GrammarMasks,
     PromptLogprobsRequest,
@@ -40,7 +41,9 @@ def build_forward_input(
     for row, e in enumerate(entries):
         seq = e.seq
         start = seq.num_computed_tokens
-        input_ids += seq.token_ids[start : start + e.num_new_tokens]
+        drafts = e.draft_token_ids
+        input_ids += seq.token_ids[start : start + e.num_new_tokens - len(drafts)]
+        input_ids += drafts
         starts.append(start)
         query_lens.append(e.num_new_tokens)
         max_blocks = max(max_blocks, len(seq.block_table))
@@ -60,10 +63,40 @@ def build_forward_input(
         tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     )
     num_decodes = sum(1 for q in query_lens if q == 1)
-    sampling = _sampling_batch(out, sample_rows)
+    sample_seqs = [entries[i].seq for i in sample_rows]
+    num_drafts = [len(entries[i].draft_token_ids) for i in sample_rows]
+    sample_indices = ends[sample_rows] - 1
+    if any(num_drafts):
+        # A verify row samples at its last known token and at every draft: 1 + k logits.
+        counts = np.array(num_drafts, dtype=np.int64) + 1
+        row_end = np.repeat(np.cumsum(counts), counts)
+        back = row_end - np.arange(int(counts.sum())) - 1  # positions after, in its row
+        counts_rep = np.repeat(counts, counts)
+        sample_indices = np.repeat(sample_indices, counts) - back
+        sampling = _sampling_batch(
+            [seq for seq, c in zip(sample_seqs, counts.tolist(), strict=True) for _ in range(c)],
+            (
+                np.repeat([s.num_output_tokens for s in sample_seqs], counts)
+                + counts_rep
+                - back
+                - 1
+            ).tolist(),
+        )
+        sampling = replace(
+            sampling,
+            drafts=DraftRows(
+                num_drafts=tuple(num_drafts),
+                token_ids=tuple(t for i in sample_rows for t in entries[i].draft_token_ids),
+            ),
+        )
+    else:
+        sampling = _sampling_batch(sample_seqs, [s.num_output_tokens for s in sample_seqs])
     prompt_logprobs = _prompt_logprobs(out, starts, first_token.tolist())
     if rows is not None:
-        slots, update = rows.assign([entries[i].seq for i in sample_rows], alone)
+        slots, update = rows.assign(sample_seqs, alone)
+        if slots is not None and sampling.drafts is not None:
+            # One slot per sampled position: a verify row's positions use no processor.
+            slots = torch.repeat_interleave(slots, torch.tensor(num_drafts) + 1)
         sampling = replace(sampling, slots=slots, update=update)
     return ForwardInput(
         input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)),
@@ -74,17 +107,16 @@ def build_forward_input(
         block_tables=torch.from_numpy(tables),
         state_slots=torch.from_numpy(np.array([e.seq.state_slot for e in entries], np.int64)),
         num_decodes=num_decodes,
-        sample_indices=torch.from_numpy(ends[sample_rows] - 1),
+        sample_indices=torch.from_numpy(sample_indices),
         sampling=sampling,
         block_size=block_size,
         prompt_logprobs=prompt_logprobs,
     )
 
 
-def _sampling_batch(out: SchedulerOutput, rows: list[int]) -> SamplingBatch:
-    seqs = [out.scheduled[i].seq for i in rows]
+def _sampling_batch(seqs: list[TokenSequence], steps: list[int]) -> SamplingBatch:
+    """One row per sampled position: ``seqs`` and the count of output tokens before each."""
     params = [seq.params for seq in seqs]
-    steps = tuple(out.scheduled[i].seq.num_output_tokens for i in rows)
     asked = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingBatch(
         # Rows below the greedy threshold sample greedily: the sampler knows them by 0.
@@ -94,7 +126,7 @@ def _sampling_batch(out: SchedulerOutput, rows: list[int]) -> SamplingBatch:
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
         top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64),
         seeds=tuple(p.seed for p in params),
-        steps=steps,
+        steps=tuple(steps),
         all_greedy=all(p.is_greedy for p in params),
         needs_top_k_top_p=any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
         max_logprobs=max(asked) if asked else None,

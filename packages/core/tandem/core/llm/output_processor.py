@@ -36,6 +36,22 @@ class OutputProcessor:
             seq=seq, detokenizer=IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
         )
 
+    def on_tokens(self, seq: TokenSequence, count: int) -> str | None:
+        """``on_token`` for each of the newest ``count`` tokens (a step that accepted
+        drafts adds several), in order; a stop string in one drops the tokens after it."""
+        if count == 1:
+            return self.on_token(seq)
+        first = len(seq.token_ids) - count + 1
+        pending = seq.token_ids[first:]
+        del seq.token_ids[first:]
+        reason = self.on_token(seq)
+        for token in pending:
+            if reason is not None:
+                break
+            seq.token_ids.append(token)
+            reason = self.on_token(seq)
+        return reason
+
     def on_token(self, seq: TokenSequence) -> str | None:
         """Account for the newest token; returns a finish reason if the text hit a stop."""
         state = self.states[seq.request_id]

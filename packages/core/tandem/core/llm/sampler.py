@@ -16,6 +16,8 @@ so its tokens do not depend on which other requests share the batch, nor on pree
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +29,7 @@ from tandem.core.llm.logits_processors import (
     needs_after_temperature,
     needs_pre_temperature,
 )
+from tandem.core.llm.rejection_sampler import verify
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 _CDF_BLOCK = 128
@@ -168,6 +171,8 @@ class Sampler:
                 apply_grammar_masks(processed, batch.grammar)
             if processors is not None:
                 processed = processors.apply(processed, active, after_temperature=False)
+        if batch.drafts is not None:
+            return self._verify(logits, processed, batch, active)
         # max(dim) gives argmax's first-maximum index 3x faster on CPU (one pass, parallel).
         greedy = processed.max(dim=-1).indices if batch.all_greedy else None
         tokens = greedy if greedy is not None else self._sample(processed, batch, active)
@@ -175,15 +180,53 @@ class Sampler:
             processors.on_sampled(active, tokens)
         if batch.max_logprobs is None:
             return SamplerOutput(token_ids=tokens.tolist())
-        logprobs = logits.log_softmax(dim=-1)
-        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        top_values, top_ids = logprobs.topk(max(batch.max_logprobs, 1), dim=-1)
-        return SamplerOutput(
-            token_ids=tokens.tolist(),
-            logprobs=chosen.tolist(),
-            top_token_ids=top_ids.tolist(),
-            top_logprobs=top_values.tolist(),
+        return _with_logprobs(SamplerOutput(token_ids=tokens.tolist()), logits, tokens, batch)
+
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        processed: torch.Tensor,
+        batch: SamplingBatch,
+        active: list[tuple[LogitsProcessor, StepRows]],
+    ) -> SamplerOutput:
+        """A batch with draft rows (``rejection_sampler.py``): one row of ``logits`` per
+        sampled position, one token (and accepted count) per sequence out."""
+        assert batch.drafts is not None
+        greedy = batch.temperatures.to(logits.device) == 0
+        argmax = processed.max(dim=-1).indices
+        probs = uniform = accept_uniform = None
+        if not batch.all_greedy:
+            probs = self._probs(processed, batch, active)
+            uniform, accept_uniform = self._uniforms(batch, pairs=True)
+        verified = verify(
+            argmax, probs, greedy, batch.drafts, uniform, accept_uniform, inverse_cdf_sample
         )
+        if self.processors is not None and active:
+            self.processors.on_sampled(active, verified.position_tokens)
+        out = SamplerOutput(token_ids=verified.tokens, num_accepted=verified.num_accepted)
+        if batch.max_logprobs is None:
+            return out
+        rows = torch.tensor(verified.positions, dtype=torch.int64, device=logits.device)
+        tokens = torch.tensor(verified.tokens, dtype=torch.int64, device=logits.device)
+        return _with_logprobs(out, logits[rows], tokens, batch)
+
+    def _uniforms(
+        self, batch: SamplingBatch, pairs: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A uniform number per row to draw its token with (and with ``pairs`` a second,
+        [rows], to accept a draft with); a seeded row's from its (seed, step) generator.
+        Drawn on the CPU, where the generators live, so a seed means the same tokens on
+        every device kind."""
+        rows = len(batch.seeds)
+        uniform = torch.rand(rows, 1, dtype=torch.float64, generator=self.generator)
+        second = torch.rand(rows, dtype=torch.float64, generator=self.generator) if pairs else None
+        for row, seed in enumerate(batch.seeds):
+            if seed is not None:
+                g = _row_generator(seed, batch.steps[row])
+                uniform[row] = torch.rand(1, dtype=torch.float64, generator=g)
+                if second is not None:
+                    second[row] = torch.rand(1, dtype=torch.float64, generator=g)
+        return uniform, second
 
     def _sample(
         self,
@@ -191,6 +234,22 @@ class Sampler:
         batch: SamplingBatch,
         active: list[tuple[LogitsProcessor, StepRows]],
     ) -> torch.Tensor:
+        greedy = batch.temperatures.to(logits.device) == 0
+        probs = self._probs(logits, batch, active)
+        uniform, _ = self._uniforms(batch)
+        sampled = inverse_cdf_sample(probs, uniform)
+        if not bool(greedy.any()):
+            return sampled
+        return torch.where(greedy, logits.max(dim=-1).indices, sampled)
+
+    def _probs(
+        self,
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        active: list[tuple[LogitsProcessor, StepRows]],
+    ) -> torch.Tensor:
+        """Each row's unnormalized distribution: temperature (1 for greedy rows), the
+        processors after it, top-k and top-p."""
         temps = batch.temperatures.to(logits.device)
         greedy = temps == 0
         scaled = logits / torch.where(greedy, 1.0, temps).unsqueeze(1)
@@ -203,16 +262,21 @@ class Sampler:
         # Unnormalized probabilities are all the inversion needs (it scales by the row's
         # total), computed in place: `scaled` is this call's own tensor, and a fresh
         # [rows, vocab] one costs its page faults (at 48 x 152K: 29 MB, ~4 ms).
-        probs = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
-        # The uniforms are drawn on the CPU, where the generators live, so a seed means the
-        # same tokens on every device kind.
-        uniform = torch.rand(probs.shape[0], 1, dtype=torch.float64, generator=self.generator)
-        for row, seed in enumerate(batch.seeds):
-            if seed is not None:
-                uniform[row] = torch.rand(
-                    1, dtype=torch.float64, generator=_row_generator(seed, batch.steps[row])
-                )
-        sampled = inverse_cdf_sample(probs, uniform)
-        if not bool(greedy.any()):
-            return sampled
-        return torch.where(greedy, logits.max(dim=-1).indices, sampled)
+        return scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
+
+
+def _with_logprobs(
+    out: SamplerOutput, logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
+) -> SamplerOutput:
+    """``out`` with the logprobs of ``tokens`` under ``logits`` (one row each) and the top
+    ones. Logprobs are the model's own, before any edit (vLLM's default "raw_logprobs")."""
+    assert batch.max_logprobs is not None
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top_values, top_ids = logprobs.topk(max(batch.max_logprobs, 1), dim=-1)
+    return replace(
+        out,
+        logprobs=chosen.tolist(),
+        top_token_ids=top_ids.tolist(),
+        top_logprobs=top_values.tolist(),
+    )

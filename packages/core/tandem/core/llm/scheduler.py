@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from tandem.core.config import SchedulerConfig
 from tandem.core.kv.block_manager import BlockManager
 from tandem.core.kv.state_slots import StateSlotPool
+from tandem.core.llm.drafting import Drafter
 from tandem.core.llm.scheduling_policy import FcfsPolicy, SchedulingPolicy
 from tandem.core.llm.sequence import SequenceStatus, TokenSequence
 
@@ -27,6 +28,11 @@ class ScheduledSequence:
     num_new_tokens: int
     # True when this step computes the sequence's last known token, so it samples one more.
     samples: bool
+    # Speculative decoding: tokens proposed after the last known one, computed in this step
+    # (counted in num_new_tokens) and verified against the model's own choice at each.
+    draft_token_ids: tuple[int, ...] = ()
+    # How many of them the verification accepted (set once the step completed).
+    num_accepted: int = 0
 
 
 @dataclass
@@ -52,10 +58,12 @@ class Scheduler:
         config: SchedulerConfig,
         block_manager: BlockManager,
         state_slots: StateSlotPool | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         """``state_slots``: the linear-attention state slots of a hybrid model (None: the
-        model keeps no per-sequence state)."""
+        model keeps no per-sequence state); ``drafter``: speculative decoding's (None: off)."""
         self.config = config
+        self.drafter = drafter
         self.block_manager = block_manager
         self.state_slots = state_slots
         self.policy: SchedulingPolicy = FcfsPolicy()
@@ -86,6 +94,8 @@ class Scheduler:
                 break
             seq = self.running[index]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            drafts = self._drafts(seq, num_new, budget)
+            num_new += len(drafts)
             while not self.block_manager.can_append(seq, num_new):
                 candidates = [s for s in self.running if s.request_id not in scheduled_ids]
                 victim = self.policy.preemption_victim(candidates)
@@ -96,7 +106,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # seq preempted itself; the entry at ``index`` is now another one
             self.block_manager.append_slots(seq, num_new)
-            out.scheduled.append(self._entry(seq, num_new))
+            out.scheduled.append(self._entry(seq, num_new, drafts))
             scheduled_ids.add(seq.request_id)
             budget -= num_new
             index += 1
@@ -175,12 +185,25 @@ class Scheduler:
             s.num_tokens - s.num_computed_tokens != 1 for s in self.running
         )
 
-    def _entry(self, seq: TokenSequence, num_new: int) -> ScheduledSequence:
+    def _entry(
+        self, seq: TokenSequence, num_new: int, drafts: tuple[int, ...] = ()
+    ) -> ScheduledSequence:
         return ScheduledSequence(
             seq=seq,
             num_new_tokens=num_new,
-            samples=seq.num_computed_tokens + num_new == seq.num_tokens,
+            samples=seq.num_computed_tokens + num_new - len(drafts) == seq.num_tokens,
+            draft_token_ids=drafts,
         )
+
+    def _drafts(self, seq: TokenSequence, num_new: int, budget: int) -> tuple[int, ...]:
+        """Draft tokens for a decode (one token to compute), if the KV blocks they need are
+        free: drafts never cause a preemption (without them the step is still whole)."""
+        if self.drafter is None or num_new != 1:
+            return ()
+        drafts = self.drafter.drafts(seq, budget)
+        if drafts and not self.block_manager.can_append(seq, 1 + len(drafts)):
+            return ()
+        return drafts
 
     def _preempt(self, seq: TokenSequence) -> None:
         logger.info("preempting request %s (recompute later): out of KV blocks", seq.request_id)
@@ -199,7 +222,13 @@ class Scheduler:
             seq = entry.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # finished or aborted while the step ran
-            seq.num_computed_tokens += entry.num_new_tokens
+            rejected = len(entry.draft_token_ids) - entry.num_accepted
+            # Only verified tokens count as computed (and may enter the prefix cache); the
+            # KV written at rejected positions is overwritten by later steps.
+            seq.num_computed_tokens += entry.num_new_tokens - rejected
+            if rejected:
+                # Blocks taken only for rejected positions go back (the next token's stays).
+                self.block_manager.trim(seq, seq.num_computed_tokens + 1)
             self.block_manager.cache_computed_blocks(seq)
 
     def release(self, seq: TokenSequence) -> None:

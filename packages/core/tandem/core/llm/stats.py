@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tandem.core.llm.scheduler import Scheduler
+    from tandem.core.llm.spec_decode_stats import SpecDecodeStats
 
 
 @dataclass(frozen=True)
@@ -26,12 +27,22 @@ class EngineStats:
     # Linear-attention state slots (hybrid models; 0 for the others).
     num_state_slots: int = 0
     num_free_state_slots: int = 0
+    # Speculative decoding since start (spec_decode_stats.py); all 0 without it.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     @classmethod
     def of(
-        cls, scheduler: Scheduler, num_steps_in_flight: int, num_steps_launched_ahead: int
+        cls,
+        scheduler: Scheduler,
+        num_steps_in_flight: int,
+        num_steps_launched_ahead: int,
+        spec: SpecDecodeStats | None = None,
     ) -> EngineStats:
-        """The snapshot of ``scheduler``, its KV blocks and state slots, now."""
+        """The snapshot of ``scheduler``, its KV blocks and state slots, and ``spec``'s
+        counters, now."""
         blocks, slots = scheduler.block_manager, scheduler.state_slots
         return cls(
             num_running=scheduler.num_running,
@@ -43,6 +54,10 @@ class EngineStats:
             num_steps_launched_ahead=num_steps_launched_ahead,
             num_state_slots=slots.num_slots if slots is not None else 0,
             num_free_state_slots=slots.num_free if slots is not None else 0,
+            spec_num_drafts=spec.num_drafts if spec is not None else 0,
+            spec_num_draft_tokens=spec.num_draft_tokens if spec is not None else 0,
+            spec_num_accepted_tokens=spec.num_accepted_tokens if spec is not None else 0,
+            spec_accepted_per_position=spec.accepted_per_position if spec is not None else (),
         )
 
     @property

@@ -4,29 +4,77 @@ logprobs and the prompt's, grammars advanced."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 from tandem.core.llm.forward_input import PromptLogprobs, SamplerOutput
 from tandem.core.llm.scheduler import SchedulerOutput
 from tandem.core.llm.sequence import SequenceStatus, TokenLogprobs, TokenSequence
+from tandem.core.llm.spec_decode_stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
 
 def append_sampled(
-    sched_out: SchedulerOutput, result: SamplerOutput
+    sched_out: SchedulerOutput, result: SamplerOutput, ended: frozenset[str] = frozenset()
 ) -> list[tuple[TokenSequence, int]]:
     """Append each running sequence's sampled token; the sequences and their rows of
-    ``result`` (a sequence aborted while the step ran keeps its row, unused)."""
+    ``result`` (a sequence aborted while the step ran keeps its row, unused). ``ended``:
+    requests whose accepted drafts already ended them (``accept_drafts``), which take no
+    more tokens but keep their rows."""
     sampled: list[tuple[TokenSequence, int]] = []
     row = 0
     for entry in sched_out.scheduled:
         if not entry.samples:
             continue
         if entry.seq.status is SequenceStatus.RUNNING:
-            entry.seq.token_ids.append(result.token_ids[row])
+            if entry.seq.request_id not in ended:
+                entry.seq.token_ids.append(result.token_ids[row])
             sampled.append((entry.seq, row))
         row += 1
     return sampled
+
+
+@dataclass
+class AcceptedDrafts:
+    """What a step's verification kept: drafts appended per request, and the requests that
+    one of them ended (a stop token, or the length)."""
+
+    appended: dict[str, int] = field(default_factory=dict)
+    ended: frozenset[str] = frozenset()
+
+
+def accept_drafts(
+    sched_out: SchedulerOutput, result: SamplerOutput, stats: SpecDecodeStats
+) -> AcceptedDrafts:
+    """Append each running sequence's accepted drafts, before the scheduler advances it
+    (they are computed tokens: ``Scheduler.on_step_done``), and count them in ``stats``.
+    A draft that ends the request (a stop token, the length) is its last token: nothing
+    after it is emitted, not even an accepted draft or the step's token."""
+    out = AcceptedDrafts()
+    if result.num_accepted is None:
+        return out
+    ended: set[str] = set()
+    row = 0
+    for entry in sched_out.scheduled:
+        if not entry.samples:
+            continue
+        accepted = result.num_accepted[row]
+        row += 1
+        seq = entry.seq
+        if not entry.draft_token_ids or seq.status is not SequenceStatus.RUNNING:
+            continue
+        stats.record(len(entry.draft_token_ids), accepted)
+        kept = 0
+        for token in entry.draft_token_ids[:accepted]:
+            seq.token_ids.append(token)
+            kept += 1
+            if seq.check_stop_token() is not None:
+                ended.add(seq.request_id)
+                break
+        entry.num_accepted = kept
+        out.appended[seq.request_id] = kept
+    out.ended = frozenset(ended)
+    return out
 
 
 def record_logprobs(seq: TokenSequence, row: int, result: SamplerOutput) -> None:

@@ -92,7 +92,9 @@ def pick_stepping(config: EngineConfig, sync: Sync) -> StepperFactory:
         from tandem.core.llm.pipelined_stepping import PipelinedStepping
 
         return PipelinedStepping
-    if config.pipeline.launches_ahead(config.parallel.devices):
+    # A step launched ahead is a plain decode: speculation would lose its drafts every
+    # other step, so it runs one step at a time.
+    if config.speculative is None and config.pipeline.launches_ahead(config.parallel.devices):
         # Runs the step launched ahead, so the engine's thread is free while it runs.
         launcher = TaskThread("tandem-step-launcher", sync)
         return lambda parts: LaunchAheadStepping(parts, launcher)

@@ -31,6 +31,11 @@ def check_rec_config(config: EngineConfig, model: RecModelConfig) -> None:
             f"codebook levels are one prefill and {model.max_decode_rounds} decode rounds; "
             "leave the flag out to take the model's"
         )
+    if config.speculative is not None:
+        raise ConfigError(
+            "--speculative-config does not apply to a recommender (its beam search decodes "
+            "a fixed number of rounds); serve it without the flag"
+        )
     if config.cache.enable_prefix_cache and config.cache.num_blocks is None:
         # Not an error: nothing to share between histories; say so once.
         logger.info("prefix caching does not apply to a recommender; ignoring it")

@@ -12,6 +12,7 @@ from tandem.core.config import (
     ParallelConfig,
     PipelineConfig,
     RecConfig,
+    SpeculativeConfig,
     StructuredOutputConfig,
 )
 from tandem.core.demo.pretrained import stories260k_folder
@@ -223,6 +224,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "num_codebooks - 1)",
     )
     g.add_argument(
+        "--speculative-config",
+        default=None,
+        help="speculative decoding, as a JSON object with vLLM's keys, e.g. '{\"method\": "
+        '"ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": '
+        "2}'; method: ngram (dense models, one step at a time)",
+    )
+    g.add_argument(
         "--engine-seed",
         type=int,
         default=0,
@@ -273,6 +281,12 @@ def _structured_output(args: argparse.Namespace) -> StructuredOutputConfig:
         max_schema_depth=getattr(args, "max_schema_depth", d.max_schema_depth),
         probe_tokens=getattr(args, "grammar_probe_tokens", d.probe_tokens),
     )
+
+
+def _speculative(args: argparse.Namespace) -> SpeculativeConfig | None:
+    # getattr: subcommands that do not add the flag serve without it.
+    text = getattr(args, "speculative_config", None)
+    return None if text is None else SpeculativeConfig.from_json(text)
 
 
 def _parallel_from_torchrun(args: argparse.Namespace) -> None:
@@ -344,6 +358,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             health_timeout_s=args.health_step_timeout_s,
         ),
         structured_output=_structured_output(args),
+        speculative=_speculative(args),
         # Tests only; read once here and handed down (to worker processes with the config).
         faults=FaultConfig.from_env(os.environ),
     )

@@ -1,0 +1,39 @@
+"""Which decoding sequences get draft tokens this step, and how many.
+
+A sequence gets none when its sampling needs state that the verify step cannot apply
+position by position (a grammar, logits processors such as penalties, min_tokens, logit_bias
+or min_p, logprobs): with no drafts its step is the plain one, so speculation stays lossless
+by construction. Drafts never run past what the request may still emit (max_tokens, the
+context) nor past the step's token budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tandem.core.config import SpeculativeConfig
+from tandem.core.llm.ngram_proposer import NgramProposer
+from tandem.core.llm.sequence import TokenSequence
+
+
+class Drafter:
+    def __init__(
+        self, config: SpeculativeConfig, uses_processor: Callable[[TokenSequence], bool]
+    ) -> None:
+        """``uses_processor``: whether a sequence's sampling uses some logits processor."""
+        self.config = config
+        self._proposer = NgramProposer(config)
+        self._uses_processor = uses_processor
+
+    def may_draft(self, seq: TokenSequence) -> bool:
+        params = seq.params
+        return seq.grammar is None and params.logprobs is None and not self._uses_processor(seq)
+
+    def drafts(self, seq: TokenSequence, budget: int) -> tuple[int, ...]:
+        """Draft tokens for ``seq``'s next decode, which has ``budget`` tokens of the step's
+        budget left (its own next token included)."""
+        # The step emits at most drafts + 1 tokens: no more than the request may still emit.
+        room = min(budget, seq.max_output_tokens - seq.num_output_tokens) - 1
+        if room <= 0 or not self.may_draft(seq):
+            return ()
+        return tuple(self._proposer.propose(seq.token_ids, room))

@@ -1,0 +1,159 @@
+"""N-gram speculative decoding through the engine: greedy output identical to plain decoding
+with drafts accepted, in one process and with two tensor-parallel ranks; stops, lengths,
+preemption, prefix caching and chunked prefill keep working; every block is free at the end;
+what cannot be verified position by position gets no drafts; unsupported setups are refused."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tandem.core import LLMEngine, SamplingParams
+from tandem.core.config import ParallelConfig, PipelineConfig, SpeculativeConfig
+from tandem.core.errors import ConfigError
+
+EngineFactory = Callable[..., LLMEngine]
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+# Token-id prompts that repeat themselves, so n-grams find drafts in the prompt at once.
+PROMPTS: list[list[int]] = [
+    [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7],
+    [40, 41, 42, 43, 40, 41, 42],
+    [100, 3, 200, 3, 100, 3, 200],
+    [11, 12, 13],
+]
+
+
+def _tokens(engine: LLMEngine, params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    return [list(out.token_ids) for out in engine.generate(list(PROMPTS), params)]
+
+
+def _pair(
+    make_engine: EngineFactory,
+    model: Path,
+    params: SamplingParams | list[SamplingParams],
+    **kw: Any,
+) -> tuple[list[list[int]], list[list[int]], LLMEngine]:
+    """Tokens without and with speculation, and the speculating engine (run to the end)."""
+    plain = _tokens(make_engine(model, **kw), params)
+    engine = make_engine(model, speculative=SPEC, **kw)
+    return plain, _tokens(engine, params), engine
+
+
+def _all_free(engine: LLMEngine) -> bool:
+    return engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("max_tokens", [1, 9, 40])
+def test_greedy_tokens_are_identical_and_drafts_are_accepted(
+    demo_dir: Path, make_engine: EngineFactory, max_tokens: int
+) -> None:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    plain, spec, engine = _pair(make_engine, demo_dir, params)
+    assert spec == plain
+    assert all(len(t) == max_tokens for t in spec)  # never past max_tokens
+    stats = engine.stats
+    if max_tokens > 1:
+        assert stats.spec_num_accepted_tokens > 0
+        assert stats.spec_num_draft_tokens >= stats.spec_num_accepted_tokens
+        assert sum(stats.spec_accepted_per_position) == stats.spec_num_accepted_tokens
+    else:
+        assert stats.spec_num_drafts == 0  # one token to emit: nothing to draft
+    assert _all_free(engine)
+
+
+def test_tensor_parallel_ranks_in_one_process_give_the_same_tokens(
+    demo_dir: Path, make_engine: EngineFactory
+) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = _tokens(make_engine(demo_dir), params)
+    tp2 = ParallelConfig(devices="cpu:0,cpu:1", single_process=True)
+    engine = make_engine(demo_dir, speculative=SPEC, parallel=tp2)
+    assert _tokens(engine, params) == plain
+    assert engine.stats.spec_num_accepted_tokens > 0
+
+
+def test_small_budgets_preemption_and_chunked_prefill_keep_the_tokens(
+    demo_dir: Path, make_engine: EngineFactory
+) -> None:
+    """Ten blocks of 4 tokens for four sequences of up to 13 + 30 tokens: sequences are
+    preempted and recomputed; a budget of 6 tokens a step chunks prompts and cuts drafts."""
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    kw: dict[str, Any] = {"num_blocks": 14, "block_size": 4, "max_tokens_per_batch": 6}
+    plain, spec, engine = _pair(make_engine, demo_dir, params, **kw)
+    assert spec == plain
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.stats.spec_num_accepted_tokens > 0
+    assert _all_free(engine)
+
+
+def test_prefix_cache_hits_keep_the_tokens(demo_dir: Path, make_engine: EngineFactory) -> None:
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    engine = make_engine(demo_dir, speculative=SPEC, block_size=4)
+    first = _tokens(engine, params)
+    # The same prompts again: their full blocks come from the cache.
+    again = engine.generate(list(PROMPTS), params)
+    assert [list(o.token_ids) for o in again] == first
+    assert any(o.num_cached_tokens > 0 for o in again)
+    assert first == _tokens(make_engine(demo_dir, block_size=4), params)
+    assert _all_free(engine)
+
+
+def test_stop_tokens_and_strings_end_where_plain_decoding_ends(
+    demo_dir: Path, make_engine: EngineFactory
+) -> None:
+    """Each output token of a plain run, made a stop token, ends the speculative run at the
+    same token; the same for stop strings (a stop inside an accepted run: test_step_results)."""
+    base = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain_engine = make_engine(demo_dir)
+    spec_engine = make_engine(demo_dir, speculative=SPEC)
+    reference = plain_engine.generate([PROMPTS[0]], base)[0]
+    stops = sorted(set(reference.token_ids[2:]))[:6]
+    texts = [reference.text[i : i + 3] for i in (4, 9) if reference.text[i : i + 3].strip()]
+    variants = [SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[t]) for t in stops]
+    variants += [SamplingParams(max_tokens=24, temperature=0.0, stop=[t]) for t in texts]
+    for params in variants:
+        plain = plain_engine.generate([PROMPTS[0]], params)[0]
+        spec = spec_engine.generate([PROMPTS[0]], params)[0]
+        assert (spec.token_ids, spec.text, spec.finish_reason, spec.stop_reason) == (
+            plain.token_ids,
+            plain.text,
+            plain.finish_reason,
+            plain.stop_reason,
+        ), params
+    assert spec_engine.stats.spec_num_accepted_tokens > 0
+    assert _all_free(spec_engine)
+
+
+def test_requests_with_per_token_sampling_state_get_no_drafts(
+    demo_dir: Path, make_engine: EngineFactory
+) -> None:
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.5),
+        SamplingParams(max_tokens=12, temperature=0.0, logprobs=2),
+        SamplingParams(max_tokens=12, temperature=0.0, min_tokens=5),
+        SamplingParams(max_tokens=12, temperature=0.0, logit_bias={7: 1.0}),
+    ]
+    plain, spec, engine = _pair(make_engine, demo_dir, params)
+    assert spec == plain
+    assert engine.stats.spec_num_drafts == 0
+
+
+def test_seeded_random_requests_reproduce(demo_dir: Path, make_engine: EngineFactory) -> None:
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=11)
+    engine = make_engine(demo_dir, speculative=SPEC)
+    first = _tokens(engine, params)
+    assert _tokens(engine, params) == first
+    assert _tokens(make_engine(demo_dir, speculative=SPEC), params) == first
+    assert engine.stats.spec_num_drafts > 0
+
+
+def test_unsupported_setups_are_refused(
+    demo_dir: Path, hybrid_dir: Path, make_engine: EngineFactory
+) -> None:
+    with pytest.raises(ConfigError, match="not supported with --max-concurrency > 1"):
+        make_engine(demo_dir, speculative=SPEC, pipeline=PipelineConfig(max_concurrency=2))
+    with pytest.raises(ConfigError, match="linear-attention states"):
+        make_engine(hybrid_dir, speculative=SPEC)
