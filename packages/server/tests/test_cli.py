@@ -111,6 +111,27 @@ def test_an_unknown_preset_of_a_kind_is_refused(tmp_path: Path) -> None:
         (["--prompt", "x", "--temperature", "-1"], "temperature must be in"),
         ([], "at least one --prompt"),
         (["--prompt-token-ids", "1,x"], "comma-separated integers"),
+        (["--prompt", "x", "--speculative-config", "{"], "--speculative-config is not valid"),
+        (
+            [
+                "--prompt",
+                "x",
+                "--speculative-config",
+                '{"method": "mtp", "num_speculative_tokens": 1}',
+            ],
+            "method 'mtp' (not served yet) is not supported; supported: 'ngram'",
+        ),
+        (
+            [
+                "--prompt",
+                "x",
+                "--max-concurrency",
+                "2",
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2}',
+            ],
+            "--speculative-config is not supported with --max-concurrency > 1",
+        ),
     ],
 )
 def test_bad_input_gets_a_message_not_a_traceback(

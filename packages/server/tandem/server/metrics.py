@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tandem.core import LLMEngine, RequestOutput
@@ -70,6 +72,8 @@ class ServerMetrics:
             registry=self.registry,
         )
         preemptions.labels(**labels).set_function(lambda: engine.stats.num_preemptions)
+        if engine.config.speculative is not None:
+            self._spec_decode(engine, model_name)
         self._prompt_tokens = Counter(
             "tandem:prompt_tokens",
             "Prompt tokens of finished requests.",
@@ -111,6 +115,31 @@ class ServerMetrics:
             registry=self.registry,
         ).labels(**labels)
 
+    def _spec_decode(self, engine: LLMEngine, model_name: str) -> None:
+        """Speculative decoding's counters under vLLM's names (vllm:spec_decode_*), as
+        gauges over the engine's own running counts, like the preemptions."""
+        assert engine.config.speculative is not None
+        counts = {
+            "num_drafts": "Verify rows run (one per sequence and step with drafts).",
+            "num_draft_tokens": "Draft tokens proposed.",
+            "num_accepted_tokens": "Draft tokens accepted.",
+        }
+        for name, doc in counts.items():
+            gauge = Gauge(
+                f"tandem:spec_decode_{name}_total", doc, ["model_name"], registry=self.registry
+            )
+            gauge.labels(model_name=model_name).set_function(_spec_count(engine, name))
+        per_position = Gauge(
+            "tandem:spec_decode_num_accepted_tokens_per_pos_total",
+            "Draft tokens accepted at each draft position (0 = the first draft).",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
+        for position in range(engine.config.speculative.num_speculative_tokens):
+            per_position.labels(model_name=model_name, position=str(position)).set_function(
+                _accepted_at(engine, position)
+            )
+
     def observe_inter_token(self, seconds: float) -> None:
         self._itl.observe(seconds)
 
@@ -128,3 +157,16 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _spec_count(engine: LLMEngine, name: str) -> Callable[[], float]:
+    """The engine's current count ``spec_<name>`` (read from its latest stats snapshot)."""
+    return lambda: float(getattr(engine.stats, f"spec_{name}"))
+
+
+def _accepted_at(engine: LLMEngine, position: int) -> Callable[[], float]:
+    def read() -> float:
+        counts = engine.stats.spec_accepted_per_position
+        return float(counts[position]) if position < len(counts) else 0.0
+
+    return read
