@@ -353,6 +353,15 @@ class LLMEngine:
         return [finished[i] for i in ids]
 
     def shutdown(self) -> None:
+        spec = self.spec_stats
+        if spec is not None:
+            logger.info(
+                "speculative decoding: %d drafts, %d draft tokens, %d accepted (by position: %s)",
+                spec.num_drafts,
+                spec.num_draft_tokens,
+                spec.num_accepted_tokens,
+                ", ".join(str(n) for n in spec.accepted_per_position),
+            )
         self.structured_outputs.shutdown()
         self.stepper.shutdown()
         self.executor.shutdown()

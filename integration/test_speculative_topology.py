@@ -1,0 +1,40 @@
+"""N-gram speculative decoding keeps greedy tokens byte-identical to plain decoding in every
+topology: TP=1, TP=2 in one process, TP=2 as one process per device; for a dense and an MoE
+model, the latter with prompts prefilled in chunks of 8 tokens beside verify steps. Drafts
+are accepted (the engine's closing log line says how many), so the comparison has teeth."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from harness import generate_token_ids
+from reference_models import write_reference_model
+
+NEW_TOKENS = 32
+SPEC = ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_max": 3, "prompt_lookup_min": 1}')  # fmt: skip
+ACCEPTED = re.compile(r"speculative decoding: (\d+) drafts, (\d+) draft tokens, (\d+) accepted")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("spec-models")
+    write_reference_model(root / "qwen3", "Qwen3ForCausalLM", head_dim=32)
+    write_reference_model(root / "qwen3_moe", "Qwen3MoeForCausalLM", head_dim=16)
+    return {name: root / name for name in ("qwen3", "qwen3_moe")}
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])
+def test_greedy_tokens_identical_with_speculation(models: dict[str, Path], model: str) -> None:
+    extra: tuple[str, ...] = ("--max-tokens-per-batch", "8") if model == "qwen3_moe" else ()
+    reference = generate_token_ids(models[model], "tp1", NEW_TOKENS, extra).token_ids
+    for topology in ("tp1", "tp2-single-process", "tp2-multi-process"):
+        run = generate_token_ids(
+            models[model], topology, NEW_TOKENS, (*extra, *SPEC), log_level="INFO"
+        )
+        assert run.token_ids == reference, topology
+        found = ACCEPTED.search(run.logs[0])
+        assert found is not None, run.logs[0][-2000:]
+        assert int(found.group(3)) > 0, (topology, found.group(0))
