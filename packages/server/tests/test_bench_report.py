@@ -54,3 +54,17 @@ def test_random_requests_lengths() -> None:
     assert again == ranged
     with pytest.raises(ValueError):
         random_requests(1, 10, 10, range_ratio=1.5, vocab_size=100, seed=0)
+
+
+def test_repeated_prompts_say_one_segment_over_and_over() -> None:
+    plain = random_requests(3, input_len=22, output_len=5, range_ratio=0.0, vocab_size=90, seed=4)
+    repeated = random_requests(
+        3, input_len=22, output_len=5, range_ratio=0.0, vocab_size=90, seed=4, repeats=4
+    )
+    # Repeats of 1 are the plain prompts; 4 repeats of a 6-token segment, cut to 22 tokens.
+    assert random_requests(3, 22, 5, 0.0, vocab_size=90, seed=4, repeats=1) == plain
+    for r in repeated:
+        segment = r.prompt_token_ids[:6]
+        assert len(r.prompt_token_ids) == 22 and r.prompt_token_ids == (segment * 4)[:22]
+    with pytest.raises(ValueError, match="--prompt-repeats"):
+        random_requests(1, 10, 10, 0.0, vocab_size=100, seed=0, repeats=0)

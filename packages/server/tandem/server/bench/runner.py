@@ -44,6 +44,8 @@ class BenchConfig:
     seed: int
     api_key: str | None
     vocab_size: int | None
+    # Each prompt one random segment repeated this many times (1: all random).
+    prompt_repeats: int = 1
 
 
 async def _model_card(session: aiohttp.ClientSession, config: BenchConfig) -> dict[str, Any]:
@@ -78,6 +80,7 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
             config.range_ratio,
             vocab,
             config.seed,
+            repeats=config.prompt_repeats,
         )
         warmups, measured = requests[: config.num_warmups], requests[config.num_warmups :]
         url = f"{config.base_url}/v1/completions"

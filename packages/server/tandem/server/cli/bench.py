@@ -36,6 +36,13 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument(
+        "--prompt-repeats",
+        type=int,
+        default=1,
+        help="each prompt is a random segment repeated this many times (a quoting workload, "
+        "for n-gram speculative decoding; default 1: all random)",
+    )
+    p.add_argument(
         "--request-rate",
         type=float,
         default=float("inf"),
@@ -200,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     from tandem.server.bench.report import format_table
     from tandem.server.bench.runner import BenchConfig, run_benchmark, run_on_fast_loop
 
-    for name in ("num_prompts", "input_len", "output_len"):
+    for name in ("num_prompts", "input_len", "output_len", "prompt_repeats"):
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
@@ -224,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         api_key=args.api_key,
         vocab_size=args.vocab_size,
+        prompt_repeats=args.prompt_repeats,
     )
     try:
         figures = run_on_fast_loop(run_benchmark(config))
