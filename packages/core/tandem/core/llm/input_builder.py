@@ -67,28 +67,8 @@ def build_forward_input(
     num_drafts = [len(entries[i].draft_token_ids) for i in sample_rows]
     sample_indices = ends[sample_rows] - 1
     if any(num_drafts):
-        # A verify row samples at its last known token and at every draft: 1 + k logits.
-        counts = np.array(num_drafts, dtype=np.int64) + 1
-        row_end = np.repeat(np.cumsum(counts), counts)
-        back = row_end - np.arange(int(counts.sum())) - 1  # positions after, in its row
-        counts_rep = np.repeat(counts, counts)
-        sample_indices = np.repeat(sample_indices, counts) - back
-        sampling = _sampling_batch(
-            [seq for seq, c in zip(sample_seqs, counts.tolist(), strict=True) for _ in range(c)],
-            (
-                np.repeat([s.num_output_tokens for s in sample_seqs], counts)
-                + counts_rep
-                - back
-                - 1
-            ).tolist(),
-        )
-        sampling = replace(
-            sampling,
-            drafts=DraftRows(
-                num_drafts=tuple(num_drafts),
-                token_ids=tuple(t for i in sample_rows for t in entries[i].draft_token_ids),
-            ),
-        )
+        runs = [entries[i].draft_token_ids for i in sample_rows]
+        sample_indices, sampling = _verify_rows(sample_seqs, runs, sample_indices)
     else:
         sampling = _sampling_batch(sample_seqs, [s.num_output_tokens for s in sample_seqs])
     prompt_logprobs = _prompt_logprobs(out, starts, first_token.tolist())
@@ -112,6 +92,25 @@ def build_forward_input(
         block_size=block_size,
         prompt_logprobs=prompt_logprobs,
     )
+
+
+def _verify_rows(
+    seqs: list[TokenSequence], drafts: list[tuple[int, ...]], last_indices: np.ndarray
+) -> tuple[np.ndarray, SamplingBatch]:
+    """A step with drafts samples each sequence at its last known token and at each of its
+    drafts: the token indices of those 1 + k positions per sequence (``last_indices``: each
+    sequence's last token), and a sampling row for each, counting the outputs before it."""
+    counts = np.array([len(d) for d in drafts], dtype=np.int64) + 1
+    row_of = np.repeat(np.arange(len(seqs)), counts)
+    # Each position's place in its sequence's run: 0 (last known token), 1 .. k (drafts).
+    offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    indices = last_indices[row_of] - (counts[row_of] - 1) + offset
+    steps = np.array([s.num_output_tokens for s in seqs], dtype=np.int64)[row_of] + offset
+    sampling = _sampling_batch([seqs[r] for r in row_of.tolist()], steps.tolist())
+    rows = DraftRows(
+        num_drafts=tuple(len(d) for d in drafts), token_ids=tuple(t for d in drafts for t in d)
+    )
+    return indices, replace(sampling, drafts=rows)
 
 
 def _sampling_batch(seqs: list[TokenSequence], steps: list[int]) -> SamplingBatch:
