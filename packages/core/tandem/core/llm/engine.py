@@ -38,6 +38,7 @@ from tandem.core.llm.step_results import (
     accept_drafts,
     advance_grammar,
     append_sampled,
+    failed_rows,
     record_logprobs,
     record_prompt_logprobs,
 )
@@ -269,11 +270,19 @@ class LLMEngine:
             return self._fail_all(f"the engine failed: a step raised {describe(exc)}")
         finally:
             self.watch.progressed()
+        # Before anything reads the step's tokens: a failed row's is not to be used.
+        failed = [self._fail_request(seq, error) for seq, error in failed_rows(due.out, result)]
         drafts = AcceptedDrafts()
         if self.spec_stats is not None:
             drafts = accept_drafts(due.out, result, self.spec_stats)
         self.scheduler.on_step_done(due.out)
-        return self._process(due.out, result, drafts)
+        return failed + self._process(due.out, result, drafts)
+
+    def _fail_request(self, seq: TokenSequence, error: str) -> RequestOutput:
+        """End one request whose logits processor failed; the engine serves on."""
+        logger.error("request %s failed: %s", seq.request_id, error)
+        self.in_flight.finish(seq, "error", error=error)
+        return self._finish_output(seq)
 
     def _process(
         self, sched_out: SchedulerOutput, result: SamplerOutput, drafts: AcceptedDrafts

@@ -132,3 +132,6 @@ class SamplerOutput:
     # With drafts: how many of each sequence's drafts were accepted (the engine appends
     # that many of them before the sequence's token).
     num_accepted: list[int] | None = None
+    # Rows (of token_ids) whose logits processor raised, each with why: their requests end
+    # with that error and nothing sampled for them is used. None when none did.
+    failed: dict[int, str] | None = None

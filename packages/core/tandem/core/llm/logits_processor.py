@@ -23,10 +23,16 @@ Order. Processors run in registry order (``logits_processors.processor_classes``
 with ``after_temperature`` False on the logits before temperature (after a grammar's mask),
 the others on the temperature-scaled logits of rows that sample randomly (greedy rows take
 the argmax before them, so they must leave it alone).
+
+Failures. A processor that raises fails the requests whose rows it serves, never the step
+(``processor_failures.py``): ``apply`` is taken to be a pure edit of the logits (the sampler
+samples the step again without a processor that raised in it), and state changes belong in
+``add``, ``remove`` and ``on_sampled``.
 """
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -34,8 +40,12 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import torch
 
+from tandem.core.llm.processor_failures import failure_message
+
 if TYPE_CHECKING:
     from tandem.core.llm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -152,18 +162,32 @@ class LogitsProcessor(ABC):
 
     # -- bookkeeping, called by LogitsProcessors -------------------------------------------
 
-    def update_state(self, update: BatchUpdate) -> None:
+    def update_state(self, update: BatchUpdate) -> dict[int, str]:
+        """Apply ``update``; the added slots this processor failed to take (``uses`` or
+        ``add`` raised), each with why (left inactive here). A ``remove`` that raises is
+        logged and passed over: its row has left the batch, and ``add`` resets the slot."""
         for slot in update.removed:
             if self.active[slot]:
                 self.active[slot] = False
-                self.remove(slot)
+                try:
+                    self.remove(slot)
+                except Exception:
+                    logger.exception("%s failed to remove slot %d", type(self).__qualname__, slot)
+        failed: dict[int, str] = {}
+        # Per added row (once per sequence, not per step): one row's bad value fails only it.
         for row in update.added:
-            used = self.uses(row.params)
-            if self.active[row.slot] and not used:
-                self.remove(row.slot)
-            self.active[row.slot] = used
-            if used:
-                self.add(row.slot, row)
+            try:
+                used = self.uses(row.params)
+                if self.active[row.slot] and not used:
+                    self.remove(row.slot)
+                self.active[row.slot] = used
+                if used:
+                    self.add(row.slot, row)
+            except Exception as exc:
+                logger.exception("%s failed to add slot %d", type(self).__qualname__, row.slot)
+                self.active[row.slot] = False
+                failed[row.slot] = failure_message(self, "add", exc)
+        return failed
 
     def rows_of(self, slots: np.ndarray) -> StepRows | None:
         """This step's rows that use the processor; None when none does."""

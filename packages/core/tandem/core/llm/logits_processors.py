@@ -28,6 +28,7 @@ from tandem.core.llm.logits_processor import (
     grow_rows,
 )
 from tandem.core.llm.penalties import Penalties
+from tandem.core.llm.processor_failures import FailedSlots, ProcessorFailed, failure_message
 from tandem.core.llm.sampling_params import SamplingParams
 from tandem.device.sync import LockLike
 
@@ -177,7 +178,11 @@ _Active = list[tuple[LogitsProcessor, StepRows]]
 
 
 class LogitsProcessors:
-    """The processors of one sampling worker, built once, shared by its pipeline lanes."""
+    """The processors of one sampling worker, built once, shared by its pipeline lanes.
+
+    A processor that raises fails the rows it serves (``processor_failures.py``): ``add``
+    its added row, ``apply`` and ``on_sampled`` all its rows of the step. Those slots stay
+    failed, off in every processor, until the engine removes them."""
 
     def __init__(
         self,
@@ -191,14 +196,24 @@ class LogitsProcessors:
         # A plain lock, also under the simulator: the lanes' streams that call in are not
         # simulated threads, and nothing in the processors waits on one.
         self._lock: LockLike = lock if lock is not None else threading.Lock()
+        self.failed = FailedSlots()
 
     def prepare(self, batch: SamplingBatch) -> _Active:
         """Apply the step's batch update, then the processors some row of the step uses,
         each with its rows."""
         with self._lock:
-            if batch.update is not None:
+            update = batch.update
+            if update is not None:
+                if self.failed:
+                    self.failed.forget(update.removed)
+                    self.failed.forget(row.slot for row in update.added)
+                failed: dict[int, str] = {}
                 for processor in self.processors:
-                    processor.update_state(batch.update)
+                    for slot, message in processor.update_state(update).items():
+                        failed.setdefault(slot, message)
+                # After every processor took the rows: a slot one failed is off in all.
+                for slot, message in failed.items():
+                    self.failed.fail([slot], message, self.processors)
             if batch.slots is None:
                 return []
             slots = batch.slots.numpy()
@@ -210,16 +225,53 @@ class LogitsProcessors:
             return active
 
     def apply(self, logits: torch.Tensor, active: _Active, after_temperature: bool) -> torch.Tensor:
+        """The processors' edits, in order; ProcessorFailed if one raises (or changes the
+        logits' shape): the caller fails its rows and samples again without it."""
         with self._lock:
             for processor, rows in active:
-                if processor.after_temperature == after_temperature:
-                    logits = processor.apply(logits, rows)
+                if processor.after_temperature != after_temperature:
+                    continue
+                try:
+                    edited = processor.apply(logits, rows)
+                except Exception as exc:
+                    logger.exception("%s failed in apply", type(processor).__qualname__)
+                    raise ProcessorFailed(
+                        processor, rows, failure_message(processor, "apply", exc)
+                    ) from exc
+                if edited.shape != logits.shape:
+                    error = ValueError(
+                        f"it returned logits of shape {tuple(edited.shape)} for "
+                        f"{tuple(logits.shape)}"
+                    )
+                    raise ProcessorFailed(
+                        processor, rows, failure_message(processor, "apply", error)
+                    )
+                logits = edited
             return logits
+
+    def fail(self, failure: ProcessorFailed) -> None:
+        """Fail the rows of a processor whose ``apply`` raised."""
+        with self._lock:
+            self.failed.fail(failure.rows.slots, failure.message, self.processors)
 
     def on_sampled(self, active: _Active, tokens: torch.Tensor) -> None:
         with self._lock:
             for processor, rows in active:
-                processor.on_sampled(rows, tokens)
+                try:
+                    processor.on_sampled(rows, tokens)
+                except Exception as exc:
+                    # The step's tokens stand; the processor's state of its rows does not.
+                    logger.exception("%s failed in on_sampled", type(processor).__qualname__)
+                    message = failure_message(processor, "on_sampled", exc)
+                    self.failed.fail(rows.slots, message, self.processors)
+
+    def failed_rows(self, slots: torch.Tensor | None) -> dict[int, str] | None:
+        """The step's rows (``slots``: the batch's) whose slot failed, with why; None if none
+        did (the common case costs one test)."""
+        with self._lock:
+            if not self.failed or slots is None:
+                return None
+            return self.failed.rows_of(slots.numpy()) or None
 
 
 def needs_pre_temperature(active: _Active) -> bool:

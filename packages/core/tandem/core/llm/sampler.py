@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem.core.llm.forward_input import SamplerOutput, SamplingBatch
+from tandem.core.llm.forward_input import DraftRows, SamplerOutput, SamplingBatch
 from tandem.core.llm.logits_processor import LogitsProcessor, StepRows
 from tandem.core.llm.logits_processors import (
     LogitsProcessors,
@@ -29,6 +30,7 @@ from tandem.core.llm.logits_processors import (
     needs_after_temperature,
     needs_pre_temperature,
 )
+from tandem.core.llm.processor_failures import ProcessorFailed
 from tandem.core.llm.rejection_sampler import verify
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -162,7 +164,34 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
         processors = self.processors
-        active = processors.prepare(batch) if processors is not None else []
+        if processors is None:
+            return self._sample_step(logits, batch, [])
+        active = processors.prepare(batch)
+        while True:
+            try:
+                out = self._sample_step(logits, batch, active)
+                break
+            except ProcessorFailed as failure:
+                # Its rows fail; the step is sampled again from the model's logits (untouched:
+                # edits go to a copy) without it, so no other row keeps a trace of its edit.
+                # Each pass drops one processor, so this ends. Nothing is drawn from the
+                # generators before the processors ran, so the retry draws what one pass would.
+                processors.fail(failure)
+                active = [(p, rows) for p, rows in active if p is not failure.processor]
+        failed = processors.failed_rows(batch.slots)
+        if failed is None:
+            return out
+        if batch.drafts is not None:
+            failed = _by_sequence(failed, batch.drafts)
+        return replace(out, failed=failed)
+
+    def _sample_step(
+        self,
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        active: list[tuple[LogitsProcessor, StepRows]],
+    ) -> SamplerOutput:
+        processors = self.processors
         # Logprobs are the model's own, before any edit (vLLM's default "raw_logprobs").
         processed = logits
         if batch.grammar is not None or needs_pre_temperature(active):
@@ -263,6 +292,13 @@ class Sampler:
         # total), computed in place: `scaled` is this call's own tensor, and a fresh
         # [rows, vocab] one costs its page faults (at 48 x 152K: 29 MB, ~4 ms).
         return scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
+
+
+def _by_sequence(failed: dict[int, str], drafts: DraftRows) -> dict[int, str]:
+    """Failed sampled positions of a step with drafts as the rows of their sequences."""
+    ends = np.cumsum(np.array(drafts.num_drafts, dtype=np.int64) + 1)
+    rows = np.searchsorted(ends, np.array(list(failed), dtype=np.int64), side="right")
+    return {int(row): message for row, message in zip(rows, failed.values(), strict=True)}
 
 
 def _with_logprobs(

@@ -34,6 +34,24 @@ def append_sampled(
     return sampled
 
 
+def failed_rows(
+    sched_out: SchedulerOutput, result: SamplerOutput
+) -> list[tuple[TokenSequence, str]]:
+    """The running sequences whose row a logits processor failed, each with why."""
+    if not result.failed:
+        return []
+    failed: list[tuple[TokenSequence, str]] = []
+    row = 0
+    for entry in sched_out.scheduled:
+        if not entry.samples:
+            continue
+        message = result.failed.get(row)
+        row += 1
+        if message is not None and entry.seq.status is SequenceStatus.RUNNING:
+            failed.append((entry.seq, message))
+    return failed
+
+
 @dataclass
 class AcceptedDrafts:
     """What a step's verification kept: drafts appended per request, and the requests that
