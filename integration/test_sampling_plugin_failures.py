@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from harness import MODEL_NAME, ServerFactory, write_plugin_distribution
+import pytest
+from harness import (
+    MODEL_NAME,
+    ServerFactory,
+    free_port,
+    topology_args,
+    write_plugin_distribution,
+)
 
 PLUGIN = '''"""``explode`` (a JSON boolean): the row's processor raises, as a buggy plugin would."""
 
@@ -51,12 +58,16 @@ def _complete(base_url: str, max_tokens: int, **extra: Any) -> httpx.Response:
     return httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
 
 
+# Sampling runs on rank 0 alone: its failures must reach the engine as data, also from a
+# worker process, and leave the other rank's collectives in step.
+@pytest.mark.parametrize("topology", ["tp1", "tp2-single-process", "tp2-multi-process"])
 def test_a_failing_plugin_processor_fails_its_request_alone(
-    tmp_path: Path, start_server: ServerFactory
+    topology: str, tmp_path: Path, start_server: ServerFactory
 ) -> None:
     site = write_plugin_distribution(tmp_path, "toy_exploding", PLUGIN, ENTRY_POINTS)
     path = f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    server = start_server(env={"PYTHONPATH": path})
+    [args], env = topology_args(topology, free_port())
+    server = start_server(*args, env={"PYTHONPATH": path, **env})
     url = server.base_url
     alone = _complete(url, 128)
     assert alone.status_code == 200, alone.text
