@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tandem.core import LLMEngine, SamplingParams
-from tandem.core.config import SpeculativeConfig
+from tandem.core.config import PipelineConfig, SpeculativeConfig
 from tandem.core.executor.thread_executor import ThreadExecutor
 from tandem.core.llm import logits_processors, sampling_rows
 from tandem.core.llm import sampler as sampler_module
@@ -258,3 +258,23 @@ def test_a_failing_processor_beside_drafted_rows(
     engine = make_engine(demo_dir, speculative=spec)
     assert _check_request_fails_alone(engine, "apply") > 0
     assert in_verify
+
+
+@pytest.mark.parametrize("fail_in", ["apply", "on_sampled"])
+@pytest.mark.parametrize(
+    "pipeline",
+    [PipelineConfig(max_concurrency=2), PipelineConfig(overlap_steps=True)],
+    ids=["two-lanes", "launch-ahead"],
+)
+def test_a_failing_processor_beside_steps_in_flight(
+    fail_in: str,
+    pipeline: PipelineConfig,
+    demo_dir: Path,
+    make_engine: Callable[..., LLMEngine],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Steps still in flight when a request fails (lanes, a step launched ahead) name its
+    slot: their rows of it are failed too, never used, and its blocks wait for them."""
+    _with_failing(monkeypatch, fail_in)
+    engine = make_engine(demo_dir, pipeline=pipeline)
+    _check_request_fails_alone(engine, fail_in)
