@@ -71,6 +71,9 @@ class _Failing(LogitsProcessor):
     def on_sampled(self, rows: StepRows, tokens: torch.Tensor) -> None:
         self._maybe_fail("on_sampled")
 
+    def remove(self, slot: int) -> None:
+        self._maybe_fail("remove")
+
 
 def _batch(n: int, slots: list[int], update: BatchUpdate | None) -> SamplingBatch:
     slot_tensor = torch.tensor(slots, dtype=torch.int64)
@@ -115,6 +118,22 @@ def test_the_sampler_fails_only_the_rows_of_the_failing_processor(
     # The processor serves the slot's new row again: its edit bans the row's argmax.
     assert fresh.failed is None and fresh.token_ids != [int(logits[1].argmax())]
     assert sampler.processors is not None and not sampler.processors.failed
+
+
+def test_a_failing_remove_is_logged_and_the_slot_taken_afresh(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its row has left the batch already: nothing fails, and the slot's next row is served."""
+    monkeypatch.setattr(_Failing, "fail_in", "remove")
+    ctx = ProcessorContext(VOCAB, torch.device("cpu"), 8)
+    sampler = Sampler(0, LogitsProcessors(ctx, classes=(*BUILTIN_PROCESSORS, _Failing)))
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(4))
+    first = sampler(logits, _batch(1, [0], BatchUpdate(added=(_row(0, seed=TRIGGER),))))
+    update = BatchUpdate(removed=(0,), added=(_row(0, seed=TRIGGER),))
+    second = sampler(logits, _batch(1, [0], update))
+    assert first.failed is None and second.failed is None
+    assert second.token_ids == first.token_ids != [int(logits[0].argmax())]
+    assert "_Failing failed to remove slot 0" in caplog.text
 
 
 def test_a_failed_row_is_named_by_its_sequence_in_a_step_with_drafts() -> None:
