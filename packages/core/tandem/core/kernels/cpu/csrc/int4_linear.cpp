@@ -1,0 +1,329 @@
+// The 4-bit weight-only linear (W4A16: GPTQ and AWQ) on the CPU, reading the packed codes
+// the layer keeps (``layers/int4_weights.py``): int32 [N, K / 8] output-major, input 8w + i of
+// a row in nibble i of word w; scales [N, G] in the activations' dtype, true zero points
+// uint8 [N, G], groups of K / G consecutive inputs.
+//
+// Why this shape: a decode step is bound by reading weights, and the packed codes are a
+// quarter of a bfloat16 weight's bytes, so each output row is dequantized once per call into
+// a small float buffer that stays in L1 and every activation row of the batch takes its dot
+// product from there. Its weights are the reference's, bit for bit: (q - z) is a small exact
+// integer, times s rounded once in float32, and rounded to bfloat16 once more for bfloat16
+// activations, as the reference's bfloat16 product rounds it. Only the summation order
+// differs (float32 sums, rounded to the output dtype at the end).
+//
+// The vector paths read kLanes words at once (one vector) and take nibble i of every lane
+// together, so a block of 8 kLanes inputs comes out in the order i * kLanes + j for input
+// 8 j + i; the activations are put in that order once per call, so the dot products are
+// plain contiguous loops. Large batches do not come here: ``tandem_int4_dequantize`` writes
+// the whole float weight for a GEMM library to take.
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "vec_math.h"
+
+namespace tandem {
+namespace {
+
+#if TANDEM_COMPILED_ISA == 2
+constexpr int64_t kLanes = 16;
+constexpr int kRowsTogether = 8;
+#elif TANDEM_COMPILED_ISA == 1
+constexpr int64_t kLanes = 8;
+// Two accumulators a row: eight rows would take all sixteen AVX2 registers.
+constexpr int kRowsTogether = 4;
+#else
+constexpr int64_t kLanes = 1;
+constexpr int kRowsTogether = 4;
+#endif
+// Inputs per block: one vector of words, eight codes a word.
+constexpr int64_t kBlock = 8 * kLanes;
+constexpr int32_t kNibble = 0xF;
+
+struct Layer {
+  const int32_t* codes;
+  const void* scales;
+  const uint8_t* zeros;
+  int64_t n, k, groups, group_inputs, words;
+  // Inputs padded to whole blocks: the length of a permuted row.
+  int64_t padded;
+  int32_t dtype;
+};
+
+inline float scalar_at(const void* base, int64_t i, int32_t dtype) {
+  return dtype == kFloat32 ? static_cast<const float*>(base)[i]
+                           : bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+}
+
+// float32 -> the nearest bfloat16, kept as a float32 (weights are finite: no NaN case).
+inline float round_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
+
+// The row's scales and zero points as floats, one per group.
+inline void row_groups(const Layer& L, int64_t row, float* s, float* z) {
+  for (int64_t g = 0; g < L.groups; ++g) {
+    s[g] = scalar_at(L.scales, row * L.groups + g, L.dtype);
+    z[g] = static_cast<float>(L.zeros[row * L.groups + g]);
+  }
+}
+
+#if TANDEM_COMPILED_ISA == 2
+
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+
+inline __m512 round_bf16_vec(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(~0xFFFF)));
+}
+
+// Block b of the row into out[0 .. kBlock), in the permuted order.
+inline void dequantize_block(const Layer& L, const int32_t* row, const float* s, const float* z,
+                             const int32_t* word_group, int64_t b, float* out) {
+  const int64_t first = b * kLanes;
+  const int64_t count = std::min<int64_t>(kLanes, L.words - first);
+  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
+  const __m512i words = _mm512_maskz_loadu_epi32(mask, row + first);
+  __m512 vs, vz;
+  if (L.group_inputs % kBlock == 0) {
+    const int64_t g = b * kBlock / L.group_inputs;
+    vs = _mm512_set1_ps(s[g]);
+    vz = _mm512_set1_ps(z[g]);
+  } else {
+    const __m512i idx = _mm512_loadu_si512(word_group + first);
+    vs = _mm512_i32gather_ps(idx, s, 4);
+    vz = _mm512_i32gather_ps(idx, z, 4);
+  }
+  const __m512i nibble = _mm512_set1_epi32(kNibble);
+  for (int i = 0; i < 8; ++i) {
+    const __m512i q = _mm512_and_si512(_mm512_srli_epi32(words, 4 * i), nibble);
+    __m512 w = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(q), vz), vs);
+    if (L.dtype == kBFloat16) w = round_bf16_vec(w);
+    // Lanes past the last word read zero codes; zeroed, so the padding adds exact zeros.
+    _mm512_storeu_ps(out + i * kLanes, _mm512_maskz_mov_ps(mask, w));
+  }
+}
+
+#elif TANDEM_COMPILED_ISA == 1
+
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return reduce_add8(v); }
+
+inline __m256 round_bf16_vec(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(~0xFFFF)));
+}
+
+inline void dequantize_block(const Layer& L, const int32_t* row, const float* s, const float* z,
+                             const int32_t* word_group, int64_t b, float* out) {
+  const int64_t first = b * kLanes;
+  const int64_t count = std::min<int64_t>(kLanes, L.words - first);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(count)), lane);
+  const __m256i words = _mm256_maskload_epi32(row + first, mask);
+  __m256 vs, vz;
+  if (L.group_inputs % kBlock == 0) {
+    const int64_t g = b * kBlock / L.group_inputs;
+    vs = _mm256_set1_ps(s[g]);
+    vz = _mm256_set1_ps(z[g]);
+  } else {
+    const __m256i idx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(word_group + first));
+    vs = _mm256_i32gather_ps(s, idx, 4);
+    vz = _mm256_i32gather_ps(z, idx, 4);
+  }
+  const __m256i nibble = _mm256_set1_epi32(kNibble);
+  for (int i = 0; i < 8; ++i) {
+    const __m256i q = _mm256_and_si256(_mm256_srli_epi32(words, 4 * i), nibble);
+    __m256 w = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(q), vz), vs);
+    if (L.dtype == kBFloat16) w = round_bf16_vec(w);
+    _mm256_storeu_ps(out + i * kLanes, _mm256_and_ps(w, _mm256_castsi256_ps(mask)));
+  }
+}
+
+#else
+
+using Vec = float;
+inline Vec vzero() { return 0.0f; }
+inline Vec vload(const float* p) { return *p; }
+inline Vec vfma(Vec a, Vec b, Vec c) { return a * b + c; }
+inline float vsum(Vec v) { return v; }
+
+// One word a block: the permuted order is the natural one.
+inline void dequantize_block(const Layer& L, const int32_t* row, const float* s, const float* z,
+                             const int32_t* word_group, int64_t b, float* out) {
+  const int32_t g = word_group[b];
+  for (int i = 0; i < 8; ++i) {
+    const float q = static_cast<float>((row[b] >> (4 * i)) & kNibble);
+    const float w = (q - z[g]) * s[g];
+    out[i] = L.dtype == kBFloat16 ? round_bf16(w) : w;
+  }
+}
+
+#endif
+
+constexpr int64_t kVecLanes = kLanes;
+
+// Dot products of one dequantized row with R activation rows (permuted, `padded` long), two
+// accumulators each so consecutive FMAs do not wait on each other.
+template <int R>
+inline void dot_rows(const float* w, const float* x, int64_t padded, float* sums) {
+  Vec acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
+  // Blocks are whole even numbers of vectors (8 per block).
+  for (int64_t k = 0; k < padded; k += 2 * kVecLanes) {
+    const Vec w0 = vload(w + k);
+    const Vec w1 = vload(w + k + kVecLanes);
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = vfma(w0, vload(x + r * padded + k), acc[r][0]);
+      acc[r][1] = vfma(w1, vload(x + r * padded + k + kVecLanes), acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) sums[r] = vsum(acc[r][0]) + vsum(acc[r][1]);
+}
+
+inline void dot_some(int rows, const float* w, const float* x, int64_t padded, float* sums) {
+  switch (rows) {
+    case 1: return dot_rows<1>(w, x, padded, sums);
+    case 2: return dot_rows<2>(w, x, padded, sums);
+    case 3: return dot_rows<3>(w, x, padded, sums);
+#if TANDEM_COMPILED_ISA == 2
+    case 4: return dot_rows<4>(w, x, padded, sums);
+    case 5: return dot_rows<5>(w, x, padded, sums);
+    case 6: return dot_rows<6>(w, x, padded, sums);
+    case 7: return dot_rows<7>(w, x, padded, sums);
+    default: return dot_rows<8>(w, x, padded, sums);
+#else
+    default: return dot_rows<4>(w, x, padded, sums);
+#endif
+  }
+}
+
+// Activation row m in the permuted block order, as float32, zero past K.
+void permute_rows(const void* x, int64_t m, int64_t ldx, const Layer& L, float* out,
+                  int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t r = 0; r < m; ++r) {
+    float* dst = out + r * L.padded;
+    for (int64_t p = 0; p < L.padded; ++p) {
+      const int64_t block = p / kBlock, within = p % kBlock;
+      const int64_t input = block * kBlock + 8 * (within % kLanes) + within / kLanes;
+      dst[p] = input < L.k ? scalar_at(x, r * ldx + input, L.dtype) : 0.0f;
+    }
+  }
+}
+
+int check(const Layer& L) {
+  if (L.dtype != kFloat32 && L.dtype != kBFloat16) return 1;
+  if (L.k % 8 || L.groups < 1 || L.k % L.groups) return 2;
+  // Each word's eight inputs must share a group.
+  if (L.group_inputs % 8) return 3;
+  return 0;
+}
+
+Layer make_layer(const int32_t* codes, const void* scales, const uint8_t* zeros, int64_t n,
+                 int64_t k, int64_t groups, int32_t dtype) {
+  const int64_t words = k / 8;
+  const int64_t blocks = (words + kLanes - 1) / kLanes;
+  return Layer{codes, scales, zeros, n, k, groups, groups > 0 ? k / groups : 0, words,
+               blocks * kBlock, dtype};
+}
+
+}  // namespace
+}  // namespace tandem
+
+extern "C" {
+
+using tandem::Layer;
+
+// y [m, n] (row stride ldy) = x [m, k] (row stride ldx) times the dequantized weight
+// transposed, plus bias [n] (may be null); x, y, scales and bias in `dtype`. 0 on success.
+int tandem_int4_linear(void* y, const void* x, const int32_t* codes, const void* scales,
+                       const uint8_t* zeros, const void* bias, int64_t m, int64_t n, int64_t k,
+                       int64_t groups, int64_t ldx, int64_t ldy, int32_t dtype,
+                       int32_t threads) {
+  const Layer L = tandem::make_layer(codes, scales, zeros, n, k, groups, dtype);
+  if (const int code = tandem::check(L)) return code;
+  threads = std::max(1, threads);
+  std::vector<float> xp(static_cast<size_t>(m * L.padded));
+  tandem::permute_rows(x, m, ldx, L, xp.data(), threads);
+  // Each word's group, padded with group 0 to whole vectors (the padding's codes are masked).
+  const int64_t blocks = L.padded / tandem::kBlock;
+  std::vector<int32_t> word_group(static_cast<size_t>(blocks * tandem::kLanes), 0);
+  for (int64_t w = 0; w < L.words; ++w) word_group[w] = static_cast<int32_t>(8 * w / L.group_inputs);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> wrow(static_cast<size_t>(L.padded));
+    std::vector<float> s(static_cast<size_t>(L.groups)), z(static_cast<size_t>(L.groups));
+    float sums[tandem::kRowsTogether];
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < n; ++row) {
+      tandem::row_groups(L, row, s.data(), z.data());
+      const int32_t* packed = codes + row * L.words;
+      for (int64_t b = 0; b < blocks; ++b) {
+        tandem::dequantize_block(L, packed, s.data(), z.data(), word_group.data(), b,
+                                 wrow.data() + b * tandem::kBlock);
+      }
+      const float add = bias ? tandem::scalar_at(bias, row, dtype) : 0.0f;
+      for (int64_t r0 = 0; r0 < m; r0 += tandem::kRowsTogether) {
+        const int rows = static_cast<int>(std::min<int64_t>(tandem::kRowsTogether, m - r0));
+        tandem::dot_some(rows, wrow.data(), xp.data() + r0 * L.padded, L.padded, sums);
+        for (int r = 0; r < rows; ++r) {
+          const int64_t at = (r0 + r) * ldy + row;
+          const float v = sums[r] + add;
+          if (dtype == tandem::kFloat32) {
+            static_cast<float*>(y)[at] = v;
+          } else {
+            static_cast<uint16_t*>(y)[at] = tandem::float_to_bf16(v);
+          }
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+// The whole dequantized weight w [n, k] in `dtype`, each value the reference's, for a GEMM
+// library to take at batch sizes where one float weight pass is cheap beside the product.
+int tandem_int4_dequantize(void* w, const int32_t* codes, const void* scales,
+                           const uint8_t* zeros, int64_t n, int64_t k, int64_t groups,
+                           int32_t dtype, int32_t threads) {
+  const Layer L = tandem::make_layer(codes, scales, zeros, n, k, groups, dtype);
+  if (const int code = tandem::check(L)) return code;
+#pragma omp parallel num_threads(std::max(1, threads))
+  {
+    std::vector<float> s(static_cast<size_t>(L.groups)), z(static_cast<size_t>(L.groups));
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < n; ++row) {
+      tandem::row_groups(L, row, s.data(), z.data());
+      const int32_t* packed = codes + row * L.words;
+      for (int64_t word = 0; word < L.words; ++word) {
+        const int64_t g = 8 * word / L.group_inputs;
+        const int64_t at = row * k + 8 * word;
+        for (int i = 0; i < 8; ++i) {
+          const float q = static_cast<float>((packed[word] >> (4 * i)) & tandem::kNibble);
+          const float v = (q - z[g]) * s[g];
+          if (dtype == tandem::kFloat32) {
+            static_cast<float*>(w)[at + i] = v;
+          } else {
+            static_cast<uint16_t*>(w)[at + i] = tandem::float_to_bf16(v);
+          }
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,162 @@
+"""The 4-bit weight-only linear (W4A16: GPTQ and AWQ) on the CPU (``csrc/int4_linear.cpp``),
+reading the packed codes the layer keeps, in place of the torch reference, which turns the
+whole weight into floats on every call.
+
+Batches up to ``DECODE_ROWS`` rows (decode, and small mixed steps) run the fused kernel: each
+output row's codes are dequantized into a buffer in L1 and dotted with every activation row,
+so the weight is read as the packed codes, a quarter of bfloat16's bytes. Larger batches
+(prefill) have the C++ dequantize the whole weight in a pass and torch's GEMM take it: the
+pass is cheap beside a product of that many rows, and the GEMM library is faster there than a
+dot product per output.
+
+Both paths form each weight exactly as the reference does, ``(q - z) * s`` in float32 and
+rounded to bfloat16 for bfloat16 activations; the fused path sums in float32 in its own
+order. Layers quantized in activation order (``g_idx``) keep the reference: the kernel reads
+groups of consecutive inputs only. Built for AVX-512, AVX2 or plain loops by
+``TANDEM_CPU_ISA`` (``native_build``); ``TANDEM_INT4=torch`` keeps the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tandem.core.kernels.cpu.native_build import (
+    BASE_FLAGS,
+    CSRC,
+    IsaLevel,
+    KernelBuildError,
+    build_library,
+    compiled_path,
+    log_unbuilt,
+)
+from tandem.core.kernels.handle import NativeChoice
+from tandem.core.kernels.process_once import ProcessOnce
+from tandem.core.kernels.reference import int4_linear as reference
+
+logger = logging.getLogger(__name__)
+
+SOURCE = CSRC / "int4_linear.cpp"
+# Up to this many activation rows the fused kernel; above, dequantize and GEMM.
+DECODE_ROWS = 32
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+
+
+class NativeInt4Linear:
+    """The kernel library, with the reference's ``int4_linear`` signature."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        # avx512, avx2 or portable: the code path this build runs.
+        self.compiled_path = compiled_path(lib)
+        self._linear = lib.tandem_int4_linear
+        self._linear.argtypes = [_vp] * 6 + [_i64] * 6 + [_i32, _i32]
+        self._linear.restype = ctypes.c_int
+        self._dequantize = lib.tandem_int4_dequantize
+        self._dequantize.argtypes = [_vp] * 4 + [_i64] * 3 + [_i32, _i32]
+        self._dequantize.restype = ctypes.c_int
+
+    @staticmethod
+    def handles(dtype: torch.dtype) -> bool:
+        return dtype in _DTYPES
+
+    @staticmethod
+    def reads(codes: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None) -> bool:
+        """Whether the kernel reads this layer: groups of consecutive inputs, each a whole
+        number of packed words."""
+        inputs = codes.shape[1] * 8
+        groups = scales.shape[1]
+        return g_idx is None and groups > 0 and inputs % groups == 0 and (inputs // groups) % 8 == 0
+
+    def int4_linear(
+        self,
+        x: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        g_idx: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if x.dtype not in _DTYPES or not self.reads(codes, scales, g_idx):
+            return reference.int4_linear(x, codes, scales, zeros, g_idx, bias)
+        rows_out, words = codes.shape
+        inputs = words * 8
+        rows = x.reshape(-1, inputs)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        # Bound to names: a temporary's memory is freed as soon as its pointer is read.
+        codes_c = codes.contiguous()
+        # The reference rounds the scales to the activations' dtype first; so must we.
+        scales_c = scales.to(x.dtype).contiguous()
+        zeros_c = zeros.to(torch.uint8).contiguous()
+        dtype, threads = _DTYPES[x.dtype], torch.get_num_threads()
+        if rows.shape[0] > DECODE_ROWS:
+            weight = torch.empty(rows_out, inputs, dtype=x.dtype)
+            code = self._dequantize(
+                weight.data_ptr(), codes_c.data_ptr(), scales_c.data_ptr(), zeros_c.data_ptr(),
+                rows_out, inputs, scales_c.shape[1], dtype, threads,
+            )  # fmt: skip
+            self._check(code)
+            return F.linear(x, weight, bias)
+        bias_c = bias.to(x.dtype).contiguous() if bias is not None else None
+        out = torch.empty(rows.shape[0], rows_out, dtype=x.dtype)
+        code = self._linear(
+            out.data_ptr(), rows.data_ptr(), codes_c.data_ptr(), scales_c.data_ptr(),
+            zeros_c.data_ptr(), bias_c.data_ptr() if bias_c is not None else None,
+            rows.shape[0], rows_out, inputs, scales_c.shape[1], rows.stride(0), out.stride(0),
+            dtype, threads,
+        )  # fmt: skip
+        self._check(code)
+        return out.view(*x.shape[:-1], rows_out)
+
+    @staticmethod
+    def _check(code: int) -> None:
+        if code != 0:
+            raise ValueError(f"the native int4 linear kernel refused its arguments (code {code})")
+
+
+def load_native_int4_linear(
+    build_dir: Path | None = None, isa: IsaLevel | None = None
+) -> NativeInt4Linear | None:
+    """Build (if needed) and load the kernel (for the instruction sets ``isa`` allows, default
+    ``TANDEM_CPU_ISA``'s); None, with the reason logged, where it cannot be had."""
+    if os.environ.get("TANDEM_INT4", "").lower() == "torch":
+        logger.info("TANDEM_INT4=torch: 4-bit linears run the torch reference")
+        return None
+    try:
+        path = build_library(SOURCE, "tandem_int4_linear", BASE_FLAGS, build_dir, isa)
+        return NativeInt4Linear(path)
+    except (KernelBuildError, OSError) as exc:
+        log_unbuilt(
+            logger,
+            exc,
+            "no CPU 4-bit linear kernel (%s); W4A16 layers dequantize their whole weight "
+            "every call (the torch reference)",
+            exc,
+        )
+        return None
+
+
+# The process's kernel, built and loaded on first use.
+native_int4_linear = ProcessOnce(load_native_int4_linear)
+
+
+def native_int4_kernel() -> NativeChoice[torch.Tensor]:
+    """The CPU kernel for a dtype, where it is built (it falls back to the reference itself
+    for the layers it does not read)."""
+
+    def choose(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
+        kernel = native_int4_linear()
+        if kernel is None or not kernel.handles(dtype):
+            return None
+        return kernel.int4_linear
+
+    return choose
