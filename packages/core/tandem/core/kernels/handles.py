@@ -16,6 +16,7 @@ import torch
 
 from tandem.core.kernels.cpu import attention_groups as cpu_attention
 from tandem.core.kernels.cpu.elementwise import native_elementwise_kernel
+from tandem.core.kernels.cpu.int4_linear import native_int4_kernel
 from tandem.core.kernels.cpu.paged_attention import native_paged_attention
 from tandem.core.kernels.cpu.prefill_attention import native_prefill_attention
 from tandem.core.kernels.handle import KernelHandle
@@ -186,6 +187,7 @@ def int8_dequantize() -> KernelHandle[torch.Tensor]:
 
 def int4_linear() -> KernelHandle[torch.Tensor]:
     """A W4A16 linear (GPTQ 4-bit weights, float activations): codes packed once at load
-    into [N, K / 8] int32, per-group scales and zero points, dequantized on the fly. Only the
-    reference for now; a CPU kernel that reads the codes without a float copy joins here."""
-    return KernelHandle("int4_linear", int4_ref.int4_linear)
+    into [N, K / 8] int32, per-group scales and zero points, dequantized on the fly. On CPU
+    the native kernel reads the codes without a float copy of the weight (it keeps the
+    reference for layers in activation order)."""
+    return KernelHandle("int4_linear", int4_ref.int4_linear, native_int4_kernel())

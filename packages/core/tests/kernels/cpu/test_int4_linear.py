@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.core.kernels import handles
 from tandem.core.kernels.cpu.int4_linear import (
     DECODE_ROWS,
     NativeInt4Linear,
@@ -174,3 +175,13 @@ def test_the_bound_catches_a_one_step_defect(defect: str) -> None:
     got = kernel.int4_linear(x, codes, scales, zeros, None, None)
     w = dequantize_int4(codes, scales, zeros, None, torch.float32)
     assert not _within(got, want, _bound(x, w, None, want))
+
+
+def test_the_cpu_handle_picks_the_kernel() -> None:
+    chosen = handles.int4_linear().choose(["cpu"], torch.float32)
+    kernel = load_native_int4_linear()
+    if kernel is None:
+        assert chosen is int4_linear
+        return
+    assert getattr(chosen, "__func__", None) is NativeInt4Linear.int4_linear
+    assert handles.int4_linear().choose(["cpu"], torch.float16) is int4_linear

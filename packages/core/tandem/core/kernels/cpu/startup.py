@@ -28,6 +28,7 @@ from tandem.core.kernels.cpu.amx_linear import amx_linear
 from tandem.core.kernels.cpu.avx2_linear import avx2_linear
 from tandem.core.kernels.cpu.avx512_linear import avx512_linear
 from tandem.core.kernels.cpu.elementwise import native_elementwise
+from tandem.core.kernels.cpu.int4_linear import DECODE_ROWS, native_int4_linear
 from tandem.core.kernels.cpu.native_build import (
     find_cxx,
     kernel_cache_dir,
@@ -49,6 +50,7 @@ _LIBRARIES: tuple[tuple[str, Callable[[], Any]], ...] = (
     ("elementwise", native_elementwise),
     ("decode attention", native_paged_attention),
     ("prefill attention", native_prefill_attention),
+    ("int4 linear", native_int4_linear),
 )
 _FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 
@@ -147,6 +149,18 @@ def _library_choice(role: str, library: Any, fallback: str, why_fallback: str) -
     return KernelChoice(role, _native_path(library), "built for this CPU")
 
 
+def _int4_choice(no_library: str) -> KernelChoice:
+    role = "int4 linear (W4A16)"
+    kernel = native_int4_linear()
+    if kernel is None:
+        return KernelChoice(role, "torch reference (dequantizes the weight every call)", no_library)
+    why = (
+        f"fused up to {DECODE_ROWS} rows, dequantized then torch's GEMM above; layers in "
+        "activation order keep the reference"
+    )
+    return KernelChoice(role, _native_path(kernel), why)
+
+
 def build_report() -> CpuKernelReport:
     """The report of what the loaded libraries give (loading any not yet loaded)."""
     isa = selected_isa()
@@ -163,6 +177,7 @@ def build_report() -> CpuKernelReport:
         ),
         _library_choice("prefill attention", native_prefill_attention(), "torch SDPA", no_library),
         _library_choice("norms, rotary, SiLU", native_elementwise(), "torch, op by op", no_library),
+        _int4_choice(no_library),
     ]
     return CpuKernelReport(
         cpu=cpu_model(),
