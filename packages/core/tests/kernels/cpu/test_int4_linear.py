@@ -79,7 +79,7 @@ def _within(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> bool:
 # one word (8) up to one per channel; rows across the 8-row (4 on AVX2) blocks, and past
 # DECODE_ROWS (the dequantize-then-GEMM path).
 @pytest.mark.parametrize(
-    ("n", "k", "group"), [(64, 64, 32), (48, 200, 8), (40, 1024, 128), (16, 256, 256)]
+    ("n", "k", "group"), [(64, 64, 32), (48, 200, 8), (40, 1024, 128), (18, 256, 256)]
 )
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, DECODE_ROWS, DECODE_ROWS + 9])
 def test_products_match_the_reference_within_the_bound(
@@ -103,17 +103,22 @@ def test_products_match_the_reference_within_the_bound(
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_each_weight_is_the_reference_weight_bit_for_bit(level: str, dtype: torch.dtype) -> None:
-    """One-hot rows read the weights back through the fused path (a single nonzero term is
-    summed exactly), DECODE_ROWS at a time."""
+# A group per word (vector lanes of several groups), and a group per 128-input block (the
+# table lookup, straight into the FMAs for batches up to 4 rows, buffered above).
+@pytest.mark.parametrize(("n", "k", "group"), [(24, 200, 8), (20, 256, 128)])
+@pytest.mark.parametrize("batch", [1, 4, DECODE_ROWS])
+def test_each_weight_is_the_reference_weight_bit_for_bit(
+    level: str, dtype: torch.dtype, n: int, k: int, group: int, batch: int
+) -> None:
+    """One-hot rows read the weights back (a single nonzero term is summed exactly),
+    ``batch`` rows a call."""
     kernel = _kernel(level)
-    n, k = 24, 200
-    _, codes, scales, zeros = _layer(n, k, 8, dtype, seed=9)
+    _, codes, scales, zeros = _layer(n, k, group, dtype, seed=9)
     eye = torch.eye(k, dtype=dtype)
     got = torch.cat(
         [
-            kernel.int4_linear(eye[i : i + DECODE_ROWS], codes, scales, zeros, None, None)
-            for i in range(0, k, DECODE_ROWS)
+            kernel.int4_linear(eye[i : i + batch], codes, scales, zeros, None, None)
+            for i in range(0, k, batch)
         ]
     )
     assert torch.equal(got.t(), dequantize_int4(codes, scales, zeros, None, dtype))

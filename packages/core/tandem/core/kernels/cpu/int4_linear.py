@@ -2,9 +2,9 @@
 reading the packed codes the layer keeps, in place of the torch reference, which turns the
 whole weight into floats on every call.
 
-Batches up to ``DECODE_ROWS`` rows (decode, and small mixed steps) run the fused kernel: each
-output row's codes are dequantized into a buffer in L1 and dotted with every activation row,
-so the weight is read as the packed codes, a quarter of bfloat16's bytes. Larger batches
+Batches up to ``DECODE_ROWS`` rows (decode, and small mixed steps) run the fused kernel: the
+weight is read as the packed codes, a quarter of bfloat16's bytes, and turned into floats in
+registers (or in an L1 buffer) four output rows at a time (the source says how). Larger batches
 (prefill) have the C++ dequantize the whole weight in a pass and torch's GEMM take it: the
 pass is cheap beside a product of that many rows, and the GEMM library is faster there than a
 dot product per output.

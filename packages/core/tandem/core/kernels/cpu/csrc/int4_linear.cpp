@@ -4,12 +4,17 @@
 // uint8 [N, G], groups of K / G consecutive inputs.
 //
 // Why this shape: a decode step is bound by reading weights, and the packed codes are a
-// quarter of a bfloat16 weight's bytes, so each output row is dequantized once per call into
-// a small float buffer that stays in L1 and every activation row of the batch takes its dot
-// product from there. Its weights are the reference's, bit for bit: (q - z) is a small exact
-// integer, times s rounded once in float32, and rounded to bfloat16 once more for bfloat16
-// activations, as the reference's bfloat16 product rounds it. Only the summation order
-// differs (float32 sums, rounded to the output dtype at the end).
+// quarter of a bfloat16 weight's bytes, so the codes are read as they are and turned into
+// floats in registers, four output rows (a tile) at a time so each activation vector loaded
+// serves four FMAs. Where a block of 8 kLanes inputs has one group (AVX-512, group sizes a
+// multiple of 128: GPTQ's usual 128), the group's 16 possible weights form a table and each
+// nibble picks its lane with one permute, straight into the FMAs; otherwise (AVX2, the plain
+// loops, smaller groups) a tile's rows are dequantized into a small buffer that stays in L1
+// and every activation row of the batch takes its dot products from there. The weights are
+// the reference's, bit for bit: (q - z) is a small exact integer, times s rounded once in
+// float32, and rounded to bfloat16 once more for bfloat16 activations, as the reference's
+// bfloat16 product rounds it. Only the summation order differs (float32 sums, rounded to the
+// output dtype at the end).
 //
 // The vector paths read kLanes words at once (one vector) and take nibble i of every lane
 // together, so a block of 8 kLanes inputs comes out in the order i * kLanes + j for input
@@ -28,13 +33,17 @@
 namespace tandem {
 namespace {
 
+// A tile is kTileOutputs weight rows times kRowsTogether activation rows, one accumulator
+// each: every vector loaded serves several FMAs, so the activations (re-read for every tile)
+// come from L2 half as often as there are FMAs.
+constexpr int kTileOutputs = 4;
 #if TANDEM_COMPILED_ISA == 2
 constexpr int64_t kLanes = 16;
-constexpr int kRowsTogether = 8;
+constexpr int kRowsTogether = 4;
 #elif TANDEM_COMPILED_ISA == 1
 constexpr int64_t kLanes = 8;
-// Two accumulators a row: eight rows would take all sixteen AVX2 registers.
-constexpr int kRowsTogether = 4;
+// 4 x 2 accumulators, 4 weights and an activation: 13 of the 16 AVX2 registers.
+constexpr int kRowsTogether = 2;
 #else
 constexpr int64_t kLanes = 1;
 constexpr int kRowsTogether = 4;
@@ -84,6 +93,12 @@ inline __m512 round_bf16_vec(__m512 v) {
   return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(~0xFFFF)));
 }
 
+inline __m512 block_table(const Layer& L, float s, float z) {
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 table = _mm512_mul_ps(_mm512_sub_ps(codes, _mm512_set1_ps(z)), _mm512_set1_ps(s));
+  return L.dtype == kBFloat16 ? round_bf16_vec(table) : table;
+}
+
 // Block b of the row into out[0 .. kBlock), in the permuted order.
 inline void dequantize_block(const Layer& L, const int32_t* row, const float* s, const float* z,
                              const int32_t* word_group, int64_t b, float* out) {
@@ -91,22 +106,26 @@ inline void dequantize_block(const Layer& L, const int32_t* row, const float* s,
   const int64_t count = std::min<int64_t>(kLanes, L.words - first);
   const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
   const __m512i words = _mm512_maskz_loadu_epi32(mask, row + first);
-  __m512 vs, vz;
   if (L.group_inputs % kBlock == 0) {
+    // One group for the whole block: its 16 possible weights in a table, and each nibble
+    // picks its lane (vpermps reads the low four bits of each index: no mask needed).
     const int64_t g = b * kBlock / L.group_inputs;
-    vs = _mm512_set1_ps(s[g]);
-    vz = _mm512_set1_ps(z[g]);
-  } else {
-    const __m512i idx = _mm512_loadu_si512(word_group + first);
-    vs = _mm512_i32gather_ps(idx, s, 4);
-    vz = _mm512_i32gather_ps(idx, z, 4);
+    const __m512 table = block_table(L, s[g], z[g]);
+    for (int i = 0; i < 8; ++i) {
+      const __m512i q = _mm512_srli_epi32(words, 4 * i);
+      // Lanes past the last word are zeroed, so the padding adds exact zeros.
+      _mm512_storeu_ps(out + i * kLanes, _mm512_maskz_permutexvar_ps(mask, q, table));
+    }
+    return;
   }
+  const __m512i idx = _mm512_loadu_si512(word_group + first);
+  const __m512 vs = _mm512_i32gather_ps(idx, s, 4);
+  const __m512 vz = _mm512_i32gather_ps(idx, z, 4);
   const __m512i nibble = _mm512_set1_epi32(kNibble);
   for (int i = 0; i < 8; ++i) {
     const __m512i q = _mm512_and_si512(_mm512_srli_epi32(words, 4 * i), nibble);
     __m512 w = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(q), vz), vs);
     if (L.dtype == kBFloat16) w = round_bf16_vec(w);
-    // Lanes past the last word read zero codes; zeroed, so the padding adds exact zeros.
     _mm512_storeu_ps(out + i * kLanes, _mm512_maskz_mov_ps(mask, w));
   }
 }
@@ -173,42 +192,95 @@ inline void dequantize_block(const Layer& L, const int32_t* row, const float* s,
 
 #endif
 
-constexpr int64_t kVecLanes = kLanes;
-
-// Dot products of one dequantized row with R activation rows (permuted, `padded` long), two
-// accumulators each so consecutive FMAs do not wait on each other.
-template <int R>
-inline void dot_rows(const float* w, const float* x, int64_t padded, float* sums) {
-  Vec acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
-  // Blocks are whole even numbers of vectors (8 per block).
-  for (int64_t k = 0; k < padded; k += 2 * kVecLanes) {
-    const Vec w0 = vload(w + k);
-    const Vec w1 = vload(w + k + kVecLanes);
+// The dot products of T dequantized weight rows (`w`, rows `padded` apart) with R activation
+// rows (`x`, likewise): sums[t * R + r].
+template <int T, int R>
+inline void dot_tile(const float* w, const float* x, int64_t padded, float* sums) {
+  Vec acc[T][R];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = vzero();
+  for (int64_t k = 0; k < padded; k += kLanes) {
+    Vec wv[T];
+    for (int t = 0; t < T; ++t) wv[t] = vload(w + t * padded + k);
     for (int r = 0; r < R; ++r) {
-      acc[r][0] = vfma(w0, vload(x + r * padded + k), acc[r][0]);
-      acc[r][1] = vfma(w1, vload(x + r * padded + k + kVecLanes), acc[r][1]);
+      const Vec xv = vload(x + r * padded + k);
+      for (int t = 0; t < T; ++t) acc[t][r] = vfma(wv[t], xv, acc[t][r]);
     }
   }
-  for (int r = 0; r < R; ++r) sums[r] = vsum(acc[r][0]) + vsum(acc[r][1]);
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) sums[t * R + r] = vsum(acc[t][r]);
 }
 
+template <int T>
 inline void dot_some(int rows, const float* w, const float* x, int64_t padded, float* sums) {
   switch (rows) {
-    case 1: return dot_rows<1>(w, x, padded, sums);
-    case 2: return dot_rows<2>(w, x, padded, sums);
-    case 3: return dot_rows<3>(w, x, padded, sums);
-#if TANDEM_COMPILED_ISA == 2
-    case 4: return dot_rows<4>(w, x, padded, sums);
-    case 5: return dot_rows<5>(w, x, padded, sums);
-    case 6: return dot_rows<6>(w, x, padded, sums);
-    case 7: return dot_rows<7>(w, x, padded, sums);
-    default: return dot_rows<8>(w, x, padded, sums);
+    case 1: return dot_tile<T, 1>(w, x, padded, sums);
+#if TANDEM_COMPILED_ISA == 1
+    default: return dot_tile<T, 2>(w, x, padded, sums);
 #else
-    default: return dot_rows<4>(w, x, padded, sums);
+    case 2: return dot_tile<T, 2>(w, x, padded, sums);
+    case 3: return dot_tile<T, 3>(w, x, padded, sums);
+    default: return dot_tile<T, 4>(w, x, padded, sums);
 #endif
   }
 }
+
+#if TANDEM_COMPILED_ISA == 2
+
+// Layers with one group per block: the weights go from the codes through their group's
+// table straight into the FMAs, never stored (a store and reload cost more than the lookup,
+// so at decode sizes the lookup is repeated for every kRowsTogether activation rows). The same weights and the
+// same products as the buffered path, summed per lane in the same order.
+template <int T, int R>
+void fused_tile(const Layer& L, int64_t first, const float* x, const float* s, const float* z,
+                float* sums) {
+  __m512 acc[T][R];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+  const int64_t blocks = L.padded / kBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t word = b * kLanes;
+    const int64_t count = std::min<int64_t>(kLanes, L.words - word);
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
+    const int64_t g = b * kBlock / L.group_inputs;
+    for (int t = 0; t < T; ++t) {
+      const __m512i words = _mm512_maskz_loadu_epi32(mask, L.codes + (first + t) * L.words + word);
+      const __m512 table = block_table(L, s[t * L.groups + g], z[t * L.groups + g]);
+      for (int i = 0; i < 8; ++i) {
+        const __m512 w = _mm512_maskz_permutexvar_ps(mask, _mm512_srli_epi32(words, 4 * i), table);
+        for (int r = 0; r < R; ++r) {
+          acc[t][r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * L.padded + b * kBlock + i * kLanes),
+                                      acc[t][r]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) sums[t * R + r] = _mm512_reduce_add_ps(acc[t][r]);
+}
+
+template <int T>
+void fused_some(int rows, const Layer& L, int64_t first, const float* x, const float* s,
+                const float* z, float* sums) {
+  switch (rows) {
+    case 1: return fused_tile<T, 1>(L, first, x, s, z, sums);
+    case 2: return fused_tile<T, 2>(L, first, x, s, z, sums);
+    case 3: return fused_tile<T, 3>(L, first, x, s, z, sums);
+    default: return fused_tile<T, 4>(L, first, x, s, z, sums);
+  }
+}
+
+// Whether fused_tile serves this call.
+inline bool fused(const Layer& L) { return L.group_inputs % kBlock == 0; }
+
+#else
+
+inline bool fused(const Layer&) { return false; }
+
+template <int T>
+void fused_some(int, const Layer&, int64_t, const float*, const float*, const float*, float*) {}
+
+#endif
 
 // Activation row m in the permuted block order, as float32, zero past K.
 void permute_rows(const void* x, int64_t m, int64_t ldx, const Layer& L, float* out,
@@ -255,6 +327,7 @@ int tandem_int4_linear(void* y, const void* x, const int32_t* codes, const void*
                        int32_t threads) {
   const Layer L = tandem::make_layer(codes, scales, zeros, n, k, groups, dtype);
   if (const int code = tandem::check(L)) return code;
+  if (m == 0 || n == 0) return 0;
   threads = std::max(1, threads);
   std::vector<float> xp(static_cast<size_t>(m * L.padded));
   tandem::permute_rows(x, m, ldx, L, xp.data(), threads);
@@ -262,32 +335,75 @@ int tandem_int4_linear(void* y, const void* x, const int32_t* codes, const void*
   const int64_t blocks = L.padded / tandem::kBlock;
   std::vector<int32_t> word_group(static_cast<size_t>(blocks * tandem::kLanes), 0);
   for (int64_t w = 0; w < L.words; ++w) word_group[w] = static_cast<int32_t>(8 * w / L.group_inputs);
+  const int64_t tiles = (n + tandem::kTileOutputs - 1) / tandem::kTileOutputs;
+  const bool registers_only = tandem::fused(L);
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> wrow(static_cast<size_t>(L.padded));
-    std::vector<float> s(static_cast<size_t>(L.groups)), z(static_cast<size_t>(L.groups));
-    float sums[tandem::kRowsTogether];
-#pragma omp for schedule(static)
-    for (int64_t row = 0; row < n; ++row) {
-      tandem::row_groups(L, row, s.data(), z.data());
-      const int32_t* packed = codes + row * L.words;
-      for (int64_t b = 0; b < blocks; ++b) {
-        tandem::dequantize_block(L, packed, s.data(), z.data(), word_group.data(), b,
-                                 wrow.data() + b * tandem::kBlock);
-      }
-      const float add = bias ? tandem::scalar_at(bias, row, dtype) : 0.0f;
-      for (int64_t r0 = 0; r0 < m; r0 += tandem::kRowsTogether) {
-        const int rows = static_cast<int>(std::min<int64_t>(tandem::kRowsTogether, m - r0));
-        tandem::dot_some(rows, wrow.data(), xp.data() + r0 * L.padded, L.padded, sums);
+    std::vector<float> wrows(static_cast<size_t>(tandem::kTileOutputs * L.padded));
+    std::vector<float> s(static_cast<size_t>(tandem::kTileOutputs * L.groups));
+    std::vector<float> z(s.size());
+    float sums[tandem::kTileOutputs * tandem::kRowsTogether];
+    // Outputs first .. first + outputs of activation rows r0 .. r0 + rows, from sums.
+    const auto write = [&](int64_t first, int outputs, int64_t r0, int rows) {
+      for (int t = 0; t < outputs; ++t) {
+        const int64_t col = first + t;
+        const float add = bias ? tandem::scalar_at(bias, col, dtype) : 0.0f;
         for (int r = 0; r < rows; ++r) {
-          const int64_t at = (r0 + r) * ldy + row;
-          const float v = sums[r] + add;
+          const int64_t at = (r0 + r) * ldy + col;
+          const float v = sums[t * rows + r] + add;
           if (dtype == tandem::kFloat32) {
             static_cast<float*>(y)[at] = v;
           } else {
             static_cast<uint16_t*>(y)[at] = tandem::float_to_bf16(v);
           }
         }
+      }
+    };
+#pragma omp for schedule(static)
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      const int64_t first = tile * tandem::kTileOutputs;
+      const int outputs = static_cast<int>(std::min<int64_t>(tandem::kTileOutputs, n - first));
+      if (registers_only) {
+        for (int t = 0; t < outputs; ++t) {
+          tandem::row_groups(L, first + t, s.data() + t * L.groups, z.data() + t * L.groups);
+        }
+        // The tile's codes stay in L1 from one batch chunk to the next.
+        for (int64_t r0 = 0; r0 < m; r0 += tandem::kRowsTogether) {
+          const int rows = static_cast<int>(std::min<int64_t>(tandem::kRowsTogether, m - r0));
+          const float* xs = xp.data() + r0 * L.padded;
+          if (outputs == tandem::kTileOutputs) {
+            tandem::fused_some<tandem::kTileOutputs>(rows, L, first, xs, s.data(), z.data(),
+                                                     sums);
+          } else {
+            for (int t = 0; t < outputs; ++t) {
+              tandem::fused_some<1>(rows, L, first + t, xs, s.data() + t * L.groups,
+                                    z.data() + t * L.groups, sums + t * rows);
+            }
+          }
+          write(first, outputs, r0, rows);
+        }
+        continue;
+      }
+      for (int t = 0; t < outputs; ++t) {
+        tandem::row_groups(L, first + t, s.data(), z.data());
+        const int32_t* packed = codes + (first + t) * L.words;
+        float* dst = wrows.data() + t * L.padded;
+        for (int64_t b = 0; b < blocks; ++b) {
+          tandem::dequantize_block(L, packed, s.data(), z.data(), word_group.data(), b,
+                                   dst + b * tandem::kBlock);
+        }
+      }
+      for (int64_t r0 = 0; r0 < m; r0 += tandem::kRowsTogether) {
+        const int rows = static_cast<int>(std::min<int64_t>(tandem::kRowsTogether, m - r0));
+        const float* xs = xp.data() + r0 * L.padded;
+        if (outputs == tandem::kTileOutputs) {
+          tandem::dot_some<tandem::kTileOutputs>(rows, wrows.data(), xs, L.padded, sums);
+        } else {
+          for (int t = 0; t < outputs; ++t) {
+            tandem::dot_some<1>(rows, wrows.data() + t * L.padded, xs, L.padded, sums + t * rows);
+          }
+        }
+        write(first, outputs, r0, rows);
       }
     }
   }
