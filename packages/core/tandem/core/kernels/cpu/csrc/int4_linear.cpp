@@ -51,6 +51,8 @@ constexpr int kRowsTogether = 4;
 // Inputs per block: one vector of words, eight codes a word.
 constexpr int64_t kBlock = 8 * kLanes;
 constexpr int32_t kNibble = 0xF;
+// Activation elements from which their permutation runs on every thread.
+constexpr int64_t kParallelPermute = 1 << 16;
 
 struct Layer {
   const int32_t* codes;
@@ -285,7 +287,8 @@ void fused_some(int, const Layer&, int64_t, const float*, const float*, const fl
 // Activation row m in the permuted block order, as float32, zero past K.
 void permute_rows(const void* x, int64_t m, int64_t ldx, const Layer& L, float* out,
                   int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
+  // A decode step's few rows are not worth waking the other threads for.
+#pragma omp parallel for num_threads(threads) schedule(static) if (m * L.padded >= kParallelPermute)
   for (int64_t r = 0; r < m; ++r) {
     float* dst = out + r * L.padded;
     for (int64_t p = 0; p < L.padded; ++p) {
