@@ -106,12 +106,12 @@ def test_products_match_the_reference_within_the_bound(
 # A group per word (vector lanes of several groups), and a group per 128-input block (the
 # table lookup, straight into the FMAs for batches up to 4 rows, buffered above).
 @pytest.mark.parametrize(("n", "k", "group"), [(24, 200, 8), (20, 256, 128)])
-@pytest.mark.parametrize("batch", [1, 4, DECODE_ROWS])
+@pytest.mark.parametrize("batch", [1, 4, DECODE_ROWS, DECODE_ROWS + 1])
 def test_each_weight_is_the_reference_weight_bit_for_bit(
     level: str, dtype: torch.dtype, n: int, k: int, group: int, batch: int
 ) -> None:
     """One-hot rows read the weights back (a single nonzero term is summed exactly),
-    ``batch`` rows a call."""
+    ``batch`` rows a call (above DECODE_ROWS: the dequantized weight through torch's GEMM)."""
     kernel = _kernel(level)
     _, codes, scales, zeros = _layer(n, k, group, dtype, seed=9)
     eye = torch.eye(k, dtype=dtype)

@@ -284,6 +284,59 @@ void fused_some(int, const Layer&, int64_t, const float*, const float*, const fl
 
 #endif
 
+// Row `row` of the weight, in natural input order, into out[at ..] in the layer's dtype.
+inline void dequantize_row_scalar(const Layer& L, const int32_t* row, const float* s,
+                                  const float* z, void* out, int64_t at) {
+  for (int64_t word = 0; word < L.words; ++word) {
+    const int64_t g = 8 * word / L.group_inputs;
+    for (int i = 0; i < 8; ++i) {
+      const float q = static_cast<float>((row[word] >> (4 * i)) & kNibble);
+      const float v = (q - z[g]) * s[g];
+      if (L.dtype == kFloat32) {
+        static_cast<float*>(out)[at + 8 * word + i] = v;
+      } else {
+        static_cast<uint16_t*>(out)[at + 8 * word + i] = float_to_bf16(v);
+      }
+    }
+  }
+}
+
+#if TANDEM_COMPILED_ISA == 2
+
+// Groups of whole 16-input runs: two words (8 bytes) at a time, low and high nibbles
+// interleaved back into input order, then looked up in the group's table.
+inline void dequantize_row(const Layer& L, const int32_t* row, const float* s, const float* z,
+                           void* out, int64_t at) {
+  if (L.group_inputs % 16) return dequantize_row_scalar(L, row, s, z, out, at);
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < L.groups; ++g) {
+    const __m512 table = block_table(L, s[g], z[g]);
+    for (int64_t k = g * L.group_inputs; k < (g + 1) * L.group_inputs; k += 16) {
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 8));
+      const __m128i even = _mm_and_si128(raw, low);
+      const __m128i odd = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+      const __m512i q = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(even, odd));
+      const __m512 v = _mm512_permutexvar_ps(q, table);
+      if (L.dtype == kFloat32) {
+        _mm512_storeu_ps(static_cast<float*>(out) + at + k, v);
+      } else {
+        // The table holds bfloat16 values already: their top halves are exact.
+        const __m256i top = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + at + k), top);
+      }
+    }
+  }
+}
+
+#else
+
+inline void dequantize_row(const Layer& L, const int32_t* row, const float* s, const float* z,
+                           void* out, int64_t at) {
+  dequantize_row_scalar(L, row, s, z, out, at);
+}
+
+#endif
+
 // Activation row m in the permuted block order, as float32, zero past K.
 void permute_rows(const void* x, int64_t m, int64_t ldx, const Layer& L, float* out,
                   int threads) {
@@ -426,20 +479,7 @@ int tandem_int4_dequantize(void* w, const int32_t* codes, const void* scales,
 #pragma omp for schedule(static)
     for (int64_t row = 0; row < n; ++row) {
       tandem::row_groups(L, row, s.data(), z.data());
-      const int32_t* packed = codes + row * L.words;
-      for (int64_t word = 0; word < L.words; ++word) {
-        const int64_t g = 8 * word / L.group_inputs;
-        const int64_t at = row * k + 8 * word;
-        for (int i = 0; i < 8; ++i) {
-          const float q = static_cast<float>((packed[word] >> (4 * i)) & tandem::kNibble);
-          const float v = (q - z[g]) * s[g];
-          if (dtype == tandem::kFloat32) {
-            static_cast<float*>(w)[at + i] = v;
-          } else {
-            static_cast<uint16_t*>(w)[at + i] = tandem::float_to_bf16(v);
-          }
-        }
-      }
+      tandem::dequantize_row(L, codes + row * L.words, s.data(), z.data(), w, row * k);
     }
   }
   return 0;
