@@ -6,15 +6,17 @@
 // Why this shape: a decode step is bound by reading weights, and the packed codes are a
 // quarter of a bfloat16 weight's bytes, so the codes are read as they are and turned into
 // floats in registers, four output rows (a tile) at a time so each activation vector loaded
-// serves four FMAs. Where a block of 8 kLanes inputs has one group (AVX-512, group sizes a
+// serves four FMAs. Where a block of 8 kLanes inputs has one group on AVX-512 (group sizes a
 // multiple of 128: GPTQ's usual 128), the group's 16 possible weights form a table and each
-// nibble picks its lane with one permute, straight into the FMAs; otherwise (AVX2, the plain
-// loops, smaller groups) a tile's rows are dequantized into a small buffer that stays in L1
-// and every activation row of the batch takes its dot products from there. The weights are
-// the reference's, bit for bit: (q - z) is a small exact integer, times s rounded once in
-// float32, and rounded to bfloat16 once more for bfloat16 activations, as the reference's
-// bfloat16 product rounds it. Only the summation order differs (float32 sums, rounded to the
-// output dtype at the end).
+// nibble picks its lane with one permute; otherwise each lane's weight is (q - z) * s. The
+// weights go straight into the FMAs for batches of up to kRowsTogether rows (and for the
+// AVX-512 table at any decode batch, the lookup being cheaper than a store and reload);
+// larger batches on the other paths dequantize a tile into a buffer that stays in L1 and
+// every activation row takes its dot products from there. The weights are the reference's,
+// bit for bit: (q - z) is a small exact integer, times s rounded once in float32, and
+// rounded to bfloat16 once more for bfloat16 activations, as the reference's bfloat16
+// product rounds it. Only the summation order differs (float32 sums, rounded to the output
+// dtype at the end).
 //
 // The vector paths read kLanes words at once (one vector) and take nibble i of every lane
 // together, so a block of 8 kLanes inputs comes out in the order i * kLanes + j for input
@@ -101,9 +103,12 @@ inline __m512 block_table(const Layer& L, float s, float z) {
   return L.dtype == kBFloat16 ? round_bf16_vec(table) : table;
 }
 
-// Block b of the row into out[0 .. kBlock), in the permuted order.
-inline void dequantize_block(const Layer& L, const int32_t* row, const float* s, const float* z,
-                             const int32_t* word_group, int64_t b, float* out) {
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+
+// The weights of block b of a row, in the permuted order: w[i] holds nibble i of each word.
+// Lanes past the last word are zero, so the padding adds exact zeros.
+inline void block_weights(const Layer& L, const int32_t* row, const float* s, const float* z,
+                          const int32_t* word_group, int64_t b, Vec (&w)[8]) {
   const int64_t first = b * kLanes;
   const int64_t count = std::min<int64_t>(kLanes, L.words - first);
   const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
@@ -114,9 +119,7 @@ inline void dequantize_block(const Layer& L, const int32_t* row, const float* s,
     const int64_t g = b * kBlock / L.group_inputs;
     const __m512 table = block_table(L, s[g], z[g]);
     for (int i = 0; i < 8; ++i) {
-      const __m512i q = _mm512_srli_epi32(words, 4 * i);
-      // Lanes past the last word are zeroed, so the padding adds exact zeros.
-      _mm512_storeu_ps(out + i * kLanes, _mm512_maskz_permutexvar_ps(mask, q, table));
+      w[i] = _mm512_maskz_permutexvar_ps(mask, _mm512_srli_epi32(words, 4 * i), table);
     }
     return;
   }
@@ -126,9 +129,9 @@ inline void dequantize_block(const Layer& L, const int32_t* row, const float* s,
   const __m512i nibble = _mm512_set1_epi32(kNibble);
   for (int i = 0; i < 8; ++i) {
     const __m512i q = _mm512_and_si512(_mm512_srli_epi32(words, 4 * i), nibble);
-    __m512 w = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(q), vz), vs);
-    if (L.dtype == kBFloat16) w = round_bf16_vec(w);
-    _mm512_storeu_ps(out + i * kLanes, _mm512_maskz_mov_ps(mask, w));
+    __m512 v = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(q), vz), vs);
+    if (L.dtype == kBFloat16) v = round_bf16_vec(v);
+    w[i] = _mm512_maskz_mov_ps(mask, v);
   }
 }
 
@@ -147,8 +150,10 @@ inline __m256 round_bf16_vec(__m256 v) {
   return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(~0xFFFF)));
 }
 
-inline void dequantize_block(const Layer& L, const int32_t* row, const float* s, const float* z,
-                             const int32_t* word_group, int64_t b, float* out) {
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+
+inline void block_weights(const Layer& L, const int32_t* row, const float* s, const float* z,
+                          const int32_t* word_group, int64_t b, Vec (&w)[8]) {
   const int64_t first = b * kLanes;
   const int64_t count = std::min<int64_t>(kLanes, L.words - first);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -167,9 +172,9 @@ inline void dequantize_block(const Layer& L, const int32_t* row, const float* s,
   const __m256i nibble = _mm256_set1_epi32(kNibble);
   for (int i = 0; i < 8; ++i) {
     const __m256i q = _mm256_and_si256(_mm256_srli_epi32(words, 4 * i), nibble);
-    __m256 w = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(q), vz), vs);
-    if (L.dtype == kBFloat16) w = round_bf16_vec(w);
-    _mm256_storeu_ps(out + i * kLanes, _mm256_and_ps(w, _mm256_castsi256_ps(mask)));
+    __m256 v = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(q), vz), vs);
+    if (L.dtype == kBFloat16) v = round_bf16_vec(v);
+    w[i] = _mm256_and_ps(v, _mm256_castsi256_ps(mask));
   }
 }
 
@@ -181,18 +186,28 @@ inline Vec vload(const float* p) { return *p; }
 inline Vec vfma(Vec a, Vec b, Vec c) { return a * b + c; }
 inline float vsum(Vec v) { return v; }
 
+inline void vstore(float* p, Vec v) { *p = v; }
+
 // One word a block: the permuted order is the natural one.
-inline void dequantize_block(const Layer& L, const int32_t* row, const float* s, const float* z,
-                             const int32_t* word_group, int64_t b, float* out) {
+inline void block_weights(const Layer& L, const int32_t* row, const float* s, const float* z,
+                          const int32_t* word_group, int64_t b, Vec (&w)[8]) {
   const int32_t g = word_group[b];
   for (int i = 0; i < 8; ++i) {
     const float q = static_cast<float>((row[b] >> (4 * i)) & kNibble);
-    const float w = (q - z[g]) * s[g];
-    out[i] = L.dtype == kBFloat16 ? round_bf16(w) : w;
+    const float v = (q - z[g]) * s[g];
+    w[i] = L.dtype == kBFloat16 ? round_bf16(v) : v;
   }
 }
 
 #endif
+
+// Block b of a row into out[0 .. kBlock), in the permuted order.
+inline void dequantize_block(const Layer& L, const int32_t* row, const float* s, const float* z,
+                             const int32_t* word_group, int64_t b, float* out) {
+  Vec w[8];
+  block_weights(L, row, s, z, word_group, b, w);
+  for (int i = 0; i < 8; ++i) vstore(out + i * kLanes, w[i]);
+}
 
 // The dot products of T dequantized weight rows (`w`, rows `padded` apart) with R activation
 // rows (`x`, likewise): sums[t * R + r].
@@ -227,62 +242,54 @@ inline void dot_some(int rows, const float* w, const float* x, int64_t padded, f
   }
 }
 
-#if TANDEM_COMPILED_ISA == 2
-
-// Layers with one group per block: the weights go from the codes through their group's
-// table straight into the FMAs, never stored (a store and reload cost more than the lookup,
-// so at decode sizes the lookup is repeated for every kRowsTogether activation rows). The same weights and the
-// same products as the buffered path, summed per lane in the same order.
+// The products of T weight rows (from `first`) with R activation rows, the weights going
+// from the codes straight into the FMAs, never stored: the same weights and products as
+// dequantize_block then dot_tile, summed per lane in the same order. `s` and `z` hold each
+// row's groups, `L.groups` apart.
 template <int T, int R>
 void fused_tile(const Layer& L, int64_t first, const float* x, const float* s, const float* z,
-                float* sums) {
-  __m512 acc[T][R];
+                const int32_t* word_group, float* sums) {
+  Vec acc[T][R];
   for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[t][r] = vzero();
   const int64_t blocks = L.padded / kBlock;
   for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t word = b * kLanes;
-    const int64_t count = std::min<int64_t>(kLanes, L.words - word);
-    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
-    const int64_t g = b * kBlock / L.group_inputs;
     for (int t = 0; t < T; ++t) {
-      const __m512i words = _mm512_maskz_loadu_epi32(mask, L.codes + (first + t) * L.words + word);
-      const __m512 table = block_table(L, s[t * L.groups + g], z[t * L.groups + g]);
+      Vec w[8];
+      block_weights(L, L.codes + (first + t) * L.words, s + t * L.groups, z + t * L.groups,
+                    word_group, b, w);
       for (int i = 0; i < 8; ++i) {
-        const __m512 w = _mm512_maskz_permutexvar_ps(mask, _mm512_srli_epi32(words, 4 * i), table);
         for (int r = 0; r < R; ++r) {
-          acc[t][r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * L.padded + b * kBlock + i * kLanes),
-                                      acc[t][r]);
+          acc[t][r] = vfma(w[i], vload(x + r * L.padded + b * kBlock + i * kLanes), acc[t][r]);
         }
       }
     }
   }
   for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) sums[t * R + r] = _mm512_reduce_add_ps(acc[t][r]);
+    for (int r = 0; r < R; ++r) sums[t * R + r] = vsum(acc[t][r]);
 }
 
 template <int T>
 void fused_some(int rows, const Layer& L, int64_t first, const float* x, const float* s,
-                const float* z, float* sums) {
+                const float* z, const int32_t* word_group, float* sums) {
   switch (rows) {
-    case 1: return fused_tile<T, 1>(L, first, x, s, z, sums);
-    case 2: return fused_tile<T, 2>(L, first, x, s, z, sums);
-    case 3: return fused_tile<T, 3>(L, first, x, s, z, sums);
-    default: return fused_tile<T, 4>(L, first, x, s, z, sums);
+    case 1: return fused_tile<T, 1>(L, first, x, s, z, word_group, sums);
+#if TANDEM_COMPILED_ISA == 1
+    default: return fused_tile<T, 2>(L, first, x, s, z, word_group, sums);
+#else
+    case 2: return fused_tile<T, 2>(L, first, x, s, z, word_group, sums);
+    case 3: return fused_tile<T, 3>(L, first, x, s, z, word_group, sums);
+    default: return fused_tile<T, 4>(L, first, x, s, z, word_group, sums);
+#endif
   }
 }
 
-// Whether fused_tile serves this call.
-inline bool fused(const Layer& L) { return L.group_inputs % kBlock == 0; }
-
-#else
-
-inline bool fused(const Layer&) { return false; }
-
-template <int T>
-void fused_some(int, const Layer&, int64_t, const float*, const float*, const float*, float*) {}
-
-#endif
+// Whether the weights go straight into the FMAs: always for the AVX-512 table (a store and
+// reload cost more than the lookup, so it is repeated for every kRowsTogether activation
+// rows), else for batches of one row block (larger ones reuse each stored weight).
+inline bool fused(const Layer& L, int64_t m) {
+  return m <= kRowsTogether || (TANDEM_COMPILED_ISA == 2 && L.group_inputs % kBlock == 0);
+}
 
 // Row `row` of the weight, in natural input order, into out[at ..] in the layer's dtype.
 inline void dequantize_row_scalar(const Layer& L, const int32_t* row, const float* s,
@@ -392,7 +399,7 @@ int tandem_int4_linear(void* y, const void* x, const int32_t* codes, const void*
   std::vector<int32_t> word_group(static_cast<size_t>(blocks * tandem::kLanes), 0);
   for (int64_t w = 0; w < L.words; ++w) word_group[w] = static_cast<int32_t>(8 * w / L.group_inputs);
   const int64_t tiles = (n + tandem::kTileOutputs - 1) / tandem::kTileOutputs;
-  const bool registers_only = tandem::fused(L);
+  const bool registers_only = tandem::fused(L, m);
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> wrows(static_cast<size_t>(tandem::kTileOutputs * L.padded));
@@ -429,11 +436,11 @@ int tandem_int4_linear(void* y, const void* x, const int32_t* codes, const void*
           const float* xs = xp.data() + r0 * L.padded;
           if (outputs == tandem::kTileOutputs) {
             tandem::fused_some<tandem::kTileOutputs>(rows, L, first, xs, s.data(), z.data(),
-                                                     sums);
+                                                     word_group.data(), sums);
           } else {
             for (int t = 0; t < outputs; ++t) {
               tandem::fused_some<1>(rows, L, first + t, xs, s.data() + t * L.groups,
-                                    z.data() + t * L.groups, sums + t * rows);
+                                    z.data() + t * L.groups, word_group.data(), sums + t * rows);
             }
           }
           write(first, outputs, r0, rows);
