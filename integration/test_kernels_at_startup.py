@@ -89,6 +89,7 @@ def test_doctor_reports_the_kernels_chosen_and_a_bad_level() -> None:
     )  # fmt: skip
     assert doctor.returncode == 0, doctor.stderr[-3000:]
     assert "CPU kernels on" in doctor.stdout and "native, built for" in doctor.stdout
+    assert "int4 linear (W4A16)" in doctor.stdout
     bad = subprocess.run(
         [sys.executable, "-m", "tandem.server.cli.main", "doctor"],
         capture_output=True, text=True, timeout=300, check=False,
