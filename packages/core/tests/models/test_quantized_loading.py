@@ -148,3 +148,46 @@ def test_the_written_folder_is_what_llm_compressor_writes(quantized: Path) -> No
     assert tensors["model.embed_tokens.weight"].dtype is torch.float32
     assert tensors["model.norm.weight"].dtype is torch.float32
     assert (quantized / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_the_cpu_int8_kernel_generates_what_the_reference_does(
+    static: bool,
+    quantized: Path,
+    tmp_path: Path,
+    make_engine: Callable[..., LLMEngine],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The native kernel over weights packed at load against the torch reference over the
+    plain weights: the same logits bit for bit, so the same greedy tokens."""
+    from tandem.core.kernels.cpu.int8_gemm import native_int8
+    from tandem.core.kernels.reference import int8_linear as int8_ref
+    from tandem.core.layers.int8_packing import pack_int8_weights
+    from tandem.core.layers.quantized_linear import QuantizableLinear
+
+    if native_int8() is None:
+        pytest.skip("no CPU int8 kernel here (no compiler, or TANDEM_INT8=torch)")
+    folder = _static(quantized, tmp_path / "static") if static else quantized
+    packed: list[int] = []
+
+    def pack(model: torch.nn.Module, device: torch.device) -> int:
+        packed.append(pack_int8_weights(model, device))
+        return packed[-1]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loader, "pack_int8_weights", pack)
+        got = _generate(make_engine(folder))
+    # qkv, o, gate_up and down of both layers: every projection served by the kernel.
+    assert packed == [2 * 4]
+
+    def reference(
+        self: QuantizableLinear, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        assert self.weight_scale is not None and self.int8_packed is None
+        scale = self.input_scale.max() if self.input_scale is not None else None
+        return int8_ref.int8_linear(x, self.weight, self.weight_scale, scale, bias)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loader, "pack_int8_weights", lambda *a: 0)
+        patch.setattr(QuantizableLinear, "matmul", reference)
+        assert _generate(make_engine(folder)) == got

@@ -17,6 +17,7 @@ import torch
 from tandem.core.kernels.cpu import attention_groups as cpu_attention
 from tandem.core.kernels.cpu.elementwise import native_elementwise_kernel
 from tandem.core.kernels.cpu.int4_linear import native_int4_kernel
+from tandem.core.kernels.cpu.int8_gemm import native_int8_kernel
 from tandem.core.kernels.cpu.paged_attention import native_paged_attention
 from tandem.core.kernels.cpu.prefill_attention import native_prefill_attention
 from tandem.core.kernels.handle import KernelHandle
@@ -164,25 +165,27 @@ def moe_topk_softmax() -> KernelHandle[Pair]:
 
 def int8_linear() -> KernelHandle[torch.Tensor]:
     """A W8A8 linear: int8 weights [N, K] with per-channel scales, activations quantized per
-    token (or with a given scale) inside the kernel, int32 accumulation. Only the reference
-    for now; a CPU (VNNI / AMX-INT8) or NPU kernel joins here with the same arguments."""
-    return KernelHandle("int8_linear", int8_ref.int8_linear)
+    token (or with a given scale) inside the kernel, int32 accumulation. On CPU the native
+    kernel (AVX512-VNNI, AVX2 or plain loops) over weights packed at load, bit for bit the
+    reference; an NPU kernel joins here with the same arguments."""
+    return KernelHandle("int8_linear", int8_ref.int8_linear, native_int8_kernel("linear"))
 
 
 def int8_quantize() -> KernelHandle[Pair]:
     """Activations to int8 codes and their scales: the first step of ``int8_linear``, apart
     where the int32 sums cross ranks before they are scaled (row-parallel layers)."""
-    return KernelHandle("int8_quantize", int8_ref.quantize_int8)
+    return KernelHandle("int8_quantize", int8_ref.quantize_int8, native_int8_kernel("quantize"))
 
 
 def int8_matmul() -> KernelHandle[torch.Tensor]:
     """int8 codes times int8 weights, exact int32 sums."""
-    return KernelHandle("int8_matmul", int8_ref.int8_matmul)
+    return KernelHandle("int8_matmul", int8_ref.int8_matmul, native_int8_kernel("matmul"))
 
 
 def int8_dequantize() -> KernelHandle[torch.Tensor]:
     """int32 sums times the activation and weight scales, plus the bias."""
-    return KernelHandle("int8_dequantize", int8_ref.dequantize)
+    native = native_int8_kernel("dequantize")
+    return KernelHandle("int8_dequantize", int8_ref.dequantize, native)
 
 
 def int4_linear() -> KernelHandle[torch.Tensor]:

@@ -17,6 +17,7 @@ from torch import nn
 
 from tandem.collectives import ProcessGroup, ReduceOp
 from tandem.core.kernels import handles
+from tandem.core.kernels.cpu.int8_gemm import PackedInt8Weight
 from tandem.core.kernels.cpu.packed_linear import PackableLinear
 from tandem.core.layers.int4_weights import Int4Parameters, Split
 from tandem.core.layers.quant_scheme import QuantScheme, W4A16Scheme
@@ -36,6 +37,9 @@ class QuantizableLinear(PackableLinear):
     weight_scale: nn.Parameter | None
     input_scale: nn.Parameter | None
     int4: Int4Parameters | None = None
+    # The int8 weight in the CPU int8 kernel's layout, where it was packed at load
+    # (``int8_packing``); ``weight`` is then empty.
+    int8_packed: PackedInt8Weight | None = None
 
     def make_weight(
         self,
@@ -123,7 +127,10 @@ class QuantizableLinear(PackableLinear):
         if weight_scale is None:
             return super().matmul(x, bias)
         static = self.input_scale.max() if self.input_scale is not None else None
-        return self._int8_linear(x, self.weight, weight_scale, static, bias)
+        return self._int8_linear(x, self._int8_weight(), weight_scale, static, bias)
+
+    def _int8_weight(self) -> torch.Tensor | PackedInt8Weight:
+        return self.weight if self.int8_packed is None else self.int8_packed
 
     def reduced_int8_matmul(
         self, x: torch.Tensor, bias: torch.Tensor | None, group: ProcessGroup
@@ -139,7 +146,7 @@ class QuantizableLinear(PackableLinear):
         if static is None:
             absmax = group.all_reduce(x.float().abs().amax(dim=-1, keepdim=True), ReduceOp.MAX)
         q, scale = self._int8_quantize(x, static, absmax)
-        acc = group.all_reduce(self._int8_matmul(q, self.weight))
+        acc = group.all_reduce(self._int8_matmul(q, self._int8_weight()))
         return self._int8_dequantize(acc, scale, self.weight_scale, bias, x.dtype)
 
     def load_input_scale(self, loaded: LazyTensor, slot: int, name: str) -> None:

@@ -18,6 +18,7 @@ from tandem.collectives import ProcessGroup
 from tandem.core.errors import ModelLoadError
 from tandem.core.kernels.cpu.packed_linear import pack_linear_weights
 from tandem.core.layers.fused_moe import pack_expert_weights
+from tandem.core.layers.int8_packing import pack_int8_weights
 from tandem.core.layers.quantized_linear import QuantizableLinear
 from tandem.core.layers.weights import LazyTensor
 from tandem.core.models.causal_lm import CausalLM
@@ -169,6 +170,7 @@ def _load(
     if _cpu_kernels_serve():
         pack_linear_weights(model, device, dtype)
         pack_expert_weights(model, device, dtype)
+        pack_int8_weights(model, device)
     logger.info(
         "loaded %s (%s, %d layers) in %s", folder, config.architecture, config.num_layers, dtype
     )

@@ -29,6 +29,7 @@ from tandem.core.kernels.cpu.avx2_linear import avx2_linear
 from tandem.core.kernels.cpu.avx512_linear import avx512_linear
 from tandem.core.kernels.cpu.elementwise import native_elementwise
 from tandem.core.kernels.cpu.int4_linear import DECODE_ROWS, native_int4_linear
+from tandem.core.kernels.cpu.int8_gemm import native_int8
 from tandem.core.kernels.cpu.native_build import (
     find_cxx,
     kernel_cache_dir,
@@ -47,6 +48,7 @@ _LIBRARIES: tuple[tuple[str, Callable[[], Any]], ...] = (
     ("AMX linear", amx_linear),
     ("AVX-512 linear", avx512_linear),
     ("AVX2 linear", avx2_linear),
+    ("int8 linear", native_int8),
     ("elementwise", native_elementwise),
     ("decode attention", native_paged_attention),
     ("prefill attention", native_prefill_attention),
@@ -143,6 +145,21 @@ def _linear_choice(dtype: torch.dtype) -> KernelChoice:
     )
 
 
+def _int8_choice() -> KernelChoice:
+    role = "linear int8 (W8A8)"
+    kernels = native_int8()
+    if kernels is None:
+        why = "no library (TANDEM_INT8=torch, no compiler, or a failed build; see the log)"
+        return KernelChoice(role, "torch reference (torch._int_mm)", why)
+    why = {
+        "AVX512-VNNI": "this CPU has AVX512-VNNI (vpdpbusd)",
+        "AVX2": "no AVX512-VNNI at this ISA level; exact int16 products (vpmaddwd)",
+    }.get(kernels.compiled_path, "no AVX2 at this ISA level")
+    return KernelChoice(
+        role, f"native {kernels.compiled_path} on weights packed at load, fused", why
+    )
+
+
 def _library_choice(role: str, library: Any, fallback: str, why_fallback: str) -> KernelChoice:
     if library is None:
         return KernelChoice(role, fallback, why_fallback)
@@ -169,6 +186,7 @@ def build_report() -> CpuKernelReport:
     choices = [
         _linear_choice(torch.float32),
         _linear_choice(torch.bfloat16),
+        _int8_choice(),
         _library_choice(
             "decode attention",
             native_paged_attention(),

@@ -1,0 +1,352 @@
+// The int8 linear (W8A8) on CPU: activations quantized per token (or with a static scale),
+// an exact int32 product with int8 weights packed once at load, and the dequantize, in one
+// pass or as separate steps (row-parallel ranks sum their int32 products in between).
+//
+// Every step reproduces the torch reference (kernels/reference/int8_linear.py) bit for bit:
+// the int32 sums are exact whatever their order; the quantize divides by the scale (no
+// reciprocal), rounds half to even and saturates; the dequantize is ((acc * s) * ws) + b in
+// float32, two roundings each (built with -ffp-contract=off so no FMA fuses them).
+//
+// Packed weight layout (made by int8_gemm.py): [Np/64][Kp/4][64][4] int8 — panels of 64
+// output columns; in each, for every group of 4 consecutive k, the 4 values of column 0,
+// then column 1, ... So one 64-byte load gives 16 columns' 4 k each: the 32-bit lanes
+// vpdpbusd multiplies against 4 activation bytes broadcast. Np, Kp: N, K padded with zero
+// weights to multiples of 64 and 4. comp[n] = 128 * sum_k w[n, k].
+//
+// Code paths: AVX512-VNNI (vpdpbusd takes unsigned x signed bytes: activations go in as
+// q + 128 and comp is subtracted, exact in int32); AVX2 (vpmaddubsw would saturate the
+// int16 pair sums of u8 x s8, so weights and activations are sign-extended to int16 and
+// multiplied with vpmaddwd, exact); plain loops elsewhere.
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cmath>
+#include <vector>
+
+#include "vec_math.h"
+
+namespace {
+
+constexpr int64_t kPanel = 64;   // output columns of one packed panel
+constexpr int64_t kGroup = 4;    // consecutive k of one 32-bit lane
+constexpr int64_t kRowTask = 64; // rows of one parallel task at prefill sizes
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TANDEM_INT8_PATH 2
+#elif defined(__AVX2__)
+#define TANDEM_INT8_PATH 1
+#else
+#define TANDEM_INT8_PATH 0
+#endif
+
+struct Gemm {
+  const int8_t* a;       // activations [M][Kp], q (or q + 128 on the VNNI path), padded
+  const int8_t* packed;  // [Np/64][Kp/4][64][4]
+  const int32_t* comp;   // [Np]
+  int64_t m, n, kp;
+};
+
+// The exact signed dots of rows [r0, r0 + rows) with the 64 columns of panel p, into
+// tile[rows][64].
+#if TANDEM_INT8_PATH == 2
+
+template <int MR>
+void panel_dots(const Gemm& g, int64_t r0, int64_t p, int32_t* tile) {
+  const int64_t groups = g.kp / kGroup;
+  const int8_t* w = g.packed + p * groups * kPanel * kGroup;
+  __m512i acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < 4; ++b) acc[r][b] = _mm512_setzero_si512();
+  const int8_t* rows[MR];
+  for (int r = 0; r < MR; ++r) rows[r] = g.a + (r0 + r) * g.kp;
+  for (int64_t q = 0; q < groups; ++q) {
+    const int8_t* wq = w + q * kPanel * kGroup;
+    _mm_prefetch(reinterpret_cast<const char*>(wq + 16 * kPanel * kGroup), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wq + 16 * kPanel * kGroup + 128), _MM_HINT_T0);
+    __m512i w0 = _mm512_loadu_si512(wq);
+    __m512i w1 = _mm512_loadu_si512(wq + 64);
+    __m512i w2 = _mm512_loadu_si512(wq + 128);
+    __m512i w3 = _mm512_loadu_si512(wq + 192);
+    for (int r = 0; r < MR; ++r) {
+      int32_t lane;
+      std::memcpy(&lane, rows[r] + q * kGroup, sizeof(lane));
+      __m512i av = _mm512_set1_epi32(lane);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], av, w0);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], av, w1);
+      acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], av, w2);
+      acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], av, w3);
+    }
+  }
+  const int32_t* comp = g.comp + p * kPanel;
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < 4; ++b) {
+      __m512i c = _mm512_loadu_si512(comp + 16 * b);
+      _mm512_storeu_si512(tile + r * kPanel + 16 * b, _mm512_sub_epi32(acc[r][b], c));
+    }
+}
+
+constexpr int kRowBlock = 6;
+
+#elif TANDEM_INT8_PATH == 1
+
+// 16 columns at a time: a 4-column x 4-k slice of the panel widened to 16 int16 is one
+// ymm; vpmaddwd against the activations' (k0 k1)(k2 k3) pairs gives each column's two
+// half sums in adjacent lanes, added together at the end.
+template <int MR>
+void panel_dots(const Gemm& g, int64_t r0, int64_t p, int32_t* tile) {
+  const int64_t groups = g.kp / kGroup;
+  const int8_t* w = g.packed + p * groups * kPanel * kGroup;
+  for (int64_t c0 = 0; c0 < kPanel; c0 += 16) {
+    __m256i acc[MR][4];
+    for (int r = 0; r < MR; ++r)
+      for (int b = 0; b < 4; ++b) acc[r][b] = _mm256_setzero_si256();
+    for (int64_t q = 0; q < groups; ++q) {
+      const int8_t* wq = w + (q * kPanel + c0) * kGroup;
+      __m256i wv[4];
+      for (int b = 0; b < 4; ++b)
+        wv[b] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + 16 * b)));
+      for (int r = 0; r < MR; ++r) {
+        int32_t lane;
+        std::memcpy(&lane, g.a + (r0 + r) * g.kp + q * kGroup, sizeof(lane));
+        __m256i av = _mm256_cvtepi8_epi16(_mm_set1_epi32(lane));
+        for (int b = 0; b < 4; ++b)
+          acc[r][b] = _mm256_add_epi32(acc[r][b], _mm256_madd_epi16(av, wv[b]));
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      // Lanes (c, k01)(c, k23) per column; hadd pairs them within 128-bit halves.
+      __m256i s01 = _mm256_hadd_epi32(acc[r][0], acc[r][1]);
+      __m256i s23 = _mm256_hadd_epi32(acc[r][2], acc[r][3]);
+      // s01 = [c0 c1 c4 c5 | c2 c3 c6 c7], s23 likewise for columns 8..15.
+      __m256i lo = _mm256_permutevar8x32_epi32(s01, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+      __m256i hi = _mm256_permutevar8x32_epi32(s23, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + r * kPanel + c0), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + r * kPanel + c0 + 8), hi);
+    }
+  }
+}
+
+constexpr int kRowBlock = 2;
+
+#else
+
+template <int MR>
+void panel_dots(const Gemm& g, int64_t r0, int64_t p, int32_t* tile) {
+  const int64_t groups = g.kp / kGroup;
+  const int8_t* w = g.packed + p * groups * kPanel * kGroup;
+  for (int r = 0; r < MR; ++r) {
+    int32_t* out = tile + r * kPanel;
+    for (int64_t c = 0; c < kPanel; ++c) out[c] = 0;
+    const int8_t* a = g.a + (r0 + r) * g.kp;
+    for (int64_t q = 0; q < groups; ++q) {
+      const int8_t* wq = w + q * kPanel * kGroup;
+      for (int64_t c = 0; c < kPanel; ++c) {
+        int32_t s = 0;
+        for (int64_t j = 0; j < kGroup; ++j) s += int32_t(a[q * kGroup + j]) * wq[c * kGroup + j];
+        out[c] += s;
+      }
+    }
+  }
+}
+
+constexpr int kRowBlock = 4;
+
+#endif
+
+void block_dots(const Gemm& g, int64_t r0, int rows, int64_t p, int32_t* tile) {
+  switch (rows) {
+#if TANDEM_INT8_PATH == 2
+    case 6: return panel_dots<6>(g, r0, p, tile);
+    case 5: return panel_dots<5>(g, r0, p, tile);
+#endif
+#if TANDEM_INT8_PATH != 1
+    case 4: return panel_dots<4>(g, r0, p, tile);
+    case 3: return panel_dots<3>(g, r0, p, tile);
+#endif
+    case 2: return panel_dots<2>(g, r0, p, tile);
+    default: return panel_dots<1>(g, r0, p, tile);
+  }
+}
+
+// Runs `epilogue(row, panel, tile, rows)` on every block of exact dots, the blocks spread
+// over the threads: by panel at decode sizes, by (row task, panel) at prefill sizes.
+template <typename Epilogue>
+void run_gemm(const Gemm& g, int threads, Epilogue epilogue) {
+  const int64_t panels = (g.n + kPanel - 1) / kPanel;
+  const int64_t row_tasks = (g.m + kRowTask - 1) / kRowTask;
+  const int64_t tasks = panels * row_tasks;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t p = t % panels;
+    const int64_t m0 = (t / panels) * kRowTask;
+    const int64_t m1 = std::min(g.m, m0 + kRowTask);
+    alignas(64) int32_t tile[kRowBlock * kPanel];
+    for (int64_t r = m0; r < m1; r += kRowBlock) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRowBlock, m1 - r));
+      block_dots(g, r, rows, p, tile);
+      epilogue(r, p, tile, rows);
+    }
+  }
+}
+
+// Activations as the kernels read them: [M][Kp], zero padded, + 128 on the VNNI path.
+inline int8_t as_kernel_byte(int8_t q) {
+#if TANDEM_INT8_PATH == 2
+  return static_cast<int8_t>(static_cast<uint8_t>(q) ^ 0x80u);
+#else
+  return q;
+#endif
+}
+
+template <typename T>
+inline float load_value(const T* p, int64_t i) {
+  return tandem::to_float(p[i]);
+}
+
+inline void store_value(float* p, int64_t i, float v) { p[i] = v; }
+inline void store_value(uint16_t* p, int64_t i, float v) { p[i] = tandem::float_to_bf16(v); }
+
+// One row quantized as the reference does: s = absmax / 127 (1 where 0), or the static
+// scale; q = clamp(round_half_even(x / s), -128, 127).
+template <typename T>
+float quantize_row(const T* x, int64_t k, const float* absmax, const float* fixed, int8_t* q) {
+  float s;
+  if (fixed != nullptr) {
+    s = *fixed;
+  } else if (absmax != nullptr) {
+    s = *absmax / 127.0f;
+  } else {
+    float m = 0.0f;
+    for (int64_t i = 0; i < k; ++i) m = std::max(m, std::fabs(load_value(x, i)));
+    s = m / 127.0f;
+  }
+  if (fixed == nullptr && s == 0.0f) s = 1.0f;
+  for (int64_t i = 0; i < k; ++i) {
+    float v = std::nearbyint(load_value(x, i) / s);
+    v = std::min(127.0f, std::max(-128.0f, v));
+    q[i] = static_cast<int8_t>(v);
+  }
+  return s;
+}
+
+// out[r][c] = ((float(acc) * s_r) * ws_c) + b_c, in the output dtype.
+template <typename T>
+void dequantize_row(const int32_t* acc, float s, const float* ws, const float* bias, T* out,
+                    int64_t n) {
+  if (bias != nullptr) {
+    for (int64_t c = 0; c < n; ++c) store_value(out, c, static_cast<float>(acc[c]) * s * ws[c] + bias[c]);
+  } else {
+    for (int64_t c = 0; c < n; ++c) store_value(out, c, static_cast<float>(acc[c]) * s * ws[c]);
+  }
+}
+
+template <typename T>
+void linear(T* out, const T* x, const Gemm& shape, const float* ws, const float* bias,
+            const float* fixed, int64_t k, int64_t ldx, int64_t ldo, int threads) {
+  std::vector<int8_t> a(static_cast<size_t>(shape.m * shape.kp), as_kernel_byte(0));
+  std::vector<float> scales(static_cast<size_t>(shape.m));
+#pragma omp parallel for num_threads(threads) schedule(static) if (shape.m > 1)
+  for (int64_t r = 0; r < shape.m; ++r) {
+    int8_t* row = a.data() + r * shape.kp;
+    scales[r] = quantize_row(x + r * ldx, k, nullptr, fixed, row);
+    for (int64_t i = 0; i < k; ++i) row[i] = as_kernel_byte(row[i]);
+  }
+  Gemm g = shape;
+  g.a = a.data();
+  run_gemm(g, threads, [&](int64_t r0, int64_t p, const int32_t* tile, int rows) {
+    const int64_t c0 = p * kPanel;
+    const int64_t cols = std::min(kPanel, g.n - c0);
+    for (int r = 0; r < rows; ++r)
+      dequantize_row(tile + r * kPanel, scales[r0 + r], ws + c0, bias ? bias + c0 : nullptr,
+                     out + (r0 + r) * ldo + c0, cols);
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+// 2: AVX512-VNNI, 1: AVX2, 0: plain loops.
+int tandem_int8_path() { return TANDEM_INT8_PATH; }
+
+// out int32 [M, N] (row stride ldo) = a int8 [M, K] (row stride lda) times the packed
+// weight, exact.
+int tandem_int8_matmul(int32_t* out, const int8_t* a, const int8_t* packed, const int32_t* comp,
+                       int64_t m, int64_t n, int64_t k, int64_t kp, int64_t lda, int64_t ldo,
+                       int32_t threads) {
+  if (m < 0 || n <= 0 || k <= 0 || kp < k || kp % kGroup || lda < k || ldo < n) return 1;
+  std::vector<int8_t> buf(static_cast<size_t>(m * kp), as_kernel_byte(0));
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t i = 0; i < k; ++i) buf[r * kp + i] = as_kernel_byte(a[r * lda + i]);
+  Gemm g{buf.data(), packed, comp, m, n, kp};
+  run_gemm(g, threads, [&](int64_t r0, int64_t p, const int32_t* tile, int rows) {
+    const int64_t c0 = p * kPanel;
+    const int64_t cols = std::min(kPanel, n - c0);
+    for (int r = 0; r < rows; ++r)
+      std::copy(tile + r * kPanel, tile + r * kPanel + cols, out + (r0 + r) * ldo + c0);
+  });
+  return 0;
+}
+
+// out [M, N] in `dtype` = x [M, K] quantized (static scale `fixed`, or per token when null),
+// times the packed weight, dequantized with the weight scales `ws` [N] (float32) and `bias`
+// [N] (float32, may be null).
+int tandem_int8_linear(void* out, const void* x, const int8_t* packed, const int32_t* comp,
+                       const float* ws, const float* bias, const float* fixed, int64_t m,
+                       int64_t n, int64_t k, int64_t kp, int64_t ldx, int64_t ldo, int32_t dtype,
+                       int32_t threads) {
+  if (m < 0 || n <= 0 || k <= 0 || kp < k || kp % kGroup || ldx < k || ldo < n) return 1;
+  Gemm g{nullptr, packed, comp, m, n, kp};
+  if (dtype == tandem::kFloat32) {
+    linear(static_cast<float*>(out), static_cast<const float*>(x), g, ws, bias, fixed, k, ldx,
+           ldo, threads);
+  } else if (dtype == tandem::kBFloat16) {
+    linear(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(x), g, ws, bias, fixed, k,
+           ldx, ldo, threads);
+  } else {
+    return 2;
+  }
+  return 0;
+}
+
+// q int8 [M, K] and scale float32 [M] (one value where `fixed` is given) of x [M, K]:
+// per token from each row (or from `absmax` [M], all ranks' columns), or the static scale.
+int tandem_int8_quantize(int8_t* q, float* scale, const void* x, const float* absmax,
+                         const float* fixed, int64_t m, int64_t k, int64_t ldx, int32_t dtype,
+                         int32_t threads) {
+  if (m < 0 || k <= 0 || ldx < k || (dtype != tandem::kFloat32 && dtype != tandem::kBFloat16))
+    return 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (m > 1)
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row_max = absmax ? absmax + r : nullptr;
+    float s = dtype == tandem::kFloat32
+                  ? quantize_row(static_cast<const float*>(x) + r * ldx, k, row_max, fixed, q + r * k)
+                  : quantize_row(static_cast<const uint16_t*>(x) + r * ldx, k, row_max, fixed,
+                                 q + r * k);
+    if (fixed == nullptr) scale[r] = s;
+  }
+  if (fixed != nullptr) scale[0] = *fixed;
+  return 0;
+}
+
+// out [M, N] in `dtype` = ((float(acc) * scale) * ws) + bias; scale [M] per token, or one
+// value when scale_step is 0.
+int tandem_int8_dequantize(void* out, const int32_t* acc, const float* scale, int64_t scale_step,
+                           const float* ws, const float* bias, int64_t m, int64_t n, int64_t ldacc,
+                           int64_t ldo, int32_t dtype, int32_t threads) {
+  if (m < 0 || n <= 0 || ldacc < n || ldo < n) return 1;
+  if (dtype != tandem::kFloat32 && dtype != tandem::kBFloat16) return 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (m > 1)
+  for (int64_t r = 0; r < m; ++r) {
+    const float s = scale[r * scale_step];
+    if (dtype == tandem::kFloat32)
+      dequantize_row(acc + r * ldacc, s, ws, bias, static_cast<float*>(out) + r * ldo, n);
+    else
+      dequantize_row(acc + r * ldacc, s, ws, bias, static_cast<uint16_t*>(out) + r * ldo, n);
+  }
+  return 0;
+}
+
+}  // extern "C"

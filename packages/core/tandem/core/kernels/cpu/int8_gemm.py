@@ -1,0 +1,234 @@
+"""The int8 linear (W8A8) on CPU (``csrc/int8_linear.cpp``): activations quantized per token
+or with a static scale, an exact int32 product with weights packed once at load, and the
+dequantize; fused into one pass for a layer's forward, or as the separate steps row-parallel
+ranks need (they sum their int32 products between the product and the dequantize).
+
+Every step gives what the torch reference (``reference/int8_linear.py``) gives, bit for bit
+(int32 sums exact; the same float32 operations in the same order), so greedy tokens never
+depend on which kernel ran. Code paths: AVX512-VNNI (``vpdpbusd``) where the CPU has it,
+AVX2 (exact int16 ``vpmaddwd``), plain loops elsewhere; ``TANDEM_CPU_ISA`` caps them as for
+the other kernels, ``TANDEM_INT8=torch`` keeps the reference (said once in the log). No
+AMX-INT8 path: none could be tested here.
+
+Steps that receive a plain int8 weight (a layer nobody packed) run the reference, so the
+handles may pick this kernel for any CPU layer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.core.kernels.cpu.elementwise import FLAGS as ELEMENTWISE_FLAGS
+from tandem.core.kernels.cpu.native_build import (
+    CSRC,
+    IsaLevel,
+    KernelBuildError,
+    build_library,
+    log_unbuilt,
+)
+from tandem.core.kernels.handle import NativeChoice
+from tandem.core.kernels.process_once import ProcessOnce
+from tandem.core.kernels.reference import int8_linear as ref
+
+logger = logging.getLogger(__name__)
+
+SOURCE = CSRC / "int8_linear.cpp"
+# The elementwise kernels' flags: without FMA contraction the dequantize rounds its product
+# and its bias sum separately, as the reference's tensor ops do.
+FLAGS = ELEMENTWISE_FLAGS
+# The packed layout's panel of output columns and its group of consecutive k (one 32-bit
+# lane of vpdpbusd); see the source.
+PANEL = 64
+GROUP = 4
+PATHS = {2: "AVX512-VNNI", 1: "AVX2", 0: "plain loops"}
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+
+
+@dataclass(frozen=True)
+class PackedInt8Weight:
+    """An int8 weight [out_features, in_features] in the kernel's layout
+    [Np/64][Kp/4][64][4] (zero padded), with ``compensation`` [Np] int32 = 128 * each
+    column's sum (the VNNI path takes activations as q + 128)."""
+
+    packed: torch.Tensor
+    compensation: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def padded_in(self) -> int:
+        return self.packed.shape[1] * GROUP
+
+
+def pack_int8_weight(weight: torch.Tensor) -> PackedInt8Weight:
+    """``weight`` int8 [N, K] in the kernel's layout (once per layer, at load)."""
+    n, k = weight.shape
+    np_, kp = -(-n // PANEL) * PANEL, -(-k // GROUP) * GROUP
+    w = torch.nn.functional.pad(weight.detach(), (0, kp - k, 0, np_ - n))
+    packed = w.view(np_ // PANEL, PANEL, kp // GROUP, GROUP).permute(0, 2, 1, 3).contiguous()
+    compensation = (w.sum(dim=1, dtype=torch.int32) * 128).contiguous()
+    return PackedInt8Weight(packed, compensation, n, k)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as [rows, last] with contiguous rows."""
+    flat = x.reshape(-1, x.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeInt8:
+    """The library's four steps, each with its torch reference's signature."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        self.path = path
+        self.compiled_path = PATHS[int(lib.tandem_int8_path())]
+        self._matmul = lib.tandem_int8_matmul
+        self._matmul.argtypes = [_vp] * 4 + [_i64] * 6 + [_i32]
+        self._linear = lib.tandem_int8_linear
+        self._linear.argtypes = [_vp] * 7 + [_i64] * 6 + [_i32, _i32]
+        self._quantize = lib.tandem_int8_quantize
+        self._quantize.argtypes = [_vp] * 5 + [_i64] * 3 + [_i32, _i32]
+        self._dequantize = lib.tandem_int8_dequantize
+        self._dequantize.argtypes = [_vp] * 3 + [_i64] + [_vp] * 2 + [_i64] * 4 + [_i32, _i32]
+        for function in (self._matmul, self._linear, self._quantize, self._dequantize):
+            function.restype = ctypes.c_int
+
+    @property
+    def name(self) -> str:
+        return f"int8 {self.compiled_path}"
+
+    @staticmethod
+    def _check(code: int, what: str) -> None:
+        if code != 0:
+            raise ValueError(f"the native int8 {what} kernel refused its arguments (code {code})")
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | PackedInt8Weight,
+        weight_scale: torch.Tensor,
+        input_scale: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The reference's ``int8_linear`` in one pass over a packed weight."""
+        if not isinstance(weight, PackedInt8Weight):
+            return ref.int8_linear(x, weight, weight_scale, input_scale, bias)
+        # Other float dtypes go through float32: exact, as the reference's own math is.
+        dtype = x.dtype if x.dtype in _DTYPES else torch.float32
+        rows = _rows(x.to(dtype))
+        out = torch.empty(rows.shape[0], weight.out_features, dtype=dtype)
+        # Bound to names: a temporary's memory is freed once its pointer is read.
+        ws = weight_scale.float().reshape(-1).contiguous()
+        b = bias.float().contiguous() if bias is not None else None
+        fixed = input_scale.float().reshape(1).contiguous() if input_scale is not None else None
+        code = self._linear(
+            out.data_ptr(), rows.data_ptr(), weight.packed.data_ptr(),
+            weight.compensation.data_ptr(), ws.data_ptr(), _ptr(b), _ptr(fixed), rows.shape[0],
+            weight.out_features, weight.in_features, weight.padded_in, rows.stride(0),
+            out.stride(0), _DTYPES[dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        self._check(code, "linear")
+        return out.to(x.dtype).view(*x.shape[:-1], weight.out_features)
+
+    def matmul(self, a: torch.Tensor, b: torch.Tensor | PackedInt8Weight) -> torch.Tensor:
+        """int8 codes [M, K] times a packed weight: exact int32 [M, N]."""
+        if not isinstance(b, PackedInt8Weight):
+            return ref.int8_matmul(a, b)
+        rows = _rows(a)
+        out = torch.empty(rows.shape[0], b.out_features, dtype=torch.int32)
+        code = self._matmul(
+            out.data_ptr(), rows.data_ptr(), b.packed.data_ptr(), b.compensation.data_ptr(),
+            rows.shape[0], b.out_features, b.in_features, b.padded_in, rows.stride(0),
+            out.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
+        self._check(code, "matmul")
+        return out
+
+    def quantize(
+        self, x: torch.Tensor, scale: torch.Tensor | None, absmax: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's ``quantize_int8``."""
+        dtype = x.dtype if x.dtype in _DTYPES else torch.float32
+        rows = _rows(x.to(dtype))
+        m = rows.shape[0]
+        q = torch.empty(rows.shape, dtype=torch.int8)
+        fixed = scale.float().reshape(1).contiguous() if scale is not None else None
+        peak = absmax.float().reshape(-1).contiguous() if absmax is not None else None
+        out_scale = torch.empty((1, 1) if fixed is not None else (m, 1), dtype=torch.float32)
+        code = self._quantize(
+            q.data_ptr(), out_scale.data_ptr(), rows.data_ptr(), _ptr(peak), _ptr(fixed), m,
+            rows.shape[1], rows.stride(0), _DTYPES[dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        self._check(code, "quantize")
+        return q, out_scale
+
+    def dequantize(
+        self,
+        acc: torch.Tensor,
+        scale: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The reference's ``dequantize``."""
+        kind = dtype if dtype in _DTYPES else torch.float32
+        sums = _rows(acc)
+        m, n = sums.shape
+        out = torch.empty(m, n, dtype=kind)
+        s = scale.float().reshape(-1).contiguous()
+        ws = weight_scale.float().reshape(-1).contiguous()
+        b = bias.float().contiguous() if bias is not None else None
+        code = self._dequantize(
+            out.data_ptr(), sums.data_ptr(), s.data_ptr(), 0 if s.numel() == 1 else 1,
+            ws.data_ptr(), _ptr(b), m, n, sums.stride(0), out.stride(0), _DTYPES[kind],
+            torch.get_num_threads(),
+        )  # fmt: skip
+        self._check(code, "dequantize")
+        return out.to(dtype)
+
+
+def load_native_int8(
+    build_dir: Path | None = None, isa: IsaLevel | None = None
+) -> NativeInt8 | None:
+    """Build (if needed) and load the kernels (for the instruction sets ``isa`` allows,
+    default ``TANDEM_CPU_ISA``'s); None, with the reason logged, where they cannot be had."""
+    if os.environ.get("TANDEM_INT8", "").lower() == "torch":
+        logger.info("TANDEM_INT8=torch: int8 (W8A8) layers run the torch reference")
+        return None
+    try:
+        return NativeInt8(build_library(SOURCE, "tandem_int8_linear", FLAGS, build_dir, isa))
+    except (KernelBuildError, OSError) as exc:
+        log_unbuilt(logger, exc, "no CPU int8 kernels (%s); W8A8 layers run torch", exc)
+        return None
+
+
+# The process's kernels, built and loaded on first use.
+native_int8 = ProcessOnce(load_native_int8)
+
+
+def native_int8_kernel(name: str) -> NativeChoice[Any]:
+    """The step ``name`` of this library (for every dtype: others pass through float32),
+    where it is built."""
+
+    def choose(dtype: torch.dtype) -> Callable[..., Any] | None:
+        kernels = native_int8()
+        if kernels is None:
+            return None
+        fn: Callable[..., Any] = getattr(kernels, name)
+        return fn
+
+    return choose

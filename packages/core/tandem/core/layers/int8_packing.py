@@ -1,0 +1,39 @@
+"""The load step that repacks every int8 (W8A8) weight of a CPU model, once, into the
+layout the CPU int8 kernel reads (``kernels/cpu/int8_gemm.py``); the plain weight is then
+dropped, so the model keeps one copy."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from tandem.core.kernels.cpu.int8_gemm import native_int8, pack_int8_weight
+from tandem.core.layers.quantized_linear import QuantizableLinear
+
+logger = logging.getLogger(__name__)
+
+
+def pack_int8_weights(model: nn.Module, device: torch.device) -> int:
+    """Pack the int8 weights of a loaded model on ``device``; how many were packed (none
+    off CPU, or where the kernel library cannot be had: the layers then run the reference
+    on their plain weights)."""
+    if device.type != "cpu":
+        return 0
+    kernels = native_int8()
+    if kernels is None:
+        return 0
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, QuantizableLinear) or module.weight_scale is None:
+            continue
+        weight = module.weight
+        if module.int8_packed is not None or weight.dtype is not torch.int8 or weight.dim() != 2:
+            continue
+        module.int8_packed = pack_int8_weight(weight)
+        weight.data = torch.empty((0, weight.shape[1]), dtype=torch.int8, device=device)
+        count += 1
+    if count:
+        logger.info("packed %d int8 weights for the %s kernel", count, kernels.name)
+    return count

@@ -1,0 +1,211 @@
+"""The CPU int8 (W8A8) kernels against the torch reference, at every ISA level this machine
+runs (AVX512-VNNI, AVX2, plain loops), each built in this process.
+
+Every comparison is ``torch.equal``, bit for bit: the int32 sums are exact integers whatever
+their order, and the quantize and dequantize run the reference's float32 operations in its
+order (a division, not a reciprocal; two roundings for scale then bias), so any difference is
+a bug, and greedy tokens must not depend on which kernel ran.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.core.kernels import handles
+from tandem.core.kernels.cpu import startup
+from tandem.core.kernels.cpu.int8_gemm import (
+    NativeInt8,
+    load_native_int8,
+    native_int8,
+    pack_int8_weight,
+)
+from tandem.core.kernels.cpu.native_build import ISA_LEVELS, IsaLevel, isa_levels, selected_isa
+from tandem.core.kernels.reference import int8_linear as ref
+
+LEVELS = [level.name for level in isa_levels()]
+# Shapes: odd N and K (off the 64-column panels and the 4-k groups), N below one panel,
+# K of one element, and a bench-model-like projection.
+SHAPES = [(1, 1), (77, 33), (130, 1001), (64, 64), (200, 260), (129, 7), (192, 1024)]
+ROWS = [1, 2, 5, 6, 7, 13, 64, 65, 300]
+
+
+def expected_path(isa: IsaLevel) -> str:
+    flags = isa.cpu_flags()
+    if {"avx512_vnni", "avx512bw"} <= flags:
+        return "AVX512-VNNI"
+    return "AVX2" if "avx2" in flags else "plain loops"
+
+
+@pytest.fixture(scope="module", params=LEVELS)
+def kernels(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> NativeInt8:
+    isa = ISA_LEVELS[request.param]
+    built = load_native_int8(tmp_path_factory.mktemp(f"int8-{isa.name}"), isa)
+    if built is None:
+        pytest.skip("no C++ compiler, or TANDEM_INT8=torch")
+    assert built.compiled_path == expected_path(isa)
+    return built
+
+
+def _weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    # The extremes, whole rows of them: the largest sums either sign reaches.
+    w[0] = 127 if n > 1 else -128
+    if n > 2:
+        w[1] = -128
+    return w
+
+
+def _codes(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    a = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=gen)
+    a[0] = -128
+    if m > 2:
+        a[1] = 0  # an all-zero row
+        a[2] = 127
+    return a
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_products_are_the_references_int32(kernels: NativeInt8, shape: tuple[int, int]) -> None:
+    n, k = shape
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w = _weight(n, k, gen)
+    packed = pack_int8_weight(w)
+    for m in ROWS:
+        a = _codes(m, k, gen)
+        got = kernels.matmul(a, packed)
+        assert got.dtype is torch.int32
+        assert torch.equal(got, ref.int8_matmul(a, w)), (m, n, k)
+
+
+def test_products_of_strided_codes(kernels: NativeInt8) -> None:
+    gen = torch.Generator().manual_seed(3)
+    w = _weight(70, 90, gen)
+    a = _codes(9, 120, gen)[:, 10:100]
+    assert torch.equal(kernels.matmul(a, pack_int8_weight(w)), ref.int8_matmul(a.contiguous(), w))
+
+
+def _activations(m: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(m, k, generator=gen) * 3
+    x[0, : min(k, 4)] = 40.0  # beyond a static scale's range: saturates
+    if m > 1:
+        x[1] = 0.0  # an all-zero token (its dynamic scale is 1)
+    if m > 2:
+        # Exact halves of the static scale 0.25: the ties round to even.
+        x[2] = (torch.arange(k) % 9 - 4).float() * 0.125
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("static", [None, 0.25], ids=["dynamic", "static"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_the_fused_linear_is_the_references(
+    kernels: NativeInt8, dtype: torch.dtype, static: float | None, with_bias: bool
+) -> None:
+    gen = torch.Generator().manual_seed(7)
+    for n, k in SHAPES:
+        w = _weight(n, k, gen)
+        packed = pack_int8_weight(w)
+        ws = (torch.rand(n, 1, generator=gen) * 0.02).to(dtype)
+        bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+        scale = torch.tensor(static).to(dtype) if static is not None else None
+        for m in (1, 3, 7, 65):
+            x = _activations(m, k, dtype, gen)
+            expected = ref.int8_linear(x, w, ws, scale, bias)
+            got = kernels.linear(x, packed, ws, scale, bias)
+            assert got.dtype is dtype and torch.equal(got, expected), (m, n, k)
+
+
+def test_leading_dimensions_are_kept(kernels: NativeInt8) -> None:
+    gen = torch.Generator().manual_seed(8)
+    w, ws = _weight(40, 24, gen), torch.rand(40, 1, generator=gen)
+    x = torch.randn(2, 3, 24, generator=gen)
+    got = kernels.linear(x, pack_int8_weight(w), ws, None, None)
+    assert got.shape == (2, 3, 40)
+    assert torch.equal(got, ref.int8_linear(x, w, ws, None, None))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("static", [None, 0.25], ids=["dynamic", "static"])
+def test_the_separate_steps_are_the_references(
+    kernels: NativeInt8, dtype: torch.dtype, static: float | None
+) -> None:
+    """What row-parallel ranks run: quantize (with the all-rank absmax, or from the rows),
+    the int32 product, and the dequantize of the summed products."""
+    gen = torch.Generator().manual_seed(9)
+    x = _activations(11, 333, dtype, gen)
+    w, ws = _weight(100, 333, gen), torch.rand(100, 1, generator=gen)
+    bias = torch.randn(100, generator=gen).to(dtype)
+    scale = torch.tensor(static) if static is not None else None
+    absmax = None if static is not None else x.float().abs().amax(-1, keepdim=True) * 1.5
+    for peak in (None, absmax):
+        q, s = kernels.quantize(x, scale, peak)
+        q_ref, s_ref = ref.quantize_int8(x, scale, peak)
+        assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+        acc = kernels.matmul(q, pack_int8_weight(w))
+        out = kernels.dequantize(acc, s, ws, bias, dtype)
+        assert torch.equal(out, ref.dequantize(acc, s_ref, ws, bias, dtype))
+
+
+def test_plain_weights_run_the_reference(kernels: NativeInt8) -> None:
+    """A layer nobody packed (built outside the loader) still computes through the handles."""
+    gen = torch.Generator().manual_seed(10)
+    w, ws = _weight(30, 20, gen), torch.rand(30, 1, generator=gen)
+    x = torch.randn(4, 20, generator=gen)
+    assert torch.equal(kernels.linear(x, w, ws, None, None), ref.int8_linear(x, w, ws, None, None))
+    q, _ = ref.quantize_int8(x, None)
+    assert torch.equal(kernels.matmul(q, w), ref.int8_matmul(q, w))
+
+
+def test_the_handles_choose_the_kernel_built_for_the_isa_level(tmp_path: Path) -> None:
+    kernels = native_int8()
+    if kernels is None:
+        pytest.skip("no C++ compiler, or TANDEM_INT8=torch")
+    assert kernels.compiled_path == expected_path(selected_isa())
+    families = ("cpu",)
+    assert handles.int8_linear().choose(families, torch.bfloat16) == kernels.linear
+    assert handles.int8_matmul().choose(families, torch.int8) == kernels.matmul
+    assert handles.int8_quantize().choose(families, torch.float32) == kernels.quantize
+    assert handles.int8_dequantize().choose(families, torch.int32) == kernels.dequantize
+    assert handles.int8_linear().choose((), torch.float32) is ref.int8_linear
+
+
+def test_packing_pads_to_panels_and_compensates_each_column() -> None:
+    w = torch.randint(-128, 128, (70, 9), dtype=torch.int8, generator=torch.Generator())
+    packed = pack_int8_weight(w)
+    assert packed.packed.shape == (2, 3, 64, 4) and packed.padded_in == 12
+    assert torch.equal(packed.packed[1, 2, 5, 0], w[69, 8])
+    assert torch.equal(packed.packed[0, 1, 3], w[3, 4:8])
+    assert (
+        int(packed.packed[1, 2, 6:].abs().sum()) == 0
+        and int(packed.packed[:, 2, :, 1:].abs().sum()) == 0
+    )
+    assert torch.equal(packed.compensation[:70], w.int().sum(1) * 128)
+    assert int(packed.compensation[70:].abs().sum()) == 0
+
+
+def test_the_isa_level_forces_the_variant_and_the_report_names_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TANDEM_CPU_ISA", "avx2")
+    forced = load_native_int8(tmp_path)
+    if forced is None:
+        pytest.skip("no C++ compiler, or TANDEM_INT8=torch")
+    assert forced.compiled_path == expected_path(ISA_LEVELS["avx2"])
+    monkeypatch.delenv("TANDEM_CPU_ISA")
+    kernels = native_int8()
+    assert kernels is not None
+    row = next(c for c in startup.build_report().choices if c.role == "linear int8 (W8A8)")
+    assert row.kernel.startswith(f"native {kernels.compiled_path} ")
+
+
+def test_without_the_library_the_report_names_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TANDEM_INT8", "torch")
+    assert load_native_int8() is None
+    monkeypatch.setattr(startup, "native_int8", load_native_int8)
+    row = next(c for c in startup.build_report().choices if c.role == "linear int8 (W8A8)")
+    assert row.kernel.startswith("torch reference")
