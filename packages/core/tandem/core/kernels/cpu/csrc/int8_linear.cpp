@@ -52,39 +52,61 @@ struct Gemm {
 // tile[rows][64].
 #if TANDEM_INT8_PATH == 2
 
+// Named accumulators, one set per row: GCC spills an array of vector accumulators to the
+// stack on every step (an array in a loop is not promoted to registers).
+// acc += u8 x s8 dots. In asm: GCC 12 copies the accumulator around each
+// _mm512_dpbusd_epi32 (two extra moves a step) and spills the copies past 4 rows.
+inline void dpbusd(__m512i& acc, __m512i u8, __m512i s8) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+}
+
+#define TANDEM_ROW_ACC(r) __m512i c##r##0, c##r##1, c##r##2, c##r##3;
+#define TANDEM_ROW_ZERO(r) \
+  if constexpr (MR > r) c##r##0 = c##r##1 = c##r##2 = c##r##3 = _mm512_setzero_si512();
+#define TANDEM_ROW_STEP(r)                                  \
+  if constexpr (MR > r) {                                   \
+    int32_t lane;                                           \
+    std::memcpy(&lane, a + r * lda + q * kGroup, 4);        \
+    const __m512i av = _mm512_set1_epi32(lane);             \
+    dpbusd(c##r##0, av, w0);                            \
+    dpbusd(c##r##1, av, w1);                            \
+    dpbusd(c##r##2, av, w2);                            \
+    dpbusd(c##r##3, av, w3);                            \
+  }
+#define TANDEM_ROW_STORE(r)                                                        \
+  if constexpr (MR > r) {                                                          \
+    int32_t* t = tile + r * kPanel;                                                \
+    _mm512_storeu_si512(t, _mm512_sub_epi32(c##r##0, k0));                         \
+    _mm512_storeu_si512(t + 16, _mm512_sub_epi32(c##r##1, k1));                    \
+    _mm512_storeu_si512(t + 32, _mm512_sub_epi32(c##r##2, k2));                    \
+    _mm512_storeu_si512(t + 48, _mm512_sub_epi32(c##r##3, k3));                    \
+  }
+#define TANDEM_ROWS(op) op(0) op(1) op(2) op(3) op(4) op(5)
+
 template <int MR>
 void panel_dots(const Gemm& g, int64_t r0, int64_t p, int32_t* tile) {
+  static_assert(MR >= 1 && MR <= 6, "six rows of four accumulators fill the registers");
   const int64_t groups = g.kp / kGroup;
   const int8_t* w = g.packed + p * groups * kPanel * kGroup;
-  __m512i acc[MR][4];
-  for (int r = 0; r < MR; ++r)
-    for (int b = 0; b < 4; ++b) acc[r][b] = _mm512_setzero_si512();
-  const int8_t* rows[MR];
-  for (int r = 0; r < MR; ++r) rows[r] = g.a + (r0 + r) * g.kp;
+  const int8_t* a = g.a + r0 * g.kp;
+  const int64_t lda = g.kp;
+  TANDEM_ROWS(TANDEM_ROW_ACC)
+  TANDEM_ROWS(TANDEM_ROW_ZERO)
   for (int64_t q = 0; q < groups; ++q) {
     const int8_t* wq = w + q * kPanel * kGroup;
-    _mm_prefetch(reinterpret_cast<const char*>(wq + 16 * kPanel * kGroup), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wq + 16 * kPanel * kGroup + 128), _MM_HINT_T0);
-    __m512i w0 = _mm512_loadu_si512(wq);
-    __m512i w1 = _mm512_loadu_si512(wq + 64);
-    __m512i w2 = _mm512_loadu_si512(wq + 128);
-    __m512i w3 = _mm512_loadu_si512(wq + 192);
-    for (int r = 0; r < MR; ++r) {
-      int32_t lane;
-      std::memcpy(&lane, rows[r] + q * kGroup, sizeof(lane));
-      __m512i av = _mm512_set1_epi32(lane);
-      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], av, w0);
-      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], av, w1);
-      acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], av, w2);
-      acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], av, w3);
-    }
+    // The panel is one stream; 1 KiB ahead covers the memory latency at decode sizes.
+    _mm_prefetch(reinterpret_cast<const char*>(wq + 1024), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wq + 1024 + 128), _MM_HINT_T0);
+    const __m512i w0 = _mm512_loadu_si512(wq);
+    const __m512i w1 = _mm512_loadu_si512(wq + 64);
+    const __m512i w2 = _mm512_loadu_si512(wq + 128);
+    const __m512i w3 = _mm512_loadu_si512(wq + 192);
+    TANDEM_ROWS(TANDEM_ROW_STEP)
   }
   const int32_t* comp = g.comp + p * kPanel;
-  for (int r = 0; r < MR; ++r)
-    for (int b = 0; b < 4; ++b) {
-      __m512i c = _mm512_loadu_si512(comp + 16 * b);
-      _mm512_storeu_si512(tile + r * kPanel + 16 * b, _mm512_sub_epi32(acc[r][b], c));
-    }
+  const __m512i k0 = _mm512_loadu_si512(comp), k1 = _mm512_loadu_si512(comp + 16);
+  const __m512i k2 = _mm512_loadu_si512(comp + 32), k3 = _mm512_loadu_si512(comp + 48);
+  TANDEM_ROWS(TANDEM_ROW_STORE)
 }
 
 constexpr int kRowBlock = 6;
