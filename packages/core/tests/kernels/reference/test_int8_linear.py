@@ -10,6 +10,10 @@ relative, so |kernel - exact| <= 4 * 2^-24 * (|exact| + |bias|): the tolerance b
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -134,3 +138,22 @@ def test_a_shared_absmax_gives_each_column_slice_the_whole_rows_codes() -> None:
         assert torch.equal(s, scale)
     halves = [quantize_int8(x[:, i : i + 32], None, absmax)[0] for i in (0, 32)]
     assert torch.equal(torch.cat(halves, dim=-1), whole)
+
+
+def test_products_stay_exact_where_onednn_lacks_vnni() -> None:
+    """An AVX2-only CPU's oneDNN (forced here by ONEDNN_MAX_CPU_ISA, read at its first use,
+    so in a child process) saturates int16 pair sums of full-range codes; the reference
+    must not take torch._int_mm there."""
+    script = (
+        "import torch\n"
+        "from tandem.core.kernels.reference.int8_linear import int8_matmul\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "a = torch.randint(-128, 128, (32, 1024), dtype=torch.int8, generator=g)\n"
+        "b = torch.randint(-128, 128, (512, 1024), dtype=torch.int8, generator=g)\n"
+        "print(torch.equal(int8_matmul(a, b).long(), a.long() @ b.long().t()))\n"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False
+    )
+    assert result.stdout.strip() == "True", result.stderr[-2000:]

@@ -9,12 +9,23 @@ and saturated to int8.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
+
+from tandem.device.cpu import cpu_flags
 
 # Per-token scales put each token's largest magnitude at 127, so dynamic values never saturate;
 # a static scale was calibrated on other inputs, so its values are clamped to int8's range.
 _DYNAMIC_MAX = 127.0
 _INT8_MIN, _INT8_MAX = -128, 127
+# oneDNN's int8 GEMM (torch._int_mm on CPU) is exact only with VNNI or AMX-INT8 dot products.
+# Without them it multiplies with vpmaddubsw, whose int16 pair sums saturate once the codes
+# pass 7 bits: measured under ONEDNN_MAX_CPU_ISA=AVX2 (what an AVX2-only CPU runs), 16383 of
+# 16384 sums of full-range codes [32, 1024] x [1024, 512] were wrong, by up to 153883.
+_EXACT_INT_MM_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+_INEXACT_ONEDNN_CAPS = frozenset({"SSE41", "AVX", "AVX2", "AVX512_CORE"})
 
 
 def per_token_scale(absmax: torch.Tensor) -> torch.Tensor:
@@ -40,10 +51,18 @@ def quantize_int8(
     return q, s
 
 
+@functools.cache
+def _cpu_int_mm_is_exact() -> bool:
+    """Whether oneDNN multiplies int8 with VNNI or AMX here (decided once per process)."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper() in _INEXACT_ONEDNN_CAPS:
+        return False
+    return bool(_EXACT_INT_MM_FLAGS & cpu_flags())
+
+
 def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a`` int8 [M, K] times ``b`` int8 [N, K] transposed -> int32 [M, N], exact (|sum| <=
     K * 128 * 128 fits int32 for K < 131072)."""
-    if hasattr(torch, "_int_mm"):
+    if hasattr(torch, "_int_mm") and (a.device.type != "cpu" or _cpu_int_mm_is_exact()):
         out: torch.Tensor = torch._int_mm(a, b.t())
         return out
     # int64 products and sums are exact; the result fits int32 by the bound above.
