@@ -32,6 +32,9 @@ namespace {
 constexpr int64_t kPanel = 64;   // output columns of one packed panel
 constexpr int64_t kGroup = 4;    // consecutive k of one 32-bit lane
 constexpr int64_t kRowTask = 64; // rows of one parallel task at prefill sizes
+#ifndef TANDEM_INT8_PREFETCH
+#define TANDEM_INT8_PREFETCH 1024
+#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TANDEM_INT8_PATH 2
@@ -94,9 +97,13 @@ void panel_dots(const Gemm& g, int64_t r0, int64_t p, int32_t* tile) {
   TANDEM_ROWS(TANDEM_ROW_ZERO)
   for (int64_t q = 0; q < groups; ++q) {
     const int8_t* wq = w + q * kPanel * kGroup;
-    // The panel is one stream; 1 KiB ahead covers the memory latency at decode sizes.
-    _mm_prefetch(reinterpret_cast<const char*>(wq + 1024), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wq + 1024 + 128), _MM_HINT_T0);
+#if TANDEM_INT8_PREFETCH > 0
+    const char* ahead = reinterpret_cast<const char*>(wq) + TANDEM_INT8_PREFETCH;
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    _mm_prefetch(ahead + 128, _MM_HINT_T0);
+    _mm_prefetch(ahead + 192, _MM_HINT_T0);
+#endif
     const __m512i w0 = _mm512_loadu_si512(wq);
     const __m512i w1 = _mm512_loadu_si512(wq + 64);
     const __m512i w2 = _mm512_loadu_si512(wq + 128);
