@@ -9,7 +9,7 @@ import logging
 import torch
 from torch import nn
 
-from tandem.core.kernels.cpu.int8_gemm import native_int8, pack_int8_weight
+from tandem.core.kernels.cpu.int8_gemm import native_int8
 from tandem.core.layers.quantized_linear import QuantizableLinear
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ def pack_int8_weights(model: nn.Module, device: torch.device) -> int:
         weight = module.weight
         if module.int8_packed is not None or weight.dtype is not torch.int8 or weight.dim() != 2:
             continue
-        module.int8_packed = pack_int8_weight(weight)
+        module.int8_packed = kernels.pack(weight)
         weight.data = torch.empty((0, weight.shape[1]), dtype=torch.int8, device=device)
         count += 1
     if count:

@@ -72,7 +72,7 @@ def test_products_are_the_references_int32(kernels: NativeInt8, shape: tuple[int
     n, k = shape
     gen = torch.Generator().manual_seed(n * 1000 + k)
     w = _weight(n, k, gen)
-    packed = pack_int8_weight(w)
+    packed = kernels.pack(w)
     for m in ROWS:
         a = _codes(m, k, gen)
         got = kernels.matmul(a, packed)
@@ -84,7 +84,14 @@ def test_products_of_strided_codes(kernels: NativeInt8) -> None:
     gen = torch.Generator().manual_seed(3)
     w = _weight(70, 90, gen)
     a = _codes(9, 120, gen)[:, 10:100]
-    assert torch.equal(kernels.matmul(a, pack_int8_weight(w)), ref.int8_matmul(a.contiguous(), w))
+    assert torch.equal(kernels.matmul(a, kernels.pack(w)), ref.int8_matmul(a.contiguous(), w))
+
+
+def test_a_weight_packed_for_another_panel_width_is_refused(kernels: NativeInt8) -> None:
+    w = torch.randint(-128, 128, (40, 8), dtype=torch.int8, generator=torch.Generator())
+    other = pack_int8_weight(w, 16 if kernels.panel == 64 else 64)
+    with pytest.raises(ValueError, match="panels of"):
+        kernels.matmul(torch.zeros(1, 8, dtype=torch.int8), other)
 
 
 def _activations(m: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -107,7 +114,7 @@ def test_the_fused_linear_is_the_references(
     gen = torch.Generator().manual_seed(7)
     for n, k in SHAPES:
         w = _weight(n, k, gen)
-        packed = pack_int8_weight(w)
+        packed = kernels.pack(w)
         ws = (torch.rand(n, 1, generator=gen) * 0.02).to(dtype)
         bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
         scale = torch.tensor(static).to(dtype) if static is not None else None
@@ -122,7 +129,7 @@ def test_leading_dimensions_are_kept(kernels: NativeInt8) -> None:
     gen = torch.Generator().manual_seed(8)
     w, ws = _weight(40, 24, gen), torch.rand(40, 1, generator=gen)
     x = torch.randn(2, 3, 24, generator=gen)
-    got = kernels.linear(x, pack_int8_weight(w), ws, None, None)
+    got = kernels.linear(x, kernels.pack(w), ws, None, None)
     assert got.shape == (2, 3, 40)
     assert torch.equal(got, ref.int8_linear(x, w, ws, None, None))
 
@@ -144,7 +151,7 @@ def test_the_separate_steps_are_the_references(
         q, s = kernels.quantize(x, scale, peak)
         q_ref, s_ref = ref.quantize_int8(x, scale, peak)
         assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
-        acc = kernels.matmul(q, pack_int8_weight(w))
+        acc = kernels.matmul(q, kernels.pack(w))
         out = kernels.dequantize(acc, s, ws, bias, dtype)
         assert torch.equal(out, ref.dequantize(acc, s_ref, ws, bias, dtype))
 
@@ -174,7 +181,7 @@ def test_the_handles_choose_the_kernel_built_for_the_isa_level(tmp_path: Path) -
 
 def test_packing_pads_to_panels_and_compensates_each_column() -> None:
     w = torch.randint(-128, 128, (70, 9), dtype=torch.int8, generator=torch.Generator())
-    packed = pack_int8_weight(w)
+    packed = pack_int8_weight(w, 64)
     assert packed.packed.shape == (2, 3, 64, 4) and packed.padded_in == 12
     assert torch.equal(packed.packed[1, 2, 5, 0], w[69, 8])
     assert torch.equal(packed.packed[0, 1, 3], w[3, 4:8])

@@ -44,9 +44,8 @@ SOURCE = CSRC / "int8_linear.cpp"
 # The elementwise kernels' flags: without FMA contraction the dequantize rounds its product
 # and its bias sum separately, as the reference's tensor ops do.
 FLAGS = ELEMENTWISE_FLAGS
-# The packed layout's panel of output columns and its group of consecutive k (one 32-bit
-# lane of vpdpbusd); see the source.
-PANEL = 64
+# The packed layout's group of consecutive k (one 32-bit lane of vpdpbusd); its panel of
+# output columns is the library's (64, or 16 on the AVX2 path); see the source.
 GROUP = 4
 PATHS = {2: "AVX512-VNNI", 1: "AVX2", 0: "plain loops"}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -56,8 +55,8 @@ _vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 @dataclass(frozen=True)
 class PackedInt8Weight:
     """An int8 weight [out_features, in_features] in the kernel's layout
-    [Np/64][Kp/4][64][4] (zero padded), with ``compensation`` [Np] int32 = 128 * each
-    column's sum (the VNNI path takes activations as q + 128)."""
+    [Np/P][Kp/4][P][4] (P = ``panel``; zero padded), with ``compensation`` [Np] int32 =
+    128 * each column's sum (the VNNI path takes activations as q + 128)."""
 
     packed: torch.Tensor
     compensation: torch.Tensor
@@ -65,16 +64,21 @@ class PackedInt8Weight:
     in_features: int
 
     @property
+    def panel(self) -> int:
+        return int(self.packed.shape[2])
+
+    @property
     def padded_in(self) -> int:
-        return self.packed.shape[1] * GROUP
+        return int(self.packed.shape[1]) * GROUP
 
 
-def pack_int8_weight(weight: torch.Tensor) -> PackedInt8Weight:
-    """``weight`` int8 [N, K] in the kernel's layout (once per layer, at load)."""
+def pack_int8_weight(weight: torch.Tensor, panel: int) -> PackedInt8Weight:
+    """``weight`` int8 [N, K] in the layout with ``panel`` columns a panel (once per layer,
+    at load)."""
     n, k = weight.shape
-    np_, kp = -(-n // PANEL) * PANEL, -(-k // GROUP) * GROUP
+    np_, kp = -(-n // panel) * panel, -(-k // GROUP) * GROUP
     w = torch.nn.functional.pad(weight.detach(), (0, kp - k, 0, np_ - n))
-    packed = w.view(np_ // PANEL, PANEL, kp // GROUP, GROUP).permute(0, 2, 1, 3).contiguous()
+    packed = w.view(np_ // panel, panel, kp // GROUP, GROUP).permute(0, 2, 1, 3).contiguous()
     compensation = (w.sum(dim=1, dtype=torch.int32) * 128).contiguous()
     return PackedInt8Weight(packed, compensation, n, k)
 
@@ -96,6 +100,7 @@ class NativeInt8:
         lib = ctypes.CDLL(str(path))
         self.path = path
         self.compiled_path = PATHS[int(lib.tandem_int8_path())]
+        self.panel = int(lib.tandem_int8_panel())
         self._matmul = lib.tandem_int8_matmul
         self._matmul.argtypes = [_vp] * 4 + [_i64] * 6 + [_i32]
         self._linear = lib.tandem_int8_linear
@@ -110,6 +115,19 @@ class NativeInt8:
     @property
     def name(self) -> str:
         return f"int8 {self.compiled_path}"
+
+    def pack(self, weight: torch.Tensor) -> PackedInt8Weight:
+        """``weight`` int8 [N, K] in the layout this build reads."""
+        return pack_int8_weight(weight, self.panel)
+
+    def _readable(self, weight: PackedInt8Weight) -> PackedInt8Weight:
+        # A layout of another panel width pairs the wrong columns: refused, not misread.
+        if weight.panel != self.panel:
+            raise ValueError(
+                f"a weight packed in panels of {weight.panel} columns; this {self.name} "
+                f"kernel reads panels of {self.panel}"
+            )
+        return weight
 
     @staticmethod
     def _check(code: int, what: str) -> None:
@@ -127,6 +145,7 @@ class NativeInt8:
         """The reference's ``int8_linear`` in one pass over a packed weight."""
         if not isinstance(weight, PackedInt8Weight):
             return ref.int8_linear(x, weight, weight_scale, input_scale, bias)
+        weight = self._readable(weight)
         # Other float dtypes go through float32: exact, as the reference's own math is.
         dtype = x.dtype if x.dtype in _DTYPES else torch.float32
         rows = _rows(x.to(dtype))
@@ -148,6 +167,7 @@ class NativeInt8:
         """int8 codes [M, K] times a packed weight: exact int32 [M, N]."""
         if not isinstance(b, PackedInt8Weight):
             return ref.int8_matmul(a, b)
+        b = self._readable(b)
         rows = _rows(a)
         out = torch.empty(rows.shape[0], b.out_features, dtype=torch.int32)
         code = self._matmul(

@@ -7,11 +7,13 @@
 // reciprocal), rounds half to even and saturates; the dequantize is ((acc * s) * ws) + b in
 // float32, two roundings each (built with -ffp-contract=off so no FMA fuses them).
 //
-// Packed weight layout (made by int8_gemm.py): [Np/64][Kp/4][64][4] int8 — panels of 64
-// output columns; in each, for every group of 4 consecutive k, the 4 values of column 0,
-// then column 1, ... So one 64-byte load gives 16 columns' 4 k each: the 32-bit lanes
-// vpdpbusd multiplies against 4 activation bytes broadcast. Np, Kp: N, K padded with zero
-// weights to multiples of 64 and 4. comp[n] = 128 * sum_k w[n, k].
+// Packed weight layout (made by int8_gemm.py): [Np/P][Kp/4][P][4] int8 — panels of P output
+// columns; in each, for every group of 4 consecutive k, the 4 values of column 0, then
+// column 1, ... So one 64-byte load gives 16 columns' 4 k each: the 32-bit lanes vpdpbusd
+// multiplies against 4 activation bytes broadcast. P is 64 (four zmm of columns) except on
+// the AVX2 path, whose 16 columns a pass fill its registers: a panel of 16 is then one
+// contiguous stream. Np, Kp: N, K padded with zero weights to multiples of P and 4.
+// comp[n] = 128 * sum_k w[n, k].
 //
 // Code paths: AVX512-VNNI (vpdpbusd takes unsigned x signed bytes: activations go in as
 // q + 128 and comp is subtracted, exact in int32); AVX2 (vpmaddubsw would saturate the
@@ -29,7 +31,6 @@
 
 namespace {
 
-constexpr int64_t kPanel = 64;   // output columns of one packed panel
 constexpr int64_t kGroup = 4;    // consecutive k of one 32-bit lane
 constexpr int64_t kRowTask = 64; // rows of one parallel task at prefill sizes
 #ifndef TANDEM_INT8_PREFETCH
@@ -43,6 +44,8 @@ constexpr int64_t kRowTask = 64; // rows of one parallel task at prefill sizes
 #else
 #define TANDEM_INT8_PATH 0
 #endif
+
+constexpr int64_t kPanel = TANDEM_INT8_PATH == 1 ? 16 : 64;  // output columns of a panel
 
 struct Gemm {
   const int8_t* a;       // activations [M][Kp], q (or q + 128 on the VNNI path), padded
@@ -122,41 +125,60 @@ constexpr int kRowBlock = 4;
 
 #elif TANDEM_INT8_PATH == 1
 
-// 16 columns at a time: a 4-column x 4-k slice of the panel widened to 16 int16 is one
-// ymm; vpmaddwd against the activations' (k0 k1)(k2 k3) pairs gives each column's two
-// half sums in adjacent lanes, added together at the end.
+// The panel's 16 columns: a 4-column x 4-k slice widened to 16 int16 is one ymm; vpmaddwd
+// against the activations' (k0 k1)(k2 k3) pairs gives each column's two half sums in
+// adjacent lanes, added together at the end.
+// acc += the pair sums of a x w (int16 lanes), in asm: GCC 12 spills and copies the
+// accumulators of the intrinsics here, as it does for vpdpbusd.
+inline void madd_add(__m256i& acc, __m256i a, __m256i w) {
+  __m256i t;
+  asm("vpmaddwd %2, %1, %0" : "=&v"(t) : "v"(a), "v"(w));
+  asm("vpaddd %1, %0, %0" : "+v"(acc) : "v"(t));
+}
+
 template <int MR>
 void panel_dots(const Gemm& g, int64_t r0, int64_t p, int32_t* tile) {
+  static_assert(kPanel == 16 && MR >= 1 && MR <= 2, "one pass covers the panel; 2 rows fit");
   const int64_t groups = g.kp / kGroup;
   const int8_t* w = g.packed + p * groups * kPanel * kGroup;
-  for (int64_t c0 = 0; c0 < kPanel; c0 += 16) {
-    __m256i acc[MR][4];
-    for (int r = 0; r < MR; ++r)
-      for (int b = 0; b < 4; ++b) acc[r][b] = _mm256_setzero_si256();
-    for (int64_t q = 0; q < groups; ++q) {
-      const int8_t* wq = w + (q * kPanel + c0) * kGroup;
-      __m256i wv[4];
-      for (int b = 0; b < 4; ++b)
-        wv[b] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + 16 * b)));
-      for (int r = 0; r < MR; ++r) {
-        int32_t lane;
-        std::memcpy(&lane, g.a + (r0 + r) * g.kp + q * kGroup, sizeof(lane));
-        __m256i av = _mm256_cvtepi8_epi16(_mm_set1_epi32(lane));
-        for (int b = 0; b < 4; ++b)
-          acc[r][b] = _mm256_add_epi32(acc[r][b], _mm256_madd_epi16(av, wv[b]));
-      }
-    }
-    for (int r = 0; r < MR; ++r) {
-      // Lanes (c, k01)(c, k23) per column; hadd pairs them within 128-bit halves.
-      __m256i s01 = _mm256_hadd_epi32(acc[r][0], acc[r][1]);
-      __m256i s23 = _mm256_hadd_epi32(acc[r][2], acc[r][3]);
-      // s01 = [c0 c1 c4 c5 | c2 c3 c6 c7], s23 likewise for columns 8..15.
-      __m256i lo = _mm256_permutevar8x32_epi32(s01, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
-      __m256i hi = _mm256_permutevar8x32_epi32(s23, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + r * kPanel + c0), lo);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + r * kPanel + c0 + 8), hi);
+  const int8_t* a0 = g.a + r0 * g.kp;
+  const int8_t* a1 = a0 + (MR > 1 ? g.kp : 0);
+  __m256i c00 = _mm256_setzero_si256(), c01 = c00, c02 = c00, c03 = c00;
+  __m256i c10 = c00, c11 = c00, c12 = c00, c13 = c00;
+  for (int64_t q = 0; q < groups; ++q) {
+    const int8_t* wq = w + q * kPanel * kGroup;
+    int32_t lane0, lane1;
+    std::memcpy(&lane0, a0 + q * kGroup, sizeof(lane0));
+    std::memcpy(&lane1, a1 + q * kGroup, sizeof(lane1));
+    const __m256i v0 = _mm256_cvtepi8_epi16(_mm_set1_epi32(lane0));
+    const __m256i v1 = _mm256_cvtepi8_epi16(_mm_set1_epi32(lane1));
+    const __m128i* ws = reinterpret_cast<const __m128i*>(wq);
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(ws));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(ws + 1));
+    const __m256i w2 = _mm256_cvtepi8_epi16(_mm_loadu_si128(ws + 2));
+    const __m256i w3 = _mm256_cvtepi8_epi16(_mm_loadu_si128(ws + 3));
+    madd_add(c00, v0, w0);
+    madd_add(c01, v0, w1);
+    madd_add(c02, v0, w2);
+    madd_add(c03, v0, w3);
+    if constexpr (MR > 1) {
+      madd_add(c10, v1, w0);
+      madd_add(c11, v1, w1);
+      madd_add(c12, v1, w2);
+      madd_add(c13, v1, w3);
     }
   }
+  // Lanes (c, k01)(c, k23) per column; hadd pairs them within 128-bit halves:
+  // [c0 c1 c4 c5 | c2 c3 c6 c7], put in order by the permute.
+  const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+  auto store = [&](int32_t* t, __m256i x0, __m256i x1, __m256i x2, __m256i x3) {
+    const __m256i lo = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(x0, x1), order);
+    const __m256i hi = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(x2, x3), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(t), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(t + 8), hi);
+  };
+  store(tile, c00, c01, c02, c03);
+  if constexpr (MR > 1) store(tile + kPanel, c10, c11, c12, c13);
 }
 
 constexpr int kRowBlock = 2;
@@ -302,6 +324,9 @@ extern "C" {
 
 // 2: AVX512-VNNI, 1: AVX2, 0: plain loops.
 int tandem_int8_path() { return TANDEM_INT8_PATH; }
+
+// The output columns of a panel of the packed layout this build reads.
+int tandem_int8_panel() { return static_cast<int>(kPanel); }
 
 // out int32 [M, N] (row stride ldo) = a int8 [M, K] (row stride lda) times the packed
 // weight, exact.
