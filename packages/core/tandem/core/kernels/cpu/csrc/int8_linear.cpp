@@ -33,9 +33,6 @@ namespace {
 
 constexpr int64_t kGroup = 4;    // consecutive k of one 32-bit lane
 constexpr int64_t kRowTask = 64; // rows of one parallel task at prefill sizes
-#ifndef TANDEM_INT8_PREFETCH
-#define TANDEM_INT8_PREFETCH 1024
-#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TANDEM_INT8_PATH 2
@@ -100,13 +97,9 @@ void panel_dots(const Gemm& g, int64_t r0, int64_t p, int32_t* tile) {
   TANDEM_ROWS(TANDEM_ROW_ZERO)
   for (int64_t q = 0; q < groups; ++q) {
     const int8_t* wq = w + q * kPanel * kGroup;
-#if TANDEM_INT8_PREFETCH > 0
-    const char* ahead = reinterpret_cast<const char*>(wq) + TANDEM_INT8_PREFETCH;
-    _mm_prefetch(ahead, _MM_HINT_T0);
-    _mm_prefetch(ahead + 64, _MM_HINT_T0);
-    _mm_prefetch(ahead + 128, _MM_HINT_T0);
-    _mm_prefetch(ahead + 192, _MM_HINT_T0);
-#endif
+    // No software prefetch: the panel is one sequential stream the hardware prefetcher
+    // follows. Measured on Zen 4 (one thread, 256 MiB of [2048, 1024] weights, CPU time):
+    // M = 1 at 15-16 GB/s without, 14-15 with prefetches 1 KiB ahead; M = 8 at 13 against 11.
     const __m512i w0 = _mm512_loadu_si512(wq);
     const __m512i w1 = _mm512_loadu_si512(wq + 64);
     const __m512i w2 = _mm512_loadu_si512(wq + 128);
