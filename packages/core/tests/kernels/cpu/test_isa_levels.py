@@ -33,6 +33,9 @@ SUITES = [
     HERE / "test_avx2_linear.py",
     HERE / "test_grouped_experts.py",
     TESTS / "models" / "test_models_vs_transformers.py",
+    # A W8A8 model on the int8 kernel of the level (test_int8_gemm.py builds every level's
+    # kernel in one run already).
+    TESTS / "models" / "test_quantized_loading.py",
 ]
 # What the level does not change: how libraries are built and cached, and fall-backs.
 NOT_PER_LEVEL = "not concurrent_first_builds and not without_a and not refuses"
