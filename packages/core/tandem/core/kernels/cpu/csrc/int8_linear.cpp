@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "vec_math.h"
@@ -46,13 +47,13 @@ constexpr int64_t kPanel = TANDEM_INT8_PATH == 1 ? 16 : 64;  // output columns o
 
 struct Gemm {
   const int8_t* a;       // activations [M][Kp], q (or q + 128 on the VNNI path), padded
-  const int8_t* packed;  // [Np/64][Kp/4][64][4]
+  const int8_t* packed;  // [Np/kPanel][Kp/4][kPanel][4]
   const int32_t* comp;   // [Np]
   int64_t m, n, kp;
 };
 
-// The exact signed dots of rows [r0, r0 + rows) with the 64 columns of panel p, into
-// tile[rows][64].
+// panel_dots<MR>: the exact signed dots of rows [r0, r0 + MR) with the kPanel columns of
+// panel p, into tile[MR][kPanel].
 #if TANDEM_INT8_PATH == 2
 
 // acc += u8 x s8 dots, in asm: GCC 12 copies the accumulator around each
@@ -118,9 +119,6 @@ constexpr int kRowBlock = 4;
 
 #elif TANDEM_INT8_PATH == 1
 
-// The panel's 16 columns: a 4-column x 4-k slice widened to 16 int16 is one ymm; vpmaddwd
-// against the activations' (k0 k1)(k2 k3) pairs gives each column's two half sums in
-// adjacent lanes, added together at the end.
 // acc += the pair sums of a x w (int16 lanes), in asm: GCC 12 spills and copies the
 // accumulators of the intrinsics here, as it does for vpdpbusd.
 inline void madd_add(__m256i& acc, __m256i a, __m256i w) {
@@ -129,6 +127,9 @@ inline void madd_add(__m256i& acc, __m256i a, __m256i w) {
   asm("vpaddd %1, %0, %0" : "+v"(acc) : "v"(t));
 }
 
+// The panel's 16 columns: a 4-column x 4-k slice widened to 16 int16 is one ymm; vpmaddwd
+// against the activations' (k0 k1)(k2 k3) pairs gives each column's two half sums in
+// adjacent lanes, added together at the end.
 template <int MR>
 void panel_dots(const Gemm& g, int64_t r0, int64_t p, int32_t* tile) {
   static_assert(kPanel == 16 && MR >= 1 && MR <= 2, "one pass covers the panel; 2 rows fit");
@@ -225,7 +226,7 @@ void run_gemm(const Gemm& g, int threads, Epilogue epilogue) {
     const int64_t m0 = (t / panels) * kRowTask;
     const int64_t m1 = std::min(g.m, m0 + kRowTask);
     alignas(64) int32_t tile[kRowBlock * kPanel];
-    // Blocks of even size (32 rows: 6 6 5 5 5 5, not five 6 and a 2): a short block pays
+    // Blocks of even size (7 rows: 4 3, 10 rows: 4 3 3, not 4 4 2): a short block pays
     // the weight loads of a full one for fewer products.
     const int64_t blocks = (m1 - m0 + kRowBlock - 1) / kRowBlock;
     const int64_t base = (m1 - m0) / blocks, longer = (m1 - m0) % blocks;
