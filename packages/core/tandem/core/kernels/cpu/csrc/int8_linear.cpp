@@ -284,7 +284,8 @@ template <typename T>
 void dequantize_row(const int32_t* acc, float s, const float* ws, const float* bias, T* out,
                     int64_t n) {
   if (bias != nullptr) {
-    for (int64_t c = 0; c < n; ++c) store_value(out, c, static_cast<float>(acc[c]) * s * ws[c] + bias[c]);
+    for (int64_t c = 0; c < n; ++c)
+      store_value(out, c, static_cast<float>(acc[c]) * s * ws[c] + bias[c]);
   } else {
     for (int64_t c = 0; c < n; ++c) store_value(out, c, static_cast<float>(acc[c]) * s * ws[c]);
   }
@@ -372,10 +373,11 @@ int tandem_int8_quantize(int8_t* q, float* scale, const void* x, const float* ab
 #pragma omp parallel for num_threads(threads) schedule(static) if (m > 1)
   for (int64_t r = 0; r < m; ++r) {
     const float* row_max = absmax ? absmax + r : nullptr;
-    float s = dtype == tandem::kFloat32
-                  ? quantize_row(static_cast<const float*>(x) + r * ldx, k, row_max, fixed, q + r * k)
-                  : quantize_row(static_cast<const uint16_t*>(x) + r * ldx, k, row_max, fixed,
-                                 q + r * k);
+    int8_t* row = q + r * k;
+    const float s =
+        dtype == tandem::kFloat32
+            ? quantize_row(static_cast<const float*>(x) + r * ldx, k, row_max, fixed, row)
+            : quantize_row(static_cast<const uint16_t*>(x) + r * ldx, k, row_max, fixed, row);
     if (fixed == nullptr) scale[r] = s;
   }
   if (fixed != nullptr) scale[0] = *fixed;
