@@ -256,7 +256,10 @@ def test_a_runaway_template_is_stopped_and_never_blocks_the_event_loop(
         # bound, which a loaded CI machine can exceed with the loop free.
         assert not render.done(), "the event loop was blocked until the render ended"
         message = _error(await render, 400, "messages")
-        assert "used more than 1 s of CPU time" in message, message
+        # Stopped by its CPU-time limit, or, on a machine too busy to give the render a
+        # second of CPU in 6 s, by the clock's backstop; either message names the limit.
+        assert "used more than 1 s of CPU time" in message or "on the clock" in message
+        assert "1 s of CPU time" in message, message
         assert time.monotonic() - started < 10
 
     run_app(scenario, limits=limits)
