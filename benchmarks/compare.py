@@ -99,6 +99,19 @@ def machine_record() -> dict[str, Any]:
     }
 
 
+def cpu_line() -> str:
+    """The CPU a figure was measured on, in one line: model, vector flags, cores (what every
+    benchmark here prints beside its figures)."""
+    flags = _cpuinfo("flags").split()
+    return machine_line(
+        {
+            "cpu": _cpuinfo("model name") or platform.processor(),
+            "key_flags": [f for f in _KEY_FLAGS if f in flags],
+            "cores": os.cpu_count(),
+        }
+    )
+
+
 def machine_line(machine: dict[str, Any]) -> str:
     flags = " ".join(machine["key_flags"]) or "no AVX2"
     return f"{machine['cpu']} ({flags}), {machine['cores']} cores"

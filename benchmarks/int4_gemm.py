@@ -16,13 +16,13 @@ import argparse
 import itertools
 import os
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.nn.functional as F
+from compare import cpu_line
 
 from tandem.core.kernels.cpu.int4_linear import NativeInt4Linear, load_native_int4_linear
 from tandem.core.kernels.reference.int4_linear import dequantize_int4, int4_linear
@@ -32,22 +32,6 @@ INPUTS = 1024
 GROUP = 128
 # A call is repeated until it has run this long, per round and side.
 _MIN_SECONDS = 0.05
-
-
-def _cpu() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return "lscpu unavailable"
-    keep = ("Model name", "Thread(s) per core", "Core(s) per socket", "Socket(s)", "Flags")
-    lines = [line for line in out.splitlines() if line.startswith(keep)]
-    return "\n".join(line if not line.startswith("Flags") else _short_flags(line) for line in lines)
-
-
-def _short_flags(line: str) -> str:
-    wanted = ("avx2", "fma", "f16c", "avx512", "amx")
-    flags = [f for f in line.split(":", 1)[1].split() if f.startswith(wanted)]
-    return "Flags (vector): " + " ".join(flags)
 
 
 def _ms(run: Callable[[], object]) -> float:
@@ -117,7 +101,7 @@ def main() -> int:
     if kernel is None:
         print("no native 4-bit kernel (no compiler?): nothing to compare")
         return 1
-    print(_cpu())
+    print(cpu_line())
     print(f"kernel path: {kernel.compiled_path}; torch threads: {torch.get_num_threads()}")
     print(f"load average at start: {os.getloadavg()}")
     gen = torch.Generator().manual_seed(0)

@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from compare import cpu_line
 from torch import nn
 
 from tandem.core.kernels.cpu.int8_gemm import PackedInt8Weight, native_int8
@@ -42,7 +42,6 @@ SHAPES = {
     "down_proj": (1024, 2816),
 }
 CPU = torch.device("cpu")
-_LSCPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
 
 
 @dataclass
@@ -129,22 +128,6 @@ def _interleaved(sides: list[Side], x: dict[str, torch.Tensor], rounds: int) -> 
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def _cpu_lines() -> list[str]:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return ["lscpu: not available"]
-    lines = []
-    for line in out.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "Flags":
-            flags = value.split()
-            lines.append("Flags (relevant): " + " ".join(f for f in _LSCPU_FLAGS if f in flags))
-        elif key.strip() in ("Model name", "CPU(s)", "Thread(s) per core", "L2 cache", "L3 cache"):
-            lines.append(f"{key.strip()}: {value.strip()}")
-    return lines
-
-
 def _row(label: str, rows: int, ms: dict[str, float], sides: list[Side]) -> str:
     cells = [f"{rows:>4} {label:<13}"]
     for side in sides:
@@ -166,7 +149,7 @@ def main() -> int:
     if kernels is None:
         print("no CPU int8 kernel here (no compiler, or TANDEM_INT8=torch): nothing to compare")
         return 1
-    print("\n".join(_cpu_lines()))
+    print(cpu_line())
     print(f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}; ", end="")
     print(f"{torch.get_num_threads()} threads; ours: {kernels.name}; torch {torch.__version__}")
     print(f"ms per call and GB/s of weight bytes read, median of {args.rounds} interleaved rounds")
