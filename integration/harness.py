@@ -14,11 +14,32 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import httpx2
+from openai import AsyncOpenAI, OpenAI
 
 from tandem.core.demo.demo_model import tiny_spec
 
 SPEC = tiny_spec()
 MODEL_NAME = "tandem-demo"
+# The server closes a connection idle for its keep-alive timeout (5 s); httpx's pool reuses
+# one idle for up to its own expiry, also 5 s by default, so a request can go out on a
+# connection the server is closing at that instant ("Server disconnected without sending a
+# response"). Clients that do not retry (the tests' do not, so no failure hides) must drop
+# idle connections well before the server does, as any client talking to a keep-alive
+# server should. (openai 3 talks through httpx2, its own fork of httpx.)
+CLIENT_KEEPALIVE_EXPIRY_S = 2.0
+
+
+def openai_client(base_url: str) -> OpenAI:
+    """The official client on ``{base_url}/v1``, without retries."""
+    http = httpx2.Client(limits=httpx2.Limits(keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S))
+    return OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, http_client=http)
+
+
+def async_openai_client(base_url: str) -> AsyncOpenAI:
+    """The official asyncio client on ``{base_url}/v1``, without retries."""
+    http = httpx2.AsyncClient(limits=httpx2.Limits(keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S))
+    return AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, http_client=http)
 
 
 @dataclass

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from harness import MODEL_NAME, Server
-from openai import AsyncOpenAI
+from harness import MODEL_NAME, Server, async_openai_client
 
 
 def test_48_concurrent_streams(server: Server) -> None:
-    client = AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    client = async_openai_client(server.base_url)
 
     async def one(i: int) -> tuple[str, int, str | None]:
         stream = await client.completions.create(

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from harness import Server, ServerFactory
-from openai import OpenAI
+from harness import Server, ServerFactory, openai_client
 
 # From the model's README: greedy from BOS is "Once upon a time, there was a little girl
 # named Lily. ..."; "Once upon a time" is its first 5 tokens, so these follow.
@@ -41,7 +40,7 @@ def stories(start_server: ServerFactory) -> Server:
 
 
 def test_once_upon_a_time(stories: Server) -> None:
-    client = OpenAI(base_url=f"{stories.base_url}/v1", api_key="unused", max_retries=0)
+    client = openai_client(stories.base_url)
     assert [m.id for m in client.models.list().data] == ["stories260k", "tinystories"]
     response = client.completions.create(
         model="tinystories",

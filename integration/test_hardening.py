@@ -17,7 +17,9 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from harness import MODEL_NAME, Server, ServerFactory, free_port
+from harness import CLIENT_KEEPALIVE_EXPIRY_S, MODEL_NAME, Server, ServerFactory, free_port
+
+from tandem.server.state import ServerLimits
 
 GOOD = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}
 
@@ -38,6 +40,13 @@ def _post(conn: http.client.HTTPConnection, body: bytes) -> tuple[int, dict[str,
     conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
     response = conn.getresponse()
     return response.status, json.loads(response.read())
+
+
+def test_the_tests_clients_drop_idle_connections_well_before_the_server_closes_them() -> None:
+    # Equal timeouts on both ends let a request leave on a connection the server is closing
+    # (a CI failure seen with httpx's default 5 s against the server's 5 s); the margin
+    # covers a busy machine's delays on either side.
+    assert ServerLimits().keep_alive_timeout_s / 2 >= CLIENT_KEEPALIVE_EXPIRY_S
 
 
 def test_invalid_unicode_is_a_400_and_the_connection_stays_open(guarded: Server) -> None:

@@ -10,8 +10,7 @@ import asyncio
 
 import httpx
 import pytest
-from harness import Server, ServerFactory
-from openai import AsyncOpenAI
+from harness import Server, ServerFactory, async_openai_client
 from reference_models import write_reference_model
 
 NAME = "qwen3_5-vl"
@@ -37,7 +36,7 @@ def _finished(server: Server, reason: str) -> float:
 
 
 def test_a_load_with_dropped_streams_returns_every_state_slot(server: Server) -> None:
-    client = AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    client = async_openai_client(server.base_url)
     usage_seen: list[float] = []
 
     async def one(i: int) -> str | None:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import MODEL_NAME, Server
+from harness import MODEL_NAME, Server, openai_client
 from openai import OpenAI
 
 from tandem.core import EngineConfig, LLMEngine, ModelLoadConfig, SamplingParams
@@ -17,7 +17,7 @@ PROMPTS = ["hello world", "the model reads the prompt", "Question: what is 4 + 5
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> OpenAI:
-    return OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    return openai_client(server.base_url)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from harness import MODEL_NAME, Server
+from harness import MODEL_NAME, Server, openai_client
 from openai import OpenAI
 
 from tandem.core import EngineConfig, LLMEngine, ModelLoadConfig, SamplingParams
@@ -36,7 +36,7 @@ CASES: list[tuple[dict[str, Any], dict[str, Any]]] = [
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> OpenAI:
-    return OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    return openai_client(server.base_url)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from harness import MODEL_NAME, ServerFactory
+from harness import MODEL_NAME, ServerFactory, openai_client
 from openai import OpenAI
 
 PLUGIN = '''"""``no_repeat`` (a JSON boolean): a row never samples the token it sampled last."""
@@ -104,7 +104,7 @@ def test_a_sampling_parameter_plugs_in_through_an_entry_point(
     (info / "entry_points.txt").write_text(ENTRY_POINTS)
     path = f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     server = start_server(env={"PYTHONPATH": path})
-    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    client = openai_client(server.base_url)
 
     # A bias of 100 makes every greedy token the forced one; no_repeat bans it every other
     # step. Both run in one batch: the plain row is not touched by the other's processor.

@@ -12,7 +12,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from harness import MODEL_NAME, Server, ServerFactory
+from harness import MODEL_NAME, Server, ServerFactory, openai_client
 from openai import OpenAI
 
 NUM_SCHEMAS = 50
@@ -22,7 +22,7 @@ MAX_TOKENS = 400
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> OpenAI:
-    return OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    return openai_client(server.base_url)
 
 
 def _leaf(rng: random.Random) -> dict[str, Any]:
@@ -182,7 +182,7 @@ def test_a_schema_nested_400_deep_is_a_400_naming_the_depth_limit(client: OpenAI
 
 def test_grammar_size_and_compile_time_budgets_are_400s(start_server: ServerFactory) -> None:
     server = start_server("--max-grammar-bytes", "2000", "--grammar-compile-timeout-s", "0.001")
-    small = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    small = openai_client(server.base_url)
     body = _refused(small, guided_choice=["x" * 1000] * 3)
     assert "--max-grammar-bytes" in body["message"], body
     body = _refused(small, guided_regex="[a-z ]{100,200}")

@@ -17,7 +17,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from harness import MODEL_NAME, Server, ServerFactory
+from harness import MODEL_NAME, Server, ServerFactory, openai_client
 from openai import OpenAI
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "docs" / "chat_templates" / "qwen3_tools.jinja"
@@ -79,7 +79,7 @@ def qwen3_server(
 
 @pytest.fixture(scope="module")
 def client(qwen3_server: Server) -> OpenAI:
-    return OpenAI(base_url=f"{qwen3_server.base_url}/v1", api_key="unused", max_retries=0)
+    return openai_client(qwen3_server.base_url)
 
 
 def _chat(client: OpenAI, **kwargs: Any) -> Any:
