@@ -112,6 +112,8 @@ class Generated:
     token_ids: list[list[int]]
     # Every node's stderr, in node order.
     logs: list[str]
+    # Per prompt, its tokens taken from the prefix cache.
+    num_cached_tokens: list[int]
 
 
 def generate_token_ids(
@@ -122,12 +124,15 @@ def generate_token_ids(
     env: dict[str, str] | None = None,
     log_level: str = "WARNING",
     kind: str = "cpu",
+    prompts: list[str] | None = None,
 ) -> Generated:
-    """Greedy token ids of ``PROMPT_IDS`` from ``tandem generate`` processes (one per node)."""
+    """Greedy token ids of ``prompts`` (comma-separated token ids; default ``PROMPT_IDS``)
+    from ``tandem generate`` processes (one per node)."""
+    prompts = PROMPT_IDS if prompts is None else prompts
     base = [sys.executable, "-m", "tandem.server.cli.main", "generate", "--log-level", log_level,
             "--model", str(model), "--num-blocks", "256", "--max-tokens", str(new_tokens),
             "--ignore-eos", "--json", *extra]  # fmt: skip
-    for prompt in PROMPT_IDS:
+    for prompt in prompts:
         base += ["--prompt-token-ids", prompt]
     nodes, topo_env = topology_args(topology, free_port(), kind)
     full_env = {**os.environ, **topo_env, **(env or {})}
@@ -140,9 +145,13 @@ def generate_token_ids(
     for p, (_, err) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
     records = [json.loads(line) for line in outputs[0][0].splitlines()]
-    assert len(records) == len(PROMPT_IDS)
+    assert len(records) == len(prompts)
     assert all(len(r["token_ids"]) == new_tokens for r in records)
-    return Generated([r["token_ids"] for r in records], [err for _, err in outputs])
+    return Generated(
+        [r["token_ids"] for r in records],
+        [err for _, err in outputs],
+        [r["num_cached_tokens"] for r in records],
+    )
 
 
 def write_plugin_distribution(root: Path, module: str, source: str, entry_points: str) -> Path:

@@ -2,7 +2,8 @@
 vision tower skipped) served by a real ``tandem serve`` process with fewer state slots than
 concurrent requests and two pipeline lanes: a load of streams, a third of them dropped by
 their clients mid-stream, all end; afterwards ``/metrics`` shows every state slot and KV
-block returned. Image content gets a clear 400."""
+block returned. Image content gets a clear 400; a prompt that continues another starts from
+its state snapshot, and /metrics counts it."""
 
 from __future__ import annotations
 
@@ -105,3 +106,23 @@ def test_image_content_is_a_clear_400(server: Server) -> None:
     # Text parts alone are fine.
     body["messages"][0]["content"] = [{"type": "text", "text": "hello"}]  # type: ignore[index]
     assert httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60).is_success
+
+
+def test_a_prompt_that_continues_another_starts_from_its_state_snapshot(server: Server) -> None:
+    """/metrics counts the lookups, the hit and the prompt tokens taken from the cache (vLLM's
+    prefix_cache_* in tokens; the tokens are checked against no caching elsewhere)."""
+    names = ("prefix_cache_queries", "prefix_cache_hits", "state_snapshot_queries",
+             "state_snapshot_hits")  # fmt: skip
+    before = {n: server.metric(f"tandem:{n}_total") for n in names}
+    prompt = [7 + (j * 13) % 400 for j in range(120)]
+    body = {"model": NAME, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        assert http.post("/v1/completions", json={**body, "prompt": prompt}).status_code == 200
+        follow_up = {**body, "prompt": [*prompt, 9, 10, 11]}
+        cached = http.post("/v1/completions", json=follow_up)
+        assert cached.status_code == 200, cached.text
+        after = {n: server.metric(f"tandem:{n}_total") for n in names}
+        assert after["state_snapshot_queries"] - before["state_snapshot_queries"] == 2
+        assert after["state_snapshot_hits"] - before["state_snapshot_hits"] == 1
+        assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == 120 + 123
+        assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 120

@@ -84,3 +84,31 @@ def test_torchrun_environment_names_the_nodes(models: dict[str, Path]) -> None:
     lines = [line[line.index("{") :] for line in done.stdout.splitlines() if "{" in line]
     tokens = [json.loads(line)["token_ids"] for line in lines]
     assert tokens == generate_token_ids(model, "tp1", NEW_TOKENS).token_ids
+
+
+def _ids(tokens: list[int]) -> str:
+    return ",".join(str(t) for t in tokens)
+
+
+def test_hybrid_prefix_cache_hits_are_identical_across_topologies(
+    models: dict[str, Path],
+) -> None:
+    """One request at a time, so each finds the snapshots of those before it: the second
+    shares 80 tokens with the first (its prefill is cut there for a snapshot), the third the
+    same 80 (it starts from that snapshot), the fourth continues the first's whole prompt (it
+    starts from the snapshot at that prompt's end, 85 tokens, inside a block). Every topology
+    gives the tokens of TP=1 without prefix caching."""
+    shared = [(7 * i + 3) % 500 + 5 for i in range(80)]
+    first = [*shared, 11, 12, 13, 14, 15]
+    prompts = [first, [*shared, 21, 22, 23], [*shared, 31, 32, 33, 34], [*first, 41, 42]]
+    ids = [_ids(p) for p in prompts]
+    one_at_a_time = ("--max-seqs-per-batch", "1", *CHUNKED)
+    model = models["qwen3_5"]
+    reference = generate_token_ids(
+        model, "tp1", NEW_TOKENS, (*one_at_a_time, "--no-enable-prefix-caching"), prompts=ids
+    )
+    assert reference.num_cached_tokens == [0, 0, 0, 0]
+    for topology in ["tp1", *TOPOLOGIES]:
+        cached = generate_token_ids(model, topology, NEW_TOKENS, one_at_a_time, prompts=ids)
+        assert cached.num_cached_tokens == [0, 0, 80, 85], topology
+        assert cached.token_ids == reference.token_ids, topology

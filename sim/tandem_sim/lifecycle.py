@@ -66,6 +66,10 @@ LIFECYCLE_PROMPTS = (
     (40, 41, 42, 43, 44, 45),
     (5, 17, 300, 42, 7),
 )
+# The hybrid's also has a prompt that continues r0's: it starts from r0's state snapshot
+# when r0's prompt was done before it is admitted (the schedule decides), and the same tokens
+# come out either way.
+HYBRID_PROMPTS = (*LIFECYCLE_PROMPTS, (5, 17, 300, 42, 9, 13, 2))
 LIFECYCLE_PARAMS = SamplingParams.greedy(max_tokens=6, ignore_eos=True)
 LIFECYCLE_CACHE = CacheConfig(block_size=2, num_blocks=10)
 # r1 is aborted once it has a token (it holds blocks then), r3 wherever the schedule has
@@ -113,14 +117,21 @@ def _config(
     )
 
 
+def lifecycle_prompts(hybrid: bool) -> tuple[tuple[int, ...], ...]:
+    return HYBRID_PROMPTS if hybrid else LIFECYCLE_PROMPTS
+
+
 @lru_cache(maxsize=2)
 def solo_tokens(hybrid: bool = False) -> dict[tuple[int, ...], tuple[int, ...]]:
-    """Each prompt's tokens run alone, TP=1, on real threads."""
-    engine = LLMEngine(_config(FaultConfig(), tp=1, kind="cpu", hybrid=hybrid))
+    """Each prompt's tokens run alone, TP=1, on real threads, without prefix caching (a
+    prompt that continues another would start from its snapshot)."""
+    config = _config(FaultConfig(), tp=1, kind="cpu", hybrid=hybrid)
+    config = replace(config, cache=replace(config.cache, enable_prefix_cache=False))
+    engine = LLMEngine(config)
     try:
         return {
             prompt: tuple(engine.generate([list(prompt)], LIFECYCLE_PARAMS)[0].token_ids)
-            for prompt in LIFECYCLE_PROMPTS
+            for prompt in lifecycle_prompts(hybrid)
         }
     finally:
         engine.shutdown()
@@ -210,7 +221,8 @@ def engine_lifecycle(
     executor = lifecycle_executor(s, config, factory, executor_class)
     engine = engine_class(config, executor=executor, sync=s)
     loop = EngineLoop(engine, sync=s)
-    ids = [f"r{i}" for i in range(len(LIFECYCLE_PROMPTS))]
+    prompts = lifecycle_prompts(hybrid)
+    ids = [f"r{i}" for i in range(len(prompts))]
     check = LifecycleCheck(ids)
     outputs: dict[str, RequestOutput] = {}
     tokens_seen: dict[str, int] = {}
@@ -226,7 +238,7 @@ def engine_lifecycle(
 
     deadline = s.monotonic() + END_WITHIN_S
     try:
-        for rid, prompt in zip(ids, LIFECYCLE_PROMPTS, strict=True):
+        for rid, prompt in zip(ids, prompts, strict=True):
             try:
                 loop.submit(list(prompt), LIFECYCLE_PARAMS, on_output, request_id=rid)
             except EngineDeadError as exc:
@@ -253,6 +265,18 @@ def engine_lifecycle(
     check.expect(ended_at < END_WITHIN_S, f"the requests took {ended_at:g} virtual s to end")
     check.check_ended_once()
     blocks = engine.block_manager
+    snapshots = engine.snapshots
+    if snapshots is not None:
+        # The prefix cache's state snapshots may keep blocks (their prefixes' partial last
+        # ones), nothing else; none is still pinned, and dropping them frees those blocks.
+        held = snapshots.num_tail_blocks
+        check.expect(snapshots.num_pinned == 0, f"{snapshots.num_pinned} snapshots still pinned")
+        check.expect(
+            blocks.num_free_blocks + held == blocks.num_blocks,
+            f"{blocks.num_blocks - blocks.num_free_blocks - held} KV blocks still held beside "
+            f"the {held} of state snapshots",
+        )
+        snapshots.clear()
     check.expect(
         blocks.num_free_blocks == blocks.num_blocks,
         f"{blocks.num_blocks - blocks.num_free_blocks} KV blocks still held",
@@ -267,7 +291,7 @@ def engine_lifecycle(
         )
     check.check_threads_ended([*executor._threads, loop._thread], "a thread")
     solo = solo_tokens(hybrid)
-    for rid, prompt in zip(ids, LIFECYCLE_PROMPTS, strict=True):
+    for rid, prompt in zip(ids, prompts, strict=True):
         out = outputs.get(rid)
         if out is None:
             continue

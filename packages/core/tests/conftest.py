@@ -55,6 +55,20 @@ def hf_model(tmp_path_factory: pytest.TempPathFactory) -> HfFactory:
     return build
 
 
+def assert_all_returned(engine: LLMEngine) -> None:
+    """At rest: every state slot free, and every KV block free but those that the prefix
+    cache's state snapshots hold (hybrid models), which go back when the snapshots do."""
+    stats = engine.stats
+    assert stats.num_free_state_slots == stats.num_state_slots
+    assert stats.num_free_blocks + stats.num_snapshot_blocks == stats.num_blocks, stats
+    snapshots = engine.scheduler.snapshots
+    if snapshots is not None:
+        assert snapshots.num_pinned == 0
+        snapshots.clear()
+        assert snapshots.num_snapshots == 0
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def engine_config(
     model: Path,
     *,
@@ -63,6 +77,8 @@ def engine_config(
     cpu_memory_gb: float = 4.0,
     block_size: int = 16,
     enable_prefix_cache: bool = True,
+    state_cache_mb: float | None = None,
+    state_snapshot_interval: int = 512,
     enable_chunked_prefill: bool = True,
     max_tokens_per_batch: int = 2048,
     max_seqs_per_batch: int = 64,
@@ -81,6 +97,8 @@ def engine_config(
             num_state_slots=num_state_slots,
             cpu_memory_gb=cpu_memory_gb,
             enable_prefix_cache=enable_prefix_cache,
+            state_cache_mb=state_cache_mb,
+            state_snapshot_interval=state_snapshot_interval,
         ),
         scheduler=SchedulerConfig(
             max_tokens_per_batch=max_tokens_per_batch,

@@ -59,7 +59,9 @@ def test_generate_json_contract(demo: Path) -> None:
     assert len(lines) == 3
     records = [json.loads(line) for line in lines]
     for record in records:
-        assert set(record) == {"prompt_token_ids", "token_ids", "text", "finish_reason"}
+        assert set(record) == {
+            "prompt_token_ids", "token_ids", "text", "finish_reason", "num_cached_tokens"
+        }  # fmt: skip
         assert len(record["token_ids"]) == 6 and record["finish_reason"] == "length"
     assert records[1]["prompt_token_ids"] == [5, 6, 7]
     # Greedy by default: the same command gives the same tokens.

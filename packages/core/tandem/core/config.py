@@ -24,6 +24,12 @@ class CacheConfig:
     # RAM budget in GiB that CPU "devices" may use for weights plus KV cache.
     cpu_memory_gb: float = 4.0
     enable_prefix_cache: bool = True
+    # Hybrid models' prefix cache: MiB of linear-attention state snapshots (kv/state_snapshots.py)
+    # per rank (--state-cache-mb); None: two per state slot (kv/cache_sizing.py).
+    state_cache_mb: float | None = None
+    # A snapshot at the end of a prefill chunk at least this many tokens past the last one
+    # (--state-snapshot-interval; 0: only at the other places, see llm/scheduler.py).
+    state_snapshot_interval: int = 512
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -38,6 +44,12 @@ class CacheConfig:
             )
         if self.cpu_memory_gb <= 0:
             raise ConfigError(f"--cpu-memory-gb must be > 0, got {self.cpu_memory_gb}")
+        if self.state_cache_mb is not None and self.state_cache_mb < 0:
+            raise ConfigError(f"--state-cache-mb must be >= 0, got {self.state_cache_mb}")
+        if self.state_snapshot_interval < 0:
+            raise ConfigError(
+                f"--state-snapshot-interval must be >= 0, got {self.state_snapshot_interval}"
+            )
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ counts win; a budget without room for one slot fails at start-up, naming the fla
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -34,7 +35,29 @@ def test_slots_for_every_sequence_of_a_batch_then_blocks_from_the_rest() -> None
     costs = CacheCosts(weight_bytes=GIB // 4, block_bytes=1 << 20, state_slot_bytes=1 << 20)
     size = _size(config, costs, max_seqs=16)
     assert size.num_state_slots == 16
-    assert size.num_blocks == (GIB - GIB // 4 - 16 * (1 << 20)) // (1 << 20)
+    # Two prefix-cache snapshots per slot, by default.
+    assert size.num_state_snapshots == 32
+    assert size.num_blocks == (GIB - GIB // 4 - 48 * (1 << 20)) // (1 << 20)
+
+
+def test_snapshots_take_what_state_cache_mb_says_and_none_without_prefix_caching() -> None:
+    costs = CacheCosts(weight_bytes=0, block_bytes=1 << 20, state_slot_bytes=3 << 20)
+    base = CacheConfig(cpu_memory_gb=1.0, max_memory_utilization=1.0)
+    sized = _size(replace(base, state_cache_mb=100), costs, max_seqs=16)
+    assert (sized.num_state_slots, sized.num_state_snapshots) == (16, 33)
+    assert sized.num_blocks == 1024 - 3 * (16 + 33)
+    assert _size(replace(base, state_cache_mb=0), costs).num_state_snapshots == 0
+    assert _size(replace(base, enable_prefix_cache=False), costs).num_state_snapshots == 0
+    with pytest.raises(ConfigError, match="--state-cache-mb must be >= 0"):
+        replace(base, state_cache_mb=-1)
+
+
+def test_default_snapshots_get_only_what_the_slots_leave_of_the_state_share() -> None:
+    # 100 MiB rows, 1 GiB: the state's half holds 5 rows; 3 slots leave 2 for snapshots.
+    costs = CacheCosts(weight_bytes=0, block_bytes=1 << 20, state_slot_bytes=100 << 20)
+    config = CacheConfig(cpu_memory_gb=1.0, max_memory_utilization=1.0)
+    size = _size(config, costs, max_seqs=3)
+    assert (size.num_state_slots, size.num_state_snapshots) == (3, 2)
 
 
 def test_slots_take_at_most_half_of_the_free_memory() -> None:
@@ -48,9 +71,9 @@ def test_slots_take_at_most_half_of_the_free_memory() -> None:
 
 def test_explicit_counts_win() -> None:
     costs = CacheCosts(weight_bytes=0, block_bytes=1 << 20, state_slot_bytes=1 << 20)
-    assert _size(CacheConfig(num_blocks=7, num_state_slots=3), costs) == CacheSize(7, 3)
+    assert _size(CacheConfig(num_blocks=7, num_state_slots=3), costs) == CacheSize(7, 3, 16)
     config = CacheConfig(num_state_slots=2, cpu_memory_gb=1.0, max_memory_utilization=1.0)
-    assert _size(config, costs).num_blocks == GIB // (1 << 20) - 2
+    assert _size(config, costs).num_blocks == GIB // (1 << 20) - 2 - 16
 
 
 def test_no_room_for_one_slot_fails_naming_the_flags() -> None:
@@ -66,7 +89,7 @@ def test_a_model_without_full_attention_needs_an_explicit_block_count() -> None:
     costs = CacheCosts(weight_bytes=0, block_bytes=0, state_slot_bytes=1 << 20)
     with pytest.raises(ConfigError, match="--num-blocks"):
         _size(CacheConfig(), costs)
-    assert _size(CacheConfig(num_blocks=9), costs) == CacheSize(9, 64)
+    assert _size(CacheConfig(num_blocks=9), costs) == CacheSize(9, 64, 128)
 
 
 def test_blocks_stop_at_what_the_running_sequences_can_hold() -> None:
@@ -89,7 +112,7 @@ def test_an_explicit_block_count_wins_over_the_demand(caplog: pytest.LogCaptureF
     with caplog.at_level(logging.INFO, logger="tandem.core.kv.kv_cache"):
         assert _size(CacheConfig(num_blocks=500), costs).num_blocks == 500
         config = CacheConfig(num_blocks=500)
-        assert size_cache(config, 2, CPU, MEMORY, costs, demand) == CacheSize(500, 2)
+        assert size_cache(config, 2, CPU, MEMORY, costs, demand) == CacheSize(500, 2, 16)
     assert "as --num-blocks says" in caplog.text
 
 

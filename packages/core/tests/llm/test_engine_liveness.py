@@ -21,7 +21,7 @@ from tandem.core import EngineLoop, LLMEngine, RequestOutput, SamplingParams
 from tandem.core.config import PipelineConfig
 from tandem.core.llm.scheduler import SchedulerOutput
 
-from ..conftest import EngineFactory
+from ..conftest import EngineFactory, assert_all_returned
 
 # The case, scaled to the test model: prompts of 60 + 3i tokens, 64 new tokens each,
 # a pool of 64 blocks of 16 tokens that holds about four of them at once.
@@ -76,9 +76,7 @@ def test_lanes_under_kv_pressure_finish_like_one_step_at_a_time(
 
 
 def _assert_all_returned(engine: LLMEngine) -> None:
-    stats = engine.stats
-    assert stats.num_free_blocks == stats.num_blocks
-    assert stats.num_free_state_slots == stats.num_state_slots
+    assert_all_returned(engine)
 
 
 def _run_bounded(engine: LLMEngine, rng: random.Random, params: list[SamplingParams]) -> int:

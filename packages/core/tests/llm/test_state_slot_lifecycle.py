@@ -1,7 +1,8 @@
 """A hybrid model's state slots through the engine: taken at admission, carried across chunks
 and decode steps, given back on finish, abort (also of a step in flight) and preemption; a
-request waits for a slot rather than failing, a budget without one fails at start-up, and
-prefix caching is off with one log line."""
+request waits for a slot rather than failing, a budget without one fails at start-up; a
+prompt seen before starts from its state snapshot, and without room for snapshots prefix
+caching is off with one log line."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tandem.core import ConfigError, InvalidRequestError, LLMEngine, SamplingPar
 from tandem.core.config import PipelineConfig
 from tandem.core.kv.kv_cache import GIB
 
-from ..conftest import EngineFactory, engine_config
+from ..conftest import EngineFactory, assert_all_returned, engine_config
 
 PROMPTS = [[7 + (i * 11 + j) % 480 for j in range(9 + 7 * i)] for i in range(6)]
 PARAMS = SamplingParams.greedy(max_tokens=20, ignore_eos=True)
@@ -26,9 +27,8 @@ def _tokens(engine: LLMEngine) -> list[list[int]]:
 
 
 def _assert_all_returned(engine: LLMEngine) -> None:
-    stats = engine.stats
-    assert stats.num_free_blocks == stats.num_blocks
-    assert stats.num_state_slots > 0 and stats.num_free_state_slots == stats.num_state_slots
+    assert engine.stats.num_state_slots > 0
+    assert_all_returned(engine)
 
 
 @pytest.fixture(scope="module")
@@ -133,20 +133,36 @@ def test_a_request_that_can_never_fit_fails_at_once_while_others_run(
     _assert_all_returned(engine)
 
 
-def test_prefix_caching_is_off_for_hybrid_models_with_one_log_line(
+def test_a_prompt_that_continues_another_starts_from_its_snapshot(
+    hybrid_dir: Path, make_engine: EngineFactory, reference: list[list[int]]
+) -> None:
+    engine = make_engine(hybrid_dir)
+    assert engine.block_manager.enable_prefix_cache and engine.scheduler.snapshots is not None
+    assert engine.generate([PROMPTS[3]], PARAMS)[0].token_ids == reference[3]
+    follow_up = PROMPTS[3] + [5, 6, 7]
+    again = engine.generate([follow_up], PARAMS)[0]
+    # The first prompt came from the cache, KV and state, as it ended.
+    assert again.num_cached_tokens == len(PROMPTS[3])
+    assert engine.stats.state_snapshot_hits == 1
+    alone = make_engine(hybrid_dir, enable_prefix_cache=False)
+    assert again.token_ids == alone.generate([follow_up], PARAMS)[0].token_ids
+    _assert_all_returned(engine)
+
+
+def test_no_room_for_snapshots_turns_prefix_caching_off_with_one_log_line(
     hybrid_dir: Path,
     make_engine: EngineFactory,
     reference: list[list[int]],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level("INFO", logger="tandem.core.llm.engine")
-    engine = make_engine(hybrid_dir, enable_prefix_cache=True)
+    engine = make_engine(hybrid_dir, enable_prefix_cache=True, state_cache_mb=0)
     lines = [r.getMessage() for r in caplog.records if "prefix caching is off" in r.getMessage()]
-    assert len(lines) == 1 and "linear-attention" in lines[0]
+    assert len(lines) == 1 and "--state-cache-mb" in lines[0]
     assert not engine.block_manager.enable_prefix_cache
-    # The same prompt twice: with a cached prefix and no state the second would go astray.
     twice = engine.generate([PROMPTS[3], PROMPTS[3]], PARAMS)
     assert [o.token_ids for o in twice] == [reference[3], reference[3]]
+    assert all(o.num_cached_tokens == 0 for o in twice)
 
 
 def test_state_slots_for_a_config_without_linear_attention_are_refused(

@@ -25,7 +25,7 @@ from reference_models import write_reference_model
 from tandem.core import LLMEngine, SamplingParams
 from tandem.core.config import ParallelConfig
 
-from ..conftest import EngineFactory, prompt_logits
+from ..conftest import EngineFactory, assert_all_returned, prompt_logits
 
 NEW_TOKENS = 48
 NEAR_TIE = 1e-3
@@ -199,8 +199,7 @@ def test_engine_logits_and_chunked_batched_greedy_match_transformers(
 
     _assert_like_transformers(_generate(engine), hf)
     stats = engine.stats
-    assert stats.num_free_blocks == stats.num_blocks
-    assert stats.num_free_state_slots == stats.num_state_slots
+    assert_all_returned(engine)
     assert (stats.num_state_slots > 0) == CASES[case][0].startswith("Qwen3_5")
 
 

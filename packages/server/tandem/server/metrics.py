@@ -72,6 +72,7 @@ class ServerMetrics:
             registry=self.registry,
         )
         preemptions.labels(**labels).set_function(lambda: engine.stats.num_preemptions)
+        self._prefix_cache(engine, labels)
         if engine.config.speculative is not None:
             self._spec_decode(engine, model_name)
         self._prompt_tokens = Counter(
@@ -114,6 +115,21 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         ).labels(**labels)
+
+    def _prefix_cache(self, engine: LLMEngine, labels: dict[str, str]) -> None:
+        """Prefix-cache lookups under vLLM's names (vllm:prefix_cache_queries and _hits, in
+        prompt tokens), and for hybrid models the state snapshots behind their hits, as
+        gauges over the engine's own running counts, like the preemptions."""
+        counts = {
+            "prefix_cache_queries": "Prompt tokens looked up in the prefix cache at admission.",
+            "prefix_cache_hits": "Prompt tokens found in the prefix cache (not computed again).",
+            "state_snapshot_queries": "Prefix-cache lookups of a hybrid model's linear-attention "
+            "state snapshots.",
+            "state_snapshot_hits": "Lookups that found a snapshot to start from.",
+        }
+        for name, doc in counts.items():
+            gauge = Gauge(f"tandem:{name}_total", doc, ["model_name"], registry=self.registry)
+            gauge.labels(**labels).set_function(_stat(engine, name))
 
     def _spec_decode(self, engine: LLMEngine, model_name: str) -> None:
         """Speculative decoding's counters under vLLM's names (vllm:spec_decode_*), as
@@ -170,3 +186,7 @@ def _accepted_at(engine: LLMEngine, position: int) -> Callable[[], float]:
         return float(counts[position]) if position < len(counts) else 0.0
 
     return read
+
+
+def _stat(engine: LLMEngine, name: str) -> Callable[[], float]:
+    return lambda: float(getattr(engine.stats, name))

@@ -31,6 +31,12 @@ class Executor(Protocol[StepT_contra, OutT_co]):
         ...
 
     @property
+    def num_state_snapshots(self) -> int:
+        """State pool rows after the slots that every worker keeps for prefix-cache snapshots
+        (kv/state_snapshots.py; 0: none)."""
+        ...
+
+    @property
     def memory(self) -> MemoryFootprint:
         """What rank 0's weights and KV cache take."""
         ...

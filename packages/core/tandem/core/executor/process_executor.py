@@ -240,6 +240,10 @@ class ProcessExecutor(Generic[StepT, OutT]):
         return self._cache_size.num_state_slots
 
     @property
+    def num_state_snapshots(self) -> int:
+        return self._cache_size.num_state_snapshots
+
+    @property
     def memory(self) -> MemoryFootprint:
         return self._memory
 

@@ -279,6 +279,10 @@ class ThreadExecutor(Generic[StepT, OutT]):
         return self._cache_size.num_state_slots
 
     @property
+    def num_state_snapshots(self) -> int:
+        return self._cache_size.num_state_snapshots
+
+    @property
     def is_leader(self) -> bool:
         return self.topology.node_rank == 0
 

@@ -58,30 +58,79 @@ class BlockManager:
 
     def find_cached_prefix(self, seq: BlockOwner) -> list[int]:
         """Blocks already holding a prefix of ``seq``; at least one token is left to compute."""
+        return self.cached_prefix(seq)[0]
+
+    def cached_prefix(self, seq: BlockOwner) -> tuple[list[int], list[int]]:
+        """``find_cached_prefix``'s blocks, and the chain hash of each."""
         if self._cache is None:
-            return []
+            return [], []
         # The last token must run through the model to give the logits to sample from.
         usable = (seq.num_tokens - 1) // self.block_size
         hashes = chain_hashes(seq.token_ids, self.block_size, None, 0, usable)
         with self._lock:
-            return self._cache.lookup(hashes)
+            blocks = self._cache.lookup(hashes)
+        return blocks, hashes[: len(blocks)]
 
-    def can_allocate(self, seq: BlockOwner, num_new_tokens: int, cached: list[int]) -> bool:
-        """Whether a waiting ``seq`` can start with ``cached`` blocks and ``num_new_tokens``."""
-        needed = self.blocks_for(len(cached) * self.block_size + num_new_tokens) - len(cached)
+    def is_cached(self, h: int) -> bool:
+        """Whether the block of chain hash ``h`` is still in the prefix cache."""
+        with self._lock:
+            return self._cache is not None and self._cache.holds(h)
+
+    def prefix_hashes(self, seq: BlockOwner, num_full: int) -> list[int]:
+        """Chain hashes of ``seq``'s first ``num_full`` blocks (those published, and the rest
+        computed from its tokens)."""
+        known = seq.block_hashes[:num_full]
+        parent = known[-1] if known else None
+        return known + chain_hashes(seq.token_ids, self.block_size, parent, len(known), num_full)
+
+    def hold(self, block: int) -> None:
+        """One more reference to a block a sequence holds (a state snapshot keeps the KV of
+        its last, partial block beyond the sequence's end); ``release_block`` drops it."""
+        with self._lock:
+            self._pool.share(block)
+
+    def ref_count(self, block: int) -> int:
+        with self._lock:
+            return self._pool.ref_count(block)
+
+    def release_block(self, block: int) -> None:
+        with self._lock:
+            self._pool.release(block)
+
+    def can_allocate(
+        self,
+        seq: BlockOwner,
+        num_new_tokens: int,
+        cached: list[int],
+        num_cached_tokens: int | None = None,
+    ) -> bool:
+        """Whether a waiting ``seq`` can start with ``cached`` blocks and ``num_new_tokens``
+        (``num_cached_tokens``: tokens it starts with, when more than ``cached`` holds: the
+        rest go into its first new block, copied from a state snapshot's)."""
+        start = len(cached) * self.block_size if num_cached_tokens is None else num_cached_tokens
+        needed = self.blocks_for(start + num_new_tokens) - len(cached)
         with self._lock:
             # Cache hits on freed blocks take those blocks off the free list.
             reclaimed = sum(1 for b in cached if self._pool.ref_count(b) == 0)
             return needed <= self._pool.num_free - reclaimed
 
-    def allocate(self, seq: BlockOwner, num_new_tokens: int, cached: list[int]) -> None:
-        """Give a waiting ``seq`` its prefix-cache hits plus blocks for ``num_new_tokens``."""
+    def allocate(
+        self,
+        seq: BlockOwner,
+        num_new_tokens: int,
+        cached: list[int],
+        num_cached_tokens: int | None = None,
+    ) -> None:
+        """Give a waiting ``seq`` its prefix-cache hits plus blocks for ``num_new_tokens``
+        (``num_cached_tokens`` as for ``can_allocate``)."""
         assert not seq.block_table, "allocate() is for sequences without blocks"
         with self._lock:
             for block in cached:
                 self._pool.share(block)
             seq.block_table = list(cached)
-            seq.num_computed_tokens = len(cached) * self.block_size
+            seq.num_computed_tokens = (
+                len(cached) * self.block_size if num_cached_tokens is None else num_cached_tokens
+            )
             cache = self._cache
             seq.block_hashes = [cache.hash_of(b) for b in cached] if cache is not None else []
             self._append(seq, num_new_tokens)

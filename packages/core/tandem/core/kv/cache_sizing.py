@@ -14,6 +14,10 @@ So the two are sized differently out of the same budget:
   of ``--max-model-len`` tokens, twice over with prefix caching. Memory past that would be
   reserved for blocks no sequence can use.
 
+* State snapshots (hybrid models with prefix caching, kv/state_snapshots.py): rows of the same
+  pools, after the slots; ``--state-cache-mb`` of them, or by default two per slot (at least
+  16), within the same share of memory, which the slots take first.
+
 ``--num-state-slots`` and ``--num-blocks`` override either count. A budget without room for
 a single slot fails at start-up, saying which flags to change.
 """
@@ -25,22 +29,31 @@ from dataclasses import dataclass
 
 from tandem.core.config import CacheConfig
 from tandem.core.errors import ConfigError
-from tandem.core.kv.kv_cache import GIB, BlockDemand, num_blocks_for_memory, usable_cache_bytes
+from tandem.core.kv.kv_cache import GIB, MIB, BlockDemand, num_blocks_for_memory, usable_cache_bytes
 from tandem.device import Device, MemoryInfo
 
 logger = logging.getLogger(__name__)
 
 # The most of the free memory that state slots may take when sized from the budget.
 MAX_STATE_SHARE = 0.5
+# Default snapshots at least: a server that runs few sequences at once still keeps the states
+# of its last few conversations.
+MIN_SNAPSHOTS = 16
 
 
 @dataclass(frozen=True)
 class CacheSize:
-    """What every rank allocates: KV blocks, and state slots (0 for models without
-    linear-attention layers)."""
+    """What every rank allocates: KV blocks, and state slots and snapshot rows (0 for models
+    without linear-attention layers)."""
 
     num_blocks: int
     num_state_slots: int = 0
+    num_state_snapshots: int = 0
+
+    @property
+    def num_state_rows(self) -> int:
+        """Rows of every state pool beside the null one: slots, then snapshots."""
+        return self.num_state_slots + self.num_state_snapshots
 
 
 @dataclass(frozen=True)
@@ -66,10 +79,10 @@ def size_cache(
                 config, device, memory, costs.weight_bytes, costs.block_bytes, demand=demand
             )
         )
+    usable, hint = usable_cache_bytes(config, device, memory, costs.weight_bytes)
+    affordable = int(max(usable, 0) * MAX_STATE_SHARE) // costs.state_slot_bytes
     slots = config.num_state_slots
     if slots is None:
-        usable, hint = usable_cache_bytes(config, device, memory, costs.weight_bytes)
-        affordable = int(max(usable, 0) * MAX_STATE_SHARE) // costs.state_slot_bytes
         slots = min(max_seqs_per_batch, affordable)
         if slots < 1:
             raise ConfigError(
@@ -78,11 +91,14 @@ def size_cache(
                 f"half of the {max(usable, 0)} bytes free after the weights; "
                 f"{hint.replace('--num-blocks', '--num-state-slots')}"
             )
-    state_bytes = slots * costs.state_slot_bytes
+    snapshots = _snapshot_rows(config, slots, affordable, costs.state_slot_bytes)
+    state_bytes = (slots + snapshots) * costs.state_slot_bytes
     logger.info(
-        "linear-attention state on %s: %d slots of %d bytes (%.2f GiB)",
+        "linear-attention state on %s: %d slots and %d prefix-cache snapshots of %d bytes "
+        "(%.2f GiB)",
         device,
         slots,
+        snapshots,
         costs.state_slot_bytes,
         state_bytes / GIB,
     )
@@ -95,4 +111,15 @@ def size_cache(
         reserved_bytes=state_bytes,
         demand=demand,
     )
-    return CacheSize(num_blocks, slots)
+    return CacheSize(num_blocks, slots, snapshots)
+
+
+def _snapshot_rows(config: CacheConfig, slots: int, affordable: int, row_bytes: int) -> int:
+    """State snapshot rows: none without prefix caching; ``--state-cache-mb`` of them; else
+    two per slot (a request leaves two: at its prompt's end and at its own), at least
+    ``MIN_SNAPSHOTS``, as far as the state's share of memory goes beside the slots."""
+    if not config.enable_prefix_cache:
+        return 0
+    if config.state_cache_mb is not None:
+        return int(config.state_cache_mb * MIB) // row_bytes
+    return max(0, min(max(2 * slots, MIN_SNAPSHOTS), affordable - slots))

@@ -17,6 +17,7 @@ from tandem.device.cpu import advise_huge_pages
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 def bytes_per_block(
@@ -177,6 +178,24 @@ def allocate_kv_cache(
     else:
         slab = torch.zeros(shape, dtype=dtype, device=device)
     return [(slab[i, 0], slab[i, 1]) for i in range(num_layers)]
+
+
+def copy_rows(
+    pools: list[tuple[torch.Tensor, torch.Tensor]], copies: tuple[tuple[int, int], ...]
+) -> None:
+    """Copy rows (source, destination) along the first dimension of both tensors of every
+    layer, each in one gather and one scatter: whole KV blocks (a state snapshot's partial
+    last block into the block of a sequence that starts from it), or rows of the
+    linear-attention conv and recurrent state pools (kv/state_snapshots.py). No destination
+    is also a source: the gather reads everything before the scatter writes."""
+    if not copies or not pools:
+        return
+    device = pools[0][0].device
+    src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=device)
+    dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=device)
+    for first, second in pools:
+        first.index_copy_(0, dst, first.index_select(0, src))
+        second.index_copy_(0, dst, second.index_select(0, src))
 
 
 def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

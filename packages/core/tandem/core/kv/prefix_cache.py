@@ -36,6 +36,9 @@ class PrefixCache:
             hits.append(block)
         return hits
 
+    def holds(self, h: int) -> bool:
+        return h in self._hash_to_block
+
     def hash_of(self, block: int) -> int:
         return self._block_to_hash[block]
 

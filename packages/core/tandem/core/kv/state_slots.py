@@ -58,6 +58,16 @@ class StateSlotPool:
             owner.state_slot = self._free.popleft()
             return True
 
+    def exchange(self, owner: StateSlotOwner, row: int) -> None:
+        """Take ``owner``'s slot out of the pool (its row becomes a state snapshot, see
+        state_snapshots.py) and put ``row`` in its place."""
+        slot = owner.state_slot
+        if slot == NULL_STATE_SLOT:
+            raise RuntimeError(f"request {owner.request_id} holds no slot to exchange")
+        with self._lock:
+            owner.state_slot = NULL_STATE_SLOT
+            self._free.append(row)
+
     def release(self, owner: StateSlotOwner) -> None:
         """Take ``owner``'s slot back (nothing if it holds none)."""
         slot = owner.state_slot

@@ -24,7 +24,7 @@ def allocate_linear_attention_state(
 
     Zeroed, so that a slot never holds NaN (kernels select, never multiply, the state of a
     sequence's first chunk away, but a zeroed pool is cheap insurance for the null slot)."""
-    pools = []
+    pools: list[tuple[torch.Tensor, torch.Tensor]] = []
     for layer in layers:
         conv = torch.zeros(layer.conv_state_shape(num_slots), dtype=dtype, device=device)
         recurrent = torch.zeros(

@@ -19,6 +19,7 @@ from tandem.core.failure_text import describe
 from tandem.core.faults import KvExhaustion
 from tandem.core.kv.block_manager import BlockManager
 from tandem.core.kv.state_slots import StateSlotPool
+from tandem.core.kv.state_snapshots import StateSnapshotCache
 from tandem.core.llm.drafting import Drafter
 from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
 from tandem.core.llm.in_flight import InFlightSteps
@@ -81,6 +82,7 @@ class LLMEngine:
             sync=sync,
         )
         self.state_slots = self._state_slot_pool()
+        self.snapshots = self._snapshot_cache()
         # The logits processors' slots of the sequences that sample (logits_processor.py).
         self.sampling_rows = SamplingRows(config.scheduler.max_seqs_per_batch)
         drafter = self._drafter()
@@ -88,7 +90,12 @@ class LLMEngine:
             SpecDecodeStats(drafter.config.num_speculative_tokens) if drafter is not None else None
         )
         self.scheduler = Scheduler(
-            config.scheduler, self.block_manager, self.state_slots, drafter=drafter
+            config.scheduler,
+            self.block_manager,
+            self.state_slots,
+            drafter=drafter,
+            snapshots=self.snapshots,
+            snapshot_interval=config.cache.state_snapshot_interval,
         )
         self.inputs = InputProcessor(
             self.tokenizer,
@@ -132,14 +139,39 @@ class LLMEngine:
         )
 
     def _prefix_cache(self) -> bool:
-        if self.config.cache.enable_prefix_cache and self.model_config.has_linear_attention:
+        cache = self.config.cache
+        hybrid = self.model_config.has_linear_attention
+        if cache.enable_prefix_cache and hybrid and self.executor.num_state_snapshots == 0:
             logger.info(
-                "prefix caching is off for %s: its linear-attention layers carry a state per "
-                "sequence that cached KV blocks of a shared prefix do not restore",
+                "prefix caching is off for %s: its linear-attention layers need a state "
+                "snapshot where a cached prefix ends, and --state-cache-mb leaves room for none",
                 self.model_config.architecture,
             )
             return False
-        return self.config.cache.enable_prefix_cache
+        return cache.enable_prefix_cache
+
+    def _snapshot_cache(self) -> StateSnapshotCache | None:
+        """The linear-attention state snapshots of a hybrid model's prefix cache: the rows of
+        every state pool after the slots."""
+        if self.state_slots is None or not self.block_manager.enable_prefix_cache:
+            return None
+        first = self.state_slots.num_slots + 1
+        num = self.executor.num_state_snapshots
+        logger.info(
+            "prefix caching for %s: %d linear-attention state snapshots (--state-cache-mb), "
+            "at prompt ends, sequence ends, shared prefixes and every %d tokens of long prefills",
+            self.model_config.architecture,
+            num,
+            self.config.cache.state_snapshot_interval,
+        )
+        return StateSnapshotCache(
+            range(first, first + num),
+            self.config.cache.block_size,
+            release_block=self.block_manager.release_block,
+            is_cached=self.block_manager.is_cached,
+            ref_count=self.block_manager.ref_count,
+            sync=self._sync,
+        )
 
     def _drafter(self) -> Drafter | None:
         """Speculative decoding's drafter, if asked for and served with this model and

@@ -85,6 +85,18 @@ class PromptLogprobsRequest:
 
 
 @dataclass(frozen=True)
+class StateCopies:
+    """Copies around one step of a hybrid model with prefix caching (kv/state_snapshots.py),
+    each (source, destination): before the forward, KV blocks (a snapshot's partial last block
+    into a sequence's own) and state rows (a snapshot into the slot of a sequence starting
+    from it); after it, state rows (a sequence's slot into a new snapshot)."""
+
+    blocks: tuple[tuple[int, int], ...] = ()
+    restores: tuple[tuple[int, int], ...] = ()
+    snapshots: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
 class ForwardInput:
     input_ids: torch.Tensor  # [T] tokens of this step, decodes first, then prefill chunks
     positions: torch.Tensor  # [T]
@@ -100,6 +112,7 @@ class ForwardInput:
     sampling: SamplingBatch
     block_size: int
     prompt_logprobs: PromptLogprobsRequest | None = None
+    state_copies: StateCopies | None = None
     # Set on a worker once a lane has staged the step: the host half of its attention
     # metadata and that half's tensors on the device (never sent between processes).
     staged_attention: tuple[AttentionPlan, tuple[torch.Tensor, ...]] | None = None

@@ -14,6 +14,7 @@ from tandem.core.llm.forward_input import (
     GrammarMasks,
     PromptLogprobsRequest,
     SamplingBatch,
+    StateCopies,
 )
 from tandem.core.llm.sampling_rows import SamplingRows
 from tandem.core.llm.scheduler import ScheduledSequence, SchedulerOutput
@@ -91,7 +92,22 @@ def build_forward_input(
         sampling=sampling,
         block_size=block_size,
         prompt_logprobs=prompt_logprobs,
+        state_copies=_state_copies(entries),
     )
+
+
+def _state_copies(entries: list[ScheduledSequence]) -> StateCopies | None:
+    """The snapshot copies the scheduler asked of this step (hybrid prefix caching)."""
+    blocks = tuple(e.copy_block for e in entries if e.copy_block is not None)
+    restores = tuple(
+        (e.restore_row, e.seq.state_slot) for e in entries if e.restore_row is not None
+    )
+    snapshots = tuple(
+        (e.seq.state_slot, e.snapshot_row) for e in entries if e.snapshot_row is not None
+    )
+    if not (blocks or restores or snapshots):
+        return None
+    return StateCopies(blocks=blocks, restores=restores, snapshots=snapshots)
 
 
 def _verify_rows(

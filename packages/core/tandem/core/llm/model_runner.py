@@ -18,6 +18,7 @@ from tandem.core.kv.kv_cache import (
     SequenceLimits,
     allocate_kv_cache,
     bytes_per_block,
+    copy_rows,
 )
 from tandem.core.layers.linear_attention_state import (
     allocate_linear_attention_state,
@@ -58,6 +59,7 @@ class ModelRunner:
         # With tensor parallelism every rank has the full logits; only one needs to sample.
         self.sampler = Sampler(seed, processors) if samples else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.state_pools: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._linear_layers = model.linear_attention_layers()
         # Every linear-attention layer of a model has the same conv width; None: no such layer.
         self._conv_kernel_size = (
@@ -97,8 +99,8 @@ class ModelRunner:
         for layer, (k, v) in zip(layers, self.kv_caches, strict=True):
             layer.bind_cache(k, v)
         if self._linear_layers:
-            allocate_linear_attention_state(
-                self._linear_layers, size.num_state_slots, self.dtype, self.device
+            self.state_pools = allocate_linear_attention_state(
+                self._linear_layers, size.num_state_rows, self.dtype, self.device
             )
 
     def stage(self, fi: ForwardInput, stager: LaneStager) -> tuple[ForwardInput, Staged]:
@@ -128,10 +130,22 @@ class ModelRunner:
         ids, positions, samples, *parts = moved
         return ids, positions, samples, plan.finish(parts, self.device)
 
-    @torch.inference_mode()
-    def execute(self, fi: ForwardInput, state: LaneState | None = None) -> SamplerOutput | None:
+    def _forward(self, fi: ForwardInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's hidden states and sampled rows, with the state snapshots' copies around
+        the forward (hybrid prefix caching)."""
+        copies = fi.state_copies
+        if copies is not None:
+            copy_rows(self.kv_caches, copies.blocks)
+            copy_rows(self.state_pools, copies.restores)
         ids, positions, samples, meta = self._on_device(fi)
         hidden = self.model(ids, positions, meta)
+        if copies is not None:
+            copy_rows(self.state_pools, copies.snapshots)
+        return hidden, samples
+
+    @torch.inference_mode()
+    def execute(self, fi: ForwardInput, state: LaneState | None = None) -> SamplerOutput | None:
+        hidden, samples = self._forward(fi)
         out = self._sample(hidden, samples, fi)
         if fi.prompt_logprobs is None:
             return out
@@ -157,8 +171,7 @@ class ModelRunner:
     @torch.inference_mode()
     def prompt_logits(self, fi: ForwardInput) -> torch.Tensor:
         """Logits of every token of the step (for checks against a reference model)."""
-        ids, positions, _, meta = self._on_device(fi)
-        hidden = self.model(ids, positions, meta)
+        hidden, _ = self._forward(fi)
         return self.model.compute_logits(hidden).float().cpu()
 
 
@@ -204,8 +217,6 @@ class LLMRunnerFactory:
             limits=SequenceLimits(
                 max_seqs=config.scheduler.max_seqs_per_batch,
                 context_len=config.model.context_length(self.model_config.max_position_embeddings),
-                # The engine turns prefix caching off for models with linear attention.
-                prefix_cache=config.cache.enable_prefix_cache
-                and not self.model_config.has_linear_attention,
+                prefix_cache=config.cache.enable_prefix_cache,
             ),
         )

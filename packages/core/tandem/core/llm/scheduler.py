@@ -3,23 +3,49 @@ prefill, preemption by recomputation. The policy decides; this class holds the s
 
 A running sequence holds KV blocks and, for hybrid models, one linear-attention state slot:
 both are taken at admission (a sequence waits while either is short) and given back together
-on finish, abort and preemption."""
+on finish, abort and preemption.
+
+Prefix caching of hybrid models needs a state snapshot where the cached prefix ends
+(kv/state_snapshots.py). This class decides where they are taken, at no cost per token:
+ * at the end of every prompt, copied from the slot after the step that completes it (the
+   start of a follow-up turn, or of the same prompt again);
+ * when a sequence ends (or is preempted), its slot itself becomes the snapshot, exchanged for
+   a free row without a copy: a follow-up turn that repeats the answer starts after it;
+ * where the prefix cache shows that a sequence shares more of its prompt with earlier ones
+   than any snapshot covers (a shared system prompt): its prefill chunk is cut there, one step
+   more for this sequence, so that every later one skips the shared part;
+ * at the end of a prefill chunk at least ``snapshot_interval`` tokens past the last snapshot
+   (long prompts, chunked anyway by the token budget), each superseding the sequence's
+   previous one (it goes first when rows run out).
+A sequence that starts from a snapshot gets the snapshot's row copied into its slot (and the
+snapshot's partial last KV block into its own) before its first step runs."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from tandem.core.config import SchedulerConfig
 from tandem.core.kv.block_manager import BlockManager
-from tandem.core.kv.state_slots import StateSlotPool
+from tandem.core.kv.state_slots import NULL_STATE_SLOT, StateSlotPool
+from tandem.core.kv.state_snapshots import Snapshot, StateSnapshotCache
 from tandem.core.llm.drafting import Drafter
 from tandem.core.llm.scheduling_policy import FcfsPolicy, SchedulingPolicy
 from tandem.core.llm.sequence import SequenceStatus, TokenSequence
 
 logger = logging.getLogger(__name__)
+
+# A shared prefix found in the KV cache beyond every snapshot is cut out of a prefill (one step
+# more) only when the snapshot taken there skips at least this many tokens for later requests:
+# below it, recomputing them costs less than the extra step's fixed cost.
+MIN_CUT_TOKENS = 64
+# Finish reasons after which a sequence's state is worth keeping (an abort or an error is not
+# followed by a turn that continues the answer).
+_KEPT_ON = frozenset({"stop", "length", "preempted"})
 
 
 @dataclass
@@ -33,6 +59,23 @@ class ScheduledSequence:
     draft_token_ids: tuple[int, ...] = ()
     # How many of them the verification accepted (set once the step completed).
     num_accepted: int = 0
+    # Hybrid prefix caching: before the step, the snapshot row copied into the sequence's
+    # slot and a KV block copied into its own (source, destination); after it, the row its
+    # slot is copied to.
+    restore_row: int | None = None
+    copy_block: tuple[int, int] | None = None
+    snapshot_row: int | None = None
+
+
+@dataclass(frozen=True)
+class CachedStart:
+    """Where a waiting sequence starts: cached blocks, the tokens they and a snapshot cover,
+    the snapshot, and where its prefill is to be cut for a new one (0: nowhere)."""
+
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    snapshot: Snapshot | None = None
+    cut: int = 0
 
 
 @dataclass
@@ -59,13 +102,24 @@ class Scheduler:
         block_manager: BlockManager,
         state_slots: StateSlotPool | None = None,
         drafter: Drafter | None = None,
+        snapshots: StateSnapshotCache | None = None,
+        snapshot_interval: int = 512,
     ) -> None:
         """``state_slots``: the linear-attention state slots of a hybrid model (None: the
-        model keeps no per-sequence state); ``drafter``: speculative decoding's (None: off)."""
+        model keeps no per-sequence state); ``drafter``: speculative decoding's (None: off);
+        ``snapshots``: the state snapshots of a hybrid model's prefix cache (None: off)."""
         self.config = config
         self.drafter = drafter
         self.block_manager = block_manager
         self.state_slots = state_slots
+        self.snapshots = snapshots
+        self.snapshot_interval = snapshot_interval
+        # Prompt tokens looked up in the prefix cache at admission, and those found (vLLM's
+        # prefix_cache_queries and prefix_cache_hits); for hybrid models, snapshot lookups.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.snapshot_queries = 0
+        self.snapshot_hits = 0
         self.policy: SchedulingPolicy = FcfsPolicy()
         self.waiting: deque[TokenSequence] = deque()
         self.running: list[TokenSequence] = []
@@ -93,10 +147,10 @@ class Scheduler:
             if len(out.scheduled) >= self.config.max_seqs_per_batch:
                 break
             seq = self.running[index]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._cut(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
             drafts = self._drafts(seq, num_new, budget)
             num_new += len(drafts)
-            while not self.block_manager.can_append(seq, num_new):
+            while not self._room(partial(self.block_manager.can_append, seq, num_new)):
                 candidates = [s for s in self.running if s.request_id not in scheduled_ids]
                 victim = self.policy.preemption_victim(candidates)
                 self._preempt(victim)
@@ -106,7 +160,9 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # seq preempted itself; the entry at ``index`` is now another one
             self.block_manager.append_slots(seq, num_new)
-            out.scheduled.append(self._entry(seq, num_new, drafts))
+            entry = self._entry(seq, num_new, drafts)
+            self._plan_snapshot(entry)
+            out.scheduled.append(entry)
             scheduled_ids.add(seq.request_id)
             budget -= num_new
             index += 1
@@ -116,9 +172,8 @@ class Scheduler:
             if len(out.scheduled) >= self.config.max_seqs_per_batch:
                 break
             seq = self.waiting[0]
-            # Prompt logprobs need the logits of every prompt position: no cache hits.
-            cached = [] if seq.needs_prompt_logprobs else self.block_manager.find_cached_prefix(seq)
-            remaining = seq.num_tokens - len(cached) * self.block_manager.block_size
+            start = self._cached_start(seq)
+            remaining = seq.num_tokens - start.num_tokens
             # Without chunking, an oversized sequence may still run alone: only a preempted
             # one can be (its generated tokens grew it past the budget), and waiting for a
             # budget it can never fit would stall it forever.
@@ -127,23 +182,38 @@ class Scheduler:
                 and not self.config.enable_chunked_prefill
                 and (out.scheduled or remaining <= self.config.max_tokens_per_batch)
             ):
+                self._unpin(start)
                 break
             num_new = min(remaining, budget) if self.config.enable_chunked_prefill else remaining
-            if not self.block_manager.can_allocate(seq, num_new, cached):
+            if start.cut:
+                num_new = min(num_new, start.cut - start.num_tokens)
+            fits = partial(
+                self.block_manager.can_allocate, seq, num_new, start.blocks, start.num_tokens
+            )
+            if not self._room(fits):
+                self._unpin(start)
                 break
             # One slot is all a sequence ever needs, and running ones give theirs back as
             # they end: without a free one it waits, like a sequence short of blocks.
             if self.state_slots is not None and not self.state_slots.assign(seq):
+                self._unpin(start)
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq, num_new, cached)
+            self.block_manager.allocate(seq, num_new, start.blocks, start.num_tokens)
+            self._count_lookup(seq, start)
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.monotonic()
             self.running.append(seq)
-            out.scheduled.append(self._entry(seq, num_new))
+            entry = self._entry(seq, num_new)
+            if start.snapshot is not None:
+                self._restore(entry, start)
+            seq.snapshot_cut = start.cut
+            seq.last_snapshot_at = start.num_tokens
+            self._plan_snapshot(entry)
+            out.scheduled.append(entry)
             budget -= num_new
 
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
@@ -162,7 +232,7 @@ class Scheduler:
                 break
             if seq.request_id in exclude or seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
-            if not self.block_manager.can_append(seq, 1):
+            if not self._room(partial(self.block_manager.can_append, seq, 1)):
                 out.blocked = True
                 continue
             self.block_manager.append_slots(seq, 1)
@@ -195,6 +265,141 @@ class Scheduler:
             draft_token_ids=drafts,
         )
 
+    def _room(self, fits: Callable[[], bool]) -> bool:
+        """Whether ``fits()``, after dropping state snapshots for the KV blocks they hold if
+        that is what it takes: running and waiting sequences come before cached states."""
+        while not fits():
+            if self.snapshots is None or not self.snapshots.drop_block_holder():
+                return False
+        return True
+
+    def _cached_start(self, seq: TokenSequence) -> CachedStart:
+        """Where a waiting ``seq`` can start; a snapshot found is pinned (``_unpin`` if the
+        sequence is not admitted after all)."""
+        # Prompt logprobs need the logits of every prompt position: no cache hits.
+        if seq.needs_prompt_logprobs:
+            return CachedStart()
+        blocks, hashes = self.block_manager.cached_prefix(seq)
+        bs = self.block_manager.block_size
+        if self.snapshots is None:
+            return CachedStart(blocks, len(blocks) * bs)
+        # Cached KV alone skips nothing in a hybrid model: only up to a snapshot.
+        snap = self.snapshots.lookup(seq.token_ids, hashes, limit=seq.num_tokens - 1)
+        start = 0 if snap is None else snap.num_tokens
+        shared = len(blocks) * bs
+        worth = self.config.enable_chunked_prefill and shared - start >= MIN_CUT_TOKENS
+        cut = shared if worth else 0
+        return CachedStart(blocks[: start // bs], start, snap, cut)
+
+    def _unpin(self, start: CachedStart) -> None:
+        if start.snapshot is not None and self.snapshots is not None:
+            self.snapshots.unpin(start.snapshot)
+
+    def _count_lookup(self, seq: TokenSequence, start: CachedStart) -> None:
+        if seq.needs_prompt_logprobs or not self.block_manager.enable_prefix_cache:
+            return
+        self.prefix_cache_queries += seq.num_tokens
+        self.prefix_cache_hits += start.num_tokens
+        if self.snapshots is not None:
+            self.snapshot_queries += 1
+            self.snapshot_hits += start.snapshot is not None
+
+    def _restore(self, entry: ScheduledSequence, start: CachedStart) -> None:
+        """Start ``entry``'s sequence from ``start``'s snapshot: its row into the slot, and its
+        partial last block into the sequence's first new block, before the step runs."""
+        snap = start.snapshot
+        assert snap is not None
+        seq = entry.seq
+        entry.restore_row = snap.row
+        if snap.tail_block is not None:
+            entry.copy_block = (snap.tail_block, seq.block_table[len(start.blocks)])
+        seq.pending_restore = snap
+
+    def _cut(self, seq: TokenSequence, num_new: int) -> int:
+        """``num_new`` tokens from the sequence's next one, ending at its planned snapshot."""
+        cut = seq.snapshot_cut
+        if cut > seq.num_computed_tokens:
+            return min(num_new, cut - seq.num_computed_tokens)
+        return num_new
+
+    def _plan_snapshot(self, entry: ScheduledSequence) -> None:
+        """Have the step copy the sequence's state to a new snapshot after it runs, where the
+        chunk it computes ends at a place the class docstring names."""
+        seq = entry.seq
+        if self.snapshots is None or seq.pending_snapshot is not None:
+            return
+        end = seq.num_computed_tokens + entry.num_new_tokens - len(entry.draft_token_ids)
+        if end <= seq.last_snapshot_at:
+            return
+        planned = end == seq.snapshot_cut
+        every = self.snapshot_interval
+        interval = 0 < every <= end - seq.last_snapshot_at and end < seq.num_tokens
+        if not (planned or interval or end == seq.num_prompt_tokens):
+            return
+        if planned:
+            seq.snapshot_cut = 0
+        snap = self.snapshots.reserve(end, *self._snapshot_key(seq, end))
+        if snap is None:
+            return
+        entry.snapshot_row = snap.row
+        seq.pending_snapshot = snap
+        seq.last_snapshot_at = end
+        if not (planned or end == seq.num_prompt_tokens):
+            # Inside a long prefill only the latest is worth a row: one prompt's many
+            # snapshots must not push out everybody else's.
+            if seq.interval_snapshot is not None:
+                self.snapshots.demote(seq.interval_snapshot)
+            seq.interval_snapshot = snap
+
+    def _snapshot_key(
+        self, seq: TokenSequence, end: int
+    ) -> tuple[int | None, tuple[int, ...], int | None]:
+        """What names ``seq``'s first ``end`` tokens among snapshots: the chain hash of their
+        last full block, the tokens after it, and the block holding those (a reference taken,
+        which the snapshot keeps)."""
+        blocks = self.block_manager
+        full = end // blocks.block_size
+        hashes = blocks.prefix_hashes(seq, full)
+        tail = tuple(seq.token_ids[full * blocks.block_size : end])
+        tail_block = seq.block_table[full] if tail else None
+        if tail_block is not None:
+            blocks.hold(tail_block)
+        return (hashes[-1] if hashes else None), tail, tail_block
+
+    def _keep_state(self, seq: TokenSequence, reason: str) -> None:
+        """Make a running sequence's slot, at its end, a snapshot of everything it computed
+        (its blocks are published already), exchanging it for a free row."""
+        slots = self.state_slots
+        if (
+            self.snapshots is None
+            or slots is None
+            or reason not in _KEPT_ON
+            or seq.status is not SequenceStatus.RUNNING
+            or seq.state_slot == NULL_STATE_SLOT
+            or seq.num_computed_tokens <= seq.last_snapshot_at
+        ):
+            return
+        end = seq.num_computed_tokens
+        parent, tail, tail_block = self._snapshot_key(seq, end)
+        given = self.snapshots.adopt(seq.state_slot, end, parent, tail, tail_block)
+        if given is not None:
+            slots.exchange(seq, given)
+        elif tail_block is not None:
+            self.block_manager.release_block(tail_block)
+
+    def _settle(self, seq: TokenSequence, written: bool) -> None:
+        """The step that was to read and write ``seq``'s snapshots ran (``written``: and the
+        sequence goes on, its blocks published), or never will."""
+        snapshots = self.snapshots
+        if snapshots is None:
+            return
+        if seq.pending_restore is not None:
+            snapshots.unpin(seq.pending_restore)
+            seq.pending_restore = None
+        if seq.pending_snapshot is not None:
+            snapshots.complete(seq.pending_snapshot, written)
+            seq.pending_snapshot = None
+
     def _drafts(self, seq: TokenSequence, num_new: int, budget: int) -> tuple[int, ...]:
         """Draft tokens for a decode (one token to compute), if the KV blocks they need are
         free: drafts never cause a preemption (without them the step is still whole)."""
@@ -207,6 +412,7 @@ class Scheduler:
 
     def _preempt(self, seq: TokenSequence) -> None:
         logger.info("preempting request %s (recompute later): out of KV blocks", seq.request_id)
+        self._keep_state(seq, "preempted")
         self.running.remove(seq)
         # The state slot goes too: the recompute starts from a zero state, in any slot.
         self.release(seq)
@@ -220,6 +426,7 @@ class Scheduler:
         """Advance every scheduled sequence past the tokens the step computed."""
         for entry in out.scheduled:
             seq = entry.seq
+            self._settle(seq, written=seq.status is SequenceStatus.RUNNING)
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # finished or aborted while the step ran
             rejected = len(entry.draft_token_ids) - entry.num_accepted
@@ -245,6 +452,10 @@ class Scheduler:
         finished."""
         if seq.status is SequenceStatus.FINISHED:
             return
+        if free_now:
+            # A step with its snapshots that has not completed never will.
+            self._settle(seq, written=False)
+            self._keep_state(seq, reason)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tandem.core.kv.state_snapshots import Snapshot
 from tandem.core.llm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -54,6 +55,15 @@ class TokenSequence:
     block_hashes: list[int] = field(default_factory=list)
     # Linear-attention state slot (hybrid models), held from admission to the end; 0 = none.
     state_slot: int = 0
+    # Hybrid prefix caching (kv/state_snapshots.py): the snapshot the step in flight starts
+    # this sequence from, and the one it writes; the position where the next prefill chunk
+    # ends for a snapshot (0: none planned), and where the last snapshot was taken or restored.
+    pending_restore: Snapshot | None = None
+    pending_snapshot: Snapshot | None = None
+    snapshot_cut: int = 0
+    last_snapshot_at: int = 0
+    # Its last snapshot inside a long prefill: the next one supersedes it.
+    interval_snapshot: Snapshot | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None

@@ -59,7 +59,10 @@ class LaneStager:
             self._host = torch.empty(max(total, 2 * self._host.numel()), dtype=torch.uint8)
         for t, off in zip(flat, offsets, strict=True):
             nbytes = t.numel() * t.element_size()
-            self._host[off : off + nbytes].copy_(t.view(torch.uint8))
+            # An empty tensor may have stride 0 (numpy's empty fancy index), which no dtype
+            # view accepts; it has no bytes to copy anyway.
+            if nbytes:
+                self._host[off : off + nbytes].copy_(t.view(torch.uint8))
         self._sync.yield_point("stager.packed")
         block = self._allocator.allocate(total)
         block.storage[:total].copy_(self._host[:total], non_blocking=True)

@@ -139,13 +139,13 @@ class Worker(Generic[StepT, OutT]):
             return size
         # On the device: hardware collectives take device memory only.
         value = torch.tensor(
-            [-size.num_blocks, -size.num_state_slots],
+            [-size.num_blocks, -size.num_state_slots, -size.num_state_snapshots],
             dtype=torch.int64,
             device=self._torch_device(),
         )
         self.group.all_reduce(value, ReduceOp.MAX)
-        blocks, slots = (-int(v) for v in value.tolist())
-        return CacheSize(blocks, slots)
+        blocks, slots, snapshots = (-int(v) for v in value.tolist())
+        return CacheSize(blocks, slots, snapshots)
 
     def init_kv_cache(self, size: CacheSize) -> None:
         block_size = self.config.cache.block_size
@@ -154,7 +154,7 @@ class Worker(Generic[StepT, OutT]):
         self.memory = MemoryFootprint(
             runner.weight_bytes(),
             kv_cache_bytes=size.num_blocks * runner.block_bytes(block_size),
-            state_cache_bytes=size.num_state_slots * runner.state_slot_bytes(),
+            state_cache_bytes=size.num_state_rows * runner.state_slot_bytes(),
         )
 
     def init_lanes(self) -> None:

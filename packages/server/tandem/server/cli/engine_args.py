@@ -127,7 +127,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         dest="enable_prefix_cache",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="reuse KV blocks of identical prompt prefixes",
+        help="reuse KV blocks of identical prompt prefixes (hybrid models: and the "
+        "linear-attention state where they end)",
+    )
+    g.add_argument(
+        "--state-cache-mb",
+        type=float,
+        default=None,
+        help="MiB per device of linear-attention state snapshots for a hybrid model's prefix "
+        "cache (default: two snapshots per state slot, at least 16, within half of the memory "
+        "left after the weights; 0 turns its prefix caching off)",
+    )
+    g.add_argument(
+        "--state-snapshot-interval",
+        type=int,
+        default=512,
+        help="hybrid models: also snapshot the state at the end of a prefill chunk this many "
+        "tokens past the last snapshot (0: only at prompt ends, sequence ends and shared "
+        "prefixes)",
     )
     g.add_argument(
         "--max-tokens-per-batch",
@@ -325,6 +342,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_memory_utilization=args.max_memory_utilization,
             cpu_memory_gb=args.cpu_memory_gb,
             enable_prefix_cache=args.enable_prefix_cache,
+            state_cache_mb=args.state_cache_mb,
+            state_snapshot_interval=args.state_snapshot_interval,
         ),
         scheduler=SchedulerConfig(
             max_tokens_per_batch=args.max_tokens_per_batch,

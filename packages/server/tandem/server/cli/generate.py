@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
                 "token_ids": out.token_ids,
                 "text": out.text,
                 "finish_reason": out.finish_reason,
+                "num_cached_tokens": out.num_cached_tokens,
             }
             print(json.dumps(record, ensure_ascii=False))
         else:
