@@ -178,6 +178,16 @@ def test_serve_without_a_model_serves_the_bundled_one() -> None:
     assert engine_config_from_args(args).model.model == str(stories260k_folder())
 
 
+def test_bench_serve_refuses_a_negative_shared_prefix(capsys: pytest.CaptureFixture[str]) -> None:
+    serve = ["bench", "serve", "--base-url", "http://127.0.0.1:1"]
+    assert build_parser().parse_args(serve).shared_prefix_len == 0
+    assert build_parser().parse_args([*serve, "--shared-prefix-len", "64"]).shared_prefix_len == 64
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args([*serve, "--shared-prefix-len", "-1"])
+    assert exited.value.code == 2
+    assert "argument --shared-prefix-len: must be >= 0, got -1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [

@@ -1,6 +1,7 @@
 """Random prompts of controlled length, given as token ids so the length is exact; with
 repeats, each prompt is one random segment said over and over (a quoting workload, where
-n-gram speculation finds its drafts)."""
+n-gram speculation finds its drafts); with a shared prefix, every measured prompt opens with
+the same random tokens (a system-prompt workload, where prefix caching pays)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ def _length(rng: random.Random, mean: int, range_ratio: float) -> int:
     return rng.randint(low, high)
 
 
+def _lowest_id(vocab_size: int) -> int:
+    # Skip the lowest ids, where tokenizers keep their special tokens.
+    return min(16, vocab_size - 1)
+
+
 def random_requests(
     num: int,
     input_len: int,
@@ -35,8 +41,7 @@ def random_requests(
     if repeats < 1:
         raise ValueError(f"--prompt-repeats must be >= 1, got {repeats}")
     rng = random.Random(seed)
-    # Skip the lowest ids, where tokenizers keep their special tokens.
-    low = min(16, vocab_size - 1)
+    low = _lowest_id(vocab_size)
     requests = []
     for _ in range(num):
         length = _length(rng, input_len, range_ratio)
@@ -48,3 +53,40 @@ def random_requests(
             )
         )
     return requests
+
+
+def _prefix(length: int, vocab_size: int, seed: str) -> list[int]:
+    # A stream of its own, so the per-request parts are the same tokens with or without one.
+    rng = random.Random(seed)
+    low = _lowest_id(vocab_size)
+    return [rng.randrange(low, vocab_size) for _ in range(length)]
+
+
+def split_warmups(
+    requests: list[BenchRequest],
+    num_warmups: int,
+    shared_prefix_len: int,
+    vocab_size: int,
+    seed: int,
+) -> tuple[list[BenchRequest], list[BenchRequest]]:
+    """The first ``num_warmups`` of ``requests`` to warm up with, and the rest to measure.
+    With ``shared_prefix_len`` L > 0, every measured prompt is one fixed random prefix of L
+    tokens followed by its own tokens, as given (repeats apply to that part only). The
+    warm-ups open with another prefix of L tokens: they take the same shapes and paths
+    through the server, yet leave nothing cached that the measured prefix could hit, so the
+    first measured request misses."""
+    if shared_prefix_len < 0:
+        raise ValueError(f"--shared-prefix-len must be >= 0, got {shared_prefix_len}")
+    warmups, measured = requests[:num_warmups], requests[num_warmups:]
+    if shared_prefix_len == 0:
+        return warmups, measured
+    prefix = _prefix(shared_prefix_len, vocab_size, seed=f"shared-prefix-{seed}")
+    decoy = _prefix(shared_prefix_len, vocab_size, seed=f"warmup-prefix-{seed}")
+    low = _lowest_id(vocab_size)
+    if decoy[0] == prefix[0] and vocab_size - low > 1:
+        # A cache matches from the first token on: one differing token rules out any hit.
+        decoy[0] = low + (prefix[0] - low + 1) % (vocab_size - low)
+    return (
+        [BenchRequest(decoy + r.prompt_token_ids, r.output_len) for r in warmups],
+        [BenchRequest(prefix + r.prompt_token_ids, r.output_len) for r in measured],
+    )

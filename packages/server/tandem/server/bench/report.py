@@ -76,5 +76,26 @@ def format_table(f: dict[str, Any]) -> str:
         lines.append(f"{f'Mean {upper} (ms):':<40}{f[f'mean_{key}_ms']:<10.2f}")
         lines.append(f"{f'Median {upper} (ms):':<40}{f[f'median_{key}_ms']:<10.2f}")
         lines.append(f"{f'P99 {upper} (ms):':<40}{f[f'p99_{key}_ms']:<10.2f}")
+        if key == "ttft":
+            # Beside TTFT, which the cache is there to cut.
+            lines.extend(_cache_lines(f))
     lines.append("=" * 50)
     return "\n".join(lines)
+
+
+def _cache_lines(f: dict[str, Any]) -> list[str]:
+    lines = []
+    if f.get("shared_prefix_len"):
+        lines.append(f"{'Shared prefix (tokens):':<40}{f['shared_prefix_len']:<10}")
+    queries, hits = f.get("prefix_cache_queries"), f.get("prefix_cache_hits")
+    if queries is None or hits is None:
+        rate = "n/a"
+    elif queries == 0:
+        rate = "n/a (no prompt tokens looked up)"
+    else:
+        rate = f"{100 * hits / queries:.2f}% ({hits} of {queries} prompt tokens)"
+    lines.append(f"{'Prefix cache hit rate:':<40}{rate}")
+    snapshot_queries, snapshot_hits = f.get("state_snapshot_queries"), f.get("state_snapshot_hits")
+    if snapshot_queries is not None and snapshot_hits is not None:
+        lines.append(f"{'State snapshots:':<40}{snapshot_hits} of {snapshot_queries} lookups hit")
+    return lines

@@ -13,8 +13,9 @@ import aiohttp
 from tqdm import tqdm
 
 from tandem.server.bench.client import RequestResult, send_completion
-from tandem.server.bench.dataset import random_requests
+from tandem.server.bench.dataset import BenchRequest, random_requests, split_warmups
 from tandem.server.bench.report import summarize
+from tandem.server.bench.server_metrics import cache_figures, fetch_cache_counters
 
 T = TypeVar("T")
 
@@ -46,6 +47,8 @@ class BenchConfig:
     vocab_size: int | None
     # Each prompt one random segment repeated this many times (1: all random).
     prompt_repeats: int = 1
+    # Tokens of one fixed random prefix every measured prompt opens with (0: none).
+    shared_prefix_len: int = 0
 
 
 async def _model_card(session: aiohttp.ClientSession, config: BenchConfig) -> dict[str, Any]:
@@ -82,12 +85,18 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
             config.seed,
             repeats=config.prompt_repeats,
         )
-        warmups, measured = requests[: config.num_warmups], requests[config.num_warmups :]
+        warmups, measured = split_warmups(
+            requests,
+            config.num_warmups,
+            shared_prefix_len=config.shared_prefix_len,
+            vocab_size=vocab,
+            seed=config.seed,
+        )
         url = f"{config.base_url}/v1/completions"
         headers = _headers(config)
         limit = asyncio.Semaphore(config.max_concurrency or len(requests) or 1)
 
-        async def one(request: Any, bar: tqdm[Any] | None) -> RequestResult:
+        async def one(request: BenchRequest, bar: tqdm[Any] | None) -> RequestResult:
             async with limit:
                 result = await send_completion(
                     session, url, card["id"], request, config.ignore_eos, headers
@@ -98,6 +107,8 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
 
         if warmups:
             await asyncio.gather(*(one(r, None) for r in warmups))
+        # After the warm-ups: the run's counts are the measured requests' alone.
+        counters_before = await fetch_cache_counters(session, config.base_url, headers)
         rng = random.Random(config.seed)
         bar = tqdm(total=len(measured), desc="requests", unit="req")
         start = time.perf_counter()
@@ -109,7 +120,9 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         bar.close()
+        counters_after = await fetch_cache_counters(session, config.base_url, headers)
     figures = summarize(list(results), duration)
+    figures |= cache_figures(counters_before, counters_after)
     figures |= {
         "model": card["id"],
         "base_url": config.base_url,
@@ -117,5 +130,6 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
         "request_rate": config.request_rate,
         "input_len": config.input_len,
         "output_len": config.output_len,
+        "shared_prefix_len": config.shared_prefix_len,
     }
     return figures

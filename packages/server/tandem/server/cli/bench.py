@@ -40,7 +40,17 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
         type=int,
         default=1,
         help="each prompt is a random segment repeated this many times (a quoting workload, "
-        "for n-gram speculative decoding; default 1: all random)",
+        "for n-gram speculative decoding; default 1: all random); with --shared-prefix-len, "
+        "only each prompt's own part after the prefix is repeated",
+    )
+    p.add_argument(
+        "--shared-prefix-len",
+        type=_non_negative_int,
+        default=0,
+        help="open every measured prompt with one fixed random prefix of this many tokens "
+        "(from --seed), followed by its own --input-len random tokens, and report the "
+        "server's prefix-cache hit rate; warm-ups get a different prefix, so the first "
+        "measured request misses (default 0: no shared prefix)",
     )
     p.add_argument(
         "--request-rate",
@@ -112,6 +122,16 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--result-json", default=None, help="also write the figures to this file")
     k.set_defaults(func=run_soak_command)
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def run_soak_command(args: argparse.Namespace) -> int:
@@ -232,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         vocab_size=args.vocab_size,
         prompt_repeats=args.prompt_repeats,
+        shared_prefix_len=args.shared_prefix_len,
     )
     try:
         figures = run_on_fast_loop(run_benchmark(config))
