@@ -128,13 +128,21 @@ def test_blocks_only_snapshots_hold_are_counted_and_given_back_on_demand() -> No
     _snapshot(cache, blocks, 6, block=7)
     _snapshot(cache, blocks, 7, block=7)
     _snapshot(cache, blocks, 9, block=8)
-    assert cache.num_tail_blocks == 2
-    # A running sequence still writes block 8: not only the snapshots'.
+    assert cache.num_tail_blocks == 2 and cache.freeable_blocks() == 2
+    # A running sequence still writes block 8: not only the snapshots', dropping 9 frees
+    # nothing; and 3 blocks cannot be freed, so nothing is dropped.
     blocks.hold(8)
-    assert cache.num_tail_blocks == 1
-    assert cache.drop_block_holder() and cache.drop_block_holder()
+    assert cache.num_tail_blocks == 1 and cache.freeable_blocks() == 1
+    assert cache.free_blocks(2) == 0 and cache.num_snapshots == 3
+    # Block 7 goes with both snapshots that hold it.
+    assert cache.free_blocks(1) == 1
     assert blocks.refs[7] == 0 and cache.num_snapshots == 1
+    # A pinned holder keeps its block.
+    blocks.release(8)
+    pinned = cache.lookup(TOKENS, HASHES, limit=39)
+    assert pinned is not None and pinned.num_tokens == 9
+    assert cache.freeable_blocks() == 0 and cache.free_blocks(1) == 0
+    cache.unpin(pinned)
     cache.clear()
     assert cache.num_snapshots == 0 and cache.num_free_rows == 4
-    assert blocks.refs[8] == 1  # the sequence's own
-    assert not cache.drop_block_holder()
+    assert sum(blocks.refs.values()) == 0

@@ -106,13 +106,9 @@ class BlockManager:
     ) -> bool:
         """Whether a waiting ``seq`` can start with ``cached`` blocks and ``num_new_tokens``
         (``num_cached_tokens``: tokens it starts with, when more than ``cached`` holds: the
-        rest go into its first new block, copied from a state snapshot's)."""
-        start = len(cached) * self.block_size if num_cached_tokens is None else num_cached_tokens
-        needed = self.blocks_for(start + num_new_tokens) - len(cached)
-        with self._lock:
-            # Cache hits on freed blocks take those blocks off the free list.
-            reclaimed = sum(1 for b in cached if self._pool.ref_count(b) == 0)
-            return needed <= self._pool.num_free - reclaimed
+        rest go into its first new block, copied from a state snapshot's). Cache hits on freed
+        blocks take those blocks off the free list."""
+        return self.allocate_deficit(seq, num_new_tokens, cached, num_cached_tokens) <= 0
 
     def allocate(
         self,
@@ -135,10 +131,28 @@ class BlockManager:
             seq.block_hashes = [cache.hash_of(b) for b in cached] if cache is not None else []
             self._append(seq, num_new_tokens)
 
-    def can_append(self, seq: BlockOwner, num_new_tokens: int) -> bool:
+    def allocate_deficit(
+        self,
+        seq: BlockOwner,
+        num_new_tokens: int,
+        cached: list[int],
+        num_cached_tokens: int | None = None,
+    ) -> int:
+        """Blocks that ``can_allocate`` lacks (0 or less: none)."""
+        start = len(cached) * self.block_size if num_cached_tokens is None else num_cached_tokens
+        needed = self.blocks_for(start + num_new_tokens) - len(cached)
+        with self._lock:
+            reclaimed = sum(1 for b in cached if self._pool.ref_count(b) == 0)
+            return needed - (self._pool.num_free - reclaimed)
+
+    def append_deficit(self, seq: BlockOwner, num_new_tokens: int) -> int:
+        """Blocks that ``can_append`` lacks (0 or less: none)."""
         needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         with self._lock:
-            return needed <= self._pool.num_free
+            return needed - self._pool.num_free
+
+    def can_append(self, seq: BlockOwner, num_new_tokens: int) -> bool:
+        return self.append_deficit(seq, num_new_tokens) <= 0
 
     def append_slots(self, seq: BlockOwner, num_new_tokens: int) -> None:
         with self._lock:

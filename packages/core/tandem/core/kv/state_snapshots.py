@@ -181,15 +181,43 @@ class StateSnapshotCache:
         with self._lock:
             snap.pins -= 1
 
-    def drop_block_holder(self) -> bool:
-        """Drop the least recently used unpinned snapshot that holds a KV block (sequences
-        short of blocks come first); False when there is none."""
+    def freeable_blocks(self) -> int:
+        """KV blocks that dropping unpinned snapshots would free: those only snapshots hold,
+        none of them pinned."""
         with self._lock:
-            for snap in self._lru:
-                if not snap.pins and snap.tail_block is not None:
-                    self._drop(snap)
-                    return True
-        return False
+            return len(self._freeable())
+
+    def free_blocks(self, wanted: int) -> int:
+        """Drop snapshots, least recently used first, until ``wanted`` KV blocks are free or
+        no more can be (sequences short of blocks come first); the blocks freed. Nothing is
+        dropped when fewer than ``wanted`` can be freed: that would lose states for nothing."""
+        with self._lock:
+            freeable = self._freeable()
+            if len(freeable) < wanted:
+                return 0
+            freed = 0
+            for snap in list(self._lru):
+                if freed == wanted:
+                    break
+                block = snap.tail_block
+                if block is None or block not in freeable:
+                    continue
+                for holder in freeable.pop(block):
+                    self._drop(holder)
+                freed += 1
+            return freed
+
+    def _freeable(self) -> dict[int, list[Snapshot]]:
+        """Per KV block only snapshots hold, all of them unpinned: those snapshots."""
+        holders: dict[int, list[Snapshot]] = {}
+        for snap in self._by_key.values():
+            if snap.tail_block is not None:
+                holders.setdefault(snap.tail_block, []).append(snap)
+        return {
+            block: snaps
+            for block, snaps in holders.items()
+            if self._ref_count(block) == len(snaps) and not any(s.pins for s in snaps)
+        }
 
     def clear(self) -> None:
         """Drop every snapshot no step uses (their rows and tail blocks go back)."""

@@ -217,6 +217,10 @@ class LLMRunnerFactory:
             limits=SequenceLimits(
                 max_seqs=config.scheduler.max_seqs_per_batch,
                 context_len=config.model.context_length(self.model_config.max_position_embeddings),
-                prefix_cache=config.cache.enable_prefix_cache,
+                # A hybrid model without room for state snapshots serves without it.
+                prefix_cache=config.cache.enable_prefix_cache
+                and not (
+                    self.model_config.has_linear_attention and config.cache.state_cache_mb == 0
+                ),
             ),
         )

@@ -150,7 +150,7 @@ class Scheduler:
             num_new = self._cut(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
             drafts = self._drafts(seq, num_new, budget)
             num_new += len(drafts)
-            while not self._room(partial(self.block_manager.can_append, seq, num_new)):
+            while not self._room(partial(self.block_manager.append_deficit, seq, num_new)):
                 candidates = [s for s in self.running if s.request_id not in scheduled_ids]
                 victim = self.policy.preemption_victim(candidates)
                 self._preempt(victim)
@@ -187,17 +187,17 @@ class Scheduler:
             num_new = min(remaining, budget) if self.config.enable_chunked_prefill else remaining
             if start.cut:
                 num_new = min(num_new, start.cut - start.num_tokens)
-            fits = partial(
-                self.block_manager.can_allocate, seq, num_new, start.blocks, start.num_tokens
-            )
-            if not self._room(fits):
-                self._unpin(start)
-                break
             # One slot is all a sequence ever needs, and running ones give theirs back as
             # they end: without a free one it waits, like a sequence short of blocks.
-            if self.state_slots is not None and not self.state_slots.assign(seq):
+            slots = self.state_slots
+            deficit = partial(
+                self.block_manager.allocate_deficit, seq, num_new, start.blocks, start.num_tokens
+            )
+            if (slots is not None and slots.num_free == 0) or not self._room(deficit):
                 self._unpin(start)
                 break
+            if slots is not None:
+                slots.assign(seq)
             self.waiting.popleft()
             self.block_manager.allocate(seq, num_new, start.blocks, start.num_tokens)
             self._count_lookup(seq, start)
@@ -232,7 +232,7 @@ class Scheduler:
                 break
             if seq.request_id in exclude or seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
-            if not self._room(partial(self.block_manager.can_append, seq, 1)):
+            if not self._room(partial(self.block_manager.append_deficit, seq, 1)):
                 out.blocked = True
                 continue
             self.block_manager.append_slots(seq, 1)
@@ -246,7 +246,11 @@ class Scheduler:
             max(0, blocks.blocks_for(s.num_computed_tokens + 1) - len(s.block_table))
             for s in self.running
         )
-        return needed <= blocks.num_free_blocks
+        if needed <= blocks.num_free_blocks:
+            return True
+        # Blocks only state snapshots hold are taken back when a decode needs them.
+        freeable = self.snapshots.freeable_blocks() if self.snapshots is not None else 0
+        return needed <= blocks.num_free_blocks + freeable
 
     def needs_full_step(self) -> bool:
         """Whether some work is more than one decode token per running sequence (admissions,
@@ -265,12 +269,16 @@ class Scheduler:
             draft_token_ids=drafts,
         )
 
-    def _room(self, fits: Callable[[], bool]) -> bool:
-        """Whether ``fits()``, after dropping state snapshots for the KV blocks they hold if
-        that is what it takes: running and waiting sequences come before cached states."""
-        while not fits():
-            if self.snapshots is None or not self.snapshots.drop_block_holder():
+    def _room(self, deficit: Callable[[], int]) -> bool:
+        """Whether the blocks ``deficit()`` says are missing (0 or less: none) can be made
+        free, by dropping state snapshots for the KV blocks only they hold: running and
+        waiting sequences come before cached states. Asked again after each drop: a freed
+        block may be one of the sequence's own cache hits, which frees nothing for it."""
+        missing = deficit()
+        while missing > 0:
+            if self.snapshots is None or not self.snapshots.free_blocks(missing):
                 return False
+            missing = deficit()
         return True
 
     def _cached_start(self, seq: TokenSequence) -> CachedStart:
