@@ -43,6 +43,8 @@ class Workload:
     input_len: int
     output_len: int
     num_warmups: int
+    # Tokens of one system prompt every request begins with (0: none), for prefix caching.
+    shared_prefix_len: int = 0
 
 
 # Instruction-set flags that decide which kernels run (the rest are in the full list).
@@ -190,6 +192,7 @@ def run_one(
                  "--input-len", str(workload.input_len),
                  "--output-len", str(workload.output_len), "--ignore-eos",
                  "--num-warmups", str(workload.num_warmups),
+                 "--shared-prefix-len", str(workload.shared_prefix_len),
                  "--vocab-size", str(vocab_size), "--result-json", str(result)],
                 check=True,
             )  # fmt: skip
@@ -206,19 +209,25 @@ COLUMNS = [
     ("mean_tpot_ms", "mean TPOT ms", "{:.1f}"),
     ("median_tpot_ms", "med TPOT ms", "{:.1f}"),
     ("mean_ttft_ms", "mean TTFT ms", "{:.0f}"),
+    ("prefix_cache_hit_rate", "prefix hit", "{:.1%}"),
     ("median_ttft_ms", "med TTFT ms", "{:.0f}"),
     ("mean_itl_ms", "mean ITL ms", "{:.1f}"),
     ("p99_itl_ms", "p99 ITL ms", "{:.1f}"),
 ]
 
 
+def _cell(value: Any, fmt: str) -> str:
+    # A figure the server does not report (the peer's prefix cache without /metrics).
+    return "n/a" if value is None else fmt.format(value)
+
+
 def format_table(rows: list[dict[str, Any]], dtype: str) -> str:
-    head = f"{'round':>5}  {'system':<8}" + "".join(f"{title:>14}" for _, title, _ in COLUMNS)
+    head = f"{'round':>5}  {'system':<14}" + "".join(f"{title:>14}" for _, title, _ in COLUMNS)
     lines = [head + f"{'ok':>8}"]
     for row in rows:
-        cells = "".join(f"{fmt.format(row[key]):>14}" for key, _, fmt in COLUMNS)
+        cells = "".join(f"{_cell(row.get(key), fmt):>14}" for key, _, fmt in COLUMNS)
         ok = f"{row['completed']}/{row['num_prompts']}"
-        lines.append(f"{row['round']:>5}  {row['system']:<8}{cells}{ok:>8}")
+        lines.append(f"{row['round']:>5}  {row['system']:<14}{cells}{ok:>8}")
     by: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         by.setdefault(row["system"], []).append(row)
@@ -279,9 +288,19 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-warmups", type=int, default=8)
+    p.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="a system prompt of this many tokens before every request's own",
+    )
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--out", type=Path, default=Path("bench-out"))
-    p.add_argument("--systems", default="tandem,vllm", help="comma-separated, in round order")
+    p.add_argument(
+        "--systems",
+        default="tandem,vllm",
+        help="comma-separated, in round order: tandem, tandem-nocache (prefix caching off), vllm",
+    )
     p.add_argument("--tandem-args", default="", help="extra `tandem serve` flags")
     p.add_argument("--peer-args", default="", help="extra vLLM server flags")
     args = p.parse_args()
@@ -289,13 +308,16 @@ def main() -> int:
     config = json.loads((model / "config.json").read_text())
     vocab = int(config.get("vocab_size") or config.get("text_config", {})["vocab_size"])
     workload = Workload(args.num_prompts, args.max_concurrency, args.input_len,
-                        args.output_len, args.num_warmups)  # fmt: skip
+                        args.output_len, args.num_warmups, args.shared_prefix_len)  # fmt: skip
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if "vllm" in systems:
         ensure_peer()
     args.out.mkdir(parents=True, exist_ok=True)
     commands = {
         "tandem": lambda: _tandem_command(model, args.dtype, args.port, args.tandem_args.split()),
+        "tandem-nocache": lambda: _tandem_command(
+            model, args.dtype, args.port, [*args.tandem_args.split(), "--no-enable-prefix-caching"]
+        ),
         "vllm": lambda: _peer_command(model, args.dtype, args.port, args.peer_args.split()),
     }
     machine = machine_record()
@@ -312,7 +334,9 @@ def main() -> int:
             (args.out / "results.json").write_text(json.dumps(record, indent=2))
     title = (
         f"{model.name}, {args.dtype}: {workload.num_prompts} prompts, {workload.max_concurrency} "
-        f"concurrent, {workload.input_len} in / {workload.output_len} out\n"
+        f"concurrent, {workload.input_len} in / {workload.output_len} out"
+        + (f", {workload.shared_prefix_len} shared first" if workload.shared_prefix_len else "")
+        + "\n"
         f"{machine_line(machine)}"
     )
     print(title)
