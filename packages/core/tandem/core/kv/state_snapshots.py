@@ -97,6 +97,11 @@ class StateSnapshotCache:
         with self._lock:
             return sum(1 for s in self._by_key.values() if s.pins)
 
+    def holds(self, parent: int | None, tail: tuple[int, ...]) -> bool:
+        """Whether the prefix ``(parent, tail)`` has a snapshot, ready or being written."""
+        with self._lock:
+            return (parent, tail) in self._by_key
+
     def lookup(
         self, token_ids: Sequence[int], cached_hashes: Sequence[int], limit: int
     ) -> Snapshot | None:

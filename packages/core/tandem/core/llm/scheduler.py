@@ -296,7 +296,8 @@ class Scheduler:
         start = 0 if snap is None else snap.num_tokens
         shared = len(blocks) * bs
         worth = self.config.enable_chunked_prefill and shared - start >= MIN_CUT_TOKENS
-        cut = shared if worth else 0
+        # Another sequence admitted a step earlier may be writing that snapshot already.
+        cut = shared if worth and not self.snapshots.holds(hashes[-1], ()) else 0
         return CachedStart(blocks[: start // bs], start, snap, cut)
 
     def _unpin(self, start: CachedStart) -> None:
