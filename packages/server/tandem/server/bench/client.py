@@ -13,6 +13,7 @@ import json
 import time
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -29,6 +30,16 @@ class RequestResult:
     # Gaps between consecutive streamed chunks that carried text.
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    # In a multi-turn run: the turn of its conversation, from 1 (None: not in a conversation).
+    turn: int | None = None
+    # The generated token ids, where they were asked for and every one of them came back.
+    output_token_ids: list[int] | None = None
+
+
+# What a request adds to get its generated token ids back: the completions API's logprobs
+# name each token ``token_id:N`` (vLLM's extension, which Tandem serves too), where a
+# token's text would not say which id it was. 0: no alternatives, the sampled tokens only.
+TOKEN_ID_FIELDS = {"logprobs": 0, "return_tokens_as_token_ids": True}
 
 
 async def sse_data(pieces: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
@@ -52,8 +63,10 @@ async def send_completion(
     request: BenchRequest,
     ignore_eos: bool,
     headers: dict[str, str],
+    token_ids: bool = False,
 ) -> RequestResult:
-    body = {
+    """``token_ids``: also ask for the generated token ids, into ``output_token_ids``."""
+    body: dict[str, Any] = {
         "model": model,
         "prompt": request.prompt_token_ids,
         "max_tokens": request.output_len,
@@ -62,7 +75,11 @@ async def send_completion(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if token_ids:
+        body |= TOKEN_ID_FIELDS
     result = RequestResult(prompt_tokens=len(request.prompt_token_ids))
+    # None once a token came back without its id: the ids are then not the output's.
+    ids: list[int] | None = []
     start = time.perf_counter()
     last = start
     try:
@@ -81,7 +98,10 @@ async def send_completion(
                 if chunk.get("usage"):
                     result.output_tokens = int(chunk["usage"]["completion_tokens"])
                     result.prompt_tokens = int(chunk["usage"]["prompt_tokens"])
-                if any(c.get("text") for c in chunk.get("choices", [])):
+                choices = chunk.get("choices", [])
+                if token_ids and ids is not None:
+                    ids = _with_token_ids(ids, choices)
+                if any(c.get("text") for c in choices):
                     if result.ttft == 0.0:
                         result.ttft = now - start
                     else:
@@ -91,6 +111,24 @@ async def send_completion(
         result.success = result.output_tokens > 0
         if not result.success:
             result.error = "the stream ended without usage or output tokens"
+        elif token_ids and ids is not None and len(ids) == result.output_tokens:
+            result.output_token_ids = ids
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result
+
+
+def _with_token_ids(ids: list[int], choices: list[dict[str, Any]]) -> list[int] | None:
+    """``ids`` and those a chunk's ``choices`` carry as ``token_id:N`` logprobs tokens;
+    None where a token is named otherwise (a server without the extension names it by its
+    text, which says nothing certain about its id)."""
+    for choice in choices:
+        logprobs = choice.get("logprobs")
+        if not isinstance(logprobs, dict):
+            continue
+        for name in logprobs.get("tokens") or []:
+            kind, _, number = str(name).partition(":")
+            if kind != "token_id" or not number.isdigit():
+                return None
+            ids.append(int(number))
+    return ids

@@ -1,7 +1,8 @@
 """Random prompts of controlled length, given as token ids so the length is exact; with
 repeats, each prompt is one random segment said over and over (a quoting workload, where
 n-gram speculation finds its drafts); with a shared prefix, every measured prompt opens with
-the same random tokens (a system-prompt workload, where prefix caching pays)."""
+the same random tokens (a system-prompt workload, where prefix caching pays); in a
+conversation, each turn after the first carries the one before it and its answer."""
 
 from __future__ import annotations
 
@@ -41,18 +42,47 @@ def random_requests(
     if repeats < 1:
         raise ValueError(f"--prompt-repeats must be >= 1, got {repeats}")
     rng = random.Random(seed)
+    return [
+        _random_request(rng, input_len, output_len, range_ratio, vocab_size, repeats)
+        for _ in range(num)
+    ]
+
+
+def _random_request(
+    rng: random.Random,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    vocab_size: int,
+    repeats: int,
+) -> BenchRequest:
+    length = _length(rng, input_len, range_ratio)
     low = _lowest_id(vocab_size)
-    requests = []
-    for _ in range(num):
-        length = _length(rng, input_len, range_ratio)
-        segment = [rng.randrange(low, vocab_size) for _ in range(-(-length // repeats))]
-        requests.append(
-            BenchRequest(
-                prompt_token_ids=(segment * repeats)[:length],
-                output_len=_length(rng, output_len, range_ratio),
-            )
-        )
-    return requests
+    segment = [rng.randrange(low, vocab_size) for _ in range(-(-length // repeats))]
+    return BenchRequest(
+        prompt_token_ids=(segment * repeats)[:length],
+        output_len=_length(rng, output_len, range_ratio),
+    )
+
+
+def next_turn(
+    previous: BenchRequest,
+    output_token_ids: list[int],
+    rng: random.Random,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    vocab_size: int,
+    repeats: int = 1,
+) -> BenchRequest:
+    """The turn after ``previous``, which the server answered with ``output_token_ids``:
+    the whole conversation so far, then a new user message drawn as a first turn's own part
+    is (``--input-len``, ``--range-ratio``, repeats), asking for as many tokens as one."""
+    user = _random_request(rng, input_len, output_len, range_ratio, vocab_size, repeats)
+    return BenchRequest(
+        prompt_token_ids=previous.prompt_token_ids + output_token_ids + user.prompt_token_ids,
+        output_len=user.output_len,
+    )
 
 
 def _prefix(length: int, vocab_size: int, seed: str) -> list[int]:

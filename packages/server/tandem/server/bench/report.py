@@ -48,8 +48,21 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     figures |= _summary("tpot", tpots)
     figures |= _summary("itl", [gap for r in ok for gap in r.itl])
     figures |= _summary("e2el", [r.latency for r in ok])
+    figures |= _turn_ttfts(ok, multi_turn=any(r.turn is not None for r in results))
     figures["errors"] = sorted({r.error for r in results if r.error})[:5]
     return figures
+
+
+def _turn_ttfts(ok: list[RequestResult], multi_turn: bool) -> dict[str, float | None]:
+    """Mean TTFT of first turns and of later ones, whose prompts open with all the
+    conversation before them (what a prefix cache can serve); None outside a multi-turn
+    run, or where no such turn succeeded."""
+    first = [r.ttft * 1000 for r in ok if r.turn == 1]
+    later = [r.ttft * 1000 for r in ok if r.turn is not None and r.turn > 1]
+    return {
+        "mean_ttft_first_turn_ms": statistics.fmean(first) if multi_turn and first else None,
+        "mean_ttft_later_turns_ms": statistics.fmean(later) if multi_turn and later else None,
+    }
 
 
 def format_table(f: dict[str, Any]) -> str:
@@ -85,6 +98,12 @@ def format_table(f: dict[str, Any]) -> str:
 
 def _cache_lines(f: dict[str, Any]) -> list[str]:
     lines = []
+    if f.get("turns", 1) > 1:
+        lines.append(f"{'Turns per conversation:':<40}{f['turns']:<10}")
+        for label, key in (("turn 1", "first_turn"), ("later turns", "later_turns")):
+            mean = f.get(f"mean_ttft_{key}_ms")
+            shown = "n/a" if mean is None else f"{mean:<10.2f}"
+            lines.append(f"{f'Mean TTFT, {label} (ms):':<40}{shown}")
     if f.get("shared_prefix_len"):
         lines.append(f"{'Shared prefix (tokens):':<40}{f['shared_prefix_len']:<10}")
     queries, hits = f.get("prefix_cache_queries"), f.get("prefix_cache_hits")

@@ -53,6 +53,17 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
         "measured request misses (default 0: no shared prefix)",
     )
     p.add_argument(
+        "--turns",
+        type=_positive_int,
+        default=1,
+        help="turns per conversation: --num-prompts conversations, each turn's prompt the "
+        "turn before it, its generated tokens (asked for as token ids) and a new random user "
+        "message of --input-len tokens; the turns of one conversation go one after another, "
+        "conversations (not requests) arrive by --request-rate and count against "
+        "--max-concurrency; reports turn 1's TTFT against the later turns' "
+        "(default 1: single requests; warm-ups stay single requests)",
+    )
+    p.add_argument(
         "--request-rate",
         type=float,
         default=float("inf"),
@@ -124,14 +135,22 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
     k.set_defaults(func=run_soak_command)
 
 
-def _non_negative_int(text: str) -> int:
+def _int_at_least(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    return _int_at_least(text, least=0)
+
+
+def _positive_int(text: str) -> int:
+    return _int_at_least(text, least=1)
 
 
 def run_soak_command(args: argparse.Namespace) -> int:
@@ -253,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size,
         prompt_repeats=args.prompt_repeats,
         shared_prefix_len=args.shared_prefix_len,
+        turns=args.turns,
     )
     try:
         figures = run_on_fast_loop(run_benchmark(config))
