@@ -45,6 +45,8 @@ class Workload:
     num_warmups: int
     # Tokens of one system prompt every request begins with (0: none), for prefix caching.
     shared_prefix_len: int = 0
+    # Turns per conversation (1: single requests); num_prompts then counts conversations.
+    turns: int = 1
 
 
 # Instruction-set flags that decide which kernels run (the rest are in the full list).
@@ -193,6 +195,7 @@ def run_one(
                  "--output-len", str(workload.output_len), "--ignore-eos",
                  "--num-warmups", str(workload.num_warmups),
                  "--shared-prefix-len", str(workload.shared_prefix_len),
+                 "--turns", str(workload.turns),
                  "--vocab-size", str(vocab_size), "--result-json", str(result)],
                 check=True,
             )  # fmt: skip
@@ -294,6 +297,12 @@ def main() -> int:
         default=0,
         help="a system prompt of this many tokens before every request's own",
     )
+    p.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        help="turns per conversation, each repeating the last prompt and answer",
+    )
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     p.add_argument(
@@ -308,7 +317,8 @@ def main() -> int:
     config = json.loads((model / "config.json").read_text())
     vocab = int(config.get("vocab_size") or config.get("text_config", {})["vocab_size"])
     workload = Workload(args.num_prompts, args.max_concurrency, args.input_len,
-                        args.output_len, args.num_warmups, args.shared_prefix_len)  # fmt: skip
+                        args.output_len, args.num_warmups, args.shared_prefix_len,
+                        args.turns)  # fmt: skip
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if "vllm" in systems:
         ensure_peer()
@@ -336,6 +346,7 @@ def main() -> int:
         f"{model.name}, {args.dtype}: {workload.num_prompts} prompts, {workload.max_concurrency} "
         f"concurrent, {workload.input_len} in / {workload.output_len} out"
         + (f", {workload.shared_prefix_len} shared first" if workload.shared_prefix_len else "")
+        + (f", {workload.turns} turns each" if workload.turns > 1 else "")
         + "\n"
         f"{machine_line(machine)}"
     )
