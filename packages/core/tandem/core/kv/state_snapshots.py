@@ -140,10 +140,7 @@ class StateSnapshotCache:
                 if tail_block is not None:
                     self._release_block(tail_block)
                 return None
-            snap = Snapshot(row, num_tokens, parent, tail, tail_block, pins=1)
-            self._by_key[key] = snap
-            self._by_parent.setdefault(parent, []).append(snap)
-            return snap
+            return self._insert(Snapshot(row, num_tokens, parent, tail, tail_block, pins=1))
 
     def adopt(
         self, row: int, num_tokens: int, parent: int | None, tail: tuple[int, ...],
@@ -158,9 +155,7 @@ class StateSnapshotCache:
             given = None if key in self._by_key else self._take_row()
             if given is None:
                 return None
-            snap = Snapshot(row, num_tokens, parent, tail, tail_block, ready=True)
-            self._by_key[key] = snap
-            self._by_parent.setdefault(parent, []).append(snap)
+            snap = self._insert(Snapshot(row, num_tokens, parent, tail, tail_block, ready=True))
             self._lru[snap] = None
             return given
 
@@ -229,6 +224,11 @@ class StateSnapshotCache:
         with self._lock:
             for snap in [s for s in self._lru if s.pins == 0]:
                 self._drop(snap)
+
+    def _insert(self, snap: Snapshot) -> Snapshot:
+        self._by_key[(snap.parent, snap.tail)] = snap
+        self._by_parent.setdefault(snap.parent, []).append(snap)
+        return snap
 
     def _take_row(self) -> int | None:
         if self._free:
