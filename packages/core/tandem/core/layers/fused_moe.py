@@ -5,9 +5,10 @@ With tensor parallelism every rank holds every expert, its slice of the intermed
 (I / tp rows of gate and of up, I / tp columns of down), and returns partial sums that the
 caller all-reduces once.
 
-Compute: the ``fused_moe`` kernel (``kernels/handles.py``). On CPUs where the AVX2 kernel
-serves float32 (``pack_expert_weights``), the experts' weights are packed once at load and
-each projection is one grouped call for every active expert (``kernels/cpu/grouped_moe.py``);
+Compute: the ``fused_moe`` kernel (``kernels/handles.py``). On CPUs where a grouped kernel
+serves the model's dtype (``pack_expert_weights``: the AVX2 float32 kernel, the AVX-512
+float32 and AVX512-BF16 ones), the experts' weights are packed once at load and each
+projection is one grouped call for every active expert (``kernels/cpu/grouped_moe.py``);
 the plain weights are then dropped: one copy of the model.
 
 Checkpoints name experts either one by one (``experts.{e}.gate_proj.weight``, ``up_proj``,
@@ -25,9 +26,8 @@ from torch import nn
 
 from tandem.collectives import ProcessGroup
 from tandem.core.kernels import handles
-from tandem.core.kernels.cpu.avx2_linear import Avx2Linear, PackedExperts, pack_experts
-from tandem.core.kernels.cpu.grouped_moe import grouped_fused_moe
-from tandem.core.kernels.cpu.packed_linear import native_kernel, packing_enabled
+from tandem.core.kernels.cpu.grouped_moe import grouped_expert_kernel, grouped_fused_moe
+from tandem.core.kernels.cpu.packed_experts import GroupedExpertKernel, PackedExperts
 from tandem.core.kernels.reference.elementwise import GATED_ACTIVATIONS
 from tandem.core.layers.linear import _divide
 from tandem.core.layers.weights import LazyTensor, copy_checked
@@ -63,7 +63,7 @@ class FusedMoeExperts(nn.Module):
         # (expert or -1 for all, part) loaded so far: every expert must be covered.
         self._loaded: set[tuple[int, str]] = set()
         # Set by pack(): the grouped CPU kernel and both projections in its layout.
-        self._grouped: tuple[Avx2Linear, PackedExperts, PackedExperts] | None = None
+        self._grouped: tuple[GroupedExpertKernel, PackedExperts, PackedExperts] | None = None
         self._act = handles.gated_activation(activation)
 
     def forward(
@@ -76,11 +76,11 @@ class FusedMoeExperts(nn.Module):
             return grouped_fused_moe(x, kernel, w13, w2, topk_weights, topk_ids, self._act)
         return self._kernel(x, self.w13, self.w2, topk_weights, topk_ids, self.activation)
 
-    def pack(self, kernel: Avx2Linear) -> bool:
+    def pack(self, kernel: GroupedExpertKernel) -> bool:
         """Pack both projections for ``kernel``'s grouped calls, in place of the plain
         weights (the parameters then hold the packed layout, so the model's size counts
         them once); False (nothing changed) where a shape does not fit its panels."""
-        w13, w2 = pack_experts(self.w13.data), pack_experts(self.w2.data)
+        w13, w2 = kernel.pack_experts(self.w13.data), kernel.pack_experts(self.w2.data)
         if w13 is None or w2 is None:
             return False
         self._grouped = (kernel, w13, w2)
@@ -142,12 +142,11 @@ class FusedMoeExperts(nn.Module):
 
 
 def pack_expert_weights(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """Pack the routed experts of a loaded CPU model for the grouped AVX2 kernel, where it
-    serves ``dtype`` (float32 on AVX2 CPUs without AVX-512); returns how many blocks."""
-    if device.type != "cpu" or dtype is not torch.float32 or not packing_enabled(dtype):
-        return 0
-    kernel = native_kernel(dtype)
-    if not isinstance(kernel, Avx2Linear):
+    """Pack the routed experts of a loaded CPU model for the grouped kernel of the one that
+    serves its dense layers in ``dtype`` (AVX2 float32, AVX-512 float32, AVX512-BF16; not
+    the AMX kernel, whose bfloat16 experts stay on oneDNN); returns how many blocks."""
+    kernel = grouped_expert_kernel(dtype) if device.type == "cpu" else None
+    if kernel is None:
         return 0
     packed = sum(
         module.pack(kernel) for module in model.modules() if isinstance(module, FusedMoeExperts)

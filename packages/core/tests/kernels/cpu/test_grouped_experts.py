@@ -1,13 +1,22 @@
-"""The grouped AVX2 expert kernel: one call per projection for every active expert, against
-float64, and the MoE block on it against the per-expert torch path; offsets it cannot
-trust are refused. Absent (skipped) where the AVX2 kernel does not serve float32.
+"""The grouped expert kernels (AVX2 float32, AVX-512 float32, AVX512-BF16): one call per
+projection for every active expert, against float64, and the MoE block on them against the
+per-expert torch path (float32) or float64 (bfloat16); offsets they cannot trust are
+refused. Each is skipped where this CPU or ISA level does not serve its dtype with it.
 
 Tolerance, per element: a float32 dot product over K terms is within gamma_K times the sum
 of |a_k b_k| of exact (Higham, sec. 3.1) in any order. Through the block: the gate/up
 outputs within g1 = gamma_H (|x| @ |w13|^T); SiLU(g) u moves by at most 1.1 |u| dg +
 |silu(g)| du (|silu'| <= 1.1) plus its own roundings (8 u32, relative); the down projection
 adds gamma_I (|h| @ |w2|^T) and carries |dh| @ |w2|^T; the routing weights and the sum
-over the k choices add two roundings of the result."""
+over the k choices add two roundings of the result.
+
+bfloat16 (unit roundoff u_b = 2^-8): the products of two bfloat16 numbers are exact in
+float32 and summed in float32 (gamma_K of float32, as above), then rounded to bfloat16 once:
+|out - exact| <= u_b |exact| + (1 + u_b) gamma_K sum |a_k b_k|. Through the block, each
+bfloat16 rounding is one more u_b of its value: gate/up (one), the activation (up to two:
+SiLU, then the product), the down projection (one), the routing weight's product (one) and
+the sum over the choices (one, of the sum); second-order terms (u_b^2 relative) are covered
+by a factor (1 + 8 u_b) on the whole bound."""
 
 from __future__ import annotations
 
@@ -16,50 +25,71 @@ import torch
 import torch.nn.functional as F
 
 from tandem.collectives import SingleRankGroup
+from tandem.core.kernels.cpu import startup
 from tandem.core.kernels.cpu.avx2_linear import Avx2Linear, pack_experts
+from tandem.core.kernels.cpu.avx512_linear import Avx512Linear, avx512_linear
+from tandem.core.kernels.cpu.packed_experts import GroupedExpertKernel
 from tandem.core.kernels.cpu.packed_linear import native_kernel, packing_enabled
 from tandem.core.kernels.reference.fused_moe import fused_moe
 from tandem.core.layers.fused_moe import FusedMoeExperts, pack_expert_weights
 
 U = 2.0**-24
+U_BF16 = 2.0**-8
 CPU = torch.device("cpu")
+KERNELS = ["avx2-float32", "avx512-float32", "avx512-bfloat16"]
 
 
 def _gamma(k: int) -> float:
     return k * U / (1 - k * U)
 
 
-def _kernel() -> Avx2Linear:
-    kernel = native_kernel(torch.float32) if packing_enabled(torch.float32) else None
-    if not isinstance(kernel, Avx2Linear):
+def _kernel(which: str = "avx2-float32") -> GroupedExpertKernel:
+    """The grouped kernel ``which`` names, where the engine would pack experts for it."""
+    isa, dtype_name = which.split("-")
+    dtype = getattr(torch, dtype_name)
+    kernel = native_kernel(dtype) if packing_enabled(dtype) else None
+    if isa == "avx2" and not isinstance(kernel, Avx2Linear):
         pytest.skip("the AVX2 kernel does not serve float32 on this CPU or ISA level")
+    if isa == "avx512":
+        kernels = avx512_linear()
+        chosen: Avx512Linear | None = None if kernels is None else getattr(kernels, dtype_name)
+        if chosen is None or kernel is not chosen:
+            pytest.skip(f"the AVX-512 kernel does not serve {dtype_name} on this CPU or ISA level")
+        return chosen
+    assert isinstance(kernel, Avx2Linear)
     return kernel
 
 
+@pytest.mark.parametrize("which", KERNELS)
 @pytest.mark.parametrize("rows_per_expert", [[0, 3, 0, 11, 1, 0, 6, 48], [700, 0, 5, 0]])
-def test_one_call_multiplies_each_experts_rows_by_its_weight(rows_per_expert: list[int]) -> None:
-    kernel = _kernel()
+def test_one_call_multiplies_each_experts_rows_by_its_weight(
+    rows_per_expert: list[int], which: str
+) -> None:
+    kernel = _kernel(which)
     experts, n, k = len(rows_per_expert), 192, 300
     g = torch.Generator().manual_seed(len(rows_per_expert))
-    weight = torch.randn(experts, n, k, generator=g) * 0.05
-    packed = pack_experts(weight)
+    weight = (torch.randn(experts, n, k, generator=g) * 0.05).to(kernel.dtype)
+    packed = kernel.pack_experts(weight)
     assert packed is not None and packed.panel in (16, 64)
     offsets = torch.tensor([0, *torch.tensor(rows_per_expert).cumsum(0).tolist()])
-    x = torch.randn(int(offsets[-1]), k, generator=g)
+    x = torch.randn(int(offsets[-1]), k, generator=g).to(kernel.dtype)
     got = kernel.grouped_matmul(x, packed, offsets)
+    rounding = U_BF16 if kernel.dtype is torch.bfloat16 else 0.0
     for e in range(experts):
         lo, hi = int(offsets[e]), int(offsets[e + 1])
         rows = x[lo:hi].double()
         exact = rows @ weight[e].double().T
-        bound = _gamma(k) * (rows.abs() @ weight[e].double().abs().T)
+        sums = (1 + rounding) * _gamma(k) * (rows.abs() @ weight[e].double().abs().T)
+        bound = rounding * exact.abs() + sums
         assert bool(((got[lo:hi].double() - exact).abs() <= bound).all()), e
 
 
-def test_offsets_it_cannot_trust_are_refused() -> None:
-    kernel = _kernel()
-    packed = pack_experts(torch.randn(2, 64, 32))
+@pytest.mark.parametrize("which", KERNELS)
+def test_offsets_it_cannot_trust_are_refused(which: str) -> None:
+    kernel = _kernel(which)
+    packed = kernel.pack_experts(torch.randn(2, 64, 32).to(kernel.dtype))
     assert packed is not None
-    x = torch.randn(5, 32)
+    x = torch.randn(5, 32).to(kernel.dtype)
     for bad in ([0, 4, 6], [0, 3, 2], [-1, 2, 5]):  # past x, backwards, before x
         with pytest.raises(ValueError, match="refused"):
             kernel.grouped_matmul(x, packed, torch.tensor(bad))
@@ -67,8 +97,9 @@ def test_offsets_it_cannot_trust_are_refused() -> None:
         kernel.grouped_matmul(x, packed, torch.tensor([0, 5]))
 
 
-def test_the_block_on_the_grouped_kernel_matches_the_per_expert_path() -> None:
-    kernel = _kernel()
+@pytest.mark.parametrize("which", ["avx2-float32", "avx512-float32"])
+def test_the_block_on_the_grouped_kernel_matches_the_per_expert_path(which: str) -> None:
+    kernel = _kernel(which)
     hidden, experts, inter, top_k, tokens = 128, 8, 96, 2, 61
     g = torch.Generator().manual_seed(3)
     block = FusedMoeExperts(experts, hidden, inter, "silu", SingleRankGroup())
@@ -102,9 +133,61 @@ def test_the_block_on_the_grouped_kernel_matches_the_per_expert_path() -> None:
     assert bool(((got.double() - want.double()).abs() <= bound + 1e-12).all())
 
 
+def test_the_block_on_the_bfloat16_kernel_is_within_bfloat16_roundings_of_float64() -> None:
+    kernel = _kernel("avx512-bfloat16")
+    hidden, experts, inter, top_k, tokens = 128, 8, 96, 2, 61
+    g = torch.Generator().manual_seed(5)
+    block = FusedMoeExperts(experts, hidden, inter, "silu", SingleRankGroup())
+    block.w13.data = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1).bfloat16()
+    block.w2.data = (torch.randn(experts, hidden, inter, generator=g) * 0.1).bfloat16()
+    w13d, w2d = block.w13.data.double(), block.w2.data.double()
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    logits = torch.randn(tokens, experts, generator=g)
+    weights, ids = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)
+    weights = weights.bfloat16()
+
+    assert pack_expert_weights(block, CPU, torch.bfloat16) == 1
+    assert block._grouped is not None and block._grouped[0] is kernel
+    got = block(x, weights, ids)
+    assert got.dtype is torch.bfloat16
+
+    u, xe = U_BF16, x.double()
+    exact = torch.zeros(tokens, hidden, dtype=torch.float64)
+    bound = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for c in range(top_k):
+            e, w = int(ids[t, c]), float(weights[t, c])
+            gu = w13d[e] @ xe[t]
+            d_gu = u * gu.abs() + 2 * _gamma(hidden) * (w13d[e].abs() @ xe[t].abs())
+            gate, up = gu[:inter], gu[inter:]
+            h = F.silu(gate) * up
+            d_h = 1.1 * up.abs() * d_gu[:inter] + F.silu(gate).abs() * d_gu[inter:]
+            d_h = d_h + 2 * u * h.abs()
+            y = w2d[e] @ h
+            d_y = u * y.abs() + 2 * _gamma(inter) * (w2d[e].abs() @ h.abs()) + w2d[e].abs() @ d_h
+            exact[t] += w * y
+            bound[t] += w * (d_y + u * y.abs())
+    bound = (1 + 8 * u) * (bound + u * exact.abs())
+    assert bool(((got.double() - exact).abs() <= bound).all())
+
+
 def test_other_dtypes_and_shapes_stay_on_the_torch_path() -> None:
     assert pack_experts(torch.randn(2, 40, 32)) is None  # N off the 16-column panels
     assert pack_experts(torch.randn(2, 64, 32).bfloat16()) is None
+    kernels = avx512_linear()
+    if kernels is not None:
+        assert kernels.float32.pack_experts(torch.randn(2, 40, 32)) is None  # off 64 columns
+        assert kernels.float32.pack_experts(torch.randn(2, 64, 32).bfloat16()) is None
+        if kernels.bfloat16 is not None:
+            assert kernels.bfloat16.pack_experts(torch.randn(2, 64, 33).bfloat16()) is None
     block = FusedMoeExperts(4, 32, 16, "silu", SingleRankGroup())
-    assert pack_expert_weights(block, CPU, torch.bfloat16) == 0
+    assert pack_expert_weights(block, CPU, torch.float16) == 0
     assert block._grouped is None
+
+
+@pytest.mark.parametrize("which", KERNELS)
+def test_the_kernel_report_names_the_grouped_kernel_for_the_experts(which: str) -> None:
+    kernel = _kernel(which)
+    role = f"MoE experts {which.split('-')[1]}"
+    row = next(c for c in startup.build_report().choices if c.role == role)
+    assert row.kernel == f"grouped {kernel.name} kernel"

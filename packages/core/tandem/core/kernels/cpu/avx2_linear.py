@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +28,12 @@ from tandem.core.kernels.cpu.native_linear import (
     AdoptedWeight,
     PackedWeightKernel,
     load_kernel_library,
+)
+from tandem.core.kernels.cpu.packed_experts import (
+    PackedExperts,
+    bind_grouped,
+    grouped_call,
+    pack_panels,
 )
 from tandem.core.kernels.process_once import ProcessOnce
 
@@ -64,9 +69,7 @@ class Avx2Linear(PackedWeightKernel):
         self.max_rows = max_rows
         self._lib = lib
         self.bind(lib.tandem_avx2_linear_f32, limits=(max_rows, panel))
-        self._grouped = lib.tandem_avx2_grouped_linear_f32
-        self._grouped.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_int32] * 2
-        self._grouped.restype = ctypes.c_int
+        self._grouped = bind_grouped(lib.tandem_avx2_grouped_linear_f32, limits=1)
         self._others = (
             [Avx2Linear(lib, p, max_rows) for p in PANELS if p != panel]
             if panel == PANELS[0]
@@ -85,27 +88,17 @@ class Avx2Linear(PackedWeightKernel):
     def packed_bytes(self, out_features: int, in_features: int) -> int:
         return out_features * (-(-in_features // K_PAD) * K_PAD) * 4
 
+    def pack_experts(self, weight: torch.Tensor) -> PackedExperts | None:
+        return pack_experts(weight)
+
     def grouped_matmul(
         self, x: torch.Tensor, experts: PackedExperts, offsets: torch.Tensor
     ) -> torch.Tensor:
         """Rows ``offsets[e]`` to ``offsets[e + 1]`` of ``x`` [M, K] (sorted by expert) times
         expert ``e``'s weight, every expert in one call -> [M, N]. ``offsets``: int64
         [E + 1], read by the kernel where it lies (no host sync)."""
-        if x.stride(1) != 1 or x.shape[1] != experts.in_features or x.dtype is not self.dtype:
-            raise ValueError("the grouped kernel takes float32 rows of in_features, contiguous")
-        if offsets.dtype is not torch.int64 or not offsets.is_contiguous():
-            raise ValueError("expert offsets must be a contiguous int64 tensor")
-        if offsets.shape != (experts.experts + 1,):
-            raise ValueError(f"expert offsets must have {experts.experts + 1} entries")
-        out = torch.empty(x.shape[0], experts.out_features, dtype=self.dtype)
-        code = self._grouped(
-            out.data_ptr(), x.data_ptr(), experts.packed.data_ptr(), offsets.data_ptr(),
-            experts.experts, x.shape[0], experts.out_features, experts.in_features,
-            x.stride(0), out.stride(0), experts.panel, torch.get_num_threads(),
-        )  # fmt: skip
-        if code != 0:
-            raise ValueError(f"the grouped {self.name} kernel refused its arguments ({code})")
-        return out
+        return grouped_call(self._grouped, self.name, self.dtype, x, experts, offsets,
+                            experts.panel)  # fmt: skip
 
     def adopt(
         self, packed: torch.Tensor, out_features: int, in_features: int
@@ -118,29 +111,13 @@ class Avx2Linear(PackedWeightKernel):
         return adopted
 
 
-@dataclass(frozen=True)
-class PackedExperts:
-    """Stacked expert weights [E, N, K] in the grouped kernel's layout: each expert as
-    [N / panel][Kp][panel] (K rounded up to 16 with zero rows), one after another."""
-
-    packed: torch.Tensor
-    experts: int
-    out_features: int
-    in_features: int
-    panel: int
-
-
 def pack_experts(weight: torch.Tensor) -> PackedExperts | None:
     """``weight`` [E, N, K] float32 packed for ``Avx2Linear.grouped_matmul``; None for an N
     off the 16-column panels (those experts stay on the torch path)."""
-    experts, out_features, in_features = weight.shape
-    panel = next((p for p in PANELS if out_features % p == 0), None)
+    panel = next((p for p in PANELS if weight.shape[1] % p == 0), None)
     if panel is None or weight.dtype is not torch.float32:
         return None
-    padded = -(-in_features // K_PAD) * K_PAD
-    w = torch.nn.functional.pad(weight.detach(), (0, padded - in_features))
-    packed = w.view(experts, out_features // panel, panel, padded).permute(0, 1, 3, 2).contiguous()
-    return PackedExperts(packed, experts, out_features, in_features, panel)
+    return pack_panels(weight, panel)
 
 
 def load_avx2_linear(

@@ -1,5 +1,7 @@
 """float32 and bfloat16 linear layers on AVX-512 FMAs and AVX512-BF16 dot products
-(``csrc/avx512_linear.cpp``), for CPUs without AMX, at every batch size the engine runs.
+(``csrc/avx512_linear.cpp``), for CPUs without AMX, at every batch size the engine runs;
+and the routed experts of MoE models, each projection one grouped call for every active
+expert (``packed_experts.py``).
 
 On a 2-core AVX-512 host (AMD Zen 5) oneDNN's kernels leave the FMA units idle part of the
 time at decode sizes: each weight panel comes from memory in one burst and is then computed
@@ -30,6 +32,12 @@ import torch
 
 from tandem.core.kernels.cpu.native_build import CSRC, IsaLevel
 from tandem.core.kernels.cpu.native_linear import PackedWeightKernel, load_kernel_library
+from tandem.core.kernels.cpu.packed_experts import (
+    PackedExperts,
+    bind_grouped,
+    grouped_call,
+    pack_panels,
+)
 from tandem.core.kernels.process_once import ProcessOnce
 
 logger = logging.getLogger(__name__)
@@ -58,8 +66,9 @@ class Avx512Linear(PackedWeightKernel):
         self.dtype = dtype
         float32 = dtype is torch.float32
         self.name = "AVX-512 float32" if float32 else "AVX512-BF16"
-        symbol = "tandem_avx512_linear_f32" if float32 else "tandem_avx512_linear_bf16"
-        self.bind(getattr(lib, symbol), limits=(MAX_ROWS,))
+        suffix = "f32" if float32 else "bf16"
+        self.bind(getattr(lib, f"tandem_avx512_linear_{suffix}"), limits=(MAX_ROWS,))
+        self._grouped = bind_grouped(getattr(lib, f"tandem_avx512_grouped_linear_{suffix}"), 0)
         # Summed in another order, each output differs by float32 roundings (~1e-6), or by
         # a bfloat16 rounding or two.
         self.tolerance = 1e-4 if float32 else 2e-2
@@ -75,6 +84,24 @@ class Avx512Linear(PackedWeightKernel):
         if self.dtype is torch.bfloat16:
             return out_features * in_features * 2
         return out_features * (-(-in_features // K_PAD) * K_PAD) * 4
+
+    def pack_experts(self, weight: torch.Tensor) -> PackedExperts | None:
+        """``weight`` [E, N, K] of this kernel's dtype in its grouped layout
+        (``packed_experts``); None where N is off the 64-column panels or a bfloat16 K is
+        odd."""
+        _, out_features, in_features = weight.shape
+        if weight.dtype is not self.dtype or out_features % PANEL != 0:
+            return None
+        if self.dtype is torch.bfloat16 and in_features % 2 != 0:
+            return None
+        return pack_panels(weight, PANEL)
+
+    def grouped_matmul(
+        self, x: torch.Tensor, experts: PackedExperts, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows ``offsets[e]`` to ``offsets[e + 1]`` of ``x`` [M, K] (sorted by expert) times
+        expert ``e``'s weight, every expert in one call -> [M, N] (no host sync)."""
+        return grouped_call(self._grouped, self.name, self.dtype, x, experts, offsets)
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,33 @@
-"""The routed experts on the AVX2 kernel: each projection one grouped call over every active
-expert (``Avx2Linear.grouped_matmul``). The per-expert offsets stay a tensor the kernel
-reads, so routing needs no host sync, and the (expert, panel) pairs are the work the cores
-share, where per-expert GEMMs of a dozen decode rows each left them mostly waiting on
-dispatch."""
+"""The routed experts on a grouped CPU kernel (AVX2 float32, AVX-512 float32, AVX512-BF16):
+each projection one grouped call over every active expert (``packed_experts.py``). The
+per-expert offsets stay a tensor the kernel reads, so routing needs no host sync, and the
+(expert, panel) pairs are the work the cores share, where per-expert GEMMs of a dozen decode
+rows each left them mostly waiting on dispatch."""
 
 from __future__ import annotations
 
 import torch
 
-from tandem.core.kernels.cpu.avx2_linear import Avx2Linear, PackedExperts
+from tandem.core.kernels.cpu.avx2_linear import Avx2Linear
+from tandem.core.kernels.cpu.avx512_linear import Avx512Linear
+from tandem.core.kernels.cpu.packed_experts import GroupedExpertKernel, PackedExperts
+from tandem.core.kernels.cpu.packed_linear import native_kernel, packing_enabled
 from tandem.core.kernels.handle import KernelHandle
+
+
+def grouped_expert_kernel(dtype: torch.dtype) -> GroupedExpertKernel | None:
+    """The grouped kernel of the one that serves dense layers of ``dtype`` on this CPU (AVX2
+    float32, AVX-512 float32, AVX512-BF16), or None: the AMX kernel's CPUs keep bfloat16
+    experts on oneDNN, a GEMM per active expert (not measured there against this one)."""
+    if not packing_enabled(dtype):
+        return None
+    kernel = native_kernel(dtype)
+    return kernel if isinstance(kernel, Avx2Linear | Avx512Linear) else None
 
 
 def grouped_fused_moe(
     x: torch.Tensor,
-    kernel: Avx2Linear,
+    kernel: GroupedExpertKernel,
     w13: PackedExperts,
     w2: PackedExperts,
     topk_weights: torch.Tensor,

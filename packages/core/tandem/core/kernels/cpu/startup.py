@@ -28,6 +28,7 @@ from tandem.core.kernels.cpu.amx_linear import amx_linear
 from tandem.core.kernels.cpu.avx2_linear import avx2_linear
 from tandem.core.kernels.cpu.avx512_linear import avx512_linear
 from tandem.core.kernels.cpu.elementwise import native_elementwise
+from tandem.core.kernels.cpu.grouped_moe import grouped_expert_kernel
 from tandem.core.kernels.cpu.int4_linear import DECODE_ROWS, native_int4_linear
 from tandem.core.kernels.cpu.int8_gemm import native_int8
 from tandem.core.kernels.cpu.native_build import (
@@ -145,6 +146,16 @@ def _linear_choice(dtype: torch.dtype) -> KernelChoice:
     )
 
 
+def _experts_choice(dtype: torch.dtype) -> KernelChoice:
+    role = f"MoE experts {str(dtype).removeprefix('torch.')}"
+    kernel = grouped_expert_kernel(dtype)
+    if kernel is None:
+        why = "no grouped kernel for this dtype and CPU (AMX CPUs' bfloat16: oneDNN per expert)"
+        return KernelChoice(role, "torch, a GEMM per active expert", why)
+    why = "every active expert in one call per projection, weights packed at load"
+    return KernelChoice(role, f"grouped {kernel.name} kernel", why)
+
+
 def _int8_choice() -> KernelChoice:
     role = "linear int8 (W8A8)"
     kernels = native_int8()
@@ -186,6 +197,8 @@ def build_report() -> CpuKernelReport:
     choices = [
         _linear_choice(torch.float32),
         _linear_choice(torch.bfloat16),
+        _experts_choice(torch.float32),
+        _experts_choice(torch.bfloat16),
         _int8_choice(),
         _library_choice(
             "decode attention",

@@ -34,6 +34,7 @@
 
 #include <omp.h>
 
+#include "expert_items.h"
 #include "vec_math.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -185,21 +186,11 @@ int grouped(float* out, const float* x, const float* w, const int64_t* offsets,
   if (experts < 1 || N <= 0 || (panel != 16 && panel != 64) || N % panel != 0 || K < 1) {
     return 1;
   }
-  // Rows in order and within x: a bad offsets tensor is refused, never read past.
-  if (offsets[0] < 0 || offsets[experts] > M) return 1;
-  for (int64_t e = 0; e < experts; ++e) {
-    if (offsets[e + 1] < offsets[e]) return 1;
-  }
   const int64_t panels = N / panel;
   const int64_t panel_floats = (K + kPad - 1) / kPad * kPad * panel;
   const int64_t expert_floats = panels * panel_floats;
-  std::vector<int64_t> items;  // expert * panels + panel, for experts with rows
-  items.reserve(experts * panels);
-  for (int64_t e = 0; e < experts; ++e) {
-    if (offsets[e + 1] > offsets[e]) {
-      for (int64_t p = 0; p < panels; ++p) items.push_back(e * panels + p);
-    }
-  }
+  std::vector<int64_t> items;
+  if (!tandem::expert_items(offsets, experts, M, panels, items)) return 1;
   const int64_t count = static_cast<int64_t>(items.size());
   const int threads =
       static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, count)));

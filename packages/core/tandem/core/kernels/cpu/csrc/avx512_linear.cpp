@@ -38,6 +38,8 @@
 
 #include <omp.h>
 
+#include "expert_items.h"
+
 #if defined(__AVX512F__)
 
 namespace {
@@ -222,6 +224,56 @@ int linear(typename Kind::Elem* out, const typename Kind::Elem* x, const void* w
   return 0;
 }
 
+// Expert e's rows [offsets[e], offsets[e + 1]) of x times expert e's weight, for every
+// expert at once, each weight packed as above and the experts one after another: the
+// (expert, panel) pairs with rows are the work items the threads share, so a decode step's
+// dozen rows per expert still keep every core busy, with one call per projection.
+template <class Kind>
+int grouped(typename Kind::Elem* out, const typename Kind::Elem* x, const void* w,
+            const int64_t* offsets, int64_t experts, int64_t M, int64_t N, int64_t K,
+            int64_t ldx, int64_t ldo, int32_t num_threads) {
+  if (experts < 1 || N <= 0 || N % kPanel != 0 || K < 1 || K % Kind::kPerStep != 0) return 1;
+  const int64_t panels = N / kPanel;
+  const int64_t steps = K / Kind::kPerStep;
+  const int64_t panel_bytes = (K + Kind::kPad - 1) / Kind::kPad * Kind::kPad / Kind::kPerStep *
+                              kStepBytes;
+  std::vector<int64_t> items;
+  if (!tandem::expert_items(offsets, experts, M, panels, items)) return 1;
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int threads =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, count)));
+  const char* wb = static_cast<const char*>(w);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t e = items[i] / panels;
+    const int64_t p = items[i] % panels;
+    const char* wp = wb + items[i] * panel_bytes;
+    const char* panel_end = wp + panel_bytes;
+    thread_local std::vector<float> scratch;
+    for (int64_t g0 = offsets[e]; g0 < offsets[e + 1]; g0 += kGroupRows) {
+      const int64_t gm = std::min(kGroupRows, offsets[e + 1] - g0);
+      const int64_t blocks = (gm + kRows - 1) / kRows;
+      Prefetch fetch{wp, panel_end, static_cast<int>((4 + blocks - 1) / blocks)};
+      typename Kind::Elem* op = out + g0 * ldo + p * kPanel;
+      float* sums = reinterpret_cast<float*>(op);
+      int64_t lds = ldo;
+      if constexpr (!std::is_same_v<Kind, Float32>) {
+        scratch.resize(kGroupRows * kPanel);
+        sums = scratch.data();
+        lds = kPanel;
+      }
+      for (int64_t s0 = 0; s0 < steps; s0 += kChunk) {
+        const int64_t n = std::min(kChunk, steps - s0);
+        const char* wc = wp + s0 * kStepBytes;
+        fetch.next = std::max(fetch.next, wc + n * kStepBytes);
+        chunk<Kind>(s0 == 0, s0 + n == steps, gm, sums, lds, op, ldo,
+                    x + g0 * ldx + s0 * Kind::kPerStep, ldx, wc, n, fetch);
+      }
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -254,6 +306,27 @@ int tandem_avx512_linear_bf16(uint16_t* out, const uint16_t* x, const void* w, i
 #endif
 }
 
+// Grouped experts: out rows [offsets[e], offsets[e + 1]) = x rows of the same range times
+// expert e's weight [N, K], the experts' weights packed one after another, each as above;
+// x has M rows. Returns 0, or 1 for arguments it does not take.
+int tandem_avx512_grouped_linear_f32(float* out, const float* x, const void* w,
+                                     const int64_t* offsets, int64_t experts, int64_t M,
+                                     int64_t N, int64_t K, int64_t ldx, int64_t ldo,
+                                     int32_t num_threads) {
+  return grouped<Float32>(out, x, w, offsets, experts, M, N, K, ldx, ldo, num_threads);
+}
+
+int tandem_avx512_grouped_linear_bf16(uint16_t* out, const uint16_t* x, const void* w,
+                                      const int64_t* offsets, int64_t experts, int64_t M,
+                                      int64_t N, int64_t K, int64_t ldx, int64_t ldo,
+                                      int32_t num_threads) {
+#if defined(__AVX512BF16__)
+  return grouped<BFloat16>(out, x, w, offsets, experts, M, N, K, ldx, ldo, num_threads);
+#else
+  return 1;
+#endif
+}
+
 }  // extern "C"
 
 #else  // no AVX-512 in this build's target
@@ -266,6 +339,16 @@ int tandem_avx512_linear_f32(float*, const float*, const void*, int64_t, int64_t
 }
 int tandem_avx512_linear_bf16(uint16_t*, const uint16_t*, const void*, int64_t, int64_t,
                               int64_t, int64_t, int64_t, int32_t, int32_t) {
+  return 1;
+}
+int tandem_avx512_grouped_linear_f32(float*, const float*, const void*, const int64_t*,
+                                     int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                     int32_t) {
+  return 1;
+}
+int tandem_avx512_grouped_linear_bf16(uint16_t*, const uint16_t*, const void*,
+                                      const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                                      int64_t, int64_t, int32_t) {
   return 1;
 }
 }  // extern "C"

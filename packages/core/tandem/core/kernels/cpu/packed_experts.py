@@ -1,0 +1,99 @@
+"""Routed experts' stacked weights in the layout of a grouped CPU kernel, and the call every
+such kernel shares: expert e's rows of x (sorted by expert, ``offsets[e]`` to
+``offsets[e + 1]``) times expert e's weight, every expert in one call. The offsets stay a
+tensor the kernel reads where it lies, so routing needs no host sync.
+
+Layouts, per expert, one after another (the dense kernels' packed panels):
+  float32:  [N / panel][Kp][panel], Kp = K rounded up to 16 with zero rows;
+  bfloat16: [N / 64][K / 2][64][2], the pairs AVX512-BF16's VDPBF16PS multiplies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+# float32 panels are padded to a multiple of this many K rows.
+K_PAD = 16
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """Stacked expert weights [E, N, K] in a grouped kernel's layout (module docstring)."""
+
+    packed: torch.Tensor
+    experts: int
+    out_features: int
+    in_features: int
+    panel: int
+
+
+class GroupedExpertKernel(Protocol):
+    name: str
+    dtype: torch.dtype
+
+    def pack_experts(self, weight: torch.Tensor) -> PackedExperts | None:
+        """``weight`` [E, N, K] in this kernel's layout; None for a shape or dtype it does
+        not take (those experts stay on the torch path)."""
+
+    def grouped_matmul(
+        self, x: torch.Tensor, experts: PackedExperts, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows ``offsets[e]`` to ``offsets[e + 1]`` of ``x`` [M, K] times expert ``e``'s
+        weight, every expert in one call -> [M, N]."""
+
+
+def pack_panels(weight: torch.Tensor, panel: int) -> PackedExperts:
+    """``weight`` [E, N, K] (N a multiple of ``panel``) in the module docstring's layout for
+    its dtype (bfloat16: ``panel`` 64, K even)."""
+    experts, out_features, in_features = weight.shape
+    w = weight.detach()
+    if w.dtype is torch.bfloat16:
+        pairs = w.view(experts, out_features // panel, panel, in_features // 2, 2)
+        packed = pairs.permute(0, 1, 3, 2, 4).contiguous()
+    else:
+        padded = -(-in_features // K_PAD) * K_PAD
+        w = torch.nn.functional.pad(w, (0, padded - in_features))
+        packed = w.view(experts, out_features // panel, panel, padded).permute(0, 1, 3, 2)
+        packed = packed.contiguous()
+    return PackedExperts(packed, experts, out_features, in_features, panel)
+
+
+def grouped_call(
+    function: ctypes._NamedFuncPointer,
+    name: str,
+    dtype: torch.dtype,
+    x: torch.Tensor,
+    experts: PackedExperts,
+    offsets: torch.Tensor,
+    *limits: int,
+) -> torch.Tensor:
+    """Runs a grouped kernel's C entry point (out, x, w, offsets, E, M, N, K, ldx, ldo,
+    *limits, num_threads) -> int after checking what it cannot check itself."""
+    if x.stride(1) != 1 or x.shape[1] != experts.in_features or x.dtype is not dtype:
+        raise ValueError(f"the grouped kernel takes {dtype} rows of in_features, contiguous")
+    if offsets.dtype is not torch.int64 or not offsets.is_contiguous():
+        raise ValueError("expert offsets must be a contiguous int64 tensor")
+    if offsets.shape != (experts.experts + 1,):
+        raise ValueError(f"expert offsets must have {experts.experts + 1} entries")
+    out = torch.empty(x.shape[0], experts.out_features, dtype=dtype)
+    code = function(
+        out.data_ptr(), x.data_ptr(), experts.packed.data_ptr(), offsets.data_ptr(),
+        experts.experts, x.shape[0], experts.out_features, experts.in_features,
+        x.stride(0), out.stride(0), *limits, torch.get_num_threads(),
+    )  # fmt: skip
+    if code != 0:
+        raise ValueError(f"the grouped {name} kernel refused its arguments ({code})")
+    return out
+
+
+def bind_grouped(function: ctypes._NamedFuncPointer, limits: int) -> ctypes._NamedFuncPointer:
+    """``function``'s C signature: four pointers, six int64, ``limits`` + 1 int32."""
+    function.argtypes = (
+        [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_int32] * (limits + 1)
+    )
+    function.restype = ctypes.c_int
+    return function
