@@ -16,6 +16,7 @@ import torch
 
 from tandem.core.kernels.cpu import attention_groups as cpu_attention
 from tandem.core.kernels.cpu.elementwise import native_elementwise_kernel
+from tandem.core.kernels.cpu.gated_delta_rule import native_recurrent_gated_delta_rule
 from tandem.core.kernels.cpu.int4_linear import native_int4_kernel
 from tandem.core.kernels.cpu.int8_gemm import native_int8_kernel
 from tandem.core.kernels.cpu.paged_attention import native_paged_attention
@@ -145,9 +146,14 @@ def chunk_gated_delta_rule() -> KernelHandle[torch.Tensor]:
 
 
 def recurrent_gated_delta_rule() -> KernelHandle[torch.Tensor]:
+    """One decode step of Gated DeltaNet; on CPU the fused native kernel, each state read
+    and written once in place."""
     triton = triton_kernel("gated_delta_rule", "recurrent_gated_delta_rule")
     return KernelHandle(
-        "recurrent_gated_delta_rule", delta_ref.recurrent_gated_delta_rule, triton=triton
+        "recurrent_gated_delta_rule",
+        delta_ref.recurrent_gated_delta_rule,
+        native_recurrent_gated_delta_rule,
+        triton=triton,
     )
 
 

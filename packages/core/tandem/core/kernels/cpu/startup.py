@@ -28,6 +28,7 @@ from tandem.core.kernels.cpu.amx_linear import amx_linear
 from tandem.core.kernels.cpu.avx2_linear import avx2_linear
 from tandem.core.kernels.cpu.avx512_linear import avx512_linear
 from tandem.core.kernels.cpu.elementwise import native_elementwise
+from tandem.core.kernels.cpu.gated_delta_rule import native_gated_delta_rule
 from tandem.core.kernels.cpu.grouped_moe import grouped_expert_kernel
 from tandem.core.kernels.cpu.int4_linear import DECODE_ROWS, native_int4_linear
 from tandem.core.kernels.cpu.int8_gemm import native_int8
@@ -54,6 +55,7 @@ _LIBRARIES: tuple[tuple[str, Callable[[], Any]], ...] = (
     ("decode attention", native_paged_attention),
     ("prefill attention", native_prefill_attention),
     ("int4 linear", native_int4_linear),
+    ("gated delta rule", native_gated_delta_rule),
 )
 _FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 
@@ -208,6 +210,12 @@ def build_report() -> CpuKernelReport:
         ),
         _library_choice("prefill attention", native_prefill_attention(), "torch SDPA", no_library),
         _library_choice("norms, rotary, SiLU", native_elementwise(), "torch, op by op", no_library),
+        _library_choice(
+            "linear-attention decode",
+            native_gated_delta_rule(),
+            "torch reference (five passes over the gathered states)",
+            no_library,
+        ),
         _int4_choice(no_library),
     ]
     return CpuKernelReport(
