@@ -24,6 +24,22 @@ R = TypeVar("R")
 KernelFn = Callable[..., torch.Tensor]
 # A device family's kernel for a dtype; None where the family has none for it.
 NativeChoice = Callable[[torch.dtype], Callable[..., R] | None]
+
+
+def library_choice(library: Callable[[], Any], name: str) -> NativeChoice[Any]:
+    """The kernel ``name`` of a native CPU library (``library()``: the loaded library, or
+    None where it cannot be had) for each dtype its ``handles`` accepts."""
+
+    def choose(dtype: torch.dtype) -> Callable[..., Any] | None:
+        kernels = library()
+        if kernels is None or not kernels.handles(dtype):
+            return None
+        fn: Callable[..., Any] = getattr(kernels, name)
+        return fn
+
+    return choose
+
+
 # The kernel families, by the names runtimes list in ``kernel_families``.
 CPU, TORCH_NPU, TRITON = "cpu", "torch_npu", "triton"
 

@@ -16,9 +16,9 @@ import torch
 
 from tandem.core.kernels.cpu import attention_groups as cpu_attention
 from tandem.core.kernels.cpu.elementwise import native_elementwise_kernel
-from tandem.core.kernels.cpu.gated_delta_rule import native_recurrent_gated_delta_rule
 from tandem.core.kernels.cpu.int4_linear import native_int4_kernel
 from tandem.core.kernels.cpu.int8_gemm import native_int8_kernel
+from tandem.core.kernels.cpu.linear_attention import native_linear_attention_kernel
 from tandem.core.kernels.cpu.paged_attention import native_paged_attention
 from tandem.core.kernels.cpu.prefill_attention import native_prefill_attention
 from tandem.core.kernels.handle import KernelHandle
@@ -136,8 +136,12 @@ def causal_conv1d_prefill() -> KernelHandle[torch.Tensor]:
 
 
 def causal_conv1d_update() -> KernelHandle[torch.Tensor]:
+    """The conv's decode step; on CPU the native kernel, each state shifted in place."""
     triton = triton_kernel("causal_conv1d", "causal_conv1d_update")
-    return KernelHandle("causal_conv1d_update", conv_ref.causal_conv1d_update, triton=triton)
+    native = native_linear_attention_kernel("conv_update")
+    return KernelHandle(
+        "causal_conv1d_update", conv_ref.causal_conv1d_update, native, triton=triton
+    )
 
 
 def chunk_gated_delta_rule() -> KernelHandle[torch.Tensor]:
@@ -152,7 +156,7 @@ def recurrent_gated_delta_rule() -> KernelHandle[torch.Tensor]:
     return KernelHandle(
         "recurrent_gated_delta_rule",
         delta_ref.recurrent_gated_delta_rule,
-        native_recurrent_gated_delta_rule,
+        native_linear_attention_kernel("recurrent"),
         triton=triton,
     )
 

@@ -94,7 +94,10 @@ class Avx512Linear(PackedWeightKernel):
             return None
         if self.dtype is torch.bfloat16 and in_features % 2 != 0:
             return None
-        return pack_panels(weight, PANEL)
+        packed = pack_panels(weight, PANEL)
+        # The kernel loads each panel step with aligned loads (torch's CPU allocator gives
+        # 64-byte alignment; anything else stays on the torch path rather than fault).
+        return packed if packed.packed.data_ptr() % 64 == 0 else None
 
     def grouped_matmul(
         self, x: torch.Tensor, experts: PackedExperts, offsets: torch.Tensor

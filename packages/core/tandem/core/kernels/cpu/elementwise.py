@@ -9,7 +9,6 @@ import ctypes
 import logging
 import os
 import platform
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from tandem.core.kernels.cpu.native_build import (
     compiled_path,
     log_unbuilt,
 )
-from tandem.core.kernels.handle import NativeChoice
+from tandem.core.kernels.handle import NativeChoice, library_choice
 from tandem.core.kernels.process_once import ProcessOnce
 
 logger = logging.getLogger(__name__)
@@ -179,12 +178,4 @@ native_elementwise = ProcessOnce(load_native_elementwise)
 
 def native_elementwise_kernel(name: str) -> NativeChoice[Any]:
     """The fused CPU kernel ``name`` of this library for a dtype, where it is built."""
-
-    def choose(dtype: torch.dtype) -> Callable[..., Any] | None:
-        kernels = native_elementwise()
-        if kernels is None or not kernels.handles(dtype):
-            return None
-        fn: Callable[..., Any] = getattr(kernels, name)
-        return fn
-
-    return choose
+    return library_choice(native_elementwise, name)

@@ -28,10 +28,10 @@ from tandem.core.kernels.cpu.amx_linear import amx_linear
 from tandem.core.kernels.cpu.avx2_linear import avx2_linear
 from tandem.core.kernels.cpu.avx512_linear import avx512_linear
 from tandem.core.kernels.cpu.elementwise import native_elementwise
-from tandem.core.kernels.cpu.gated_delta_rule import native_gated_delta_rule
 from tandem.core.kernels.cpu.grouped_moe import grouped_expert_kernel
 from tandem.core.kernels.cpu.int4_linear import DECODE_ROWS, native_int4_linear
 from tandem.core.kernels.cpu.int8_gemm import native_int8
+from tandem.core.kernels.cpu.linear_attention import native_linear_attention
 from tandem.core.kernels.cpu.native_build import (
     find_cxx,
     kernel_cache_dir,
@@ -55,7 +55,7 @@ _LIBRARIES: tuple[tuple[str, Callable[[], Any]], ...] = (
     ("decode attention", native_paged_attention),
     ("prefill attention", native_prefill_attention),
     ("int4 linear", native_int4_linear),
-    ("gated delta rule", native_gated_delta_rule),
+    ("linear attention", native_linear_attention),
 )
 _FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 
@@ -212,8 +212,8 @@ def build_report() -> CpuKernelReport:
         _library_choice("norms, rotary, SiLU", native_elementwise(), "torch, op by op", no_library),
         _library_choice(
             "linear-attention decode",
-            native_gated_delta_rule(),
-            "torch reference (five passes over the gathered states)",
+            native_linear_attention(),
+            "torch reference (gathers and passes over the gathered states)",
             no_library,
         ),
         _int4_choice(no_library),

@@ -1,4 +1,6 @@
-"""The fused CPU decode step of the gated delta rule against the rule evaluated in float64:
+"""The fused CPU decode steps of Gated DeltaNet: the causal conv1d update against the conv in
+float64 and the torch reference, and the gated delta rule's step against the rule evaluated in
+float64:
 a decode batch with continued sequences, a fresh one on a slot of NaN and padding entries on
 the null slot 0, q/k/v read from strided views of one projection, two value heads per key
 head, the helpers' small heads and the bench model's 64 x 64 ones, float32 and bfloat16;
@@ -11,6 +13,12 @@ exact times the same expression evaluated on absolute values (Higham, ch. 3), wi
 + 16 for an output and 2 Dk + 16 for a state entry (u = 2^-24). The absolute expression:
 A_S = e^g |S| + |k| (|v| + |k|^T e^g |S|) beta, A_o = |q|^T A_S with q and k the normalised
 vectors. bfloat16 outputs are rounded once more, to nearest: one ulp of the output covers it.
+
+Conv update: K products of values exact in float32 summed in float32, within gamma_K of the
+exact sum times the sum of |products|; then rounded to the input dtype (float32: exact) before
+SiLU, whose slope is within [-0.1, 1.1]; SiLU's exp and division add a few u of the output,
+and the output's rounding one ulp of it (bfloat16): bound 1.1 (gamma_K S + ulp(y)) + 4 u |out|
++ ulp(out), y the conv's output, S the sum of |products|. States hold raw inputs: exact.
 """
 
 from __future__ import annotations
@@ -19,8 +27,9 @@ import pytest
 import torch
 
 from tandem.core.kernels import handles
-from tandem.core.kernels.cpu.gated_delta_rule import native_gated_delta_rule
+from tandem.core.kernels.cpu.linear_attention import native_linear_attention
 from tandem.core.kernels.linear_attention_metadata import LinearAttentionMetadata
+from tandem.core.kernels.reference.causal_conv1d import causal_conv1d_update
 from tandem.core.kernels.reference.gated_delta_rule import recurrent_gated_delta_rule
 
 from ..reference.test_linear_attention import _meta
@@ -71,9 +80,9 @@ def _ulp(x: torch.Tensor) -> torch.Tensor:
 def test_decode_step_is_within_rounding_of_the_rule_in_float64(
     dtype: torch.dtype, key_heads: int, value_heads: int, key_dim: int, value_dim: int
 ) -> None:
-    kernel = native_gated_delta_rule()
+    kernel = native_linear_attention()
     if kernel is None:
-        pytest.skip("no native gated delta rule (no compiler, or switched off)")
+        pytest.skip("no native linear-attention kernels (no compiler, or switched off)")
     slots, fresh = [2, 0, 5, 0, 1, 6], [False, True, True, False, False, False]
     batch = len(slots)
     gen = torch.Generator().manual_seed(key_dim)
@@ -112,13 +121,56 @@ def test_decode_step_is_within_rounding_of_the_rule_in_float64(
     assert torch.equal(states[[3, 4, 7]], before[[3, 4, 7]])
 
 
-def test_the_layer_gets_the_native_kernel_on_cpu_and_it_matches_the_reference() -> None:
-    kernel = native_gated_delta_rule()
+def _ulp_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _ulp(x) if dtype is torch.bfloat16 else torch.zeros_like(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_update_is_within_rounding_of_the_conv_in_float64(dtype: torch.dtype) -> None:
+    kernel = native_linear_attention()
     if kernel is None:
-        pytest.skip("no native gated delta rule (no compiler, or switched off)")
-    handle = handles.recurrent_gated_delta_rule()
-    chosen = handle.choose(["cpu"], torch.bfloat16)
+        pytest.skip("no native linear-attention kernels (no compiler, or switched off)")
+    slots, fresh = [2, 0, 5, 0, 1], [False, True, True, False, False]
+    batch, channels, taps = len(slots), 40, 4
+    gen = torch.Generator().manual_seed(11)
+    rows = torch.randn(batch, channels + 9, generator=gen).to(dtype)
+    x = rows[:, 3 : 3 + channels]  # a strided view, as the layer's split of in_proj
+    weight = (torch.randn(channels, taps, generator=gen) * 0.5).to(dtype)
+    states = torch.randn(7, channels, taps - 1, generator=gen).to(dtype)
+    states[5] = float("nan")
+    before = states.clone()
+    meta = _meta([1] * batch, slots, fresh, num_decodes=batch)
+
+    got = kernel.conv_update(x, weight, states, meta, "silu")
+
+    real = [0, 2, 4]
+    start = before[[slots[i] for i in real]].double()
+    start = torch.where(torch.tensor(fresh)[real, None, None], 0.0, start)
+    window = torch.cat((start, x[real].double().unsqueeze(-1)), dim=-1)
+    products = window * weight.double()
+    y = products.sum(-1)
+    out = torch.nn.functional.silu(y)
+    bound = 1.1 * (_gamma(taps) * products.abs().sum(-1) + _ulp_of(y, dtype))
+    bound = bound + 4 * U * out.abs() + _ulp_of(out, dtype)
+    assert bool(((got[real].double() - out).abs() <= bound).all())
+    # The states shifted by one, exactly: the raw inputs.
+    assert torch.equal(states[[slots[i] for i in real]].double(), window[..., 1:])
+    assert torch.equal(states[[3, 4, 6]], before[[3, 4, 6]])
+    # And the torch reference on the same inputs, within the same bound twice.
+    want_states = before.clone()
+    want = causal_conv1d_update(x, weight, want_states, meta, "silu")
+    assert bool(((got[real].double() - want[real].double()).abs() <= 2 * bound).all())
+    assert torch.equal(states[1:], want_states[1:])
+
+
+def test_the_layer_gets_the_native_kernels_on_cpu_and_they_match_the_reference() -> None:
+    kernel = native_linear_attention()
+    if kernel is None:
+        pytest.skip("no native linear-attention kernels (no compiler, or switched off)")
+    chosen = handles.recurrent_gated_delta_rule().choose(["cpu"], torch.bfloat16)
     assert getattr(chosen, "__func__", None) is type(kernel).recurrent
+    chosen = handles.causal_conv1d_update().choose(["cpu"], torch.bfloat16)
+    assert getattr(chosen, "__func__", None) is type(kernel).conv_update
     gen = torch.Generator().manual_seed(7)
     q, k = torch.randn(3, 2, 8, generator=gen), torch.randn(3, 2, 8, generator=gen)
     v, g = torch.randn(3, 4, 16, generator=gen), -torch.rand(3, 4, generator=gen)

@@ -1,7 +1,15 @@
-// The one-step gated delta rule of Gated DeltaNet's decode (the reference:
-// kernels/reference/gated_delta_rule.py, recurrent_gated_delta_rule), fused: per (sequence,
-// value head) the float32 state S [Dk, Dv] in its slot of the pool is read once and written
-// once, in place,
+// The decode step of Gated DeltaNet's two stateful parts, fused, each state updated in place
+// in its slot of the pool.
+//
+// The causal conv1d update (the reference: kernels/reference/causal_conv1d.py,
+// causal_conv1d_update): per sequence and channel, the K - 1 inputs kept in the state and the
+// new one times the channel's K taps, summed in float32 and rounded to the input dtype, then
+// SiLU; the state shifted by one. The reference gathers, concatenates and widens the batch's
+// states and windows into new tensors first.
+//
+// The one-step gated delta rule (kernels/reference/gated_delta_rule.py,
+// recurrent_gated_delta_rule): per (sequence, value head) the float32 state S [Dk, Dv] is read
+// once and written once,
 //
 //   S <- exp(g) S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T q
 //
@@ -13,7 +21,8 @@
 // Arithmetic in float32, each state row a vector over Dv the compiler vectorizes for the
 // target; outputs rounded to the output dtype once. Built by
 // tandem.core.kernels.cpu.gated_delta_rule with the system C++ compiler and -march=native;
-// called through ctypes.
+// called through ctypes. Padding entries may share the null slot 0, whose contents nothing
+// reads: their writes race there and only there.
 
 #include <cmath>
 #include <cstdint>
@@ -27,6 +36,17 @@ using namespace tandem;
 
 constexpr int64_t kMaxDim = 256;
 constexpr float kNormEps = 1e-6f;
+
+template <typename T>
+inline T round_to(float v);
+template <>
+inline float round_to<float>(float v) {
+  return v;
+}
+template <>
+inline uint16_t round_to<uint16_t>(float v) {
+  return float_to_bf16(v);
+}
 
 // x * rsqrt(sum(x^2) + eps) * scale, as the reference's l2norm (times the q scale).
 template <typename T>
@@ -87,9 +107,54 @@ void recurrent(T* out, const T* q, const T* k, const T* v, const float* g, const
   }
 }
 
+template <typename T>
+void conv_update(T* out, const T* x, const T* weight, T* states, const int64_t* slots,
+                 const uint8_t* has_initial, int64_t B, int64_t C, int64_t K, int64_t x_stride,
+                 int32_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t b = 0; b < B; ++b) {
+    T* state = states + slots[b] * C * (K - 1);
+    const bool zero = has_initial != nullptr && has_initial[b] == 0;
+    const T* xb = x + b * x_stride;
+    T* ob = out + b * C;
+    for (int64_t c = 0; c < C; ++c) {
+      T* sc = state + c * (K - 1);
+      const T* wc = weight + c * K;
+      float acc = 0.0f;
+      for (int64_t t = 0; t < K - 1; ++t) acc += (zero ? 0.0f : to_float(sc[t])) * to_float(wc[t]);
+      acc += to_float(xb[c]) * to_float(wc[K - 1]);
+      // Rounded to the input dtype before SiLU, as the reference's conv output is.
+      const float y = to_float(round_to<T>(acc));
+      ob[c] = round_to<T>(y / (1.0f + std::exp(-y)));
+      for (int64_t t = 0; t + 1 < K - 1; ++t) sc[t] = zero ? T(0) : sc[t + 1];
+      sc[K - 2] = xb[c];
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
+
+// Codes: 0 ok, 1 unsupported dtype, 2 fewer than two taps.
+int tandem_causal_conv1d_update(void* out, const void* x, const void* weight, void* states,
+                                const int64_t* slots, const uint8_t* has_initial,
+                                int64_t batch, int64_t channels, int64_t taps, int64_t x_stride,
+                                int32_t dtype, int32_t threads) {
+  if (taps < 2) return 2;
+  if (dtype == kFloat32) {
+    conv_update<float>(static_cast<float*>(out), static_cast<const float*>(x),
+                       static_cast<const float*>(weight), static_cast<float*>(states), slots,
+                       has_initial, batch, channels, taps, x_stride, threads);
+  } else if (dtype == kBFloat16) {
+    conv_update<uint16_t>(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(x),
+                          static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(states),
+                          slots, has_initial, batch, channels, taps, x_stride, threads);
+  } else {
+    return 1;
+  }
+  return 0;
+}
 
 // Codes: 0 ok, 1 unsupported dtype, 2 a head size over kMaxDim or value heads that are not a
 // multiple of the key heads.

@@ -1,0 +1,163 @@
+"""Gated DeltaNet's decode step on CPU (``csrc/linear_attention.cpp``): the causal conv1d
+update and the one-step gated delta rule, each sequence's conv and recurrent state read and
+written once, in place in its slot, instead of the torch references' gathers, concatenations
+and passes over the gathered states. Same signatures as ``reference.causal_conv1d.
+causal_conv1d_update`` and ``reference.gated_delta_rule.recurrent_gated_delta_rule``, so the
+kernel registry hands either to the layer. Built on first use (``native_build``), loaded with
+ctypes; None where the library cannot be had (logged once per process).
+``TANDEM_LINEAR_ATTENTION=torch`` keeps the references."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.core.kernels.cpu.native_build import (
+    CSRC,
+    IsaLevel,
+    KernelBuildError,
+    build_library,
+    compiled_path,
+    log_unbuilt,
+)
+from tandem.core.kernels.handle import NativeChoice, library_choice
+from tandem.core.kernels.linear_attention_metadata import LinearAttentionMetadata
+from tandem.core.kernels.process_once import ProcessOnce
+from tandem.core.kernels.reference.causal_conv1d import check_activation
+
+logger = logging.getLogger(__name__)
+
+SOURCE = CSRC / "linear_attention.cpp"
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+
+
+class NativeLinearAttention:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        # avx512, avx2 or portable: the code path this build runs.
+        self.compiled_path = compiled_path(lib)
+        self._recurrent = lib.tandem_recurrent_gated_delta_rule
+        self._recurrent.argtypes = [_vp] * 9 + [_i64] * 8 + [_i32, _i32]
+        self._recurrent.restype = ctypes.c_int
+        self._conv = lib.tandem_causal_conv1d_update
+        self._conv.argtypes = [_vp] * 6 + [_i64] * 4 + [_i32, _i32]
+        self._conv.restype = ctypes.c_int
+
+    @staticmethod
+    def handles(dtype: torch.dtype) -> bool:
+        return dtype in _DTYPES
+
+    def conv_update(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        conv_states: torch.Tensor,
+        meta: LinearAttentionMetadata,
+        activation: str,
+    ) -> torch.Tensor:
+        """One new token per decode sequence: ``x`` [B, C] -> [B, C] (SiLU of the conv);
+        the states of ``meta.decode_slots`` in ``conv_states`` [slots, C, K - 1] shift by
+        one, in place."""
+        check_activation(activation)
+        batch, channels = x.shape
+        taps = weight.shape[1]
+        if x.stride(1) != 1 or weight.dtype is not x.dtype or conv_states.dtype is not x.dtype:
+            raise ValueError("the conv update takes contiguous rows, taps and states of x's dtype")
+        if conv_states.shape[1:] != (channels, taps - 1) or not conv_states.is_contiguous():
+            raise ValueError("the conv states must be one contiguous [slots, C, K - 1] pool")
+        taps_rows = weight.contiguous()
+        slots = meta.decode_slots.contiguous()
+        initial = _initial(meta)
+        out = torch.empty(batch, channels, dtype=x.dtype)
+        code = self._conv(
+            out.data_ptr(), x.data_ptr(), taps_rows.data_ptr(), conv_states.data_ptr(),
+            slots.data_ptr(), None if initial is None else initial.data_ptr(), batch,
+            channels, taps, x.stride(0), _DTYPES[x.dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"the native conv update refused its arguments (code {code})")
+        return out
+
+    def recurrent(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        states: torch.Tensor,
+        meta: LinearAttentionMetadata,
+    ) -> torch.Tensor:
+        """One token per decode sequence: ``q``/``k`` [B, Hk, Dk], ``v`` [B, Hv, Dv], ``g``
+        (log decay, float32) and ``beta`` [B, Hv] -> [B, Hv, Dv] in ``v``'s dtype; the
+        states of ``meta.decode_slots`` in ``states`` [slots, Hv, Dk, Dv] (float32) are
+        updated in place."""
+        batch, k_heads, k_dim = q.shape
+        v_heads, v_dim = v.shape[1], v.shape[2]
+        for t, dim in ((q, k_dim), (k, k_dim), (v, v_dim)):
+            if t.stride(2) != 1 or t.stride(1) != dim or t.dtype is not v.dtype:
+                raise ValueError("q, k and v need contiguous [H, D] rows of one dtype")
+        if states.dtype is not torch.float32 or not states.is_contiguous():
+            raise ValueError("the recurrent states must be one contiguous float32 pool")
+        # Bound to names: a temporary's memory is freed as soon as its pointer is read,
+        # before the kernel reads through it.
+        gf = g.float().contiguous()
+        betac = beta.to(v.dtype).contiguous()
+        slots = meta.decode_slots.contiguous()
+        initial = _initial(meta)
+        out = torch.empty(batch, v_heads, v_dim, dtype=v.dtype)
+        code = self._recurrent(
+            out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), gf.data_ptr(),
+            betac.data_ptr(), states.data_ptr(), slots.data_ptr(),
+            None if initial is None else initial.data_ptr(), batch, k_heads, v_heads, k_dim,
+            v_dim, q.stride(0), k.stride(0), v.stride(0), _DTYPES[v.dtype],
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"the native gated delta rule refused its arguments (code {code})")
+        return out
+
+
+def _initial(meta: LinearAttentionMetadata) -> torch.Tensor | None:
+    """Per decode, 1 where it continues its state; None where all do (known on the host)."""
+    if meta.decodes_have_initial_state:
+        return None
+    return meta.decode_has_initial_state.to(torch.uint8).contiguous()
+
+
+def load_native_linear_attention(
+    build_dir: Path | None = None, isa: IsaLevel | None = None
+) -> NativeLinearAttention | None:
+    """Build (if needed) and load the kernel; None, with the reason logged, where it cannot
+    be had."""
+    if os.environ.get("TANDEM_LINEAR_ATTENTION", "").lower() == "torch":
+        logger.info("TANDEM_LINEAR_ATTENTION=torch: linear-attention decodes run in torch")
+        return None
+    try:
+        path = build_library(SOURCE, "tandem_linear_attention", build_dir=build_dir, isa=isa)
+        return NativeLinearAttention(path)
+    except (KernelBuildError, OSError) as exc:
+        log_unbuilt(
+            logger,
+            exc,
+            "no native CPU linear-attention decode (%s); it runs in torch",
+            exc,
+        )
+        return None
+
+
+# The process's kernel, built and loaded on first use.
+native_linear_attention = ProcessOnce(load_native_linear_attention)
+
+
+def native_linear_attention_kernel(name: str) -> NativeChoice[Any]:
+    """The kernel registry's CPU choice ``name`` (``recurrent``, ``conv_update``) for a
+    dtype, where the library is built."""
+    return library_choice(native_linear_attention, name)
