@@ -19,6 +19,7 @@ from tandem.core.kernels.cpu.native_build import (
     IsaLevel,
     KernelBuildError,
     build_library,
+    c_function,
     compiled_path,
     log_unbuilt,
 )
@@ -54,15 +55,13 @@ class NativeElementwise:
         lib = ctypes.CDLL(str(path))
         # avx512, avx2 or portable: the code path this build runs.
         self.compiled_path = compiled_path(lib)
-        self._norm = lib.tandem_add_rms_norm
-        self._norm.argtypes = [_vp, _vp, _vp, _vp, *[_i64] * 5, _f32, _i32, _i32]
-        self._norm.restype = ctypes.c_int
-        self._rotary = lib.tandem_qk_norm_rotary
-        self._rotary.argtypes = [_vp] * 7 + [_i64] * 7 + [_f32, _i32, _i32]
-        self._rotary.restype = ctypes.c_int
-        self._silu = lib.tandem_silu_mul
-        self._silu.argtypes = [_vp, _vp, *[_i64] * 4, _i32, _i32]
-        self._silu.restype = ctypes.c_int
+        self._norm = c_function(
+            lib.tandem_add_rms_norm, [_vp] * 4 + [_i64] * 5 + [_f32, _i32, _i32]
+        )
+        self._rotary = c_function(
+            lib.tandem_qk_norm_rotary, [_vp] * 7 + [_i64] * 7 + [_f32, _i32, _i32]
+        )
+        self._silu = c_function(lib.tandem_silu_mul, [_vp] * 2 + [_i64] * 4 + [_i32, _i32])
 
     @staticmethod
     def handles(dtype: torch.dtype) -> bool:

@@ -33,6 +33,7 @@ from tandem.core.kernels.cpu.native_build import (
     IsaLevel,
     KernelBuildError,
     build_library,
+    c_function,
     compiled_path,
     log_unbuilt,
 )
@@ -57,12 +58,10 @@ class NativeInt4Linear:
         lib = ctypes.CDLL(str(path))
         # avx512, avx2 or portable: the code path this build runs.
         self.compiled_path = compiled_path(lib)
-        self._linear = lib.tandem_int4_linear
-        self._linear.argtypes = [_vp] * 6 + [_i64] * 6 + [_i32, _i32]
-        self._linear.restype = ctypes.c_int
-        self._dequantize = lib.tandem_int4_dequantize
-        self._dequantize.argtypes = [_vp] * 4 + [_i64] * 3 + [_i32, _i32]
-        self._dequantize.restype = ctypes.c_int
+        self._linear = c_function(lib.tandem_int4_linear, [_vp] * 6 + [_i64] * 6 + [_i32, _i32])
+        self._dequantize = c_function(
+            lib.tandem_int4_dequantize, [_vp] * 4 + [_i64] * 3 + [_i32, _i32]
+        )
 
     @staticmethod
     def handles(dtype: torch.dtype) -> bool:

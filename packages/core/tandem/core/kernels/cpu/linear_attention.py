@@ -22,6 +22,7 @@ from tandem.core.kernels.cpu.native_build import (
     IsaLevel,
     KernelBuildError,
     build_library,
+    c_function,
     compiled_path,
     log_unbuilt,
 )
@@ -43,12 +44,12 @@ class NativeLinearAttention:
         lib = ctypes.CDLL(str(path))
         # avx512, avx2 or portable: the code path this build runs.
         self.compiled_path = compiled_path(lib)
-        self._recurrent = lib.tandem_recurrent_gated_delta_rule
-        self._recurrent.argtypes = [_vp] * 9 + [_i64] * 8 + [_i32, _i32]
-        self._recurrent.restype = ctypes.c_int
-        self._conv = lib.tandem_causal_conv1d_update
-        self._conv.argtypes = [_vp] * 6 + [_i64] * 4 + [_i32, _i32]
-        self._conv.restype = ctypes.c_int
+        self._recurrent = c_function(
+            lib.tandem_recurrent_gated_delta_rule, [_vp] * 9 + [_i64] * 8 + [_i32, _i32]
+        )
+        self._conv = c_function(
+            lib.tandem_causal_conv1d_update, [_vp] * 6 + [_i64] * 4 + [_i32, _i32]
+        )
 
     @staticmethod
     def handles(dtype: torch.dtype) -> bool:

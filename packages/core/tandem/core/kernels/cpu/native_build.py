@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -92,6 +93,14 @@ ISA_LEVELS: dict[str, IsaLevel] = {
 
 # What ``tandem_compiled_isa()`` of a library built with vec_math.h answers, by name.
 _COMPILED_PATHS = {0: "portable", 1: "avx2", 2: "avx512"}
+
+
+def c_function(function: ctypes._NamedFuncPointer, argtypes: list[Any]) -> ctypes._NamedFuncPointer:
+    """``function`` of a kernel library with its C argument types, returning a C int (the
+    status every kernel entry point here returns)."""
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function
 
 
 def compiled_path(lib: ctypes.CDLL) -> str:

@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from tandem.core.kernels.cpu.native_build import c_function
+
 # float32 panels are padded to a multiple of this many K rows.
 K_PAD = 16
 
@@ -92,8 +94,6 @@ def grouped_call(
 
 def bind_grouped(function: ctypes._NamedFuncPointer, limits: int) -> ctypes._NamedFuncPointer:
     """``function``'s C signature: four pointers, six int64, ``limits`` + 1 int32."""
-    function.argtypes = (
-        [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_int32] * (limits + 1)
+    return c_function(
+        function, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_int32] * (limits + 1)
     )
-    function.restype = ctypes.c_int
-    return function
