@@ -781,12 +781,16 @@ def fill_preparation_pool(base: str, pid: int, count: int, timeout_s: float = 12
     memory after a class can count a process the memory before it did not (one CI run:
     one process before, two after, 300 MiB more). Returns how many run; an older server
     without them is left as it is."""
+    if count < 1:
+        return len(descendants(pid))
     body = json.dumps({"prompt": _text(80_000)}).encode()
-    prime = Attack("prime", "POST", "/tokenize", lambda: body, count)
     deadline = time.monotonic() + timeout_s
     while True:
         with ThreadPoolExecutor(count) as clients:
-            statuses = list(clients.map(lambda _: send(base, prime, body), range(count)))
+            statuses = list(
+                clients.map(lambda _: _send(base, "POST", "/tokenize", body, 300.0, True),
+                            range(count))
+            )  # fmt: skip
         running = len(descendants(pid))
         full = running >= count and statuses == ["200"] * count
         if full or running == 0 or time.monotonic() > deadline:

@@ -11,13 +11,12 @@ hidden 512, top 2) or Qwen3-30B-A3B's (128 experts of 768, hidden 2048, top 8).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from functools import partial
 
 import torch
+from linear_kernels import _interleaved_ms
 
 from tandem.collectives import SingleRankGroup
 from tandem.core.kernels.reference.fused_moe import fused_moe
@@ -25,18 +24,6 @@ from tandem.core.layers.fused_moe import FusedMoeExperts, pack_expert_weights
 
 # (experts, hidden, moe intermediate, top k)
 SHAPES = {"bench": (8, 512, 640, 2), "qwen3-30b-a3b": (128, 2048, 768, 8)}
-
-
-def _median_ms(sides: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(rounds):
-        for name, run in sides.items():
-            run()
-            start = time.perf_counter()
-            for _ in range(3):
-                run()
-            times[name].append(1000 * (time.perf_counter() - start) / 3)
-    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def main() -> int:
@@ -73,7 +60,7 @@ def main() -> int:
             "torch": partial(fused_moe, x, w13, w2, weights, ids, "silu"),
             "grouped": partial(block, x, weights, ids),
         }
-        ms = _median_ms(sides, args.rounds)
+        ms = _interleaved_ms(sides, args.rounds, repeats=3)
         flops = 2 * tokens * top_k * 3 * hidden * inter
         rates = [flops / ms[side] / 1e6 for side in ("torch", "grouped")]
         print(f"{tokens:>7} {ms['torch']:>9.2f} {ms['grouped']:>11.2f} "

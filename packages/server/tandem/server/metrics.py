@@ -144,7 +144,7 @@ class ServerMetrics:
             gauge = Gauge(
                 f"tandem:spec_decode_{name}_total", doc, ["model_name"], registry=self.registry
             )
-            gauge.labels(model_name=model_name).set_function(_spec_count(engine, name))
+            gauge.labels(model_name=model_name).set_function(_stat(engine, f"spec_{name}"))
         per_position = Gauge(
             "tandem:spec_decode_num_accepted_tokens_per_pos_total",
             "Draft tokens accepted at each draft position (0 = the first draft).",
@@ -175,11 +175,6 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def _spec_count(engine: LLMEngine, name: str) -> Callable[[], float]:
-    """The engine's current count ``spec_<name>`` (read from its latest stats snapshot)."""
-    return lambda: float(getattr(engine.stats, f"spec_{name}"))
-
-
 def _accepted_at(engine: LLMEngine, position: int) -> Callable[[], float]:
     def read() -> float:
         counts = engine.stats.spec_accepted_per_position
@@ -189,4 +184,5 @@ def _accepted_at(engine: LLMEngine, position: int) -> Callable[[], float]:
 
 
 def _stat(engine: LLMEngine, name: str) -> Callable[[], float]:
+    """The engine's current count ``name`` (read from its latest stats snapshot)."""
     return lambda: float(getattr(engine.stats, name))

@@ -48,20 +48,20 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     figures |= _summary("tpot", tpots)
     figures |= _summary("itl", [gap for r in ok for gap in r.itl])
     figures |= _summary("e2el", [r.latency for r in ok])
-    figures |= _turn_ttfts(ok, multi_turn=any(r.turn is not None for r in results))
+    figures |= _turn_ttfts(ok)
     figures["errors"] = sorted({r.error for r in results if r.error})[:5]
     return figures
 
 
-def _turn_ttfts(ok: list[RequestResult], multi_turn: bool) -> dict[str, float | None]:
+def _turn_ttfts(ok: list[RequestResult]) -> dict[str, float | None]:
     """Mean TTFT of first turns and of later ones, whose prompts open with all the
     conversation before them (what a prefix cache can serve); None outside a multi-turn
     run, or where no such turn succeeded."""
     first = [r.ttft * 1000 for r in ok if r.turn == 1]
     later = [r.ttft * 1000 for r in ok if r.turn is not None and r.turn > 1]
     return {
-        "mean_ttft_first_turn_ms": statistics.fmean(first) if multi_turn and first else None,
-        "mean_ttft_later_turns_ms": statistics.fmean(later) if multi_turn and later else None,
+        "mean_ttft_first_turn_ms": statistics.fmean(first) if first else None,
+        "mean_ttft_later_turns_ms": statistics.fmean(later) if later else None,
     }
 
 
