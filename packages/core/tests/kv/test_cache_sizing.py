@@ -60,6 +60,24 @@ def test_default_snapshots_get_only_what_the_slots_leave_of_the_state_share() ->
     assert (size.num_state_slots, size.num_state_snapshots) == (3, 2)
 
 
+def test_speculative_scratch_rows_come_with_each_slot_and_are_budgeted() -> None:
+    """Speculative decoding on a hybrid: ``num_speculative_tokens`` scratch rows per slot,
+    counted with the slot against the state's share, then the snapshots, then the blocks."""
+    config = CacheConfig(cpu_memory_gb=1.0, max_memory_utilization=1.0)
+    costs = CacheCosts(weight_bytes=0, block_bytes=1 << 20, state_slot_bytes=1 << 20)
+    size = size_cache(config, 16, CPU, MEMORY, costs, scratch_per_slot=3)
+    assert (size.num_state_slots, size.num_state_scratch, size.num_state_snapshots) == (16, 48, 32)
+    assert size.num_state_rows == 16 + 48 + 32
+    assert size.num_blocks == 1024 - 96
+    # 100 MiB rows: the state's half (5 rows) holds one slot with its 3 scratch rows, and the
+    # one row left is a snapshot.
+    costs = replace(costs, state_slot_bytes=100 << 20)
+    size = size_cache(config, 16, CPU, MEMORY, costs, scratch_per_slot=3)
+    assert (size.num_state_slots, size.num_state_scratch, size.num_state_snapshots) == (1, 3, 1)
+    with pytest.raises(ConfigError, match="with 9 scratch rows for speculative drafts"):
+        size_cache(config, 16, CPU, MEMORY, costs, scratch_per_slot=9)
+
+
 def test_slots_take_at_most_half_of_the_free_memory() -> None:
     config = CacheConfig(cpu_memory_gb=1.0, max_memory_utilization=1.0)
     # 100 MiB per slot, 1 GiB free: 5 slots fit in half, not the 64 a batch could run.

@@ -14,6 +14,8 @@ import pytest
 from tandem.core import LLMEngine, SamplingParams
 from tandem.core.config import ParallelConfig, PipelineConfig, SpeculativeConfig
 from tandem.core.errors import ConfigError
+from tandem.core.llm.drafting import Drafter
+from tandem.core.llm.sequence import TokenSequence
 
 EngineFactory = Callable[..., LLMEngine]
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
@@ -43,6 +45,8 @@ def _pair(
 
 
 def _all_free(engine: LLMEngine) -> bool:
+    if engine.snapshots is not None:
+        engine.snapshots.clear()  # a hybrid's prefix cache: state snapshots hold blocks
     return engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
@@ -150,10 +154,119 @@ def test_seeded_random_requests_reproduce(demo_dir: Path, make_engine: EngineFac
     assert engine.stats.spec_num_drafts > 0
 
 
-def test_unsupported_setups_are_refused(
-    demo_dir: Path, hybrid_dir: Path, make_engine: EngineFactory
-) -> None:
+def test_unsupported_setups_are_refused(demo_dir: Path, make_engine: EngineFactory) -> None:
     with pytest.raises(ConfigError, match="not supported with --max-concurrency > 1"):
         make_engine(demo_dir, speculative=SPEC, pipeline=PipelineConfig(max_concurrency=2))
-    with pytest.raises(ConfigError, match="linear-attention states"):
-        make_engine(hybrid_dir, speculative=SPEC)
+
+
+def _rejected(engine: LLMEngine) -> int:
+    stats = engine.stats
+    return stats.spec_num_draft_tokens - stats.spec_num_accepted_tokens
+
+
+class OracleDrafter(Drafter):
+    """Drafts from a plain run's greedy tokens, wrong at a chosen place: the verification
+    accepts exactly 0, 1, .., K of them in turn (a random tiny model repeats itself too
+    rarely for n-grams to get drafts accepted at every position). Rolling a hybrid's state
+    back is then exercised after every possible number of accepted drafts."""
+
+    def __init__(self, config: SpeculativeConfig, plain: dict[tuple[int, ...], list[int]]):
+        super().__init__(config, uses_processor=lambda seq: False)
+        self._plain = plain
+        self._turn = 0
+
+    def drafts(self, seq: TokenSequence, budget: int) -> tuple[int, ...]:
+        room = min(budget, seq.max_output_tokens - seq.num_output_tokens) - 1
+        room = min(room, self.config.num_speculative_tokens)
+        if room <= 0:
+            return ()
+        done = seq.num_output_tokens
+        truth = self._plain[tuple(seq.prompt_token_ids)][done : done + room]
+        accept = self._turn % (room + 1)
+        self._turn += 1
+        if accept < len(truth):
+            truth[accept] = (truth[accept] + 1) % 300
+        return tuple(truth)
+
+
+def _with_oracle(
+    make_engine: EngineFactory, model: Path, params: SamplingParams, **kw: Any
+) -> tuple[list[list[int]], list[list[int]], LLMEngine]:
+    plain = _tokens(make_engine(model, **kw), params)
+    engine = make_engine(model, speculative=SPEC, **kw)
+    engine.scheduler.drafter = OracleDrafter(
+        SPEC, {tuple(p): t for p, t in zip(PROMPTS, plain, strict=True)}
+    )
+    return plain, _tokens(engine, params), engine
+
+
+def _accepted_at_every_position(engine: LLMEngine) -> bool:
+    return all(n > 0 for n in engine.stats.spec_accepted_per_position)
+
+
+@pytest.mark.parametrize("max_tokens", [9, 40])
+def test_hybrid_greedy_tokens_are_identical_with_drafts_accepted_and_rejected(
+    hybrid_dir: Path, make_engine: EngineFactory, max_tokens: int
+) -> None:
+    """A hybrid's linear-attention states go back to the last accepted draft: a rejected
+    draft left in the conv or recurrent state would change every token after it."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    plain, spec, engine = _with_oracle(make_engine, hybrid_dir, params)
+    assert spec == plain
+    assert _accepted_at_every_position(engine) and _rejected(engine) > 0
+    assert _all_free(engine)
+
+
+def test_hybrid_ngram_drafts_keep_the_tokens(hybrid_dir: Path, make_engine: EngineFactory) -> None:
+    """The n-gram proposer's own drafts (on this random model, rejected)."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain, spec, engine = _pair(make_engine, hybrid_dir, params)
+    assert spec == plain
+    assert engine.stats.spec_num_drafts > 0
+
+
+def test_hybrid_tensor_parallel_ranks_in_one_process_give_the_same_tokens(
+    hybrid_dir: Path, make_engine: EngineFactory
+) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    tp2 = ParallelConfig(devices="cpu:0,cpu:1", single_process=True)
+    plain, spec, engine = _with_oracle(make_engine, hybrid_dir, params, parallel=tp2)
+    assert spec == plain
+    assert _accepted_at_every_position(engine) and _rejected(engine) > 0
+
+
+def test_hybrid_preemption_and_chunked_prefill_keep_the_tokens(
+    hybrid_dir: Path, make_engine: EngineFactory
+) -> None:
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    kw: dict[str, Any] = {"num_blocks": 12, "block_size": 4, "max_tokens_per_batch": 8}
+    plain, spec, engine = _with_oracle(make_engine, hybrid_dir, params, **kw)
+    assert spec == plain
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.stats.spec_num_accepted_tokens > 0 and _rejected(engine) > 0
+    assert _all_free(engine)
+
+
+def test_hybrid_next_turns_start_from_states_kept_after_rollbacks(
+    hybrid_dir: Path, make_engine: EngineFactory
+) -> None:
+    """Each request's state at its end becomes a prefix-cache snapshot; the next turn (its
+    prompt and answer, then more) starts from it. A snapshot kept from a row whose last step
+    rejected drafts must hold the rolled-back state, or the next turn's tokens differ."""
+    params = SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True)
+    kw: dict[str, Any] = {"block_size": 4}
+    spec_engine = make_engine(hybrid_dir, speculative=SPEC, **kw)
+    plain_engine = make_engine(hybrid_dir, enable_prefix_cache=False, **kw)
+    oracle = OracleDrafter(SPEC, {})
+    spec_engine.scheduler.drafter = oracle
+    turns = [list(p) for p in PROMPTS]
+    for turn in range(3):
+        plain = [list(o.token_ids) for o in plain_engine.generate(turns, params)]
+        oracle._plain.update({tuple(t): p for t, p in zip(turns, plain, strict=True)})
+        spec = spec_engine.generate(turns, params)
+        assert [list(o.token_ids) for o in spec] == plain, turn
+        if turn:
+            assert all(o.num_cached_tokens > 0 for o in spec)
+        turns = [t + list(o.token_ids) + [7, 8] for t, o in zip(turns, spec, strict=True)]
+    assert spec_engine.scheduler.snapshot_hits > 0
+    assert _accepted_at_every_position(spec_engine) and _rejected(spec_engine) > 0

@@ -2,7 +2,9 @@
 and shared by every such layer, like ``AttentionMetadata`` for paged attention.
 
 The step's tokens are laid out as for paged attention: the first ``num_decodes`` sequences
-have one new token each, then come the prefill chunks, each sequence's tokens contiguous.
+have one new token each, then come the ``num_verifies`` sequences that verify speculative
+drafts (their last known token and its drafts), then the prefill chunks, each sequence's
+tokens contiguous.
 Every running sequence owns one *state slot*: row ``slot`` of each linear-attention layer's
 conv-state and recurrent-state pools (slot 0 is the null slot, like the null KV block: padding
 may point there, nothing real lives in it). A sequence's first chunk starts from a zero state
@@ -15,6 +17,13 @@ moves its tensors with the step's others in one copy, and hands it to the model 
 ``AttentionMetadata.linear``. Beside those, it precomputes the gather indices
 the CPU kernels use (conv windows, chunk layout) with batched tensor ops, so no layer
 rebuilds them and no kernel loops over tokens in Python.
+
+A verifying sequence runs its tokens one position at a time through the decode kernels
+(``LinearVerifyIndices``): the state after each position but the last is copied to a scratch
+row of the pools, so that when only some drafts are accepted the engine can copy the state
+after the last accepted one back into the slot (before the next step), as if the rejected
+tokens had never been computed. The loop is over draft positions (at most
+``num_speculative_tokens + 1``), each one batched over every verifying sequence.
 """
 
 from __future__ import annotations
@@ -57,6 +66,23 @@ class LinearPrefillIndices:
 
 
 @dataclass
+class LinearVerifyPosition:
+    """Position j of the verifying sequences that have a token there."""
+
+    token_index: torch.Tensor  # [n] int64: their tokens, counted from the verify part's first
+    meta: LinearAttentionMetadata  # decode metadata of those n sequences (their own slots)
+    num_saved: int  # how many of them have a token after this one
+    save_from: torch.Tensor  # [num_saved] int64: their slots, whose state after j is kept
+    save_to: torch.Tensor  # [num_saved] int64: the scratch rows it is copied to
+
+
+@dataclass
+class LinearVerifyIndices:
+    num_tokens: int
+    positions: list[LinearVerifyPosition]
+
+
+@dataclass
 class LinearAttentionMetadata:
     state_slots: torch.Tensor  # [S] int64, per sequence of the step, decodes first
     query_start_loc: torch.Tensor  # [S + 1] int64, first token of each sequence in the step
@@ -66,6 +92,12 @@ class LinearAttentionMetadata:
     # Known on the host: every decode continues a state (always so in the engine, where a
     # decode follows its prompt), so kernels skip selecting zeros over the decode states.
     decodes_have_initial_state: bool
+    # The sequences after the decodes that verify drafts (None: none do).
+    verify: LinearVerifyIndices | None = None
+
+    @property
+    def num_verify_tokens(self) -> int:
+        return 0 if self.verify is None else self.verify.num_tokens
 
     @property
     def decode_slots(self) -> torch.Tensor:
@@ -88,11 +120,16 @@ def plan_linear_attention_metadata(
     conv_kernel_size: int,
     tensors: list[torch.Tensor],
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    num_verifies: int = 0,
+    verify_scratch: torch.Tensor | None = None,
 ) -> FinishLinear:
     """The host half: ``query_lens``, ``context_lens``, ``state_slots`` ([S] int64 on the
     host, decodes first) become index tensors appended to ``tensors`` (to be moved to the
     device in one copy with the step's others); the returned function builds the metadata
     from them once moved. Every size and flag it needs is read here, on the host.
+    ``num_verifies``: the sequences after the decodes that verify drafts;
+    ``verify_scratch``: the scratch rows their states after each position but the last go
+    to, sequence by sequence ([sum(query_len - 1)] int64).
 
     A sequence has an initial state when tokens were cached before this step
     (``context_len > query_len``). Prefix caching must be off for these models: a cached prefix
@@ -106,12 +143,23 @@ def plan_linear_attention_metadata(
     has_initial = context_lens > query_lens
     decodes_have_initial_state = bool(has_initial[:num_decodes].all())
     tensors += [slots, starts, has_initial]
+    verify = None
+    first_prefill = num_decodes + num_verifies
+    if num_verifies:
+        if verify_scratch is None:
+            raise ValueError("verifying sequences need their scratch rows (verify_scratch)")
+        verify = _plan_verify(
+            query_lens[num_decodes:first_prefill],
+            slots[num_decodes:first_prefill],
+            verify_scratch.to(torch.int64),
+            tensors,
+        )
     prefill = None
-    if query_lens.shape[0] > num_decodes:
+    if query_lens.shape[0] > first_prefill:
         prefill = _plan_prefill(
-            query_lens[num_decodes:],
-            slots[num_decodes:],
-            has_initial[num_decodes:],
+            query_lens[first_prefill:],
+            slots[first_prefill:],
+            has_initial[first_prefill:],
             conv_kernel_size,
             chunk_size,
             tensors,
@@ -124,9 +172,59 @@ def plan_linear_attention_metadata(
             query_start_loc=starts,
             has_initial_state=has_initial,
             num_decodes=num_decodes,
+            verify=verify(parts) if verify else None,
             prefill=prefill(parts) if prefill else None,
             decodes_have_initial_state=decodes_have_initial_state,
         )
+
+    return finish
+
+
+def _plan_verify(
+    lens: torch.Tensor, slots: torch.Tensor, scratch: torch.Tensor, tensors: list[torch.Tensor]
+) -> Callable[[Iterator[torch.Tensor]], LinearVerifyIndices]:
+    """Per position j, the verifying sequences with a token there: that token, their slots,
+    and where the state after j of those with a later token goes."""
+    starts = torch.cumsum(lens, 0) - lens
+    kept = lens - 1  # states kept per sequence: after every position but the last
+    scratch_start = torch.cumsum(kept, 0) - kept
+    if int(scratch.shape[0]) != int(kept.sum()):
+        raise ValueError(
+            f"verify_scratch has {scratch.shape[0]} rows, the verifying sequences keep "
+            f"{int(kept.sum())} states"
+        )
+    sizes: list[tuple[int, int]] = []
+    for j in range(int(lens.max())):
+        active = (lens > j).nonzero().squeeze(1)
+        saved = (lens > j + 1).nonzero().squeeze(1)
+        n = int(active.shape[0])
+        tensors += [
+            starts[active] + j,
+            slots[active],
+            torch.arange(n + 1, dtype=torch.int64),
+            torch.ones(n, dtype=torch.bool),
+            slots[saved],
+            scratch[scratch_start[saved] + j],
+        ]
+        sizes.append((n, int(saved.shape[0])))
+    num_tokens = int(lens.sum())
+
+    def finish(parts: Iterator[torch.Tensor]) -> LinearVerifyIndices:
+        positions = []
+        for n, num_saved in sizes:
+            token_index, position_slots, starts, has_initial, save_from, save_to = (
+                next(parts) for _ in range(6)
+            )
+            meta = LinearAttentionMetadata(
+                state_slots=position_slots,
+                query_start_loc=starts,
+                has_initial_state=has_initial,
+                num_decodes=n,
+                prefill=None,
+                decodes_have_initial_state=True,
+            )
+            positions.append(LinearVerifyPosition(token_index, meta, num_saved, save_from, save_to))
+        return LinearVerifyIndices(num_tokens, positions)
 
     return finish
 
@@ -139,11 +237,21 @@ def build_linear_attention_metadata(
     conv_kernel_size: int,
     device: torch.device,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    num_verifies: int = 0,
+    verify_scratch: torch.Tensor | None = None,
 ) -> LinearAttentionMetadata:
     """Both halves, the tensors moved to ``device`` in one copy."""
     tensors: list[torch.Tensor] = []
     finish = plan_linear_attention_metadata(
-        query_lens, context_lens, state_slots, num_decodes, conv_kernel_size, tensors, chunk_size
+        query_lens,
+        context_lens,
+        state_slots,
+        num_decodes,
+        conv_kernel_size,
+        tensors,
+        chunk_size,
+        num_verifies=num_verifies,
+        verify_scratch=verify_scratch,
     )
     return finish(iter(to_device_once(tensors, device)))
 

@@ -17,6 +17,9 @@ So the two are sized differently out of the same budget:
 * State snapshots (hybrid models with prefix caching, kv/state_snapshots.py): rows of the same
   pools, after the slots; ``--state-cache-mb`` of them, or by default two per slot (at least
   16), within the same share of memory, which the slots take first.
+* Scratch rows (hybrid models with speculative decoding): ``num_speculative_tokens`` per slot,
+  after the snapshots, where a verifying sequence's state after each draft position is kept
+  until the drafts are judged (layers/gated_delta_net.py). A slot is sized with its scratch.
 
 ``--num-state-slots`` and ``--num-blocks`` override either count. A budget without room for
 a single slot fails at start-up, saying which flags to change.
@@ -49,11 +52,12 @@ class CacheSize:
     num_blocks: int
     num_state_slots: int = 0
     num_state_snapshots: int = 0
+    num_state_scratch: int = 0
 
     @property
     def num_state_rows(self) -> int:
-        """Rows of every state pool beside the null one: slots, then snapshots."""
-        return self.num_state_slots + self.num_state_snapshots
+        """Rows of every state pool beside the null one: slots, snapshots, scratch rows."""
+        return self.num_state_slots + self.num_state_snapshots + self.num_state_scratch
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,10 @@ def size_cache(
     memory: MemoryInfo,
     costs: CacheCosts,
     demand: BlockDemand | None = None,
+    scratch_per_slot: int = 0,
 ) -> CacheSize:
+    """``scratch_per_slot``: scratch state rows each slot needs (speculative decoding's
+    ``num_speculative_tokens``; 0 without it)."""
     if costs.state_slot_bytes == 0:
         return CacheSize(
             num_blocks_for_memory(
@@ -81,24 +88,28 @@ def size_cache(
         )
     usable, hint = usable_cache_bytes(config, device, memory, costs.weight_bytes)
     affordable = int(max(usable, 0) * MAX_STATE_SHARE) // costs.state_slot_bytes
+    rows_per_slot = 1 + scratch_per_slot
     slots = config.num_state_slots
     if slots is None:
-        slots = min(max_seqs_per_batch, affordable)
+        slots = min(max_seqs_per_batch, affordable // rows_per_slot)
         if slots < 1:
             raise ConfigError(
                 f"no memory for a linear-attention state slot on {device}: one sequence's "
-                f"state takes {costs.state_slot_bytes} bytes, and state slots may use at most "
-                f"half of the {max(usable, 0)} bytes free after the weights; "
+                f"state takes {costs.state_slot_bytes * rows_per_slot} bytes (with "
+                f"{scratch_per_slot} scratch rows for speculative drafts), and state slots "
+                f"may use at most half of the {max(usable, 0)} bytes free after the weights; "
                 f"{hint.replace('--num-blocks', '--num-state-slots')}"
             )
-    snapshots = _snapshot_rows(config, slots, affordable, costs.state_slot_bytes)
-    state_bytes = (slots + snapshots) * costs.state_slot_bytes
+    scratch = slots * scratch_per_slot
+    snapshots = _snapshot_rows(config, slots, affordable - scratch, costs.state_slot_bytes)
+    state_bytes = (slots + snapshots + scratch) * costs.state_slot_bytes
     logger.info(
-        "linear-attention state on %s: %d slots and %d prefix-cache snapshots of %d bytes "
-        "(%.2f GiB)",
+        "linear-attention state on %s: %d slots, %d prefix-cache snapshots and %d scratch rows "
+        "for speculative drafts, of %d bytes (%.2f GiB)",
         device,
         slots,
         snapshots,
+        scratch,
         costs.state_slot_bytes,
         state_bytes / GIB,
     )
@@ -111,13 +122,14 @@ def size_cache(
         reserved_bytes=state_bytes,
         demand=demand,
     )
-    return CacheSize(num_blocks, slots, snapshots)
+    return CacheSize(num_blocks, slots, snapshots, scratch)
 
 
 def _snapshot_rows(config: CacheConfig, slots: int, affordable: int, row_bytes: int) -> int:
     """State snapshot rows: none without prefix caching; ``--state-cache-mb`` of them; else
     two per slot (a request leaves two: at its prompt's end and at its own), at least
-    ``MIN_SNAPSHOTS``, as far as the state's share of memory goes beside the slots."""
+    ``MIN_SNAPSHOTS``, as far as the state's share of memory (``affordable`` rows, less
+    any scratch rows) goes beside the slots."""
     if not config.enable_prefix_cache:
         return 0
     if config.state_cache_mb is not None:

@@ -15,6 +15,11 @@ inputs, exactly representable in that dtype) and recurrent state
 ``[num_slots + 1, value_heads, k_head_dim, v_head_dim]`` in float32 (it accumulates over the
 whole sequence; rounding it to half precision at every token would drift, and the reference
 keeps it in float32 as well). Shapes are per rank. Slot 0 is the null slot.
+
+Sequences that verify speculative drafts run their tokens a position at a time through the
+decode kernels, and the state after each position but the last is copied to a scratch row
+(``LinearVerifyIndices``): the engine rolls a sequence back to its last accepted token by
+copying that row into its slot before the next step.
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ from torch import nn
 from tandem.collectives import ProcessGroup
 from tandem.core.kernels import handles
 from tandem.core.kernels.attention_metadata import AttentionMetadata
-from tandem.core.kernels.linear_attention_metadata import LinearAttentionMetadata
+from tandem.core.kernels.linear_attention_metadata import (
+    LinearAttentionMetadata,
+    LinearVerifyIndices,
+)
 from tandem.core.kernels.reference.causal_conv1d import check_activation
 from tandem.core.layers.gated_rms_norm import GatedRMSNorm
 from tandem.core.layers.linear import RowParallelLinear, _divide
@@ -150,17 +158,36 @@ class GatedDeltaNet(nn.Module):
 
     def _conv(self, mixed: torch.Tensor, lin: LinearAttentionMetadata) -> torch.Tensor:
         nd = lin.num_decodes
+        first_prefill = nd + lin.num_verify_tokens
         weight = self.conv1d.weight
         parts = []
         if nd:
             parts.append(
                 self._conv_update(mixed[:nd], weight, self.conv_state, lin, self.activation)
             )
+        if lin.verify is not None:
+            parts.append(self._verify_conv(mixed[nd:first_prefill], lin.verify))
         if lin.prefill is not None:
             parts.append(
-                self._conv_prefill(mixed[nd:], weight, self.conv_state, lin, self.activation)
+                self._conv_prefill(
+                    mixed[first_prefill:], weight, self.conv_state, lin, self.activation
+                )
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _verify_conv(self, x: torch.Tensor, verify: LinearVerifyIndices) -> torch.Tensor:
+        out = torch.empty_like(x)
+        for p in verify.positions:
+            y = self._conv_update(
+                x.index_select(0, p.token_index),
+                self.conv1d.weight,
+                self.conv_state,
+                p.meta,
+                self.activation,
+            )
+            out.index_copy_(0, p.token_index, y)
+            _keep(self.conv_state, p.num_saved, p.save_from, p.save_to)
+        return out
 
     def _delta(
         self,
@@ -172,10 +199,47 @@ class GatedDeltaNet(nn.Module):
         lin: LinearAttentionMetadata,
     ) -> torch.Tensor:
         nd = lin.num_decodes
+        f = nd + lin.num_verify_tokens  # the first prefill token
         state = self.recurrent_state
         parts = []
         if nd:
             parts.append(self._delta_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], state, lin))
+        if lin.verify is not None:
+            parts.append(
+                self._verify_delta(q[nd:f], k[nd:f], v[nd:f], g[nd:f], beta[nd:f], lin.verify)
+            )
         if lin.prefill is not None:
-            parts.append(self._delta_chunked(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], state, lin))
+            parts.append(self._delta_chunked(q[f:], k[f:], v[f:], g[f:], beta[f:], state, lin))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _verify_delta(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        verify: LinearVerifyIndices,
+    ) -> torch.Tensor:
+        state = self.recurrent_state
+        out = torch.empty_like(v)
+        for p in verify.positions:
+            i = p.token_index
+            y = self._delta_step(
+                q.index_select(0, i),
+                k.index_select(0, i),
+                v.index_select(0, i),
+                g.index_select(0, i),
+                beta.index_select(0, i),
+                state,
+                p.meta,
+            )
+            out.index_copy_(0, i, y)
+            _keep(state, p.num_saved, p.save_from, p.save_to)
+        return out
+
+
+def _keep(pool: torch.Tensor, num: int, rows: torch.Tensor, to: torch.Tensor) -> None:
+    """Copy ``num`` state rows to their scratch rows (sources and destinations disjoint)."""
+    if num:
+        pool.index_copy_(0, to, pool.index_select(0, rows))

@@ -122,6 +122,8 @@ def plan_attention_metadata(fi: ForwardInput, conv_kernel_size: int | None = Non
             num_decodes=fi.num_decodes,
             conv_kernel_size=conv_kernel_size,
             tensors=tensors,
+            num_verifies=fi.num_verifies,
+            verify_scratch=fi.verify_scratch,
         )
     return AttentionPlan(tensors, fi.num_decodes, decode, prefill, linear)
 

@@ -96,6 +96,7 @@ class LLMEngine:
             drafter=drafter,
             snapshots=self.snapshots,
             snapshot_interval=config.cache.state_snapshot_interval,
+            state_scratch=self._state_scratch(),
         )
         self.inputs = InputProcessor(
             self.tokenizer,
@@ -185,12 +186,6 @@ class LLMEngine:
                 f"{flag} is not supported with --max-concurrency > 1 (pipeline lanes) yet: "
                 "drop one of them"
             )
-        if self.model_config.has_linear_attention:
-            raise ConfigError(
-                f"{flag} is not supported for {self.model_config.architecture} yet: its "
-                "linear-attention states would keep the updates of rejected drafts; serve it "
-                "without speculative decoding"
-            )
         logger.info(
             "speculative decoding: %s, %d tokens, n-grams of %d to %d tokens",
             spec.method,
@@ -218,6 +213,16 @@ class LLMEngine:
                 "allocated no state slots for them"
             )
         return StateSlotPool(num_slots, self._sync)
+
+    def _state_scratch(self) -> range | None:
+        """The state rows where verifying sequences keep their states position by position
+        (hybrid models with speculative decoding): ``num_speculative_tokens`` per slot, after
+        the slots and the snapshots (kv/cache_sizing.py)."""
+        spec = self.config.speculative
+        if self.state_slots is None or spec is None:
+            return None
+        first = 1 + self.state_slots.num_slots + self.executor.num_state_snapshots
+        return range(first, first + self.state_slots.num_slots * spec.num_speculative_tokens)
 
     # -- requests -------------------------------------------------------------------------
 

@@ -86,14 +86,18 @@ class PromptLogprobsRequest:
 
 @dataclass(frozen=True)
 class StateCopies:
-    """Copies around one step of a hybrid model with prefix caching (kv/state_snapshots.py),
-    each (source, destination): before the forward, KV blocks (a snapshot's partial last block
-    into a sequence's own) and state rows (a snapshot into the slot of a sequence starting
-    from it); after it, state rows (a sequence's slot into a new snapshot)."""
+    """Copies around one step of a hybrid model, each (source, destination). Before the
+    forward: state rows that roll a sequence back to its last accepted draft (the scratch row
+    its state after that position was kept in, into the row that holds its state: speculative
+    decoding, first, since a restore may read a row rolled back here), KV blocks (a snapshot's
+    partial last block into a sequence's own) and state rows (a snapshot into the slot of a
+    sequence starting from it); after it, state rows (a sequence's slot into a new snapshot).
+    Snapshots: kv/state_snapshots.py."""
 
     blocks: tuple[tuple[int, int], ...] = ()
     restores: tuple[tuple[int, int], ...] = ()
     snapshots: tuple[tuple[int, int], ...] = ()
+    rollbacks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,11 @@ class ForwardInput:
     block_size: int
     prompt_logprobs: PromptLogprobsRequest | None = None
     state_copies: StateCopies | None = None
+    # Speculative decoding on a hybrid model: the sequences right after the decodes that
+    # verify drafts, and the scratch rows their linear-attention states after each position
+    # but the last are kept in, sequence by sequence ([sum(query_len - 1)] int64).
+    num_verifies: int = 0
+    verify_scratch: torch.Tensor | None = None
     # Set on a worker once a lane has staged the step: the host half of its attention
     # metadata and that half's tensors on the device (never sent between processes).
     staged_attention: tuple[AttentionPlan, tuple[torch.Tensor, ...]] | None = None

@@ -64,6 +64,10 @@ def build_forward_input(
         tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     )
     num_decodes = sum(1 for q in query_lens if q == 1)
+    verifying = [e for e in entries[num_decodes:] if e.scratch_rows]
+    verify_scratch = None
+    if verifying:
+        verify_scratch = torch.tensor([r for e in verifying for r in e.scratch_rows])
     sample_seqs = [entries[i].seq for i in sample_rows]
     num_drafts = [len(entries[i].draft_token_ids) for i in sample_rows]
     sample_indices = ends[sample_rows] - 1
@@ -92,12 +96,17 @@ def build_forward_input(
         sampling=sampling,
         block_size=block_size,
         prompt_logprobs=prompt_logprobs,
-        state_copies=_state_copies(entries),
+        state_copies=_state_copies(entries, out.rollbacks),
+        num_verifies=len(verifying),
+        verify_scratch=verify_scratch,
     )
 
 
-def _state_copies(entries: list[ScheduledSequence]) -> StateCopies | None:
-    """The snapshot copies the scheduler asked of this step (hybrid prefix caching)."""
+def _state_copies(
+    entries: list[ScheduledSequence], rollbacks: list[tuple[int, int]]
+) -> StateCopies | None:
+    """The state copies the scheduler asked of this step (hybrid models: rollbacks of
+    rejected drafts, prefix caching's snapshots)."""
     blocks = tuple(e.copy_block for e in entries if e.copy_block is not None)
     restores = tuple(
         (e.restore_row, e.seq.state_slot) for e in entries if e.restore_row is not None
@@ -105,9 +114,11 @@ def _state_copies(entries: list[ScheduledSequence]) -> StateCopies | None:
     snapshots = tuple(
         (e.seq.state_slot, e.snapshot_row) for e in entries if e.snapshot_row is not None
     )
-    if not (blocks or restores or snapshots):
+    if not (blocks or restores or snapshots or rollbacks):
         return None
-    return StateCopies(blocks=blocks, restores=restores, snapshots=snapshots)
+    return StateCopies(
+        blocks=blocks, restores=restores, snapshots=snapshots, rollbacks=tuple(rollbacks)
+    )
 
 
 def _verify_rows(

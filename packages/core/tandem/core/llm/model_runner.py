@@ -131,10 +131,11 @@ class ModelRunner:
         return ids, positions, samples, plan.finish(parts, self.device)
 
     def _forward(self, fi: ForwardInput) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's hidden states and sampled rows, with the state snapshots' copies around
-        the forward (hybrid prefix caching)."""
+        """The step's hidden states and sampled rows, with the state rows' copies around the
+        forward (hybrid models: rollbacks of rejected drafts, prefix-caching snapshots)."""
         copies = fi.state_copies
         if copies is not None:
+            copy_rows(self.state_pools, copies.rollbacks)
             copy_rows(self.kv_caches, copies.blocks)
             copy_rows(self.state_pools, copies.restores)
         ids, positions, samples, meta = self._on_device(fi)

@@ -59,6 +59,9 @@ class ScheduledSequence:
     draft_token_ids: tuple[int, ...] = ()
     # How many of them the verification accepted (set once the step completed).
     num_accepted: int = 0
+    # Hybrid models: the scratch rows the linear-attention state after each of the step's
+    # positions but the last is kept in (one per draft), to roll back to.
+    scratch_rows: tuple[int, ...] = ()
     # Hybrid prefix caching: before the step, the snapshot row copied into the sequence's
     # slot and a KV block copied into its own (source, destination); after it, the row its
     # slot is copied to.
@@ -86,6 +89,9 @@ class SchedulerOutput:
     # A decode-only batch left out a sequence that had no room for its next block: only the
     # full path, which preempts, can give it one.
     blocked: bool = False
+    # Hybrid models with speculative decoding: state rows to copy before this step's forward
+    # (scratch row, the row holding a sequence's state) that undo rejected drafts.
+    rollbacks: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -104,12 +110,26 @@ class Scheduler:
         drafter: Drafter | None = None,
         snapshots: StateSnapshotCache | None = None,
         snapshot_interval: int = 512,
+        state_scratch: range | None = None,
     ) -> None:
         """``state_slots``: the linear-attention state slots of a hybrid model (None: the
         model keeps no per-sequence state); ``drafter``: speculative decoding's (None: off);
-        ``snapshots``: the state snapshots of a hybrid model's prefix cache (None: off)."""
+        ``snapshots``: the state snapshots of a hybrid model's prefix cache (None: off);
+        ``state_scratch``: with both a drafter and state slots, the state rows that keep
+        verifying sequences' states position by position (``num_speculative_tokens`` per
+        slot)."""
         self.config = config
         self.drafter = drafter
+        self.state_scratch = state_scratch
+        if drafter is not None and state_slots is not None:
+            per_slot = drafter.config.num_speculative_tokens
+            if state_scratch is None or len(state_scratch) < per_slot * state_slots.num_slots:
+                raise ValueError(
+                    f"speculative decoding on a hybrid model needs {per_slot} scratch state "
+                    f"rows per slot ({state_slots.num_slots} slots), got {state_scratch}"
+                )
+        # Rollbacks of the last step's rejected drafts, for the next step to run first.
+        self._rollbacks: list[tuple[int, int]] = []
         self.block_manager = block_manager
         self.state_slots = state_slots
         self.snapshots = snapshots
@@ -216,8 +236,35 @@ class Scheduler:
             out.scheduled.append(entry)
             budget -= num_new
 
-        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        # Decodes, then sequences verifying drafts, then prefill chunks (the layout the
+        # linear-attention layers of hybrid models read, linear_attention_metadata.py).
+        out.scheduled.sort(
+            key=lambda s: 0 if s.num_new_tokens == 1 else 2 - bool(s.draft_token_ids)
+        )
+        self._give_scratch(out)
+        if out.scheduled:
+            self.take_rollbacks(out)
         return out
+
+    def _give_scratch(self, out: SchedulerOutput) -> None:
+        """Scratch rows for the states of the verifying sequences of a hybrid model: the
+        i-th of the step gets the i-th run of ``num_speculative_tokens`` rows. Rows are reused
+        from step to step: a step's rollbacks run before its forward writes any."""
+        if self.state_slots is None or self.drafter is None or self.state_scratch is None:
+            return
+        per_slot = self.drafter.config.num_speculative_tokens
+        verifying = (e for e in out.scheduled if e.draft_token_ids)
+        for i, entry in enumerate(verifying):
+            first = self.state_scratch[i * per_slot]
+            entry.scratch_rows = tuple(range(first, first + len(entry.draft_token_ids)))
+
+    def take_rollbacks(self, out: SchedulerOutput) -> None:
+        """Hand the pending rollbacks to ``out``, the next step to run."""
+        out.rollbacks, self._rollbacks = self._rollbacks + out.rollbacks, []
+
+    def return_rollbacks(self, out: SchedulerOutput) -> None:
+        """Take back the rollbacks of ``out``, a step that will not run."""
+        self._rollbacks, out.rollbacks = out.rollbacks + self._rollbacks, []
 
     def schedule_decodes(self, exclude: set[str], max_seqs: int) -> SchedulerOutput:
         """A decode-only batch while other steps are in flight: running sequences not in
@@ -335,7 +382,8 @@ class Scheduler:
         """Have the step copy the sequence's state to a new snapshot after it runs, where the
         chunk it computes ends at a place the class docstring names."""
         seq = entry.seq
-        if self.snapshots is None or seq.pending_snapshot is not None:
+        # A verify step's slot holds the state after its drafts too, rejected ones included.
+        if self.snapshots is None or seq.pending_snapshot is not None or entry.draft_token_ids:
             return
         end = seq.num_computed_tokens + entry.num_new_tokens - len(entry.draft_token_ids)
         if end <= seq.last_snapshot_at:
@@ -442,6 +490,11 @@ class Scheduler:
             # Only verified tokens count as computed (and may enter the prefix cache); the
             # KV written at rejected positions is overwritten by later steps.
             seq.num_computed_tokens += entry.num_new_tokens - rejected
+            if rejected and entry.scratch_rows:
+                # The linear-attention state goes back to the one after the last accepted
+                # position (kept in a scratch row), before anything reads the sequence's row
+                # again: the next step's forward, whichever sequence or snapshot holds it then.
+                self._rollbacks.append((entry.scratch_rows[entry.num_accepted], seq.state_slot))
             if rejected:
                 # Blocks taken only for rejected positions go back (the next token's stays).
                 self.block_manager.trim(seq, seq.num_computed_tokens + 1)

@@ -162,6 +162,8 @@ class SteppingBase:
             self.scheduler.finish(entry.seq, "error", error=message)
             self.parts.finished_early(entry.seq)
         if out.is_empty():
+            # Rows rolled back for rejected drafts still need it before the next forward.
+            self.scheduler.return_rollbacks(out)
             return None
         return self.build(out)
 

@@ -123,6 +123,7 @@ class Worker(Generic[StepT, OutT]):
             state_slot_bytes=runner.state_slot_bytes(),
         )
         self.memory = MemoryFootprint(costs.weight_bytes, kv_cache_bytes=0)
+        spec = self.config.speculative
         return size_cache(
             self.config.cache,
             self.config.scheduler.max_seqs_per_batch,
@@ -130,6 +131,7 @@ class Worker(Generic[StepT, OutT]):
             self.runtime.memory_info(self.device),
             costs,
             runner.block_demand(self.config.cache.block_size),
+            scratch_per_slot=spec.num_speculative_tokens if spec is not None else 0,
         )
 
     def agree_cache_size(self, size: CacheSize) -> CacheSize:
@@ -145,7 +147,9 @@ class Worker(Generic[StepT, OutT]):
         )
         self.group.all_reduce(value, ReduceOp.MAX)
         blocks, slots, snapshots = (-int(v) for v in value.tolist())
-        return CacheSize(blocks, slots, snapshots)
+        # Scratch rows go with the slots (the same number per slot on every rank).
+        per_slot = size.num_state_scratch // size.num_state_slots if size.num_state_slots else 0
+        return CacheSize(blocks, slots, snapshots, slots * per_slot)
 
     def init_kv_cache(self, size: CacheSize) -> None:
         block_size = self.config.cache.block_size
