@@ -124,6 +124,26 @@ def test_blocks_stop_at_what_the_running_sequences_can_hold() -> None:
     assert size_cache(tight, 4, CPU, MEMORY, costs, demand) == CacheSize(16, 0)
 
 
+def test_a_hybrid_without_a_snapshot_row_gets_no_blocks_for_the_prefix_cache() -> None:
+    """Without a snapshot row a hybrid serves without prefix caching (the engine turns it
+    off), so its blocks are not doubled for it; ``--state-cache-mb`` too small for one row
+    is refused, naming what one takes."""
+    config = CacheConfig(cpu_memory_gb=1.0, max_memory_utilization=1.0)
+    costs = CacheCosts(weight_bytes=0, block_bytes=1 << 20, state_slot_bytes=3 << 20)
+    cached = sequence_block_demand(4, 100, 16, prefix_cache=True)
+    with_rows = size_cache(config, 4, CPU, MEMORY, costs, cached)
+    assert (with_rows.num_state_snapshots, with_rows.num_blocks) == (16, 56)
+    none = size_cache(replace(config, state_cache_mb=0), 4, CPU, MEMORY, costs, cached)
+    assert (none.num_state_snapshots, none.num_blocks) == (0, 28)
+    # The default, when the state's share holds the slots and nothing more.
+    tight = replace(costs, state_slot_bytes=128 << 20)
+    assert size_cache(config, 4, CPU, MEMORY, tight, cached) == CacheSize(28, 4, 0)
+    with pytest.raises(
+        ConfigError, match=r"--state-cache-mb 2 holds no state snapshot.*at least 3"
+    ):
+        size_cache(replace(config, state_cache_mb=2), 4, CPU, MEMORY, costs, cached)
+
+
 def test_an_explicit_block_count_wins_over_the_demand(caplog: pytest.LogCaptureFixture) -> None:
     costs = CacheCosts(weight_bytes=0, block_bytes=1 << 20, state_slot_bytes=1 << 20)
     demand = sequence_block_demand(2, 32, 16, prefix_cache=False)

@@ -102,6 +102,9 @@ def size_cache(
             )
     scratch = slots * scratch_per_slot
     snapshots = _snapshot_rows(config, slots, affordable - scratch, costs.state_slot_bytes)
+    if snapshots == 0 and demand is not None and demand.without_prefix_cache is not None:
+        # Prefix caching is off without a snapshot row (the engine says so): no blocks for it.
+        demand = demand.without_prefix_cache
     state_bytes = (slots + snapshots + scratch) * costs.state_slot_bytes
     logger.info(
         "linear-attention state on %s: %d slots, %d prefix-cache snapshots and %d scratch rows "
@@ -133,5 +136,13 @@ def _snapshot_rows(config: CacheConfig, slots: int, affordable: int, row_bytes: 
     if not config.enable_prefix_cache:
         return 0
     if config.state_cache_mb is not None:
-        return int(config.state_cache_mb * MIB) // row_bytes
+        rows = int(config.state_cache_mb * MIB) // row_bytes
+        if rows == 0 and config.state_cache_mb > 0:
+            need = -(-row_bytes // MIB)
+            raise ConfigError(
+                f"--state-cache-mb {config.state_cache_mb:g} holds no state snapshot: one takes "
+                f"{row_bytes} bytes; give it at least {need}, or 0 to serve this hybrid model "
+                "without prefix caching"
+            )
+        return rows
     return max(0, min(max(2 * slots, MIN_SNAPSHOTS), affordable - slots))

@@ -48,6 +48,9 @@ class BlockDemand:
 
     blocks: int
     reason: str
+    # The demand should prefix caching be off after all (a hybrid model without room for a
+    # state snapshot serves without it); None when this one does not count it.
+    without_prefix_cache: BlockDemand | None = None
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,11 @@ def sequence_block_demand(
     running = max_seqs * per_seq
     reason = f"{max_seqs} {seqs} of {context_len} {length}, {per_seq} blocks each"
     if prefix_cache:
-        return BlockDemand(2 * running, reason + ", twice over for the prefix cache")
+        return BlockDemand(
+            2 * running,
+            reason + ", twice over for the prefix cache",
+            without_prefix_cache=BlockDemand(running, reason),
+        )
     return BlockDemand(running, reason)
 
 

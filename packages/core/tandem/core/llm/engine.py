@@ -143,10 +143,16 @@ class LLMEngine:
         cache = self.config.cache
         hybrid = self.model_config.has_linear_attention
         if cache.enable_prefix_cache and hybrid and self.executor.num_state_snapshots == 0:
-            logger.info(
+            # Asked for with --state-cache-mb 0; a warning when memory left no room.
+            asked = cache.state_cache_mb is not None
+            logger.log(
+                logging.INFO if asked else logging.WARNING,
                 "prefix caching is off for %s: its linear-attention layers need a state "
-                "snapshot where a cached prefix ends, and --state-cache-mb leaves room for none",
+                "snapshot where a cached prefix ends, and %s",
                 self.model_config.architecture,
+                "--state-cache-mb is 0"
+                if asked
+                else "the state's share of the cache memory has no room for one beside the slots",
             )
             return False
         return cache.enable_prefix_cache

@@ -218,10 +218,8 @@ class LLMRunnerFactory:
             limits=SequenceLimits(
                 max_seqs=config.scheduler.max_seqs_per_batch,
                 context_len=config.model.context_length(self.model_config.max_position_embeddings),
-                # A hybrid model without room for state snapshots serves without it.
-                prefix_cache=config.cache.enable_prefix_cache
-                and not (
-                    self.model_config.has_linear_attention and config.cache.state_cache_mb == 0
-                ),
+                # A hybrid model left without a state snapshot row serves without it
+                # (cache_sizing.py then sizes the blocks without it).
+                prefix_cache=config.cache.enable_prefix_cache,
             ),
         )
