@@ -251,9 +251,9 @@ class StructuredOutputConfig:
             raise ConfigError(f"--grammar-probe-tokens must be >= 0, got {self.probe_tokens}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "mtp")
 # Methods vLLM has that Tandem does not serve yet, named so that the refusal says so.
-_LATER_METHODS = ("mtp", "eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "suffix")
+_LATER_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "suffix")
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 # A verify step runs 1 + K query tokens per sequence; past this, rejected drafts cost more
 # than the weight pass they could save.
@@ -265,7 +265,9 @@ class SpeculativeConfig:
     """Speculative decoding (``--speculative-config``, vLLM's JSON keys and defaults): n-gram
     (prompt lookup) drafts of ``num_speculative_tokens`` tokens, taken from what followed the
     longest suffix n-gram (``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens) that
-    occurred earlier in the prompt and output, verified by the target model in one step."""
+    occurred earlier in the prompt and output; or ("mtp") drafts from the checkpoint's own
+    multi-token-prediction head (Qwen3.5's ``mtp.*``). Either is verified by the target
+    model in one step."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 1

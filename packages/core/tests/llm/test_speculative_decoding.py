@@ -5,17 +5,26 @@ what cannot be verified position by position gets no drafts; unsupported setups 
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from reference_models import write_reference_model
 
 from tandem.core import LLMEngine, SamplingParams
 from tandem.core.config import ParallelConfig, PipelineConfig, SpeculativeConfig
 from tandem.core.errors import ConfigError
 from tandem.core.llm.drafting import Drafter
 from tandem.core.llm.sequence import TokenSequence
+from tandem.core.models.mtp_training import (
+    TrainableHead,
+    load_reference_model,
+    reference_drafts,
+    text_config,
+)
+from tandem.core.models.mtp_writer import initial_head, write_mtp_head
 
 EngineFactory = Callable[..., LLMEngine]
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
@@ -270,3 +279,108 @@ def test_hybrid_next_turns_start_from_states_kept_after_rollbacks(
         turns = [t + list(o.token_ids) + [7, 8] for t, o in zip(turns, spec, strict=True)]
     assert spec_engine.scheduler.snapshot_hits > 0
     assert _accepted_at_every_position(spec_engine) and _rejected(spec_engine) > 0
+
+
+MTP = SpeculativeConfig(method="mtp", num_speculative_tokens=1)
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(hybrid_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny hybrid with a multi-token-prediction head (``mtp.*``) started from its last
+    full-attention layer (untrained: its drafts are mostly rejected)."""
+    folder = tmp_path_factory.mktemp("hybrid-mtp") / "model"
+    shutil.copytree(hybrid_dir, folder)
+    write_mtp_head(folder, initial_head(folder, seed=3))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def moe_mtp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3.5-MoE with a head: its layer is a sparse MoE block too."""
+    folder = tmp_path_factory.mktemp("moe-mtp") / "model"
+    write_reference_model(folder, "Qwen3_5MoeForCausalLM")
+    write_mtp_head(folder, initial_head(folder, seed=3))
+    return folder
+
+
+def _check_head_drafts(folder: Path, seen: list[tuple[list[int], int]]) -> None:
+    """Each draft is transformers' Qwen3.5 layer run as the head over the whole sequence so
+    far, at the position before its last token."""
+    model = load_reference_model(folder)
+    head = TrainableHead(text_config(model))
+    head.load_head({k: v.float() for k, v in initial_head(folder, seed=3).items()})
+    for tokens, draft in seen:
+        assert reference_drafts(model, head, tokens)[-1] == draft, len(tokens)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 24])
+def test_mtp_drafts_keep_greedy_tokens(
+    mtp_dir: Path, make_engine: EngineFactory, max_tokens: int
+) -> None:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    plain = _tokens(make_engine(mtp_dir), params)
+    engine = make_engine(mtp_dir, speculative=MTP)
+    assert _tokens(engine, params) == plain
+    if max_tokens > 1:
+        assert engine.stats.spec_num_drafts > 0
+    assert _all_free(engine)
+
+
+class RecordingDrafter(Drafter):
+    """The engine's own drafter, noting each head draft it hands out with the tokens the
+    sequence had."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        super().__init__(config, uses_processor=lambda seq: False)
+        self.seen: list[tuple[list[int], int]] = []
+
+    def drafts(self, seq: TokenSequence, budget: int) -> tuple[int, ...]:
+        out = super().drafts(seq, budget)
+        if out:
+            self.seen.append((list(seq.token_ids), out[0]))
+        return out
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_mtp_drafts_are_the_heads_prediction_over_the_whole_sequence(
+    mtp_dir: Path, moe_mtp_dir: Path, make_engine: EngineFactory, kind: str
+) -> None:
+    """Each draft equals the head run over the whole sequence so far (transformers' layer):
+    so the head's KV cache holds every earlier position, filled across prefill chunks (a
+    budget of 5 tokens a step) and verify steps, with rejected positions recomputed; greedy
+    tokens stay those of plain decoding."""
+    folder = mtp_dir if kind == "dense" else moe_mtp_dir
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    kw: dict[str, Any] = {"max_tokens_per_batch": 5, "block_size": 4}
+    plain = _tokens(make_engine(folder, **kw), params)
+    engine = make_engine(folder, speculative=MTP, **kw)
+    recorder = RecordingDrafter(MTP)
+    engine.scheduler.drafter = recorder
+    assert _tokens(engine, params) == plain
+    assert len(recorder.seen) > 20
+    _check_head_drafts(folder, recorder.seen)
+
+
+def test_mtp_drafts_on_two_ranks_follow_the_sampled_tokens(
+    mtp_dir: Path, make_engine: EngineFactory
+) -> None:
+    """Tensor-parallel ranks run the head on rank 0's sampled tokens (only rank 0 samples):
+    with random sampling, every draft is still the head's prediction after the token drawn."""
+    params = SamplingParams(max_tokens=16, temperature=0.9, seed=5)
+    tp2 = ParallelConfig(devices="cpu:0,cpu:1", single_process=True)
+    engine = make_engine(mtp_dir, speculative=MTP, parallel=tp2)
+    recorder = RecordingDrafter(MTP)
+    engine.scheduler.drafter = recorder
+    _tokens(engine, params)
+    assert len(recorder.seen) > 10
+    _check_head_drafts(mtp_dir, recorder.seen)
+
+
+def test_mtp_setups_that_cannot_work_are_refused(
+    hybrid_dir: Path, demo_dir: Path, mtp_dir: Path, make_engine: EngineFactory
+) -> None:
+    for folder in (hybrid_dir, demo_dir):
+        with pytest.raises(ConfigError, match=r"has none .*use method 'ngram'"):
+            make_engine(folder, speculative=MTP)
+    with pytest.raises(ConfigError, match="one token a step for now"):
+        make_engine(mtp_dir, speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=2))

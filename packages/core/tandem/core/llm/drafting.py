@@ -9,7 +9,7 @@ still emit (max_tokens, the context) nor past the step's token budget.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tandem.core.config import SpeculativeConfig
 from tandem.core.llm.ngram_proposer import NgramProposer
@@ -22,7 +22,10 @@ class Drafter:
     ) -> None:
         """``uses_processor``: whether a sequence's sampling uses some logits processor."""
         self.config = config
-        self._proposer = NgramProposer(config)
+        self._propose = _head_drafts
+        if config.method == "ngram":
+            proposer = NgramProposer(config)
+            self._propose = lambda seq, room: proposer.propose(seq.token_ids, room)
         self._uses_processor = uses_processor
 
     def may_draft(self, seq: TokenSequence) -> bool:
@@ -41,4 +44,13 @@ class Drafter:
         room = min(budget, seq.max_output_tokens - seq.num_output_tokens) - 1
         if room <= 0 or not self.may_draft(seq):
             return ()
-        return tuple(self._proposer.propose(seq.token_ids, room))
+        return tuple(self._propose(seq, room))
+
+
+def _head_drafts(seq: TokenSequence, room: int) -> Sequence[int]:
+    """The multi-token-prediction head's drafts, made by the worker in the step that
+    sampled the sequence's last token (``SamplerOutput.draft_token_ids``): none when the
+    sequence has moved on since (a stop string cut it, a preemption recomputes it)."""
+    if seq.head_drafts_at != len(seq.token_ids):
+        return ()
+    return seq.head_drafts[:room]

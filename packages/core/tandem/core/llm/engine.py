@@ -66,6 +66,10 @@ class LLMEngine:
         # Unknown architectures fail here, before any worker starts.
         factory = LLMRunnerFactory.from_folder(folder)
         self.model_config = factory.model_config
+        spec = config.speculative
+        if spec is not None and spec.method == "mtp":
+            # Before any worker builds a model without the head it needs.
+            self._check_head(spec.num_speculative_tokens)
         self.tokenizer = Tokenizer(folder)
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.model.max_model_len or limit, limit)
@@ -192,13 +196,20 @@ class LLMEngine:
                 f"{flag} is not supported with --max-concurrency > 1 (pipeline lanes) yet: "
                 "drop one of them"
             )
-        logger.info(
-            "speculative decoding: %s, %d tokens, n-grams of %d to %d tokens",
-            spec.method,
-            spec.num_speculative_tokens,
-            spec.prompt_lookup_min,
-            spec.prompt_lookup_max,
-        )
+        if spec.method == "mtp":
+            logger.info(
+                "speculative decoding: %d token a step drafted by the checkpoint's "
+                "multi-token-prediction head",
+                spec.num_speculative_tokens,
+            )
+        else:
+            logger.info(
+                "speculative decoding: %s, %d tokens, n-grams of %d to %d tokens",
+                spec.method,
+                spec.num_speculative_tokens,
+                spec.prompt_lookup_min,
+                spec.prompt_lookup_max,
+            )
         return Drafter(spec, uses_processor=self.sampling_rows.uses_processor)
 
     def _state_slot_pool(self) -> StateSlotPool | None:
@@ -219,6 +230,21 @@ class LLMEngine:
                 "allocated no state slots for them"
             )
         return StateSlotPool(num_slots, self._sync)
+
+    def _check_head(self, num_tokens: int) -> None:
+        """What the "mtp" method needs: a head in the checkpoint, one draft a step."""
+        flag = "--speculative-config"
+        if self.model_config.mtp_layers < 1:
+            raise ConfigError(
+                f"{flag}: method 'mtp' drafts with the checkpoint's multi-token-prediction "
+                f"head, and this {self.model_config.architecture} checkpoint has none "
+                "(config.json has no mtp_num_hidden_layers); use method 'ngram'"
+            )
+        if num_tokens != 1:
+            raise ConfigError(
+                f"{flag}: method 'mtp' drafts one token a step for now; set "
+                f"num_speculative_tokens to 1 (got {num_tokens})"
+            )
 
     def _state_scratch(self) -> range | None:
         """The state rows where verifying sequences keep their states position by position

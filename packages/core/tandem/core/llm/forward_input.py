@@ -101,6 +101,20 @@ class StateCopies:
 
 
 @dataclass(frozen=True)
+class AheadInputs:
+    """What a multi-token-prediction head needs of a step besides the model's inputs (its
+    input at each token is the token one place ahead): per sequence, the index of its last
+    token in the step and the token after it where the host knows it (a prompt going on;
+    -1 where it is the one sampled this step); per sequence that samples, in sampling
+    order, the index of its last known token (the sampled token follows it, or follows its
+    last accepted draft)."""
+
+    last_index: torch.Tensor  # [B] int64
+    next_ids: torch.Tensor  # [B] int64
+    sampled_after: torch.Tensor  # [S] int64
+
+
+@dataclass(frozen=True)
 class ForwardInput:
     input_ids: torch.Tensor  # [T] tokens of this step, decodes first, then prefill chunks
     positions: torch.Tensor  # [T]
@@ -122,6 +136,8 @@ class ForwardInput:
     # but the last are kept in, sequence by sequence ([sum(query_len - 1)] int64).
     num_verifies: int = 0
     verify_scratch: torch.Tensor | None = None
+    # Speculative decoding's "mtp" method: the head's inputs (None otherwise).
+    ahead: AheadInputs | None = None
     # Set on a worker once a lane has staged the step: the host half of its attention
     # metadata and that half's tensors on the device (never sent between processes).
     staged_attention: tuple[AttentionPlan, tuple[torch.Tensor, ...]] | None = None
@@ -157,3 +173,6 @@ class SamplerOutput:
     # Rows (of token_ids) whose logits processor raised, each with why: their requests end
     # with that error and nothing sampled for them is used. None when none did.
     failed: dict[int, str] | None = None
+    # Speculative decoding's "mtp" method: per sampled sequence, the head's draft of the
+    # token after the one sampled (None: no head).
+    draft_token_ids: list[int] | None = None

@@ -9,6 +9,7 @@ import torch
 
 from tandem.core.kv.block_pool import NULL_BLOCK
 from tandem.core.llm.forward_input import (
+    AheadInputs,
     DraftRows,
     ForwardInput,
     GrammarMasks,
@@ -26,12 +27,14 @@ def build_forward_input(
     block_size: int,
     rows: SamplingRows | None = None,
     alone: bool = True,
+    ahead: bool = False,
 ) -> ForwardInput:
     """The step's tensors, built with numpy on the host: a handful of small array ops that
     never release the GIL (each torch op would, and under a busy event loop every release
     can cost a wait for the GIL back), then handed to torch without a copy. ``rows``: the
     engine's logits-processor slots, assigned last (only a step that is built takes them);
-    ``alone``: no other step is in flight (``SamplingRows.assign``)."""
+    ``alone``: no other step is in flight (``SamplingRows.assign``); ``ahead``: a
+    multi-token-prediction head drafts (``AheadInputs``)."""
     entries = out.scheduled
     num_seqs = len(entries)
     query_lens: list[int] = []
@@ -99,6 +102,29 @@ def build_forward_input(
         state_copies=_state_copies(entries, out.rollbacks),
         num_verifies=len(verifying),
         verify_scratch=verify_scratch,
+        ahead=_ahead_inputs(entries, starts, ends, sample_rows, num_drafts) if ahead else None,
+    )
+
+
+def _ahead_inputs(
+    entries: list[ScheduledSequence],
+    starts: list[int],
+    ends: np.ndarray,
+    sample_rows: list[int],
+    num_drafts: list[int],
+) -> AheadInputs:
+    """Where each sequence's tokens end, the prompt token after a chunk that does not reach
+    the prompt's end (-1 for sequences that sample: their next token is this step's), and
+    each sampling sequence's last known token."""
+    next_ids = [
+        -1 if e.samples else e.seq.token_ids[start + e.num_new_tokens]
+        for e, start in zip(entries, starts, strict=True)
+    ]
+    after = ends[sample_rows] - 1 - np.array(num_drafts, dtype=np.int64)
+    return AheadInputs(
+        last_index=torch.from_numpy(ends - 1),
+        next_ids=torch.tensor(next_ids, dtype=torch.int64),
+        sampled_after=torch.from_numpy(after.astype(np.int64)),
     )
 
 

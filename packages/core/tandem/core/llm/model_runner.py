@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.collectives import ProcessGroup
 from tandem.core.kernels.attention_metadata import AttentionMetadata
 from tandem.core.kernels.cpu.packed_linear import packed_bytes
 from tandem.core.kernels.device_copy import to_device_once
@@ -26,7 +27,7 @@ from tandem.core.layers.linear_attention_state import (
 )
 from tandem.core.layers.weights import parameter_bytes
 from tandem.core.llm.attention_metadata import plan_attention_metadata
-from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
+from tandem.core.llm.forward_input import AheadInputs, ForwardInput, SamplerOutput
 from tandem.core.llm.logits_processor import ProcessorContext
 from tandem.core.llm.logits_processors import LogitsProcessors
 from tandem.core.llm.prompt_logprobs import score_prompt
@@ -50,9 +51,13 @@ class ModelRunner:
         samples: bool,
         processors: LogitsProcessors | None = None,
         limits: SequenceLimits | None = None,
+        group: ProcessGroup | None = None,
     ) -> None:
-        """``limits``: what bounds the KV cache beside memory (None: memory alone)."""
+        """``limits``: what bounds the KV cache beside memory (None: memory alone);
+        ``group``: the tensor-parallel ranks (a multi-token-prediction head's input needs
+        the sampled tokens on every rank; None: one rank)."""
         self.model = model
+        self.group = group
         self._limits = limits
         self.device = device
         self.dtype = dtype
@@ -130,7 +135,7 @@ class ModelRunner:
         ids, positions, samples, *parts = moved
         return ids, positions, samples, plan.finish(parts, self.device)
 
-    def _forward(self, fi: ForwardInput) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, fi: ForwardInput) -> tuple[torch.Tensor, torch.Tensor, _StepTensors]:
         """The step's hidden states and sampled rows, with the state rows' copies around the
         forward (hybrid models: rollbacks of rejected drafts, prefix-caching snapshots)."""
         copies = fi.state_copies
@@ -142,12 +147,14 @@ class ModelRunner:
         hidden = self.model(ids, positions, meta)
         if copies is not None:
             copy_rows(self.state_pools, copies.snapshots)
-        return hidden, samples
+        return hidden, samples, _StepTensors(ids, positions, meta)
 
     @torch.inference_mode()
     def execute(self, fi: ForwardInput, state: LaneState | None = None) -> SamplerOutput | None:
-        hidden, samples = self._forward(fi)
+        hidden, samples, step = self._forward(fi)
         out = self._sample(hidden, samples, fi)
+        if fi.ahead is not None:
+            out = self._draft_ahead(fi.ahead, step, hidden, out)
         if fi.prompt_logprobs is None:
             return out
         scored = score_prompt(
@@ -169,11 +176,65 @@ class ModelRunner:
             return None
         return self.sampler(logits, fi.sampling)
 
+    def _draft_ahead(
+        self,
+        ahead: AheadInputs,
+        step: _StepTensors,
+        hidden: torch.Tensor,
+        out: SamplerOutput | None,
+    ) -> SamplerOutput | None:
+        """Run the multi-token-prediction head over the step's tokens (filling its KV cache
+        at every position, as the model's layers do) and draft, per sequence that sampled,
+        the token after the sampled one: the head's argmax at its last accepted position.
+
+        The head's input at a token is the token one place ahead: the step's next token,
+        the prompt's next one for a chunk cut short, the sampled token after a sequence's
+        last accepted position. Inputs at rejected positions are wrong and so is what the
+        head caches there, but the next step computes those positions again."""
+        last, host_next, after = to_device_once(
+            [ahead.last_index, ahead.next_ids, ahead.sampled_after], self.device
+        )
+        sampled = self._sampled_on_every_rank(out, int(ahead.sampled_after.shape[0]))
+        next_ids = step.ids.roll(-1)
+        next_ids[last] = torch.where(host_next >= 0, host_next, next_ids[last])
+        rows = after + sampled[1]
+        next_ids[rows] = sampled[0]
+        predicted = self.model.predict_ahead(next_ids, step.positions, hidden, step.meta)
+        if rows.numel() == 0:
+            return out
+        # On every rank: the logits are gathered across them.
+        drafts = self.model.compute_logits(predicted[rows]).argmax(dim=-1)
+        if out is None:
+            return None
+        return replace(out, draft_token_ids=drafts.tolist())
+
+    def _sampled_on_every_rank(self, out: SamplerOutput | None, count: int) -> torch.Tensor:
+        """[2, count] on the device: the tokens sampled on rank 0 and how many drafts each
+        sequence had accepted, on every rank (only rank 0 samples)."""
+        values = torch.zeros(2, count, dtype=torch.int64)
+        if out is not None and count:
+            values[0] = torch.tensor(out.token_ids, dtype=torch.int64)
+            if out.num_accepted is not None:
+                values[1] = torch.tensor(out.num_accepted, dtype=torch.int64)
+        moved = values.to(self.device)
+        if self.group is None or self.group.size == 1:
+            return moved
+        return self.group.broadcast(moved, root=0)
+
     @torch.inference_mode()
     def prompt_logits(self, fi: ForwardInput) -> torch.Tensor:
         """Logits of every token of the step (for checks against a reference model)."""
-        hidden, _ = self._forward(fi)
+        hidden, _, _ = self._forward(fi)
         return self.model.compute_logits(hidden).float().cpu()
+
+
+@dataclass(frozen=True)
+class _StepTensors:
+    """The step's inputs on the device and its attention metadata."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -195,8 +256,12 @@ class LLMRunnerFactory:
         dtype = resolve_dtype(
             config.model.dtype, self.model_config.checkpoint_dtype, context.device.kind
         )
+        model_config = self.model_config
+        spec = config.speculative
+        if spec is not None and spec.method == "mtp":
+            model_config = replace(model_config, serve_mtp=True)
         model = load_model(
-            Path(config.model.model), self.model_config, context.group, dtype, context.torch_device
+            Path(config.model.model), model_config, context.group, dtype, context.torch_device
         )
         samples = context.group.rank == 0
         processors = None
@@ -222,4 +287,5 @@ class LLMRunnerFactory:
                 # (cache_sizing.py then sizes the blocks without it).
                 prefix_cache=config.cache.enable_prefix_cache,
             ),
+            group=context.group,
         )

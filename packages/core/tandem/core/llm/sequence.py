@@ -64,6 +64,10 @@ class TokenSequence:
     last_snapshot_at: int = 0
     # Its last snapshot inside a long prefill: the next one supersedes it.
     interval_snapshot: Snapshot | None = None
+    # Speculative decoding's "mtp" method: the head's drafts of the tokens after the last
+    # one, made when the sequence had ``head_drafts_at`` tokens (stale once it has more).
+    head_drafts: tuple[int, ...] = ()
+    head_drafts_at: int = -1
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None

@@ -26,10 +26,15 @@ def append_sampled(
     for entry in sched_out.scheduled:
         if not entry.samples:
             continue
-        if entry.seq.status is SequenceStatus.RUNNING:
-            if entry.seq.request_id not in ended:
-                entry.seq.token_ids.append(result.token_ids[row])
-            sampled.append((entry.seq, row))
+        seq = entry.seq
+        if seq.status is SequenceStatus.RUNNING:
+            if seq.request_id not in ended:
+                seq.token_ids.append(result.token_ids[row])
+                if result.draft_token_ids is not None:
+                    # The head drafted what follows the token just appended.
+                    seq.head_drafts = (result.draft_token_ids[row],)
+                    seq.head_drafts_at = len(seq.token_ids)
+            sampled.append((seq, row))
         row += 1
     return sampled
 

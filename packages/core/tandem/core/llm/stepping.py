@@ -124,6 +124,9 @@ class SteppingBase:
         self.in_flight = parts.in_flight
         self.watch = parts.watch
         self.sync = parts.sync
+        spec = parts.config.speculative
+        # A multi-token-prediction head drafts on the workers, from inputs built with the step.
+        self._ahead = spec is not None and spec.method == "mtp"
 
     def on_sampled(self, sampled: list[Sampled]) -> None:
         return None
@@ -147,7 +150,11 @@ class SteppingBase:
         block_size = self.parts.config.cache.block_size
         try:
             return build_forward_input(
-                out, block_size, self.parts.sampling_rows, alone=not self.in_flight.steps
+                out,
+                block_size,
+                self.parts.sampling_rows,
+                alone=not self.in_flight.steps,
+                ahead=self._ahead,
             )
         except Exception:
             logger.exception("building a batch of %d requests failed", len(out.scheduled))

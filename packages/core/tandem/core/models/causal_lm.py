@@ -61,6 +61,18 @@ class CausalLM(nn.Module):
         the slots' pool and turns prefix caching off from it; start-up checks both agree)."""
         return []
 
+    def predict_ahead(
+        self,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """A multi-token-prediction head's hidden states (models built with ``serve_mtp``):
+        at each of ``positions``, from the token one place ahead (``next_ids``) and this
+        model's final ``hidden`` state there; their logits predict the token after."""
+        raise NotImplementedError(f"{self.config.architecture} has no multi-token prediction")
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 

@@ -38,6 +38,11 @@ class ModelConfig:
     # ``quantization_config.py``); None: float. Keyword-only so that subclasses' fields need
     # no defaults.
     quantization: QuantScheme | None = field(default=None, kw_only=True)
+    # Layers of the multi-token-prediction head the checkpoint ships (Qwen3.5's ``mtp.*``,
+    # ``mtp_num_hidden_layers``); 0: none.
+    mtp_layers: int = field(default=0, kw_only=True)
+    # Build and load that head: speculative decoding's "mtp" method drafts with it.
+    serve_mtp: bool = field(default=False, kw_only=True)
 
     @property
     def has_linear_attention(self) -> bool:

@@ -22,6 +22,8 @@ Driving it (the engine's side of the contract):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
@@ -39,10 +41,12 @@ from tandem.core.layers.gated_attention import GatedAttention
 from tandem.core.layers.gated_delta_net import GatedDeltaNet
 from tandem.core.layers.linear_attention_state import state_bytes_per_slot
 from tandem.core.layers.partial_rotary import PartialRotaryEmbedding
+from tandem.core.layers.weights import LazyTensor
 from tandem.core.layers.zero_centered_rms_norm import ZeroCenteredRMSNorm
 from tandem.core.models.causal_lm import CausalLM
 from tandem.core.models.decoder import DecoderMLP
 from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.multi_token_predictor import MultiTokenPredictor
 from tandem.core.models.qwen3_family_config import (
     LINEAR_ATTENTION,
     Qwen3FamilyConfig,
@@ -50,21 +54,31 @@ from tandem.core.models.qwen3_family_config import (
     parse_family_config,
 )
 from tandem.core.models.qwen3_moe import sparse_moe_block
-from tandem.core.models.weight_mapping import QKV_GATE_UP, WeightMapping
+from tandem.core.models.weight_mapping import QKV_GATE_UP, WeightMapping, load_mapped_weights
 
 # Where the text model's tensors live: under the language model of a composite checkpoint,
 # else under ``model.`` (transformers loads both into either class).
 _TEXT_PREFIXES = ("model.language_model.", "model.")
-# Tensors a text-only model does not use: the vision tower, the multi-token-prediction head.
+# Tensors a text-only model does not use: the vision tower, the multi-token-prediction head
+# (unless speculative decoding drafts with it).
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+_SKIPPED_WITH_MTP = ("model.visual.",)
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3FamilyConfig, index: int, group: ProcessGroup):
+    def __init__(
+        self,
+        config: Qwen3FamilyConfig,
+        index: int,
+        group: ProcessGroup,
+        full_attention: bool = False,
+    ):
+        """Layer ``index`` of the model (``full_attention``: gated full attention whatever
+        ``layer_types`` says, as the multi-token-prediction head's layer)."""
         super().__init__()
         self.linear_attn: GatedDeltaNet | None = None
         self.self_attn: GatedAttention | None = None
-        if config.layer_types[index] == LINEAR_ATTENTION:
+        if config.layer_types[index] == LINEAR_ATTENTION and not full_attention:
             self.linear_attn = GatedDeltaNet(
                 config.hidden_size,
                 num_k_heads=config.linear_num_key_heads,
@@ -137,15 +151,33 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.lm_head = ParallelLMHead(family.vocab_size, family.hidden_size, group)
         if family.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.mtp: MultiTokenPredictor | None = None
+        if family.serve_mtp:
+            if family.mtp_layers < 1:
+                raise ValueError(
+                    f"{family.architecture} checkpoint has no multi-token-prediction head "
+                    "(mtp_num_hidden_layers is 0 or missing in config.json)"
+                )
+            last = family.num_layers - 1  # the head's layer is of the model's last kind
+            self.mtp = MultiTokenPredictor(
+                family.hidden_size,
+                family.rms_norm_eps,
+                [
+                    Qwen3_5DecoderLayer(family, last, group, full_attention=True)
+                    for _ in range(family.mtp_layers)
+                ],
+            )
 
     def _decoder_layers(self) -> list[Qwen3_5DecoderLayer]:
         return [cast(Qwen3_5DecoderLayer, layer) for layer in self.layers]
 
     def attention_layers(self) -> list[PagedAttention]:
-        """The full-attention layers' paged attention, in layer order (for the KV cache)."""
-        return [
-            layer.self_attn.attn for layer in self._decoder_layers() if layer.self_attn is not None
-        ]
+        """The full-attention layers' paged attention, in layer order (for the KV cache), then
+        the multi-token-prediction head's when it is served."""
+        layers = list(self._decoder_layers())
+        if self.mtp is not None:
+            layers += [cast(Qwen3_5DecoderLayer, layer) for layer in self.mtp.layers]
+        return [layer.self_attn.attn for layer in layers if layer.self_attn is not None]
 
     def linear_attention_layers(self) -> list[GatedDeltaNet]:
         """The linear-attention layers, in layer order (for the state-slot pools)."""
@@ -186,6 +218,31 @@ class Qwen3_5ForCausalLM(CausalLM):
             x = layer(x, self.rotary, cos, sin, meta)
         out: torch.Tensor = self.norm(x)
         return out
+
+    def predict_ahead(
+        self,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The multi-token-prediction head's final hidden states at ``positions``, from the
+        tokens one place ahead and this model's ``hidden`` states there (``compute_logits``
+        of them predicts the tokens two places ahead)."""
+        if self.mtp is None:
+            raise RuntimeError("the model was built without its multi-token-prediction head")
+        out: torch.Tensor = self.mtp(
+            self.embed_tokens(next_ids), hidden, self.rotary, positions, meta
+        )
+        return out
+
+    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> set[str]:
+        mapping = self.WEIGHTS
+        if self.mtp is not None:
+            mapping = replace(mapping, unused_prefixes=_SKIPPED_WITH_MTP, unused="the vision tower")
+        return load_mapped_weights(
+            self, weights, mapping, self.config.architecture, self.config.tie_word_embeddings
+        )
 
     WEIGHTS = WeightMapping(
         fused=(

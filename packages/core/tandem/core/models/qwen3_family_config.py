@@ -236,6 +236,7 @@ def parse_family_config(raw: dict[str, Any], arch: str) -> Qwen3FamilyConfig:
         linear_key_head_dim=int(get("linear_key_head_dim")) if qwen3_5 else 0,
         linear_value_head_dim=int(get("linear_value_head_dim")) if qwen3_5 else 0,
         linear_conv_kernel_dim=int(get("linear_conv_kernel_dim")) if qwen3_5 else 0,
+        mtp_layers=int(text.get("mtp_num_hidden_layers") or 0) if qwen3_5 else 0,
     )
 
 

@@ -245,7 +245,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="speculative decoding, as a JSON object with vLLM's keys, e.g. '{\"method\": "
         '"ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": '
-        "2}'; method: ngram (dense models, one step at a time)",
+        "2}'; method: ngram (prompt lookup), or mtp (num_speculative_tokens 1: the "
+        "checkpoint's multi-token-prediction head, Qwen3.5); steps run one at a time",
     )
     g.add_argument(
         "--engine-seed",
