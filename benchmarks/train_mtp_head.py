@@ -143,7 +143,7 @@ def main() -> int:
                 "step %d/%d: loss %.3f, held-out accuracy %.3f (%.0f s)",
                 step,
                 args.steps,
-                float(loss),
+                loss.item(),
                 accuracy(head, model, held),
                 time.monotonic() - started,
             )
