@@ -119,9 +119,9 @@ def test_an_unknown_preset_of_a_kind_is_refused(tmp_path: Path) -> None:
                 "--prompt",
                 "x",
                 "--speculative-config",
-                '{"method": "mtp", "num_speculative_tokens": 1}',
+                '{"method": "eagle", "num_speculative_tokens": 1}',
             ],
-            "method 'mtp' (not served yet) is not supported; supported: 'ngram'",
+            "method 'eagle' (not served yet) is not supported; supported: 'ngram', 'mtp'",
         ),
         (
             [

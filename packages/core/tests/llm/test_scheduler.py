@@ -143,6 +143,21 @@ def test_a_decode_with_drafts_schedules_them_within_the_token_budget() -> None:
     assert steps == [[(3, ())], [(3, ())], [(3, (7, 1))], [(3, (1, 2))]]
 
 
+def test_a_one_token_chunk_inside_a_prompt_gets_no_drafts() -> None:
+    """A prefill cut one token short of a planned snapshot (hybrid prefix caching) has budget
+    left, but its step samples nothing: drafts (here found in the prompt's own repeats) would
+    have nothing to be checked against, and would take the place of prompt tokens."""
+    s = _drafting_scheduler(num_blocks=64, tokens=3)
+    seq = TokenSequence("q", [1, 2, 1, 2, 1, 2], SamplingParams(max_tokens=9), frozenset(), 99)
+    s.add(seq)
+    _complete(s, s.schedule())  # the first 3 prompt tokens
+    seq.snapshot_cut = 4  # the scheduler plans one here when a cached prefix ends there
+    out = s.schedule()
+    assert [(e.num_new_tokens, e.draft_token_ids, e.samples) for e in out.scheduled] == [
+        (1, (), False)
+    ]
+
+
 def test_drafts_are_dropped_rather_than_preempt_anyone() -> None:
     # Two blocks hold the 8 tokens: drafts would need a third, and none is free.
     s = _drafting_scheduler(num_blocks=2, tokens=64)

@@ -92,12 +92,19 @@ class LinearAttentionMetadata:
     # Known on the host: every decode continues a state (always so in the engine, where a
     # decode follows its prompt), so kernels skip selecting zeros over the decode states.
     decodes_have_initial_state: bool
-    # The sequences after the decodes that verify drafts (None: none do).
+    # The sequences after the decodes that verify drafts (None: none do), and how many.
     verify: LinearVerifyIndices | None = None
+    num_verifies: int = 0
 
     @property
     def num_verify_tokens(self) -> int:
         return 0 if self.verify is None else self.verify.num_tokens
+
+    @property
+    def prefill_query_start_loc(self) -> torch.Tensor:
+        """[P + 1] where each prefill sequence's tokens start in the step (the first entry is
+        where the prefill part starts: after the decodes and the verifying sequences)."""
+        return self.query_start_loc[self.num_decodes + self.num_verifies :]
 
     @property
     def decode_slots(self) -> torch.Tensor:
@@ -173,6 +180,7 @@ def plan_linear_attention_metadata(
             has_initial_state=has_initial,
             num_decodes=num_decodes,
             verify=verify(parts) if verify else None,
+            num_verifies=num_verifies,
             prefill=prefill(parts) if prefill else None,
             decodes_have_initial_state=decodes_have_initial_state,
         )

@@ -50,7 +50,8 @@ class Drafter:
 def _head_drafts(seq: TokenSequence, room: int) -> Sequence[int]:
     """The multi-token-prediction head's drafts, made by the worker in the step that
     sampled the sequence's last token (``SamplerOutput.draft_token_ids``): none when the
-    sequence has moved on since (a stop string cut it, a preemption recomputes it)."""
+    sequence has other tokens since. A preempted sequence asks again only after its
+    recomputed prefill has sampled, which drafts anew."""
     if seq.head_drafts_at != len(seq.token_ids):
         return ()
     return seq.head_drafts[:room]

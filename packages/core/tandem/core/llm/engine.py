@@ -156,7 +156,8 @@ class LLMEngine:
                 self.model_config.architecture,
                 "--state-cache-mb is 0"
                 if asked
-                else "the state's share of the cache memory has no room for one beside the slots",
+                else "the state's share of the cache memory has no room for one beside the "
+                "slots (and their scratch rows for speculative drafts)",
             )
             return False
         return cache.enable_prefix_cache

@@ -117,7 +117,7 @@ def _ahead_inputs(
     the prompt's end (-1 for sequences that sample: their next token is this step's), and
     each sampling sequence's last known token."""
     next_ids = [
-        -1 if e.samples else e.seq.token_ids[start + e.num_new_tokens]
+        -1 if e.samples else e.seq.token_ids[start + e.num_new_tokens - len(e.draft_token_ids)]
         for e, start in zip(entries, starts, strict=True)
     ]
     after = ends[sample_rows] - 1 - np.array(num_drafts, dtype=np.int64)

@@ -217,7 +217,8 @@ class ModelRunner:
             if out.num_accepted is not None:
                 values[1] = torch.tensor(out.num_accepted, dtype=torch.int64)
         moved = values.to(self.device)
-        if self.group is None or self.group.size == 1:
+        # ``count`` is the same on every rank: a step that samples nothing broadcasts nothing.
+        if self.group is None or self.group.size == 1 or count == 0:
             return moved
         return self.group.broadcast(moved, root=0)
 

@@ -459,8 +459,10 @@ class Scheduler:
 
     def _drafts(self, seq: TokenSequence, num_new: int, budget: int) -> tuple[int, ...]:
         """Draft tokens for a decode (one token to compute), if the KV blocks they need are
-        free: drafts never cause a preemption (without them the step is still whole)."""
-        if self.drafter is None or num_new != 1:
+        free: drafts never cause a preemption (without them the step is still whole). Not
+        for a one-token chunk of a prefill (a cut short of a snapshot): its step samples
+        nothing, so there is nothing to verify a draft against."""
+        if self.drafter is None or num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1:
             return ()
         drafts = self.drafter.drafts(seq, budget)
         if drafts and not self.block_manager.can_append(seq, 1 + len(drafts)):

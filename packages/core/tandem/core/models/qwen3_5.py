@@ -173,10 +173,11 @@ class Qwen3_5ForCausalLM(CausalLM):
 
     def attention_layers(self) -> list[PagedAttention]:
         """The full-attention layers' paged attention, in layer order (for the KV cache), then
-        the multi-token-prediction head's when it is served."""
+        the multi-token-prediction head's when it is served (its first layer: the one that
+        drafts; any further ones are loaded, not run)."""
         layers = list(self._decoder_layers())
         if self.mtp is not None:
-            layers += [cast(Qwen3_5DecoderLayer, layer) for layer in self.mtp.layers]
+            layers.append(cast(Qwen3_5DecoderLayer, self.mtp.layers[0]))
         return [layer.self_attn.attn for layer in layers if layer.self_attn is not None]
 
     def linear_attention_layers(self) -> list[GatedDeltaNet]:

@@ -44,7 +44,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tandem.core.kernels.linear_attention_metadata import LinearAttentionMetadata
+from tandem.core.kernels.linear_attention_metadata import (
+    LinearAttentionMetadata,
+    build_linear_attention_metadata,
+)
 from tandem.core.kernels.reference import causal_conv1d as conv_ref
 from tandem.core.kernels.reference import gated_delta_rule as delta_ref
 from tandem.core.kernels.triton import causal_conv1d as conv
@@ -231,6 +234,33 @@ def test_delta_prefill_varlen_matches_the_reference() -> None:
     check(states[1:], want_states[1:], bound)
     untouched = [5, 7]
     assert torch.equal(states[untouched], want_states[untouched])
+
+
+def test_delta_prefill_after_verifying_sequences_reads_its_own_bounds() -> None:
+    """A step of a hybrid model with speculative drafts: a decode, two sequences verifying
+    drafts (3 and 2 tokens, run by the decode kernels), then two prefill chunks. The prefill
+    kernel gets the prefill tokens only, and must find each chunk's bounds past the verifying
+    sequences, not past the decodes alone."""
+    lens, slots = [1, 3, 2, 7, 5], [1, 2, 3, 4, 5]
+    query_lens = torch.tensor(lens)
+    meta = build_linear_attention_metadata(
+        query_lens,
+        query_lens + torch.tensor([50, 50, 50, 0, 20]),
+        torch.tensor(slots),
+        num_decodes=1,
+        conv_kernel_size=K,
+        device=torch.device("cpu"),
+        num_verifies=2,
+        verify_scratch=torch.tensor([10, 11, 12]),
+    )
+    d = _delta_inputs(12, seed=4)
+    states = torch.randn(16, HV, DK, DV)
+    want_states = states.clone()
+    want = run_delta(delta_ref.chunk_gated_delta_rule, d, want_states, meta)
+    got = run_delta(delta.chunk_gated_delta_rule, d, states, meta)
+    bound = delta_bound(want, magnitude(states, want_states, d.v), kernel_chunks(meta, 7))
+    check(got, want, bound)
+    check(states[[4, 5]], want_states[[4, 5]], bound)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

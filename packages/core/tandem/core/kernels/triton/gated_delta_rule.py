@@ -459,7 +459,7 @@ def chunk_gated_delta_rule(
     assert p is not None
     q, k, v, g, beta = _contiguous_rows(q, k, v, g, beta)
     _check_pool(states)
-    starts = meta.query_start_loc[meta.num_decodes :]
+    starts = meta.prefill_query_start_loc
     num_tokens, num_heads, value_dim = v.shape
     key_dim = q.shape[2]
     num_seqs = p.state_slots.shape[0]
