@@ -67,10 +67,10 @@ class LinearPrefillIndices:
 
 @dataclass
 class LinearVerifyPosition:
-    """Position j of the verifying sequences that have a token there."""
+    """Position j of the verifying sequences that have a token there (``meta.num_decodes``
+    of them, their tokens the next run of ``LinearVerifyIndices.order``)."""
 
-    token_index: torch.Tensor  # [n] int64: their tokens, counted from the verify part's first
-    meta: LinearAttentionMetadata  # decode metadata of those n sequences (their own slots)
+    meta: LinearAttentionMetadata  # decode metadata of those sequences (their own slots)
     num_saved: int  # how many of them have a token after this one
     save_from: torch.Tensor  # [num_saved] int64: their slots, whose state after j is kept
     save_to: torch.Tensor  # [num_saved] int64: the scratch rows it is copied to
@@ -79,6 +79,10 @@ class LinearVerifyPosition:
 @dataclass
 class LinearVerifyIndices:
     num_tokens: int
+    # The verify part's tokens (counted from its first) position by position: every
+    # sequence's token 0, then every token 1, ...; a layer gathers its inputs in this order
+    # once and hands each position a contiguous run of them.
+    order: torch.Tensor  # [num_tokens] int64
     positions: list[LinearVerifyPosition]
 
 
@@ -191,8 +195,8 @@ def plan_linear_attention_metadata(
 def _plan_verify(
     lens: torch.Tensor, slots: torch.Tensor, scratch: torch.Tensor, tensors: list[torch.Tensor]
 ) -> Callable[[Iterator[torch.Tensor]], LinearVerifyIndices]:
-    """Per position j, the verifying sequences with a token there: that token, their slots,
-    and where the state after j of those with a later token goes."""
+    """Per position j, the verifying sequences with a token there: their slots, and where
+    the state after j of those with a later token goes; and the tokens in position order."""
     starts = torch.cumsum(lens, 0) - lens
     kept = lens - 1  # states kept per sequence: after every position but the last
     scratch_start = torch.cumsum(kept, 0) - kept
@@ -202,12 +206,13 @@ def _plan_verify(
             f"{int(kept.sum())} states"
         )
     sizes: list[tuple[int, int]] = []
+    order = []
     for j in range(int(lens.max())):
         active = (lens > j).nonzero().squeeze(1)
         saved = (lens > j + 1).nonzero().squeeze(1)
         n = int(active.shape[0])
+        order.append(starts[active] + j)
         tensors += [
-            starts[active] + j,
             slots[active],
             torch.arange(n + 1, dtype=torch.int64),
             torch.ones(n, dtype=torch.bool),
@@ -216,12 +221,13 @@ def _plan_verify(
         ]
         sizes.append((n, int(saved.shape[0])))
     num_tokens = int(lens.sum())
+    tensors.append(torch.cat(order))
 
     def finish(parts: Iterator[torch.Tensor]) -> LinearVerifyIndices:
         positions = []
         for n, num_saved in sizes:
-            token_index, position_slots, starts, has_initial, save_from, save_to = (
-                next(parts) for _ in range(6)
+            position_slots, starts, has_initial, save_from, save_to = (
+                next(parts) for _ in range(5)
             )
             meta = LinearAttentionMetadata(
                 state_slots=position_slots,
@@ -231,8 +237,8 @@ def _plan_verify(
                 prefill=None,
                 decodes_have_initial_state=True,
             )
-            positions.append(LinearVerifyPosition(token_index, meta, num_saved, save_from, save_to))
-        return LinearVerifyIndices(num_tokens, positions)
+            positions.append(LinearVerifyPosition(meta, num_saved, save_from, save_to))
+        return LinearVerifyIndices(num_tokens, next(parts), positions)
 
     return finish
 

@@ -24,6 +24,8 @@ copying that row into its slot before the next step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +36,7 @@ from tandem.core.kernels.attention_metadata import AttentionMetadata
 from tandem.core.kernels.linear_attention_metadata import (
     LinearAttentionMetadata,
     LinearVerifyIndices,
+    LinearVerifyPosition,
 )
 from tandem.core.kernels.reference.causal_conv1d import check_activation
 from tandem.core.layers.gated_rms_norm import GatedRMSNorm
@@ -176,18 +179,14 @@ class GatedDeltaNet(nn.Module):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _verify_conv(self, x: torch.Tensor, verify: LinearVerifyIndices) -> torch.Tensor:
-        out = torch.empty_like(x)
-        for p in verify.positions:
-            y = self._conv_update(
-                x.index_select(0, p.token_index),
-                self.conv1d.weight,
-                self.conv_state,
-                p.meta,
-                self.activation,
+        def step(p: LinearVerifyPosition, xs: list[torch.Tensor]) -> torch.Tensor:
+            y: torch.Tensor = self._conv_update(
+                xs[0], self.conv1d.weight, self.conv_state, p.meta, self.activation
             )
-            out.index_copy_(0, p.token_index, y)
-            _keep(self.conv_state, p.num_saved, p.save_from, p.save_to)
-        return out
+            _keep(self.conv_state, p)
+            return y
+
+        return _by_position(verify, [x], step)
 
     def _delta(
         self,
@@ -222,24 +221,36 @@ class GatedDeltaNet(nn.Module):
         verify: LinearVerifyIndices,
     ) -> torch.Tensor:
         state = self.recurrent_state
-        out = torch.empty_like(v)
-        for p in verify.positions:
-            i = p.token_index
-            y = self._delta_step(
-                q.index_select(0, i),
-                k.index_select(0, i),
-                v.index_select(0, i),
-                g.index_select(0, i),
-                beta.index_select(0, i),
-                state,
-                p.meta,
-            )
-            out.index_copy_(0, i, y)
-            _keep(state, p.num_saved, p.save_from, p.save_to)
-        return out
+
+        def step(p: LinearVerifyPosition, xs: list[torch.Tensor]) -> torch.Tensor:
+            y: torch.Tensor = self._delta_step(*xs, state, p.meta)
+            _keep(state, p)
+            return y
+
+        return _by_position(verify, [q, k, v, g, beta], step)
 
 
-def _keep(pool: torch.Tensor, num: int, rows: torch.Tensor, to: torch.Tensor) -> None:
-    """Copy ``num`` state rows to their scratch rows (sources and destinations disjoint)."""
-    if num:
-        pool.index_copy_(0, to, pool.index_select(0, rows))
+def _by_position(
+    verify: LinearVerifyIndices,
+    inputs: list[torch.Tensor],
+    step: Callable[[LinearVerifyPosition, list[torch.Tensor]], torch.Tensor],
+) -> torch.Tensor:
+    """``step`` on each position's run of ``inputs`` (the verify part's rows, gathered in
+    position order once), the outputs put back in token order once."""
+    gathered = [x.index_select(0, verify.order) for x in inputs]
+    outs, start = [], 0
+    for p in verify.positions:
+        end = start + p.meta.num_decodes
+        outs.append(step(p, [x[start:end] for x in gathered]))
+        start = end
+    joined = torch.cat(outs)
+    out = torch.empty_like(joined)
+    out.index_copy_(0, verify.order, joined)
+    return out
+
+
+def _keep(pool: torch.Tensor, p: LinearVerifyPosition) -> None:
+    """Copy the state rows of ``p``'s sequences with a later token to their scratch rows
+    (sources and destinations disjoint)."""
+    if p.num_saved:
+        pool.index_copy_(0, p.save_to, pool.index_select(0, p.save_from))

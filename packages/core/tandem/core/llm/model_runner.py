@@ -111,29 +111,34 @@ class ModelRunner:
     def stage(self, fi: ForwardInput, stager: LaneStager) -> tuple[ForwardInput, Staged]:
         """The step's inputs and the host half of its attention metadata in one copy."""
         plan = plan_attention_metadata(fi, self._conv_kernel_size)
-        staged = stager.stage([fi.input_ids, fi.positions, fi.sample_indices, *plan.tensors])
-        ids, positions, samples, *parts = staged.tensors
+        ahead = _ahead_tensors(fi)
+        staged = stager.stage(
+            [fi.input_ids, fi.positions, fi.sample_indices, *ahead, *plan.tensors]
+        )
+        ids, positions, samples, *rest = staged.tensors
         own = replace(
             fi, input_ids=ids, positions=positions, sample_indices=samples,
-            staged_attention=(plan, tuple(parts)),
+            ahead=_moved_ahead(fi, rest[: len(ahead)]),
+            staged_attention=(plan, tuple(rest[len(ahead) :])),
         )  # fmt: skip
         return own, staged
 
-    def _on_device(
-        self, fi: ForwardInput
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Token ids, positions, sampled rows and attention metadata on the device. Nothing is
-        read back from it: what depends on the step's values was decided on the host."""
+    def _on_device(self, fi: ForwardInput) -> tuple[torch.Tensor, _StepTensors]:
+        """Sampled rows, and token ids, positions, attention metadata and the head's inputs
+        on the device. Nothing is read back from it: what depends on the step's values was
+        decided on the host."""
         if fi.staged_attention is not None:
             plan, staged = fi.staged_attention
             meta = plan.finish(staged, self.device)
-            return fi.input_ids, fi.positions, fi.sample_indices, meta
+            return fi.sample_indices, _StepTensors(fi.input_ids, fi.positions, meta, fi.ahead)
         plan = plan_attention_metadata(fi, self._conv_kernel_size)
+        ahead = _ahead_tensors(fi)
         moved = to_device_once(
-            [fi.input_ids, fi.positions, fi.sample_indices, *plan.tensors], self.device
+            [fi.input_ids, fi.positions, fi.sample_indices, *ahead, *plan.tensors], self.device
         )
-        ids, positions, samples, *parts = moved
-        return ids, positions, samples, plan.finish(parts, self.device)
+        ids, positions, samples, *rest = moved
+        meta = plan.finish(rest[len(ahead) :], self.device)
+        return samples, _StepTensors(ids, positions, meta, _moved_ahead(fi, rest[: len(ahead)]))
 
     def _forward(self, fi: ForwardInput) -> tuple[torch.Tensor, torch.Tensor, _StepTensors]:
         """The step's hidden states and sampled rows, with the state rows' copies around the
@@ -143,18 +148,18 @@ class ModelRunner:
             copy_rows(self.state_pools, copies.rollbacks)
             copy_rows(self.kv_caches, copies.blocks)
             copy_rows(self.state_pools, copies.restores)
-        ids, positions, samples, meta = self._on_device(fi)
-        hidden = self.model(ids, positions, meta)
+        samples, step = self._on_device(fi)
+        hidden = self.model(step.ids, step.positions, step.meta)
         if copies is not None:
             copy_rows(self.state_pools, copies.snapshots)
-        return hidden, samples, _StepTensors(ids, positions, meta)
+        return hidden, samples, step
 
     @torch.inference_mode()
     def execute(self, fi: ForwardInput, state: LaneState | None = None) -> SamplerOutput | None:
         hidden, samples, step = self._forward(fi)
         out = self._sample(hidden, samples, fi)
-        if fi.ahead is not None:
-            out = self._draft_ahead(fi.ahead, step, hidden, out)
+        if step.ahead is not None:
+            out = self._draft_ahead(step.ahead, step, hidden, out)
         if fi.prompt_logprobs is None:
             return out
         scored = score_prompt(
@@ -183,20 +188,19 @@ class ModelRunner:
         hidden: torch.Tensor,
         out: SamplerOutput | None,
     ) -> SamplerOutput | None:
-        """Run the multi-token-prediction head over the step's tokens (filling its KV cache
-        at every position, as the model's layers do) and draft, per sequence that sampled,
-        the token after the sampled one: the head's argmax at its last accepted position.
+        """Run the multi-token-prediction head over the step's tokens (``ahead``: its inputs,
+        on the device), filling its KV cache at every position as the model's layers do, and
+        draft, per sequence that sampled, the token after the sampled one: the head's argmax
+        at its last accepted position.
 
         The head's input at a token is the token one place ahead: the step's next token,
         the prompt's next one for a chunk cut short, the sampled token after a sequence's
         last accepted position. Inputs at rejected positions are wrong and so is what the
         head caches there, but the next step computes those positions again."""
-        last, host_next, after = to_device_once(
-            [ahead.last_index, ahead.next_ids, ahead.sampled_after], self.device
-        )
-        sampled = self._sampled_on_every_rank(out, int(ahead.sampled_after.shape[0]))
+        last, after = ahead.last_index, ahead.sampled_after
+        sampled = self._sampled_on_every_rank(out, int(after.shape[0]))
         next_ids = step.ids.roll(-1)
-        next_ids[last] = torch.where(host_next >= 0, host_next, next_ids[last])
+        next_ids[last] = torch.where(ahead.next_ids >= 0, ahead.next_ids, next_ids[last])
         rows = after + sampled[1]
         next_ids[rows] = sampled[0]
         predicted = self.model.predict_ahead(next_ids, step.positions, hidden, step.meta)
@@ -231,11 +235,22 @@ class ModelRunner:
 
 @dataclass(frozen=True)
 class _StepTensors:
-    """The step's inputs on the device and its attention metadata."""
+    """The step's inputs on the device, its attention metadata and the head's inputs."""
 
     ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
+    ahead: AheadInputs | None
+
+
+def _ahead_tensors(fi: ForwardInput) -> list[torch.Tensor]:
+    """The multi-token-prediction head's host inputs, moved with the step's others."""
+    a = fi.ahead
+    return [] if a is None else [a.last_index, a.next_ids, a.sampled_after]
+
+
+def _moved_ahead(fi: ForwardInput, moved: list[torch.Tensor]) -> AheadInputs | None:
+    return None if fi.ahead is None else AheadInputs(*moved)
 
 
 @dataclass(frozen=True)

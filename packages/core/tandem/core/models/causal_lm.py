@@ -76,11 +76,20 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
+    def weight_mapping(self) -> WeightMapping:
+        """How this instance's checkpoint names map: ``WEIGHTS`` (a model whose parts depend on
+        its config, such as an optional head, adjusts it here)."""
+        return self.WEIGHTS
+
     def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> set[str]:
-        """Load checkpoint tensors by their Hugging Face names through ``WEIGHTS``; returns the
-        parameters loaded."""
+        """Load checkpoint tensors by their Hugging Face names through ``weight_mapping()``;
+        returns the parameters loaded."""
         return load_mapped_weights(
-            self, weights, self.WEIGHTS, self.config.architecture, self.config.tie_word_embeddings
+            self,
+            weights,
+            self.weight_mapping(),
+            self.config.architecture,
+            self.config.tie_word_embeddings,
         )
 
     def expected_parameters(self) -> set[str]:

@@ -21,10 +21,10 @@ from safetensors.torch import save_file
 from tandem.core.errors import ModelLoadError
 from tandem.core.models.config_json import load_model_config
 from tandem.core.models.loader import weight_files
+from tandem.core.models.qwen3_5 import Qwen3_5ForCausalLM
 from tandem.core.models.qwen3_family_config import FULL_ATTENTION, family_config
 
 MTP_FILE = "mtp.safetensors"
-_TEXT_PREFIXES = ("model.language_model.", "model.")
 # Zero-centred norms: a zero weight scales by one.
 _NORMS = ("mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_embedding.weight")
 
@@ -36,7 +36,9 @@ def last_full_attention_layer(folder: Path) -> dict[str, torch.Tensor]:
     full = [i for i, kind in enumerate(config.layer_types) if kind == FULL_ATTENTION]
     if not full:
         raise ModelLoadError(f"{folder} has no full-attention layer to start a head from")
-    wanted = tuple(f"{prefix}layers.{full[-1]}." for prefix in _TEXT_PREFIXES)
+    # Where the text model's tensors live, as the model's own loader finds them.
+    prefixes = Qwen3_5ForCausalLM.WEIGHTS.prefixes
+    wanted = tuple(f"{prefix}layers.{full[-1]}." for prefix in prefixes)
     layer: dict[str, torch.Tensor] = {}
     for path in weight_files(folder):
         with safe_open(str(path), framework="pt") as f:

@@ -22,7 +22,6 @@ Driving it (the engine's side of the contract):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any, cast
 
@@ -41,7 +40,6 @@ from tandem.core.layers.gated_attention import GatedAttention
 from tandem.core.layers.gated_delta_net import GatedDeltaNet
 from tandem.core.layers.linear_attention_state import state_bytes_per_slot
 from tandem.core.layers.partial_rotary import PartialRotaryEmbedding
-from tandem.core.layers.weights import LazyTensor
 from tandem.core.layers.zero_centered_rms_norm import ZeroCenteredRMSNorm
 from tandem.core.models.causal_lm import CausalLM
 from tandem.core.models.decoder import DecoderMLP
@@ -54,7 +52,7 @@ from tandem.core.models.qwen3_family_config import (
     parse_family_config,
 )
 from tandem.core.models.qwen3_moe import sparse_moe_block
-from tandem.core.models.weight_mapping import QKV_GATE_UP, WeightMapping, load_mapped_weights
+from tandem.core.models.weight_mapping import QKV_GATE_UP, WeightMapping
 
 # Where the text model's tensors live: under the language model of a composite checkpoint,
 # else under ``model.`` (transformers loads both into either class).
@@ -237,13 +235,11 @@ class Qwen3_5ForCausalLM(CausalLM):
         )
         return out
 
-    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> set[str]:
-        mapping = self.WEIGHTS
-        if self.mtp is not None:
-            mapping = replace(mapping, unused_prefixes=_SKIPPED_WITH_MTP, unused="the vision tower")
-        return load_mapped_weights(
-            self, weights, mapping, self.config.architecture, self.config.tie_word_embeddings
-        )
+    def weight_mapping(self) -> WeightMapping:
+        """``WEIGHTS``, with the head's ``mtp.*`` tensors loaded when it is served."""
+        if self.mtp is None:
+            return self.WEIGHTS
+        return replace(self.WEIGHTS, unused_prefixes=_SKIPPED_WITH_MTP, unused="the vision tower")
 
     WEIGHTS = WeightMapping(
         fused=(
