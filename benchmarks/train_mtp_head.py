@@ -119,7 +119,8 @@ def main() -> int:
     logger.info("targets computed (%.0f s so far)", time.monotonic() - started)
 
     head = TrainableHead(text_config(model))
-    head.load_head({k: v.float() for k, v in initial_head(args.model, args.seed).items()})
+    start = initial_head(args.model, args.seed)
+    head.load_head({k: v.float() for k, v in start.items()})
     held = head_batch(model, ids[: args.held_out], hidden[: args.held_out], greedy[: args.held_out])
     train_ids, train_hidden, train_greedy = (t[args.held_out :] for t in (ids, hidden, greedy))
     before = accuracy(head, model, held)
@@ -148,7 +149,7 @@ def main() -> int:
                 time.monotonic() - started,
             )
     after = accuracy(head, model, held)
-    dtype = next(iter(initial_head(args.model).values())).dtype
+    dtype = next(iter(start.values())).dtype  # the checkpoint's
     path = write_mtp_head(args.model, head.head(dtype))
     print(f"held-out greedy draft accuracy: {before:.3f} before, {after:.3f} after training")
     print(f"wrote {path} ({args.steps} steps, {time.monotonic() - started:.0f} s)")

@@ -274,6 +274,12 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
 
+    @property
+    def drafts_with_head(self) -> bool:
+        """Whether the model's own multi-token-prediction head drafts ("mtp"): the workers
+        build and run it, and the steps carry its inputs."""
+        return self.method == "mtp"
+
     def __post_init__(self) -> None:
         flag = "--speculative-config"
         if self.method not in SPECULATIVE_METHODS:

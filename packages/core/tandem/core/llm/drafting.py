@@ -23,7 +23,7 @@ class Drafter:
         """``uses_processor``: whether a sequence's sampling uses some logits processor."""
         self.config = config
         self._propose = _head_drafts
-        if config.method == "ngram":
+        if not config.drafts_with_head:
             proposer = NgramProposer(config)
             self._propose = lambda seq, room: proposer.propose(seq.token_ids, room)
         self._uses_processor = uses_processor

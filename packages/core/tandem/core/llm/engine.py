@@ -67,7 +67,7 @@ class LLMEngine:
         factory = LLMRunnerFactory.from_folder(folder)
         self.model_config = factory.model_config
         spec = config.speculative
-        if spec is not None and spec.method == "mtp":
+        if spec is not None and spec.drafts_with_head:
             # Before any worker builds a model without the head it needs.
             self._check_head(spec.num_speculative_tokens)
         self.tokenizer = Tokenizer(folder)
@@ -197,7 +197,7 @@ class LLMEngine:
                 f"{flag} is not supported with --max-concurrency > 1 (pipeline lanes) yet: "
                 "drop one of them"
             )
-        if spec.method == "mtp":
+        if spec.drafts_with_head:
             logger.info(
                 "speculative decoding: %d token a step drafted by the checkpoint's "
                 "multi-token-prediction head",

@@ -274,7 +274,7 @@ class LLMRunnerFactory:
         )
         model_config = self.model_config
         spec = config.speculative
-        if spec is not None and spec.method == "mtp":
+        if spec is not None and spec.drafts_with_head:
             model_config = replace(model_config, serve_mtp=True)
         model = load_model(
             Path(config.model.model), model_config, context.group, dtype, context.torch_device

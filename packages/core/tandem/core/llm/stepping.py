@@ -126,7 +126,7 @@ class SteppingBase:
         self.sync = parts.sync
         spec = parts.config.speculative
         # A multi-token-prediction head drafts on the workers, from inputs built with the step.
-        self._ahead = spec is not None and spec.method == "mtp"
+        self._ahead = spec is not None and spec.drafts_with_head
 
     def on_sampled(self, sampled: list[Sampled]) -> None:
         return None
