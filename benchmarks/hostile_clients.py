@@ -53,6 +53,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from tandem.server.bench.ports import free_port, listens_on
+
 MODEL_NAME = "tandem-demo"
 # Long enough that a 6 MB prompt passes the server's byte bound (4 bytes per position and
 # per byte of the longest token), so the attack reaches the tokenizer.
@@ -478,12 +480,6 @@ class Result:
 # --- the server ------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def write_model(folder: Path) -> Path:
     from tandem.core.demo.demo_model import tiny_spec, write_demo_model
 
@@ -586,7 +582,9 @@ def start_server(
         if process.poll() is not None:
             raise RuntimeError(f"the server exited early:\n{log.read_text()[-4000:]}")
         try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+            # Its own /health: another server may hold the port until ours fails to bind.
+            healthy = httpx.get(f"{base}/health", timeout=2).status_code == 200
+            if healthy and listens_on(process.pid, port):
                 return process, base
         except httpx.HTTPError:
             pass

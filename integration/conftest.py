@@ -15,6 +15,7 @@ import pytest
 from harness import MODEL_NAME, SPEC, Server, ServerFactory, free_port
 
 from tandem.core.demo.demo_model import write_demo_model
+from tandem.server.bench.ports import listens_on
 
 
 @pytest.fixture(scope="session")
@@ -75,7 +76,9 @@ def start_server(
             if process.poll() is not None:
                 raise AssertionError(f"server exited early:\n{log.read_text()}")
             try:
-                if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                # Its own /health: another server may hold the port until ours fails to bind.
+                healthy = httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200
+                if healthy and listens_on(process.pid, port):
                     return server
             except httpx.HTTPError:
                 pass

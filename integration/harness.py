@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import httpx2
 from openai import AsyncOpenAI, OpenAI
 
 from tandem.core.demo.demo_model import tiny_spec
+from tandem.server.bench.ports import free_port as free_port  # re-exported for the tests
 
 SPEC = tiny_spec()
 MODEL_NAME = "tandem-demo"
@@ -72,12 +72,6 @@ class Server:
         if self.process.poll() is None:
             self.process.send_signal(sig)
         return self.process.wait(timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 ServerFactory = Callable[..., "Server"]

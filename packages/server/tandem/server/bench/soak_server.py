@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from tandem.server.bench.ports import free_port, listens_on
 
 # What must be back to 0 once the load stops.
 REST_GAUGES = (
@@ -26,19 +27,13 @@ REST_GAUGES = (
 TOPOLOGIES = ("tp1", "tp2-single-process", "tp2-multi-process")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def topology_flags(topology: str) -> tuple[list[str], dict[str, str]]:
     if topology == "tp1":
         return ["--devices", "cpu:0"], {}
     if topology == "tp2-single-process":
         return ["--devices", "cpu:0,cpu:1"], {"TANDEM_ENABLE_SINGLE_PROCESS": "1"}
     if topology == "tp2-multi-process":
-        addr = f"127.0.0.1:{_free_port()}"
+        addr = f"127.0.0.1:{free_port()}"
         return ["--devices", "cpu:0,cpu:1", "--master-node-addr", addr], {}
     raise ValueError(f"unknown topology {topology!r}; choose from {', '.join(TOPOLOGIES)}")
 
@@ -55,7 +50,7 @@ class Sample:
 class SoakServer:
     def __init__(self, model: Path, topology: str, extra: list[str], log: Path) -> None:
         flags, env = topology_flags(topology)
-        self.port = _free_port()
+        self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = log
         command = [sys.executable, "-m", "tandem.server.cli.main", "serve", "--model",
@@ -71,7 +66,9 @@ class SoakServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited at start; see {self.log}")
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                # Its own /health: another server may hold the port until ours fails to bind.
+                healthy = httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200
+                if healthy and listens_on(self.process.pid, self.port):
                     return
             except httpx.HTTPError:
                 pass
