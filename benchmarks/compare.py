@@ -5,6 +5,11 @@ table and a PNG chart (output tok/s, mean TPOT, mean TTFT per round).
     python benchmarks/compare.py --model DIR --dtype bfloat16 --rounds 2 --out bench-out
     tox -e compare -- --model DIR --dtype bfloat16          # installs what this needs
 
+Quantized: ``--quantization w8a8|w4a16`` writes a quantized copy of the float ``--model`` once
+(``tandem quantize``, into OUT/<name>-<scheme>) and serves that same folder to every system,
+so both engines read the same bytes; ``--systems tandem,vllm,tandem-float`` adds Tandem on the
+float folder to the rounds, for quantized against float on one machine.
+
 The peer is installed on first use into its own virtual environment by
 `benchmarks/peer_vllm.sh install` (see there for the recipe and the settings it serves with);
 each server runs alone on the machine while its workload runs.
@@ -138,6 +143,21 @@ def _tandem_command(model: Path, dtype: str, port: int, extra: list[str]) -> lis
             "--dtype", dtype, "--port", str(port), *extra]  # fmt: skip
 
 
+def quantized_copy(model: Path, scheme: str, out: Path) -> Path:
+    """The ``scheme`` copy of the float ``model``, written by ``tandem quantize`` unless
+    ``out`` holds one already (written beside and renamed, so a copy cut short is redone)."""
+    dst = out / f"{model.name}-{scheme}"
+    if dst.exists():
+        return dst
+    partial = out / f"{dst.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    tandem = shutil.which("tandem") or str(Path(sys.executable).parent / "tandem")
+    print(f"quantizing {model} -> {dst} ({scheme})", flush=True)
+    subprocess.run([tandem, "quantize", str(model), str(partial), "--scheme", scheme], check=True)
+    partial.rename(dst)
+    return dst
+
+
 def _peer_command(model: Path, dtype: str, port: int, extra: list[str]) -> list[str]:
     return ["bash", str(PEER_SCRIPT), "serve", str(model), dtype, str(port), *extra]
 
@@ -235,21 +255,23 @@ def format_table(rows: list[dict[str, Any]], dtype: str) -> str:
     for row in rows:
         by.setdefault(row["system"], []).append(row)
     if "tandem" in by and "vllm" in by:
-
-        def ratio(key: str) -> float:
-            means = {
-                system: sum(float(r[key]) for r in by[system]) / len(by[system])
-                for system in ("tandem", "vllm")
-            }
-            return means["tandem"] / means["vllm"]
-
-        ratios = [
-            f"output tok/s {ratio('output_throughput'):.2f}x",
-            f"mean TPOT {ratio('mean_tpot_ms'):.2f}x",
-            f"mean TTFT {ratio('mean_ttft_ms'):.2f}x",
-        ]
-        lines.append(f"tandem / vllm ({dtype}, means over rounds): " + ", ".join(ratios))
+        lines.append(_ratio_line(by, "tandem", "vllm", dtype))
+    if "tandem" in by and "tandem-float" in by:
+        lines.append(_ratio_line(by, "tandem", "tandem-float", dtype))
     return "\n".join(lines)
+
+
+def _ratio_line(by: dict[str, list[dict[str, Any]]], a: str, b: str, dtype: str) -> str:
+    def ratio(key: str) -> float:
+        means = {s: sum(float(r[key]) for r in by[s]) / len(by[s]) for s in (a, b)}
+        return means[a] / means[b]
+
+    ratios = [
+        f"output tok/s {ratio('output_throughput'):.2f}x",
+        f"mean TPOT {ratio('mean_tpot_ms'):.2f}x",
+        f"mean TTFT {ratio('mean_ttft_ms'):.2f}x",
+    ]
+    return f"{a} / {b} ({dtype}, means over rounds): " + ", ".join(ratios)
 
 
 def write_chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -308,27 +330,42 @@ def main() -> int:
     p.add_argument(
         "--systems",
         default="tandem,vllm",
-        help="comma-separated, in round order: tandem, tandem-nocache (prefix caching off), vllm",
+        help="comma-separated, in round order: tandem, tandem-nocache (prefix caching off), "
+        "vllm, tandem-float (with --quantization: Tandem on the float --model)",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=["w8a8", "w4a16"],
+        help="serve a quantized copy of the float --model, written once into OUT by "
+        "`tandem quantize --scheme` (w4a16: group size 128, symmetric, which vLLM serves)",
     )
     p.add_argument("--tandem-args", default="", help="extra `tandem serve` flags")
     p.add_argument("--peer-args", default="", help="extra vLLM server flags")
     args = p.parse_args()
-    model = args.model.resolve()
+    float_model = args.model.resolve()
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if "tandem-float" in systems and args.quantization is None:
+        p.error("--systems tandem-float compares against a quantized model: add --quantization")
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = float_model
+    if args.quantization is not None:
+        model = quantized_copy(float_model, args.quantization, args.out.resolve())
     config = json.loads((model / "config.json").read_text())
     vocab = int(config.get("vocab_size") or config.get("text_config", {})["vocab_size"])
     workload = Workload(args.num_prompts, args.max_concurrency, args.input_len,
                         args.output_len, args.num_warmups, args.shared_prefix_len,
                         args.turns)  # fmt: skip
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if "vllm" in systems:
         ensure_peer()
-    args.out.mkdir(parents=True, exist_ok=True)
     commands = {
         "tandem": lambda: _tandem_command(model, args.dtype, args.port, args.tandem_args.split()),
         "tandem-nocache": lambda: _tandem_command(
             model, args.dtype, args.port, [*args.tandem_args.split(), "--no-enable-prefix-caching"]
         ),
         "vllm": lambda: _peer_command(model, args.dtype, args.port, args.peer_args.split()),
+        "tandem-float": lambda: _tandem_command(
+            float_model, args.dtype, args.port, args.tandem_args.split()
+        ),
     }
     machine = machine_record()
     print(f"machine: {machine_line(machine)}; commit {machine['tandem_commit']}", flush=True)
@@ -337,13 +374,17 @@ def main() -> int:
     for round_index in range(1, args.rounds + 1):
         for system in systems:
             print(f"round {round_index}: {system} ({args.dtype})", flush=True)
-            rows.append(run_one(system, commands[system](), model, workload, vocab, args.port,
+            served = float_model if system == "tandem-float" else model
+            rows.append(run_one(system, commands[system](), served, workload, vocab, args.port,
                                 args.out, round_index))  # fmt: skip
             record = {"machine": machine, "model": str(model), "dtype": args.dtype,
+                      "quantization": config.get("quantization_config"),
                       "workload": asdict(workload), "rows": rows}  # fmt: skip
             (args.out / "results.json").write_text(json.dumps(record, indent=2))
     title = (
-        f"{model.name}, {args.dtype}: {workload.num_prompts} prompts, {workload.max_concurrency} "
+        f"{model.name}, {args.dtype}"
+        + (f" ({args.quantization})" if args.quantization else "")
+        + f": {workload.num_prompts} prompts, {workload.max_concurrency} "
         f"concurrent, {workload.input_len} in / {workload.output_len} out"
         + (f", {workload.shared_prefix_len} shared first" if workload.shared_prefix_len else "")
         + (f", {workload.turns} turns each" if workload.turns > 1 else "")
