@@ -17,6 +17,7 @@ from tandem.core import LLMEngine, SamplingParams
 from tandem.core.config import ParallelConfig, PipelineConfig, SpeculativeConfig
 from tandem.core.errors import ConfigError
 from tandem.core.llm.drafting import Drafter
+from tandem.core.llm.prompt_logits import prompt_logits
 from tandem.core.llm.sequence import TokenSequence
 from tandem.core.models.mtp_training import (
     TrainableHead,
@@ -145,13 +146,40 @@ def test_requests_with_per_token_sampling_state_get_no_drafts(
 ) -> None:
     params = [
         SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.5),
-        SamplingParams(max_tokens=12, temperature=0.0, logprobs=2),
         SamplingParams(max_tokens=12, temperature=0.0, min_tokens=5),
         SamplingParams(max_tokens=12, temperature=0.0, logit_bias={7: 1.0}),
+        SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.2),
     ]
     plain, spec, engine = _pair(make_engine, demo_dir, params)
     assert spec == plain
     assert engine.stats.spec_num_drafts == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.3])
+def test_accepted_drafts_carry_the_logprobs_plain_decoding_gives(
+    demo_dir: Path, make_engine: EngineFactory, temperature: float
+) -> None:
+    """Requests asking for logprobs get drafts; each token, accepted draft or sampled, has the
+    logprob and top candidates plain decoding gives at its position (random requests: the
+    logprobs of whatever was drawn, under the model's own distribution there)."""
+    params = SamplingParams(
+        max_tokens=24, temperature=temperature, logprobs=3, ignore_eos=True, seed=3
+    )
+    plain_engine = make_engine(demo_dir)
+    spec_engine = make_engine(demo_dir, speculative=SPEC)
+    spec = spec_engine.generate(list(PROMPTS), params)
+    assert spec_engine.stats.spec_num_accepted_tokens > 0
+    for prompt, out in zip(PROMPTS, spec, strict=True):
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == 24
+        # Plain decoding's view of the same tokens: the prompt and the output so far, scored.
+        tokens = list(prompt) + list(out.token_ids)
+        expected = prompt_logits(plain_engine, tokens[:-1]).log_softmax(-1)[len(prompt) - 1 :]
+        for k, (token, got) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            assert got.token_id == token
+            assert got.logprob == pytest.approx(expected[k, token].item(), abs=1e-4), k
+            top = expected[k].topk(3)
+            assert [t for t, _ in got.top] == top.indices.tolist(), k
+            assert [v for _, v in got.top] == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
 def test_seeded_random_requests_reproduce(demo_dir: Path, make_engine: EngineFactory) -> None:
