@@ -20,7 +20,9 @@ The kernel layout (``finish_loading``): ``qweight`` repacked output-major, int32
 row of codes per output, so the dequantized weight is the [N, K] ``F.linear`` takes),
 ``scales`` [N, G], ``qzeros`` the true zero points uint8 [N, G] (8 for a symmetric checkpoint,
 whatever it stores, as vLLM's ``uint4b8`` type reads it; else the stored value plus one), and
-``g_idx`` int64 only for activation order (else empty: groups are consecutive inputs).
+``g_idx`` int64 only for activation order (else empty: groups are consecutive inputs). An
+activation-order layer whose groups allow it has its inputs sorted by group instead, and its
+activations gathered into that order on each call (``input_order``).
 """
 
 from __future__ import annotations
@@ -133,8 +135,11 @@ class Int4Parameters:
         return any(param is self._module._parameters.get(n) for n in _NAMES)
 
     def kernel_g_idx(self) -> torch.Tensor | None:
-        """Each input's group, for the kernel; None: consecutive groups."""
-        return self.g_idx if not self.awq and self.scheme.desc_act else None
+        """Each input's group, for the kernel; None: consecutive groups (also activation
+        order once its inputs are sorted by group, ``_order_inputs_by_group``)."""
+        if self.awq or not self.scheme.desc_act or self.g_idx.numel() == 0:
+            return None
+        return self.g_idx
 
     def output_split(self, param: nn.Parameter) -> Split | None:
         """Where ``param`` holds output channels (None: ``g_idx``, which has none)."""
@@ -210,3 +215,32 @@ class Int4Parameters:
         self.qzeros.data = zeros.t().contiguous()
         self.scales.data = self.scales.data.t().contiguous()
         self.g_idx.data = g_idx if self.scheme.desc_act else g_idx.new_empty(0)
+        if self.scheme.desc_act:
+            self._order_inputs_by_group()
+
+    def _order_inputs_by_group(self) -> None:
+        """Activation order, made consecutive groups: the inputs (weight columns) sorted by
+        group, and each call's activations gathered into that order (``input_order``), so the
+        kernels that read consecutive groups serve the layer (vLLM's Marlin does the same).
+        Done where every group this rank uses has the same number of its inputs, each a
+        whole number of packed words (always for a whole layer: GPTQ gives each group
+        ``group_size`` inputs); else the layer keeps ``g_idx`` and the reference."""
+        g_idx = self.g_idx.data
+        if g_idx.numel() == 0:
+            return
+        order = torch.argsort(g_idx, stable=True)
+        used, counts = torch.unique_consecutive(g_idx[order], return_counts=True)
+        if not bool((counts == counts[0]).all()) or int(counts[0]) % PACK:
+            return
+        if not torch.equal(order, torch.arange(order.numel())):
+            codes = unpack_int4(self.qweight.data, dim=1)
+            self.qweight.data = pack_int4(codes[:, order], dim=1)
+            self._module.register_buffer("input_order", order, persistent=False)
+        self.scales.data = self.scales.data[:, used].contiguous()
+        self.qzeros.data = self.qzeros.data[:, used].contiguous()
+        self.g_idx.data = g_idx.new_empty(0)
+
+    def input_order(self) -> torch.Tensor | None:
+        """The activations' columns in the order the packed inputs are (None: as they come)."""
+        order: torch.Tensor | None = self._module._buffers.get("input_order")
+        return order
