@@ -9,7 +9,8 @@ symmetric, else ``round(-min / scale)``; code = clamp(round(w / scale) + zero, 0
 computed from the stored float16 scale, so dequantizing is exact to what was written. This
 format stores a zero point minus one in four bits, so an asymmetric zero point of 0 (a group
 with no negative weight) cannot be stored: it is raised to 1, at most one step of clipping at
-the group's top. No calibration: ``desc_act`` is false, ``g_idx`` the consecutive groups.
+the group's top. Without calibration ``desc_act`` is false and ``g_idx`` the consecutive
+groups; with it (``tandem quantize --calibration``), GPTQ itself (``gptq_solver.py``).
 
 A projection whose sizes the format cannot hold (inputs or outputs not a multiple of 8, inputs
 not a multiple of the group size) stays float, with its fused partners, in every layer; the
@@ -28,6 +29,7 @@ from tandem.core.errors import ModelLoadError
 from tandem.core.kernels.reference.int4_packing import PACK, pack_int4
 from tandem.core.layers.quant_scheme import FUSED_PROJECTIONS, PROJECTIONS
 from tandem.core.models.gptq_config import GROUP_SIZES
+from tandem.core.models.gptq_solver import gptq_quantize, quantize_gptq
 from tandem.core.models.model_config import ModelConfig
 from tandem.core.models.quantized_writer import (
     PROJECTION_WEIGHT,
@@ -37,54 +39,36 @@ from tandem.core.models.quantized_writer import (
 
 logger = logging.getLogger(__name__)
 
-_MAX_CODE = 15
-_SYMMETRIC_ZERO = 8
 # AutoGPTQ's v1 format stores each zero point minus one.
 _STORED_ZERO_OFFSET = 1
-_SCALE_DTYPE = torch.float16
-
-
-def quantize_gptq(
-    weight: torch.Tensor, group_size: int, sym: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``weight`` [N, K] -> (codes uint8 [N, K], zero points uint8 [N, G], float16 scales
-    [N, G]) with weight ~ (code - zero) * scale of the input's group."""
-    rows, columns = weight.shape
-    size = columns if group_size == -1 else group_size
-    w = weight.double().view(rows, columns // size, size)
-    low = w.amin(-1).clamp(max=0)
-    high = w.amax(-1).clamp(min=0)
-    if sym:
-        high = torch.maximum(-low, high)
-        low = -high
-    # An all-zero group: GPTQ's quantizer widens it to [-1, 1].
-    empty = (low == 0) & (high == 0)
-    low, high = low.masked_fill(empty, -1), high.masked_fill(empty, 1)
-    tiny = torch.finfo(_SCALE_DTYPE).tiny
-    scales = ((high - low) / _MAX_CODE).clamp(min=tiny).to(_SCALE_DTYPE)
-    s = scales.double()
-    if sym:
-        zeros = torch.full_like(s, _SYMMETRIC_ZERO)
-    else:
-        zeros = torch.round(-low / s).clamp(_STORED_ZERO_OFFSET, _MAX_CODE)
-    codes = torch.round(w / s.unsqueeze(-1)) + zeros.unsqueeze(-1)
-    codes = codes.clamp(0, _MAX_CODE).view(rows, columns)
-    return codes.to(torch.uint8), zeros.to(torch.uint8), scales
 
 
 def gptq_tensors(
     name: str, weight: torch.Tensor, group_size: int, sym: bool
 ) -> dict[str, torch.Tensor]:
-    """The GPTQ checkpoint tensors of the float ``weight`` named ``name`` (``....weight``)."""
+    """The GPTQ checkpoint tensors of the float ``weight`` named ``name`` (``....weight``),
+    rounded to nearest."""
     codes, zeros, scales = quantize_gptq(weight, group_size, sym)
     columns = weight.shape[1]
     size = columns if group_size == -1 else group_size
+    return packed_tensors(name, codes, zeros, scales, (torch.arange(columns) // size))
+
+
+def packed_tensors(
+    name: str,
+    codes: torch.Tensor,
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """Codes [N, K], zero points and scales [N, G] and each input's group, as GPTQ stores
+    them for the weight named ``name``."""
     prefix = name.removesuffix("weight")
     return {
         prefix + "qweight": pack_int4(codes.t(), dim=0),
         prefix + "qzeros": pack_int4((zeros - _STORED_ZERO_OFFSET).t(), dim=1),
         prefix + "scales": scales.t().contiguous(),
-        prefix + "g_idx": (torch.arange(columns) // size).to(torch.int32),
+        prefix + "g_idx": g_idx.to(torch.int32),
     }
 
 
@@ -113,30 +97,46 @@ def storable_projections(config: ModelConfig, group_size: int) -> frozenset[str]
 
 
 def gptq_quantization_config(
-    group_size: int, sym: bool, quantized: frozenset[str]
+    group_size: int,
+    sym: bool,
+    quantized: frozenset[str],
+    act_order: bool = False,
+    calibrated: bool = False,
 ) -> dict[str, Any]:
-    """``config.json``'s ``quantization_config`` as AutoGPTQ writes it for round-to-nearest
-    weights (no activation order), listing the 4-bit projections when some stay float."""
+    """``config.json``'s ``quantization_config`` as AutoGPTQ writes it, listing the 4-bit
+    projections when some stay float."""
     config: dict[str, Any] = {
         "bits": 4,
         "checkpoint_format": "gptq",
         "damp_percent": 0.01,
-        "desc_act": False,
+        "desc_act": act_order,
         "group_size": group_size,
         "lm_head": False,
         "quant_method": "gptq",
         "static_groups": False,
         "sym": sym,
-        "true_sequential": True,
+        # Calibrated, here on the float model's activations for every layer (calibration.py).
+        "true_sequential": not calibrated,
     }
     if quantized != frozenset(PROJECTIONS):
         config["modules_in_block_to_quantize"] = [[p for p in PROJECTIONS if p in quantized]]
     return config
 
 
-def write_w4a16(src: Path, dst: Path, group_size: int = 128, sym: bool = True) -> int:
+def write_w4a16(
+    src: Path,
+    dst: Path,
+    group_size: int = 128,
+    sym: bool = True,
+    hessians: dict[str, torch.Tensor] | None = None,
+    act_order: bool = False,
+) -> int:
     """Write the GPTQ 4-bit copy of the float folder ``src`` into ``dst`` (new or empty);
-    returns how many weights were quantized."""
+    returns how many weights were quantized. With ``hessians`` (``calibration.py``, keyed by
+    projection) the weights are quantized by GPTQ (``gptq_solver.py``), in activation order
+    with ``act_order``; without, rounded to nearest."""
+    if act_order and hessians is None:
+        raise ModelLoadError("activation order needs calibration statistics (GPTQ)")
     if group_size not in GROUP_SIZES:
         supported = ", ".join(map(str, GROUP_SIZES))
         raise ModelLoadError(f"group size {group_size} is not supported; supported: {supported}")
@@ -162,9 +162,15 @@ def write_w4a16(src: Path, dst: Path, group_size: int = 128, sym: bool = True) -
         match = PROJECTION_WEIGHT.match(name)
         if match is None or match.group(1) not in quantized:
             return None
-        return gptq_tensors(name, weight, group_size, sym)
+        if hessians is None:
+            return gptq_tensors(name, weight, group_size, sym)
+        hessian = hessians[name.removesuffix(".weight")]
+        codes, zeros, scales, g_idx = gptq_quantize(weight, hessian, group_size, sym, act_order)
+        return packed_tensors(name, codes, zeros, scales, g_idx)
 
-    metadata = gptq_quantization_config(group_size, sym, quantized)
+    metadata = gptq_quantization_config(
+        group_size, sym, quantized, act_order, calibrated=hessians is not None
+    )
     count = write_quantized(src, dst, quantize, metadata)
     logger.info("quantize: wrote %s (%d weights 4-bit GPTQ, group size %d)", dst, count, group_size)
     return count
