@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from tandem.core import SamplingParams
 from tandem.core.config import ParallelConfig
 from tandem.core.errors import ModelLoadError, TandemError
+from tandem.core.executor.thread_executor import ThreadExecutor
 from tandem.core.kernels import handles
 from tandem.core.kernels.cpu.int8_gemm import native_int8
 from tandem.core.kernels.reference import quantized_moe as qmoe_ref
@@ -169,6 +170,28 @@ def test_the_cpu_int8_kernels_generate_what_the_reference_does(
         patch.setattr(QuantizableLinear, "matmul", reference)
         patch.setattr(handles, "moe_int8_linear", lambda: qmoe_ref.moe_int8_linear)
         assert _generate(make_engine(w8a8)) == got
+
+
+def test_int8_weights_packed_at_load_still_count_in_the_models_size(
+    w8a8: Path, make_engine: Callable[..., LLMEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The KV cache is sized from what is left beside the weights: int8 weights packed for
+    the CPU kernel (whose parameters are then emptied) count as much as plain ones, or more
+    (padding, and an int32 per output channel)."""
+    from ..conftest import model_runner
+
+    def weight_bytes(engine: LLMEngine) -> int:
+        executor = engine.executor
+        assert isinstance(executor, ThreadExecutor)
+        return executor.call(0, lambda worker: model_runner(worker).weight_bytes())
+
+    if native_int8() is None:
+        pytest.skip("no CPU int8 kernel here (no compiler, or TANDEM_INT8=torch)")
+    packed = weight_bytes(make_engine(w8a8))
+    with monkeypatch.context() as patch:
+        patch.setattr(loader, "pack_int8_weights", lambda *a: 0)
+        plain = weight_bytes(make_engine(w8a8))
+    assert plain <= packed <= 2 * plain
 
 
 def test_the_w8a8_folder_is_what_llm_compressor_writes_for_moe(

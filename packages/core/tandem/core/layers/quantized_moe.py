@@ -70,6 +70,8 @@ class ExpertProjection(nn.Module):
         self.parts = parts
         self.split_outputs = split_outputs
         self.int4: Int4Parameters | None = None
+        # Each expert's int8 weight in the CPU int8 kernel's layout, where packed at load.
+        self.packed: list[PackedInt8Weight] | None = None
         self.register_parameter("input_scale", None)
         if isinstance(scheme, W4A16Scheme):
             self.int4 = Int4Parameters(self, rows, columns, full_columns, scheme, experts)
@@ -80,8 +82,6 @@ class ExpertProjection(nn.Module):
         self.weight_scale = nn.Parameter(torch.empty(experts, rows, 1), requires_grad=False)
         if scheme.static:
             self.input_scale = nn.Parameter(torch.empty(experts, parts), requires_grad=False)
-        # Each expert's weight in the CPU int8 kernel's layout, where packed at load.
-        self.packed: list[PackedInt8Weight] | None = None
 
     def split(self, param: nn.Parameter) -> Split | None:
         """Where ``param`` (one expert's entry) holds the dimension split across ranks:
