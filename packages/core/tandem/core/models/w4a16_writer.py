@@ -15,6 +15,8 @@ groups; with it (``tandem quantize --calibration``), GPTQ itself (``gptq_solver.
 A projection whose sizes the format cannot hold (inputs or outputs not a multiple of 8, inputs
 not a multiple of the group size) stays float, with its fused partners, in every layer; the
 others are listed in ``modules_in_block_to_quantize``, the field vLLM and transformers read.
+A mixture-of-experts model's routed experts are quantized one by one, all of them or (sizes
+the format cannot hold) none; its routers stay float.
 """
 
 from __future__ import annotations
@@ -27,12 +29,20 @@ import torch
 
 from tandem.core.errors import ModelLoadError
 from tandem.core.kernels.reference.int4_packing import PACK, pack_int4
-from tandem.core.layers.quant_scheme import FUSED_PROJECTIONS, PROJECTIONS
+from tandem.core.layers.quant_scheme import (
+    EXPERT_PROJECTIONS,
+    EXPERTS,
+    FUSED_PROJECTIONS,
+    PROJECTIONS,
+)
 from tandem.core.models.gptq_config import GROUP_SIZES
 from tandem.core.models.gptq_solver import gptq_quantize, quantize_gptq
 from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.projection_match import DecoderLayout
 from tandem.core.models.quantized_writer import (
+    EXPERT_WEIGHT,
     PROJECTION_WEIGHT,
+    decoder_layout,
     read_float_config,
     write_quantized,
 )
@@ -80,31 +90,49 @@ def projection_sizes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     return dict(zip(PROJECTIONS, sizes, strict=True))
 
 
-def storable_projections(config: ModelConfig, group_size: int) -> frozenset[str]:
-    """The projections whose sizes GPTQ's packing holds, fused partners together."""
+def _expert_sizes(config: ModelConfig) -> list[tuple[int, int]]:
+    """(outputs, inputs) of a routed expert's gate, up and down projections."""
+    size = getattr(config, "moe_intermediate_size", 0)
+    return [(size, config.hidden_size)] * 2 + [(config.hidden_size, size)]
+
+
+def _existing(layout: DecoderLayout) -> frozenset[str]:
+    """The modules (projections, ``EXPERTS``) some layer of ``layout`` has."""
+    found = {p for i in range(layout.num_layers) for p in layout.projections(i)}
+    return frozenset(found) | ({EXPERTS} if layout.has_experts else frozenset())
+
+
+def storable_projections(
+    config: ModelConfig, group_size: int, layout: DecoderLayout | None = None
+) -> frozenset[str]:
+    """The modules whose sizes GPTQ's packing holds (fused partners together, every routed
+    expert projection or none), and those no layer of ``layout`` has."""
+    layout = layout or DecoderLayout(config.num_layers)
     size = projection_sizes(config)
 
-    def fits(projection: str) -> bool:
-        rows, columns = size[projection]
+    def fits(rows: int, columns: int) -> bool:
         grouped = group_size == -1 or columns % group_size == 0
         return rows % PACK == 0 and columns % PACK == 0 and grouped
 
-    chosen = {p for p in PROJECTIONS if fits(p)}
+    chosen = {p for p in PROJECTIONS if fits(*size[p])}
     for fused in FUSED_PROJECTIONS:
         if not chosen.issuperset(fused):
             chosen.difference_update(fused)
-    return frozenset(chosen)
+    if layout.has_experts and all(fits(*s) for s in _expert_sizes(config)):
+        chosen.add(EXPERTS)
+    return frozenset(chosen) | (layout.all_quantizable() - _existing(layout))
 
 
 def gptq_quantization_config(
     group_size: int,
     sym: bool,
     quantized: frozenset[str],
+    layout: DecoderLayout | None = None,
     act_order: bool = False,
     calibrated: bool = False,
 ) -> dict[str, Any]:
     """``config.json``'s ``quantization_config`` as AutoGPTQ writes it, listing the 4-bit
-    projections when some stay float."""
+    modules of ``layout`` (every routed expert projection by name) when some stay float."""
     config: dict[str, Any] = {
         "bits": 4,
         "checkpoint_format": "gptq",
@@ -118,8 +146,19 @@ def gptq_quantization_config(
         # Calibrated, here on the float model's activations for every layer (calibration.py).
         "true_sequential": not calibrated,
     }
-    if quantized != frozenset(PROJECTIONS):
-        config["modules_in_block_to_quantize"] = [[p for p in PROJECTIONS if p in quantized]]
+    layout = layout or DecoderLayout(1)
+    if quantized != layout.all_quantizable():
+        existing = _existing(layout)
+        listed: list[list[str]] = [[p for p in PROJECTIONS if p in quantized & existing]]
+        if EXPERTS in quantized & existing:
+            listed.append(
+                [
+                    f"{EXPERTS}.{e}.{p}"
+                    for e in range(layout.num_experts)
+                    for p in EXPERT_PROJECTIONS
+                ]
+            )
+        config["modules_in_block_to_quantize"] = listed
     return config
 
 
@@ -141,35 +180,42 @@ def write_w4a16(
         supported = ", ".join(map(str, GROUP_SIZES))
         raise ModelLoadError(f"group size {group_size} is not supported; supported: {supported}")
     config = read_float_config(src, "4-bit GPTQ")
-    quantized = storable_projections(config, group_size)
-    if not quantized:
+    layout = decoder_layout(config)
+    quantized = storable_projections(config, group_size, layout)
+    existing = _existing(layout)
+    if not quantized & existing:
         raise ModelLoadError(
             f"no projection of {src} can be stored 4-bit with group size {group_size}: their "
             f"sizes must be multiples of {PACK} and their inputs of the group size"
         )
-    left = [p for p in PROJECTIONS if p not in quantized]
+    sizes = {**projection_sizes(config), EXPERTS: _expert_sizes(config)}
+    left = [p for p in (*PROJECTIONS, EXPERTS) if p in existing - quantized]
     if left:
         logger.warning(
             "quantize: %s stay float (sizes %s: not multiples of %d, or inputs not of the "
             "group size %d)",
             ", ".join(left),
-            ", ".join(f"{p} {projection_sizes(config)[p]}" for p in left),
+            ", ".join(f"{p} {sizes[p]}" for p in left),
             PACK,
             group_size,
         )
 
     def quantize(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if EXPERT_WEIGHT.match(name):
+            # Routed experts are rounded to nearest, calibrated or not: the calibration
+            # statistics cover the dense projections (calibration.py).
+            return gptq_tensors(name, weight, group_size, sym) if EXPERTS in quantized else None
         match = PROJECTION_WEIGHT.match(name)
         if match is None or match.group(1) not in quantized:
             return None
-        if hessians is None:
+        hessian = None if hessians is None else hessians.get(name.removesuffix(".weight"))
+        if hessian is None:
             return gptq_tensors(name, weight, group_size, sym)
-        hessian = hessians[name.removesuffix(".weight")]
         codes, zeros, scales, g_idx = gptq_quantize(weight, hessian, group_size, sym, act_order)
         return packed_tensors(name, codes, zeros, scales, g_idx)
 
     metadata = gptq_quantization_config(
-        group_size, sym, quantized, act_order, calibrated=hessians is not None
+        group_size, sym, quantized, layout, act_order, calibrated=hessians is not None
     )
     count = write_quantized(src, dst, quantize, metadata)
     logger.info("quantize: wrote %s (%d weights 4-bit GPTQ, group size %d)", dst, count, group_size)

@@ -41,7 +41,8 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
         "activations quantized per token at run time (compressed-tensors 'int-quantized', "
         "as llm-compressor's W8A8 writes it); w4a16: 4-bit weights per group of inputs "
         "(round to nearest), float activations, in GPTQ's format as AutoGPTQ writes it; "
-        "embeddings, norms and lm_head stay float",
+        "a mixture-of-experts model's routed experts are quantized one by one; embeddings, "
+        "norms, routers and lm_head stay float",
     )
     p.add_argument(
         "--group-size",
