@@ -26,7 +26,8 @@ from tandem.core.kernels.reference.fused_moe import topk_softmax
 from tandem.core.kernels.reference.int4_packing import AWQ_ORDER, pack_int4, unpack_int4
 from tandem.core.layers.quant_scheme import AWQ_LAYOUT, QuantScheme, W4A16Scheme, W8A8Scheme
 from tandem.core.layers.quantized_moe import QuantizedMoeExperts
-from tandem.core.models.w4a16_writer import gptq_tensors, quantize_gptq
+from tandem.core.models.gptq_solver import quantize_gptq
+from tandem.core.models.w4a16_writer import gptq_tensors
 from tandem.core.models.w8a8_writer import quantize_weight
 
 from ..conftest import HeldTensor
