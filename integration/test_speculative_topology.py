@@ -1,8 +1,8 @@
 """N-gram speculative decoding keeps greedy tokens byte-identical to plain decoding in every
-topology: TP=1, TP=2 in one process, TP=2 as one process per device; for a dense, an MoE and
-a hybrid (Qwen3.5) model, the last also drafting with its multi-token-prediction head
-(``mtp``), the MoE one with prompts prefilled in chunks of 8 tokens beside
-verify steps. Drafts are accepted (the engine's closing log line says how many), so the
+topology: TP=1, TP=2 in one process (also with two steps in flight on pipeline lanes), TP=2
+as one process per device; for a dense, an MoE and a hybrid (Qwen3.5) model, the last also
+drafting with its multi-token-prediction head (``mtp``), the MoE one with prompts prefilled in
+chunks of 8 tokens beside verify steps. Drafts are accepted (the engine's closing log line says how many), so the
 comparison has teeth; on the hybrid, drafts are also rejected, so every rank rolls its
 linear-attention states back (its random weights rarely repeat: its acceptance is not
 asserted, packages/core/tests/llm/test_speculative_decoding.py drives every count)."""
@@ -23,6 +23,13 @@ SPEC = ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3
         '"prompt_lookup_max": 3, "prompt_lookup_min": 1}')  # fmt: skip
 # Qwen3.5's own multi-token-prediction head (untrained here: its drafts are mostly rejected).
 MTP = ("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}')
+# Each topology, and TP=2 in one process with two steps in flight (pipeline lanes).
+TOPOLOGIES: list[tuple[str, tuple[str, ...]]] = [
+    ("tp1", ()),
+    ("tp2-single-process", ()),
+    ("tp2-multi-process", ()),
+    ("tp2-single-process", ("--max-concurrency", "2")),
+]
 ACCEPTED = re.compile(r"speculative decoding: (\d+) drafts, (\d+) draft tokens, (\d+) accepted")
 
 
@@ -42,11 +49,11 @@ def test_greedy_tokens_identical_with_speculation(models: dict[str, Path], model
     extra: tuple[str, ...] = ("--max-tokens-per-batch", "8") if model == "qwen3_moe" else ()
     spec = MTP if model == "qwen3_5_mtp" else SPEC
     reference = generate_token_ids(models[model], "tp1", NEW_TOKENS, extra).token_ids
-    for topology in ("tp1", "tp2-single-process", "tp2-multi-process"):
+    for topology, lanes in TOPOLOGIES:
         run = generate_token_ids(
-            models[model], topology, NEW_TOKENS, (*extra, *spec), log_level="INFO"
+            models[model], topology, NEW_TOKENS, (*extra, *spec, *lanes), log_level="INFO"
         )
-        assert run.token_ids == reference, topology
+        assert run.token_ids == reference, (topology, lanes)
         found = ACCEPTED.search(run.logs[0])
         assert found is not None, run.logs[0][-2000:]
         drafted, accepted = int(found.group(2)), int(found.group(3))

@@ -1,8 +1,9 @@
 """Greedy token ids are byte-identical across topologies: TP=1; TP=2 in one process; TP=2 as
 one process per device; TP=4 as 2 nodes x 2 devices, one process per node, on loopback. For
 dense models (one of them GPTQ 4-bit), a Qwen3.5 hybrid (state slots, linear-attention heads
-and conv channels split) and a Qwen3-MoE model (experts' intermediate split), the latter two
-with prompts prefilled in chunks of 8 tokens beside decodes."""
+and conv channels split) and Qwen3-MoE models (experts' intermediate split; float, int8 W8A8
+and GPTQ 4-bit experts), the latter with prompts prefilled in chunks of 8 tokens beside
+decodes."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from harness import PROMPT_IDS, free_port, generate_token_ids
 from reference_models import write_reference_model
 
 from tandem.core.models.w4a16_writer import write_w4a16
+from tandem.core.models.w8a8_writer import write_w8a8
 
 STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260k"
 
@@ -41,7 +43,17 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # The qwen3 model's GPTQ 4-bit copy (zero points, groups of 32): packed words and groups
     # split at every rank count here.
     write_w4a16(root / "qwen3", root / "qwen3_w4a16", group_size=32, sym=False)
-    names = ("llama", "qwen3", "qwen3_w4a16", "qwen3_5", "qwen3_moe")
+    # Quantized experts of 128 channels (and o_proj inputs, head_dim 32): 32 per rank at TP=4,
+    # a whole group of 32 (4-bit); the int8 experts' down projections reduce exact int32 sums
+    # over every rank count.
+    moe_float = root / "qwen3_moe_128"
+    write_reference_model(moe_float, "Qwen3MoeForCausalLM", head_dim=32, moe_intermediate_size=128)
+    write_w8a8(moe_float, root / "qwen3_moe_w8a8")
+    write_w4a16(moe_float, root / "qwen3_moe_w4a16", group_size=32, sym=False)
+    names = (
+        "llama", "qwen3", "qwen3_w4a16", "qwen3_5", "qwen3_moe", "qwen3_moe_w8a8",
+        "qwen3_moe_w4a16",
+    )  # fmt: skip
     found = {name: root / name for name in names}
     if (STORIES / "model.safetensors").is_file():
         found["stories260k"] = STORIES
@@ -56,12 +68,16 @@ CHUNKED = ("--max-tokens-per-batch", "8")
 
 
 @pytest.mark.parametrize(
-    "model", ["llama", "qwen3", "qwen3_w4a16", "stories260k", "qwen3_5", "qwen3_moe"]
-)
+    "model",
+    [
+        "llama", "qwen3", "qwen3_w4a16", "stories260k", "qwen3_5", "qwen3_moe",
+        "qwen3_moe_w8a8", "qwen3_moe_w4a16",
+    ],
+)  # fmt: skip
 def test_greedy_tokens_identical_across_topologies(models: dict[str, Path], model: str) -> None:
     if model not in models:
         pytest.skip(f"{STORIES} is not present")
-    extra = CHUNKED if model in ("qwen3_5", "qwen3_moe") else ()
+    extra = CHUNKED if model.startswith(("qwen3_5", "qwen3_moe")) else ()
     reference = generate_token_ids(models[model], "tp1", NEW_TOKENS, extra).token_ids
     for topology in TOPOLOGIES:
         tokens = generate_token_ids(models[model], topology, NEW_TOKENS, extra).token_ids

@@ -13,13 +13,9 @@ from reference_models import write_reference_model
 from tandem.core import CacheConfig, EngineConfig, LLMEngine, ModelLoadConfig, SchedulerConfig
 from tandem.core.config import ParallelConfig, PipelineConfig, SpeculativeConfig
 from tandem.core.demo.demo_model import tiny_spec, write_demo_model
-from tandem.core.executor.thread_executor import ThreadExecutor
-from tandem.core.kv.block_manager import BlockManager
 from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
-from tandem.core.llm.input_builder import build_forward_input
 from tandem.core.llm.model_runner import ModelRunner
-from tandem.core.llm.sampling_params import SamplingParams
-from tandem.core.llm.scheduler import ScheduledSequence, SchedulerOutput
+from tandem.core.llm.prompt_logits import prompt_logits as prompt_logits
 from tandem.core.worker.worker import Worker
 
 
@@ -154,18 +150,3 @@ class HeldTensor:
 
     def __getitem__(self, index: object) -> torch.Tensor:
         return self.tensor[index]  # type: ignore[index]
-
-
-def prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
-    """Logits at every prompt position, through the engine's real input path: one prefill
-    step of a sequence with its own KV blocks and state slot 1 (slots matter only to hybrid
-    models; this bypasses the engine's pools, so run it on an idle engine)."""
-    seq = engine.inputs.prepare("probe", prompt, SamplingParams(max_tokens=1))
-    manager = BlockManager(num_blocks=64, block_size=16, enable_prefix_cache=False)
-    manager.allocate(seq, len(prompt), cached=[])
-    seq.state_slot = 1
-    out = SchedulerOutput(scheduled=[ScheduledSequence(seq, len(prompt), samples=True)])
-    fi = build_forward_input(out, block_size=16)
-    executor = engine.executor
-    assert isinstance(executor, ThreadExecutor)
-    return executor.call(0, lambda worker: model_runner(worker).prompt_logits(fi))

@@ -127,12 +127,10 @@ def test_an_unknown_preset_of_a_kind_is_refused(tmp_path: Path) -> None:
             [
                 "--prompt",
                 "x",
-                "--max-concurrency",
-                "2",
                 "--speculative-config",
-                '{"method": "ngram", "num_speculative_tokens": 2}',
+                '{"method": "mtp", "num_speculative_tokens": 1}',
             ],
-            "--speculative-config is not supported with --max-concurrency > 1",
+            "(config.json has no mtp_num_hidden_layers); use method 'ngram'",
         ),
     ],
 )

@@ -44,9 +44,36 @@ def test_quantize_w4a16_writes_a_gptq_folder_that_generates(demo: Path, tmp_path
     assert len(json.loads(out.stdout.splitlines()[0])["token_ids"]) == 4
 
 
+def test_quantize_w4a16_with_calibration_runs_gptq_in_activation_order(
+    demo: Path, tmp_path: Path
+) -> None:
+    text = tmp_path / "calibration.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    dst = tmp_path / "gptq"
+    args = ("--scheme", "w4a16", "--group-size", "32", "--act-order")
+    calibration = ("--calibration", str(text), "--calibration-samples", "4")
+    result = tandem("--log-level", "INFO", "quantize", str(demo), str(dst), *args, *calibration)
+    assert result.returncode == 0, result.stderr
+    assert "calibrating on 4 samples" in result.stderr
+    qc = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert (qc["desc_act"], qc["true_sequential"]) == (True, False)
+    out = tandem(
+        "generate", "--model", str(dst), "--prompt", "hello", "--max-tokens", "4", "--json"
+    )
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout.splitlines()[0])["token_ids"]) == 4
+
+
 @pytest.mark.parametrize(
     "case",
-    ["non-empty destination", "already quantized", "no model", "group size with w8a8"],
+    [
+        "non-empty destination",
+        "already quantized",
+        "no model",
+        "group size with w8a8",
+        "act order without calibration",
+        "calibration text missing",
+    ],
 )
 def test_bad_input_is_one_error_line(case: str, demo: Path, tmp_path: Path) -> None:
     src, dst = demo, tmp_path / "out"
@@ -59,8 +86,12 @@ def test_bad_input_is_one_error_line(case: str, demo: Path, tmp_path: Path) -> N
         src = first
     elif case == "no model":
         src = tmp_path / "missing"
-    extra = ("--group-size", "32") if case == "group size with w8a8" else ()
-    result = tandem("quantize", str(src), str(dst), "--scheme", "w8a8", *extra)
+    extra: tuple[str, ...] = {
+        "group size with w8a8": ("--scheme", "w8a8", "--group-size", "32"),
+        "act order without calibration": ("--scheme", "w4a16", "--act-order"),
+        "calibration text missing": ("--scheme", "w4a16", "--calibration", "/nonexistent.txt"),
+    }.get(case, ("--scheme", "w8a8"))
+    result = tandem("quantize", str(src), str(dst), *extra)
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
     said = {
@@ -68,5 +99,7 @@ def test_bad_input_is_one_error_line(case: str, demo: Path, tmp_path: Path) -> N
         "already quantized": "already quantized",
         "no model": "does not exist",
         "group size with w8a8": "apply to --scheme w4a16 only",
+        "act order without calibration": "--act-order needs --calibration",
+        "calibration text missing": "No such file",
     }[case]
     assert said in result.stderr

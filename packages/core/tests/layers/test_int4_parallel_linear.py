@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tandem.core.kernels.reference.int4_linear import dequantize_int4
+from tandem.core.layers.int4_weights import Int4Parameters
 from tandem.core.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -48,10 +49,16 @@ def _param(layer: QuantizableLinear, name: str) -> nn.Parameter:
 
 
 def _weight(layer: QuantizableLinear) -> torch.Tensor:
-    """The layer's weight [out, in] as its kernel dequantizes it."""
+    """The layer's weight [out, in] as its kernel dequantizes it, in the inputs' own order."""
     w = layer.int4
     assert w is not None
-    return dequantize_int4(w.qweight, w.scales, w.qzeros, w.kernel_g_idx(), torch.float64)
+    packed = dequantize_int4(w.qweight, w.scales, w.qzeros, w.kernel_g_idx(), torch.float64)
+    order = w.input_order()
+    if order is None:
+        return packed
+    natural = torch.empty_like(packed)
+    natural[:, order] = packed
+    return natural
 
 
 def _scheme(group: int, act_order: bool = False) -> W4A16Scheme:
@@ -122,3 +129,25 @@ def test_a_float_tensor_for_packed_codes_is_refused() -> None:
     layer = ColumnParallelLinear(32, 16, False, rank_of(0, 1), _scheme(16))
     with pytest.raises(ValueError, match="quantization_config does not match"):
         layer.load_weight(_param(layer, "qweight"), HeldTensor(torch.zeros(4, 16)), "x.qweight")
+
+
+def test_activation_order_runs_as_consecutive_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole layer in activation order has its inputs sorted by group at load, so the
+    kernels that read consecutive groups serve it: the same weight, columns in the sorted
+    order, with each call's activations gathered the same way."""
+    tensors = _checkpoint(24, 64, 16, seed=7, act_order=True)
+    scheme = _scheme(16, act_order=True)
+    layer = RowParallelLinear(64, 24, False, rank_of(0, 1), quant=scheme)
+    _load(layer, tensors)
+    with monkeypatch.context() as patch:
+        patch.setattr(Int4Parameters, "_order_inputs_by_group", lambda self: None)
+        kept = RowParallelLinear(64, 24, False, rank_of(0, 1), quant=scheme)
+        _load(kept, tensors)
+    w, k = layer.int4, kept.int4
+    assert w is not None and k is not None
+    assert w.kernel_g_idx() is None and w.input_order() is not None
+    assert k.kernel_g_idx() is not None and k.input_order() is None
+    assert torch.equal(_weight(layer), _weight(kept))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(8))
+    expected = x.double() @ _weight(kept).t()
+    torch.testing.assert_close(layer.matmul(x).double(), expected, rtol=1e-5, atol=1e-5)

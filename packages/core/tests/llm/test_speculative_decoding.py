@@ -17,6 +17,7 @@ from tandem.core import LLMEngine, SamplingParams
 from tandem.core.config import ParallelConfig, PipelineConfig, SpeculativeConfig
 from tandem.core.errors import ConfigError
 from tandem.core.llm.drafting import Drafter
+from tandem.core.llm.prompt_logits import prompt_logits
 from tandem.core.llm.sequence import TokenSequence
 from tandem.core.models.mtp_training import (
     TrainableHead,
@@ -145,13 +146,40 @@ def test_requests_with_per_token_sampling_state_get_no_drafts(
 ) -> None:
     params = [
         SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.5),
-        SamplingParams(max_tokens=12, temperature=0.0, logprobs=2),
         SamplingParams(max_tokens=12, temperature=0.0, min_tokens=5),
         SamplingParams(max_tokens=12, temperature=0.0, logit_bias={7: 1.0}),
+        SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.2),
     ]
     plain, spec, engine = _pair(make_engine, demo_dir, params)
     assert spec == plain
     assert engine.stats.spec_num_drafts == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.3])
+def test_accepted_drafts_carry_the_logprobs_plain_decoding_gives(
+    demo_dir: Path, make_engine: EngineFactory, temperature: float
+) -> None:
+    """Requests asking for logprobs get drafts; each token, accepted draft or sampled, has the
+    logprob and top candidates plain decoding gives at its position (random requests: the
+    logprobs of whatever was drawn, under the model's own distribution there)."""
+    params = SamplingParams(
+        max_tokens=24, temperature=temperature, logprobs=3, ignore_eos=True, seed=3
+    )
+    plain_engine = make_engine(demo_dir)
+    spec_engine = make_engine(demo_dir, speculative=SPEC)
+    spec = spec_engine.generate(list(PROMPTS), params)
+    assert spec_engine.stats.spec_num_accepted_tokens > 0
+    for prompt, out in zip(PROMPTS, spec, strict=True):
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == 24
+        # Plain decoding's view of the same tokens: the prompt and the output so far, scored.
+        tokens = list(prompt) + list(out.token_ids)
+        expected = prompt_logits(plain_engine, tokens[:-1]).log_softmax(-1)[len(prompt) - 1 :]
+        for k, (token, got) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            assert got.token_id == token
+            assert got.logprob == pytest.approx(expected[k, token].item(), abs=1e-4), k
+            top = expected[k].topk(3)
+            assert [t for t, _ in got.top] == top.indices.tolist(), k
+            assert [v for _, v in got.top] == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
 def test_seeded_random_requests_reproduce(demo_dir: Path, make_engine: EngineFactory) -> None:
@@ -163,9 +191,54 @@ def test_seeded_random_requests_reproduce(demo_dir: Path, make_engine: EngineFac
     assert engine.stats.spec_num_drafts > 0
 
 
-def test_unsupported_setups_are_refused(demo_dir: Path, make_engine: EngineFactory) -> None:
-    with pytest.raises(ConfigError, match="not supported with --max-concurrency > 1"):
-        make_engine(demo_dir, speculative=SPEC, pipeline=PipelineConfig(max_concurrency=2))
+LANES = PipelineConfig(max_concurrency=2)
+
+
+class LaunchLog:
+    """What each decode batch launched beside steps in flight (pipeline lanes) verifies, and
+    whether it collides with them: a sequence whose rejected drafts a step in flight rolls
+    back must wait for it (its state row is being copied), and two steps in flight must not
+    keep their verify states in the same scratch rows."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.verifying = 0
+        # Rollbacks carried by a batch for sequences it does not run.
+        self.rollbacks_of_others = 0
+        self.collisions: list[str] = []
+        scheduler = engine.scheduler
+        self._schedule_decodes = scheduler.schedule_decodes
+        scheduler.schedule_decodes = self  # type: ignore[method-assign]
+
+    def __call__(self, exclude: set[str], max_seqs: int) -> Any:
+        out = self._schedule_decodes(exclude, max_seqs)
+        self.verifying += sum(bool(e.draft_token_ids) for e in out.scheduled)
+        slots = {e.seq.state_slot for e in out.scheduled}
+        self.rollbacks_of_others += sum(dst not in slots for _, dst in out.rollbacks)
+        for flight in self.engine.in_flight.steps:
+            rolled_back = {dst for _, dst in flight.out.rollbacks}
+            busy_scratch = {r for e in flight.out.scheduled for r in e.scratch_rows}
+            for entry in out.scheduled:
+                if entry.seq.state_slot in rolled_back:
+                    self.collisions.append(f"{entry.seq.request_id}: row rolled back in flight")
+                if busy_scratch & set(entry.scratch_rows):
+                    self.collisions.append(f"{entry.seq.request_id}: scratch rows in use")
+        return out
+
+
+@pytest.mark.parametrize("max_tokens", [9, 40])
+def test_pipeline_lanes_verify_drafts_and_keep_the_tokens(
+    demo_dir: Path, make_engine: EngineFactory, max_tokens: int
+) -> None:
+    """With two steps in flight (--max-concurrency 2), the decode batches launched beside
+    each other carry drafts too, and the tokens are plain decoding's."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    plain = _tokens(make_engine(demo_dir), params)
+    engine = make_engine(demo_dir, speculative=SPEC, pipeline=LANES)
+    log = LaunchLog(engine)
+    assert _tokens(engine, params) == plain
+    assert log.verifying > 0 and engine.stats.spec_num_accepted_tokens > 0
+    assert _all_free(engine)
 
 
 def _rejected(engine: LLMEngine) -> int:
@@ -253,6 +326,30 @@ def test_hybrid_preemption_and_chunked_prefill_keep_the_tokens(
     assert spec == plain
     assert engine.scheduler.num_preemptions > 0
     assert engine.stats.spec_num_accepted_tokens > 0 and _rejected(engine) > 0
+    assert _all_free(engine)
+
+
+@pytest.mark.parametrize("budget", [2048, 16])
+def test_hybrid_pipeline_lanes_roll_back_without_sharing_rows(
+    hybrid_dir: Path, make_engine: EngineFactory, budget: int
+) -> None:
+    """Two steps in flight on pipeline lanes, each verifying drafts of its own sequences:
+    neither uses the other's scratch rows, no sequence runs while a step in flight rolls
+    its state back, and the tokens are plain decoding's. With 16 tokens a step, a full step
+    verifies beside prefill chunks and the decode batch after it, half the sequences, carries
+    the rollbacks of all (the case that failed before their owners were kept busy)."""
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    kw: dict[str, Any] = {"max_tokens_per_batch": budget}
+    plain = _tokens(make_engine(hybrid_dir, **kw), params)
+    engine = make_engine(hybrid_dir, speculative=SPEC, pipeline=LANES, **kw)
+    engine.scheduler.drafter = OracleDrafter(
+        SPEC, {tuple(p): t for p, t in zip(PROMPTS, plain, strict=True)}
+    )
+    log = LaunchLog(engine)
+    assert _tokens(engine, params) == plain
+    assert log.verifying > 0 and not log.collisions, log.collisions[:3]
+    assert _accepted_at_every_position(engine) and _rejected(engine) > 0
+    assert budget != 16 or log.rollbacks_of_others > 0  # the case the rule is for
     assert _all_free(engine)
 
 
@@ -359,6 +456,22 @@ def test_mtp_drafts_are_the_heads_prediction_over_the_whole_sequence(
     assert _tokens(engine, params) == plain
     assert len(recorder.seen) > 20
     _check_head_drafts(folder, recorder.seen)
+
+
+def test_mtp_drafts_on_pipeline_lanes_are_the_heads_prediction(
+    mtp_dir: Path, make_engine: EngineFactory
+) -> None:
+    """Each lane's step runs the head on its own sequences: drafts stay the head's
+    prediction over the whole sequence, and greedy tokens plain decoding's."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = _tokens(make_engine(mtp_dir), params)
+    engine = make_engine(mtp_dir, speculative=MTP, pipeline=LANES)
+    recorder = RecordingDrafter(MTP)
+    engine.scheduler.drafter = recorder
+    log = LaunchLog(engine)
+    assert _tokens(engine, params) == plain
+    assert log.verifying > 0 and len(recorder.seen) > 10
+    _check_head_drafts(mtp_dir, recorder.seen)
 
 
 def test_mtp_drafts_on_two_ranks_follow_the_sampled_tokens(

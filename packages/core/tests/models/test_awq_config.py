@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from tandem.core.errors import ModelLoadError
-from tandem.core.layers.quant_scheme import AWQ_LAYOUT, PROJECTIONS, W4A16Scheme
+from tandem.core.layers.quant_scheme import AWQ_LAYOUT, EXPERTS, PROJECTIONS, W4A16Scheme
 from tandem.core.models.config_json import parse_model_config
 
-from .test_quantization_config import BASE
+from .test_quantization_config import BASE, MOE
 
 AUTOAWQ = {"quant_method": "awq", "w_bit": 4, "q_group_size": 128, "zero_point": True}
 TRANSFORMERS = {
@@ -40,6 +40,22 @@ def test_modules_to_not_convert_leave_projections_float() -> None:
     scheme = parse_model_config(config).quantization
     assert isinstance(scheme, W4A16Scheme)
     assert scheme.quantized == frozenset(PROJECTIONS[:4])
+
+
+@pytest.mark.parametrize(
+    ("skipped", "experts"),
+    [([], True), (["gate"], True), (["mlp.gate"], True), (["mlp.experts"], False)],
+)
+def test_moe_experts_stay_float_only_when_their_module_is_skipped(
+    skipped: list[str], experts: bool
+) -> None:
+    """Matched as vLLM matches a fused MoE layer: against ``model.layers.{i}.mlp.experts``,
+    so ``gate`` (the router) leaves the experts' ``gate_proj`` 4-bit."""
+    config = {**MOE, "quantization_config": {**TRANSFORMERS, "modules_to_not_convert": skipped}}
+    scheme = parse_model_config(config).quantization
+    assert isinstance(scheme, W4A16Scheme)
+    assert (EXPERTS in scheme.quantized) is experts
+    assert set(PROJECTIONS[:4]) <= scheme.quantized
 
 
 REFUSED: dict[str, tuple[dict[str, Any], str]] = {

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 
 from tandem.core.errors import ModelLoadError
-from tandem.core.layers.quant_scheme import PROJECTIONS, W4A16Scheme
+from tandem.core.layers.quant_scheme import EXPERTS, PROJECTIONS, W4A16Scheme
 from tandem.core.models.config_json import parse_model_config
 from tandem.core.models.w4a16_writer import gptq_quantization_config
 
-from .test_quantization_config import BASE
+from .test_quantization_config import BASE, MOE
 
 ALL = frozenset(PROJECTIONS)
 
@@ -93,6 +93,38 @@ def test_unsupported_configs_are_refused_naming_the_field(case: str) -> None:
 
 
 def test_an_architecture_without_quantized_layers_is_refused() -> None:
-    raw = {**_config(), "architectures": ["Qwen3MoeForCausalLM"]}
-    with pytest.raises(ModelLoadError, match="Qwen3MoeForCausalLM are not supported"):
+    raw = {**_config(), "architectures": ["Qwen3_5MoeForCausalLM"]}
+    with pytest.raises(ModelLoadError, match="Qwen3_5MoeForCausalLM are not supported"):
         parse_model_config(raw)
+
+
+def _moe(**changes: Any) -> dict[str, Any]:
+    return {**MOE, "quantization_config": _config(**changes)["quantization_config"]}
+
+
+ATTENTION = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+
+
+@pytest.mark.parametrize(
+    ("modules", "quantized"),
+    [
+        (None, frozenset(PROJECTIONS) | {EXPERTS}),
+        # Named one by one, as GPTQModel lists them, or by vLLM's module name.
+        ([ATTENTION, ["mlp.experts.0.gate_proj", "mlp.experts.0.up_proj"]], {*ATTENTION, EXPERTS}),
+        ([*ATTENTION, "mlp.experts"], {*ATTENTION, EXPERTS}),
+        # Not named: the experts are float (vLLM would quantize them regardless).
+        ([ATTENTION], set(ATTENTION)),
+    ],
+    ids=["all", "per expert", "experts module", "attention only"],
+)
+def test_moe_checkpoints_quantize_the_experts_they_name(
+    modules: list[Any] | None, quantized: set[str]
+) -> None:
+    scheme = parse_model_config(_moe(modules_in_block_to_quantize=modules)).quantization
+    assert isinstance(scheme, W4A16Scheme)
+    assert scheme.quantized == frozenset(quantized)
+
+
+def test_a_moe_list_naming_the_router_is_refused() -> None:
+    with pytest.raises(ModelLoadError, match=r"'mlp\.gate' names none of the supported"):
+        parse_model_config(_moe(modules_in_block_to_quantize=[[*ATTENTION, "mlp.gate"]]))

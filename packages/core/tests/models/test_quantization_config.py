@@ -91,10 +91,68 @@ def test_unsupported_configs_are_refused_naming_the_field(case: str) -> None:
 
 
 def test_an_architecture_without_int8_layers_is_refused() -> None:
-    raw = {**BASE, "architectures": ["Qwen3MoeForCausalLM"]}
+    raw = {**BASE, "architectures": ["Qwen3_5MoeForCausalLM"]}
     raw["quantization_config"] = w8a8_quantization_config()
-    with pytest.raises(ModelLoadError, match="Qwen3MoeForCausalLM are not supported"):
+    with pytest.raises(ModelLoadError, match="Qwen3_5MoeForCausalLM are not supported"):
         parse_model_config(raw)
+
+
+# A Qwen3-MoE config: every layer sparse unless ``mlp_only_layers`` says otherwise.
+MOE: dict[str, Any] = {
+    **BASE,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+}
+ROUTERS = "re:.*mlp.gate$"
+
+
+def _moe(ignore: list[str], static: bool = False, **changes: Any) -> dict[str, Any]:
+    qc = w8a8_quantization_config(routers=True)
+    qc["ignore"] = ignore
+    if static:
+        qc["config_groups"]["group_0"]["input_activations"].update(dynamic=False, strategy="tensor")
+    return {**MOE, **changes, "quantization_config": qc}
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_moe_checkpoints_quantize_the_experts_and_leave_the_routers_float(static: bool) -> None:
+    """As llm-compressor's MoE recipes write them: the routers ignored, every expert int8."""
+    for ignore in (["lm_head", ROUTERS], ["lm_head", "re:.*mlp.gate.*"]):
+        assert parse_model_config(_moe(ignore, static)).quantization == W8A8Scheme(static)
+    dense_between = _moe(["lm_head", ROUTERS], static, mlp_only_layers=[1])
+    assert parse_model_config(dense_between).quantization == W8A8Scheme(static)
+
+
+MOE_REFUSED = {
+    "a quantized router": (
+        _moe(["lm_head"]),
+        "no entry leaves the router model.layers.0.mlp.gate float",
+    ),
+    "experts left float": (
+        _moe(["lm_head", ROUTERS, "re:.*experts.*"]),
+        "leaves model.layers.0.mlp.experts.0.gate_proj float",
+    ),
+    "one expert left float": (
+        _moe(["lm_head", ROUTERS, "model.layers.1.mlp.experts.3.down_proj"]),
+        "leaves model.layers.1.mlp.experts.3.down_proj float",
+    ),
+    # The same entry is harmless where the dense MLP is not (every layer sparse).
+    "a dense layer's MLP left float": (
+        _moe(["lm_head", "re:.*mlp.gate.*"], mlp_only_layers=[1]),
+        "leaves model.layers.1.mlp.gate_proj float",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MOE_REFUSED))
+def test_moe_configs_that_cannot_be_served_are_refused_naming_the_module(case: str) -> None:
+    raw, said = MOE_REFUSED[case]
+    with pytest.raises(ModelLoadError) as caught:
+        parse_model_config(raw)
+    message = str(caught.value)
+    assert said in message and "quantization_config.ignore" in message
 
 
 def test_the_engine_refuses_before_loading_weights(tmp_path: Path) -> None:

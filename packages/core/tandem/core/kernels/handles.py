@@ -21,6 +21,7 @@ from tandem.core.kernels.cpu.int8_gemm import native_int8_kernel
 from tandem.core.kernels.cpu.linear_attention import native_linear_attention_kernel
 from tandem.core.kernels.cpu.paged_attention import native_paged_attention
 from tandem.core.kernels.cpu.prefill_attention import native_prefill_attention
+from tandem.core.kernels.cpu.quantized_moe import native_moe_int4_kernel, native_moe_int8_kernel
 from tandem.core.kernels.handle import KernelHandle
 from tandem.core.kernels.npu.loading import HALVES, torch_npu_kernel
 from tandem.core.kernels.reference import causal_conv1d as conv_ref
@@ -30,6 +31,7 @@ from tandem.core.kernels.reference import gated_delta_rule as delta_ref
 from tandem.core.kernels.reference import int4_linear as int4_ref
 from tandem.core.kernels.reference import int8_linear as int8_ref
 from tandem.core.kernels.reference import paged_attention as attention_ref
+from tandem.core.kernels.reference import quantized_moe as qmoe_ref
 from tandem.core.kernels.triton.loading import triton_kernel
 
 Pair = tuple[torch.Tensor, torch.Tensor]
@@ -204,3 +206,39 @@ def int4_linear() -> KernelHandle[torch.Tensor]:
     the native kernel reads the codes without a float copy of the weight (it keeps the
     reference for layers in activation order)."""
     return KernelHandle("int4_linear", int4_ref.int4_linear, native_int4_kernel())
+
+
+# Routed experts with quantized weights: each step runs every active expert's rows (sorted by
+# expert, ``reference/quantized_moe.py``) through the dense quantized kernel of that step. On
+# CPU the native int8 / 4-bit kernels over each expert's packed weight; there is no Triton or
+# NPU kernel for them yet, so CUDA and Ascend run the torch reference (a loop over active
+# experts) for quantized experts while their float experts take the fused kernels above.
+
+
+def moe_int8_linear() -> KernelHandle[torch.Tensor]:
+    """int8 experts' rows times their weights: quantize, exact int32 product, dequantize."""
+    native = native_moe_int8_kernel("linear")
+    return KernelHandle("moe_int8_linear", qmoe_ref.moe_int8_linear, native)
+
+
+def moe_int8_quantize() -> KernelHandle[Pair]:
+    """int8 experts' rows to codes and per-row scales (row-parallel down projections)."""
+    native = native_moe_int8_kernel("quantize")
+    return KernelHandle("moe_int8_quantize", qmoe_ref.moe_int8_quantize, native)
+
+
+def moe_int8_matmul() -> KernelHandle[torch.Tensor]:
+    """int8 experts' codes times their weights, exact int32 sums."""
+    native = native_moe_int8_kernel("matmul")
+    return KernelHandle("moe_int8_matmul", qmoe_ref.moe_int8_matmul, native)
+
+
+def moe_int8_dequantize() -> KernelHandle[torch.Tensor]:
+    """int8 experts' int32 sums times their rows' and channels' scales."""
+    native = native_moe_int8_kernel("dequantize")
+    return KernelHandle("moe_int8_dequantize", qmoe_ref.moe_int8_dequantize, native)
+
+
+def moe_int4_linear() -> KernelHandle[torch.Tensor]:
+    """4-bit experts' rows times their weights, dequantized on the fly."""
+    return KernelHandle("moe_int4_linear", qmoe_ref.moe_int4_linear, native_moe_int4_kernel())

@@ -35,7 +35,15 @@ from tandem.core.layers.weights import LazyTensor, copy_checked
 logger = logging.getLogger(__name__)
 
 
-class FusedMoeExperts(nn.Module):
+class RoutedExperts(nn.Module):
+    """What every routed-experts module shares, float (``FusedMoeExperts``) or quantized
+    (``quantized_moe.py``): every rank holds every expert, its slice of the intermediate
+    dimension; ``forward(x, topk_weights, topk_ids)`` returns this rank's partial sums (the
+    caller all-reduces them) unless ``partial_sums`` is False (every rank then holds the
+    whole result)."""
+
+    partial_sums = True
+
     def __init__(
         self,
         num_experts: int,
@@ -50,9 +58,48 @@ class FusedMoeExperts(nn.Module):
             raise ValueError(f"unsupported activation {activation!r}; supported: {supported}")
         self.group = group
         self.num_experts = num_experts
+        self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.local_size = _divide(intermediate_size, group.size, "moe_intermediate_size")
         self.activation = activation
+
+    def load_checkpoint_tensor(self, suffix: str, loaded: LazyTensor, name: str) -> None:
+        """``suffix``: the name after ``experts.`` (``3.up_proj.weight``, ``gate_up_proj``)."""
+        raise NotImplementedError
+
+    def fully_loaded(self) -> bool:
+        """Whether every expert's every tensor was loaded."""
+        raise NotImplementedError
+
+    def loaded_parameters(self) -> list[str]:
+        """Its parameters (relative names) the checkpoint fills."""
+        return [name for name, _ in self.named_parameters()]
+
+    def _check_rows(self, rows: int, name: str) -> None:
+        if rows != self.num_experts:
+            raise ValueError(
+                f"checkpoint tensor {name} stacks {rows} experts, config.json says "
+                f"num_experts={self.num_experts}"
+            )
+
+    def _check(self, ok: bool, name: str, shape: list[int]) -> None:
+        if not ok:
+            raise ValueError(
+                f"checkpoint tensor {name} (shape {tuple(shape)}) does not fit "
+                f"{self.num_experts} experts of intermediate size {self.intermediate_size}"
+            )
+
+
+class FusedMoeExperts(RoutedExperts):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str,
+        group: ProcessGroup,
+    ):
+        super().__init__(num_experts, hidden_size, intermediate_size, activation, group)
         self.w13 = nn.Parameter(
             torch.empty(num_experts, 2 * self.local_size, hidden_size), requires_grad=False
         )
@@ -88,7 +135,6 @@ class FusedMoeExperts(nn.Module):
         return True
 
     def load_checkpoint_tensor(self, suffix: str, loaded: LazyTensor, name: str) -> None:
-        """``suffix``: the name after ``experts.`` (``3.up_proj.weight``, ``gate_up_proj``)."""
         shape = loaded.get_shape()
         lo = self.group.rank * self.local_size
         hi = lo + self.local_size
@@ -125,20 +171,6 @@ class FusedMoeExperts(nn.Module):
         parts = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
         each = all((e, p) in self._loaded for e in range(self.num_experts) for p in parts)
         return fused or each
-
-    def _check_rows(self, rows: int, name: str) -> None:
-        if rows != self.num_experts:
-            raise ValueError(
-                f"checkpoint tensor {name} stacks {rows} experts, config.json says "
-                f"num_experts={self.num_experts}"
-            )
-
-    def _check(self, ok: bool, name: str, shape: list[int]) -> None:
-        if not ok:
-            raise ValueError(
-                f"checkpoint tensor {name} (shape {tuple(shape)}) does not fit "
-                f"{self.num_experts} experts of intermediate size {self.intermediate_size}"
-            )
 
 
 def pack_expert_weights(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:

@@ -20,7 +20,12 @@ The kernel layout (``finish_loading``): ``qweight`` repacked output-major, int32
 row of codes per output, so the dequantized weight is the [N, K] ``F.linear`` takes),
 ``scales`` [N, G], ``qzeros`` the true zero points uint8 [N, G] (8 for a symmetric checkpoint,
 whatever it stores, as vLLM's ``uint4b8`` type reads it; else the stored value plus one), and
-``g_idx`` int64 only for activation order (else empty: groups are consecutive inputs).
+``g_idx`` int64 only for activation order (else empty: groups are consecutive inputs). An
+activation-order layer whose groups allow it has its inputs sorted by group instead, and its
+activations gathered into that order on each call (``input_order``).
+
+Routed experts stack one such set per expert (``experts``): every parameter gains a leading
+expert axis, each expert's entry laid out, sharded and packed as above.
 """
 
 from __future__ import annotations
@@ -66,7 +71,9 @@ def check_packable(size: int, what: str) -> None:
 class Int4Parameters:
     """Registers and describes one layer's 4-bit parameters (``rows`` outputs, ``columns``
     inputs of this rank, out of ``full_columns``), in the checkpoint's layout until
-    ``finish_loading`` repacks them for the kernel."""
+    ``finish_loading`` repacks them for the kernel; with ``experts``, one such layer per
+    routed expert, stacked along a leading axis (the splits then describe each expert's
+    entry)."""
 
     def __init__(
         self,
@@ -75,6 +82,7 @@ class Int4Parameters:
         columns: int,
         full_columns: int,
         scheme: W4A16Scheme,
+        experts: int | None = None,
     ) -> None:
         check_packable(rows, "a layer's output size")
         check_packable(columns, "a layer's input size")
@@ -91,8 +99,11 @@ class Int4Parameters:
         self.scheme = scheme
         self.group_inputs = size
 
+        lead = () if experts is None else (experts,)
+        self.experts = experts
+
         def param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+            return nn.Parameter(torch.empty(*lead, *shape, dtype=dtype), requires_grad=False)
 
         self.awq = scheme.layout == AWQ_LAYOUT
         packed = (columns, rows // PACK) if self.awq else (columns // PACK, rows)
@@ -103,8 +114,9 @@ class Int4Parameters:
             module.register_parameter("g_idx", param(columns, dtype=torch.int32))
         # Looked up by name on each use: moving the module (``_apply``) may replace them.
         self._module = module
-        # The checkpoint tensor whose g_idx a fused layer took first (its parts must agree).
-        self.g_idx_from: str | None = None
+        # The checkpoint tensor whose g_idx a fused layer took first (its parts must agree),
+        # by expert (None for a plain layer).
+        self.g_idx_from: dict[int | None, str] = {}
         # Whether the parameters hold the kernel layout yet (``finish_loading``).
         self.packed = False
 
@@ -133,8 +145,11 @@ class Int4Parameters:
         return any(param is self._module._parameters.get(n) for n in _NAMES)
 
     def kernel_g_idx(self) -> torch.Tensor | None:
-        """Each input's group, for the kernel; None: consecutive groups."""
-        return self.g_idx if not self.awq and self.scheme.desc_act else None
+        """Each input's group, for the kernel; None: consecutive groups (also activation
+        order once its inputs are sorted by group, ``_order_inputs_by_group``)."""
+        if self.awq or not self.scheme.desc_act or self.g_idx.numel() == 0:
+            return None
+        return self.g_idx
 
     def output_split(self, param: nn.Parameter) -> Split | None:
         """Where ``param`` holds output channels (None: ``g_idx``, which has none)."""
@@ -153,35 +168,80 @@ class Int4Parameters:
             return None
         return Split(dim=0, per_entry=self.group_inputs)
 
-    def check_shared_g_idx(self, loaded: torch.Tensor, name: str) -> bool:
-        """For a fused layer's parts: False when ``loaded`` is the first g_idx (copy it), True
-        when an earlier part's is there (it must be the same)."""
-        if self.g_idx_from is None:
-            self.g_idx_from = name
+    def check_shared_g_idx(
+        self, loaded: torch.Tensor, name: str, expert: int | None = None
+    ) -> bool:
+        """For a fused layer's parts (of routed ``expert``): False when ``loaded`` is the first
+        g_idx (copy it), True when an earlier part's is there (it must be the same)."""
+        first = self.g_idx_from.get(expert)
+        if first is None:
+            self.g_idx_from[expert] = name
             return False
-        if not torch.equal(self.g_idx.data, loaded.to(torch.int32)):
+        held = self.g_idx.data if expert is None else self.g_idx.data[expert]
+        if not torch.equal(held, loaded.to(torch.int32)):
             raise ValueError(
-                f"checkpoint tensors {self.g_idx_from} and {name} give the inputs different "
+                f"checkpoint tensors {first} and {name} give the inputs different "
                 "groups; projections this engine fuses must share g_idx"
             )
         return True
 
     def finish_loading(self, name: str) -> None:
         """Repack the loaded checkpoint tensors into the kernel layout (once: a second call
-        changes nothing)."""
+        changes nothing); each expert's apart, where they are stacked."""
         if self.packed:
             return
         self.packed = True
-        if self.awq:
-            codes = unpack_int4(self.qweight.data, dim=1, order=AWQ_ORDER)
-            self.qweight.data = pack_int4(codes.t(), dim=1)
-            # AWQ stores zero points as they are.
-            zeros = unpack_int4(self.qzeros.data, dim=1, order=AWQ_ORDER)
-            self.qzeros.data = zeros.t().contiguous()
-            self.scales.data = self.scales.data.t().contiguous()
+        names = ("qweight", "qzeros", "scales") if self.awq else _NAMES
+        held = [self._param(n).data for n in names]
+        if self.experts is None:
+            repacked = self._repack(held, name)
+        else:
+            each = [self._repack([t[e] for t in held], f"{name}.{e}") for e in range(self.experts)]
+            repacked = [torch.stack(parts) for parts in zip(*each, strict=True)]
+        for n, tensor in zip(names, repacked, strict=True):
+            self._param(n).data = tensor
+        if self.experts is None and not self.awq and self.scheme.desc_act:
+            self._order_inputs_by_group()
+
+    def _order_inputs_by_group(self) -> None:
+        """Activation order, made consecutive groups: the inputs (weight columns) sorted by
+        group, and each call's activations gathered into that order (``input_order``), so the
+        kernels that read consecutive groups serve the layer (vLLM's Marlin does the same).
+        Done where every group this rank uses has the same number of its inputs, each a
+        whole number of packed words (always for a whole layer: GPTQ gives each group
+        ``group_size`` inputs); else the layer keeps ``g_idx`` and the reference."""
+        g_idx = self.g_idx.data
+        if g_idx.numel() == 0:
             return
-        g_idx = self.g_idx.data.long()
-        groups = self.scales.shape[0]
+        order = torch.argsort(g_idx, stable=True)
+        used, counts = torch.unique_consecutive(g_idx[order], return_counts=True)
+        if not bool((counts == counts[0]).all()) or int(counts[0]) % PACK:
+            return
+        if not torch.equal(order, torch.arange(order.numel())):
+            codes = unpack_int4(self.qweight.data, dim=1)
+            self.qweight.data = pack_int4(codes[:, order], dim=1)
+            self._module.register_buffer("input_order", order, persistent=False)
+        self.scales.data = self.scales.data[:, used].contiguous()
+        self.qzeros.data = self.qzeros.data[:, used].contiguous()
+        self.g_idx.data = g_idx.new_empty(0)
+
+    def input_order(self) -> torch.Tensor | None:
+        """The activations' columns in the order the packed inputs are (None: as they come)."""
+        order: torch.Tensor | None = self._module._buffers.get("input_order")
+        return order
+
+    def _repack(self, held: list[torch.Tensor], name: str) -> list[torch.Tensor]:
+        """One layer's checkpoint tensors (``qweight``, ``qzeros``, ``scales`` and, GPTQ,
+        ``g_idx``) in the kernel layout, in that order."""
+        if self.awq:
+            qweight, qzeros, scales = held
+            codes = unpack_int4(qweight, dim=1, order=AWQ_ORDER)
+            # AWQ stores zero points as they are.
+            zeros = unpack_int4(qzeros, dim=1, order=AWQ_ORDER)
+            return [pack_int4(codes.t(), dim=1), zeros.t().contiguous(), scales.t().contiguous()]
+        qweight, qzeros, scales, stored_g_idx = held
+        g_idx = stored_g_idx.long()
+        groups = scales.shape[0]
         if self.scheme.desc_act:
             # Every rank holds every group: g_idx indexes them directly.
             if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
@@ -199,14 +259,16 @@ class Int4Parameters:
                     f"{name}.g_idx is not consecutive groups of {self.group_inputs} inputs, "
                     "but quantization_config.desc_act is false"
                 )
-        codes = unpack_int4(self.qweight.data, dim=0)
-        self.qweight.data = pack_int4(codes.t(), dim=1)
+        codes = unpack_int4(qweight, dim=0)
         if self.scheme.sym:
-            zeros = torch.full(self.scales.shape, _SYMMETRIC_ZERO, dtype=torch.uint8)
+            zeros = torch.full(scales.shape, _SYMMETRIC_ZERO, dtype=torch.uint8)
         else:
             # No wrap: a stored 15 reads 16, as AutoGPTQ's own kernels read it (a zero point
             # of 0 cannot be stored in this format; our writer never needs one).
-            zeros = unpack_int4(self.qzeros.data, dim=1) + _STORED_ZERO_OFFSET
-        self.qzeros.data = zeros.t().contiguous()
-        self.scales.data = self.scales.data.t().contiguous()
-        self.g_idx.data = g_idx if self.scheme.desc_act else g_idx.new_empty(0)
+            zeros = unpack_int4(qzeros, dim=1) + _STORED_ZERO_OFFSET
+        return [
+            pack_int4(codes.t(), dim=1),
+            zeros.t().contiguous(),
+            scales.t().contiguous(),
+            g_idx if self.scheme.desc_act else g_idx.new_empty(0),
+        ]

@@ -1,6 +1,6 @@
-"""The load step that repacks every int8 (W8A8) weight of a CPU model, once, into the
-layout the CPU int8 kernel reads (``kernels/cpu/int8_gemm.py``); the plain weight is then
-dropped, so the model keeps one copy."""
+"""The load step that repacks every int8 (W8A8) weight of a CPU model (linear layers and
+routed experts), once, into the layout the CPU int8 kernel reads (``kernels/cpu/int8_gemm.py``);
+the plain weight is then dropped, so the model keeps one copy."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import nn
 
 from tandem.core.kernels.cpu.int8_gemm import native_int8
 from tandem.core.layers.quantized_linear import QuantizableLinear
+from tandem.core.layers.quantized_moe import QuantizedMoeExperts
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,9 @@ def pack_int8_weights(model: nn.Module, device: torch.device) -> int:
         return 0
     count = 0
     for module in model.modules():
+        if isinstance(module, QuantizedMoeExperts):
+            count += module.pack_int8(kernels)
+            continue
         if not isinstance(module, QuantizableLinear) or module.weight_scale is None:
             continue
         weight = module.weight
@@ -37,3 +41,16 @@ def pack_int8_weights(model: nn.Module, device: torch.device) -> int:
     if count:
         logger.info("packed %d int8 weights for the %s kernel", count, kernels.name)
     return count
+
+
+def int8_packed_bytes(model: nn.Module) -> int:
+    """Bytes the int8 weights packed for the CPU kernel take (beside the parameters, which
+    no longer hold them)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedMoeExperts):
+            total += module.packed_bytes()
+        elif isinstance(module, QuantizableLinear) and module.int8_packed is not None:
+            packed = module.int8_packed
+            total += packed.packed.numel() + packed.compensation.numel() * 4
+    return total

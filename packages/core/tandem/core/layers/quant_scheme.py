@@ -17,6 +17,10 @@ PROJECTIONS = (
 )
 # The checkpoint projections each of our fused layers computes in one matmul.
 FUSED_PROJECTIONS = (PROJECTIONS[:3], PROJECTIONS[4:6])
+# A mixture-of-experts layer's routed experts (``mlp.experts.{e}.gate_proj`` ...), quantized
+# all alike or not at all; its router (``mlp.gate``) is always float, as vLLM builds it.
+EXPERTS = "mlp.experts"
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -38,8 +42,9 @@ class W4A16Scheme:
     """4-bit weights, activations float: ``group_size`` inputs share a scale and zero point
     (-1: one group per output channel); ``sym``: every zero point is 8; ``desc_act``: inputs
     were quantized in activation order (each input's group is in ``g_idx``). ``quantized``:
-    the projections (``PROJECTIONS``) stored 4-bit, the same in every layer; the others are
-    float. ``layout``: how the checkpoint packs them, GPTQ's or AWQ's."""
+    the projections (``PROJECTIONS``, and ``EXPERTS`` for a mixture-of-experts model's routed
+    experts) stored 4-bit, the same in every layer; the others are float. ``layout``: how
+    the checkpoint packs them, GPTQ's or AWQ's."""
 
     group_size: int
     sym: bool

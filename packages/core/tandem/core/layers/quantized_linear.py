@@ -121,6 +121,9 @@ class QuantizableLinear(PackableLinear):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.int4 is not None:
             w = self.int4
+            order = w.input_order()
+            if order is not None:
+                x = x.index_select(-1, order)
             g_idx = w.kernel_g_idx()
             return self._int4_linear(x, w.qweight, w.scales, w.qzeros, g_idx, bias)
         weight_scale = self.weight_scale

@@ -6,6 +6,11 @@ goes through) scaled by ``sigmoid(shared_expert_gate(x))``.
 
 Tensor parallelism: the router and the shared-expert gate are replicated; routed and shared
 experts split their intermediate dimension, and their partial sums meet in one all-reduce.
+int8 routed experts reduce their own exact int32 sums (``quantized_moe.py``): then only the
+shared expert's partial sums are reduced here.
+
+Quantized checkpoints (``quant``) quantize the routed experts; the router, the shared expert
+and its gate stay float, as vLLM builds them.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from torch import nn
 from tandem.collectives import ProcessGroup
 from tandem.core.kernels import handles
 from tandem.core.kernels.reference.elementwise import GATED_ACTIVATIONS
-from tandem.core.layers.fused_moe import FusedMoeExperts
 from tandem.core.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from tandem.core.layers.quant_scheme import QuantScheme
+from tandem.core.layers.quantized_moe import routed_experts
 from tandem.core.layers.replicated_linear import ReplicatedLinear
 
 
@@ -60,14 +66,15 @@ class SparseMoeBlock(nn.Module):
         shared_intermediate_size: int,
         activation: str,
         group: ProcessGroup,
+        quant: QuantScheme | None = None,
     ):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in [1, {num_experts}]")
         self.group = group
         self.gate = TopKRouter(hidden_size, num_experts, top_k, normalize_topk)
-        self.experts = FusedMoeExperts(
-            num_experts, hidden_size, intermediate_size, activation, group
+        self.experts = routed_experts(
+            num_experts, hidden_size, intermediate_size, activation, group, quant
         )
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: ReplicatedLinear | None = None
@@ -80,11 +87,14 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate.route(x)
         out: torch.Tensor = self.experts(x, weights, ids)
+        partial = self.experts.partial_sums
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # The gate is one scalar per token, identical on every rank: scaling the partial
             # sums scales their total.
             shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial(x)
+            if self.group.size > 1 and not partial:
+                return out + self.group.all_reduce(shared)
             out = out + shared
-        if self.group.size > 1:
+        if self.group.size > 1 and partial:
             out = self.group.all_reduce(out)
         return out

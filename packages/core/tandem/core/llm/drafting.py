@@ -2,9 +2,10 @@
 
 A sequence gets none when its sampling needs state that the verify step cannot apply
 position by position (a grammar, logits processors such as penalties, min_tokens, logit_bias
-or min_p, logprobs, prompt logprobs): with no drafts its step is the plain one, so
-speculation stays lossless by construction. Drafts never run past what the request may
-still emit (max_tokens, the context) nor past the step's token budget.
+or min_p, prompt logprobs still to score): with no drafts its step is the plain one, so
+speculation stays lossless by construction. Logprobs are no obstacle: each accepted draft's
+come from its own position's logits, as the plain step's would. Drafts never run past what
+the request may still emit (max_tokens, the context) nor past the step's token budget.
 """
 
 from __future__ import annotations
@@ -31,10 +32,7 @@ class Drafter:
     def may_draft(self, seq: TokenSequence) -> bool:
         # A sequence with prompt logprobs still to score is in its prefill's last step.
         return (
-            seq.grammar is None
-            and seq.params.logprobs is None
-            and not seq.needs_prompt_logprobs
-            and not self._uses_processor(seq)
+            seq.grammar is None and not seq.needs_prompt_logprobs and not self._uses_processor(seq)
         )
 
     def drafts(self, seq: TokenSequence, budget: int) -> tuple[int, ...]:

@@ -191,12 +191,6 @@ class LLMEngine:
         spec = self.config.speculative
         if spec is None:
             return None
-        flag = "--speculative-config"
-        if self.config.pipeline.max_concurrency > 1:
-            raise ConfigError(
-                f"{flag} is not supported with --max-concurrency > 1 (pipeline lanes) yet: "
-                "drop one of them"
-            )
         if spec.drafts_with_head:
             logger.info(
                 "speculative decoding: %d token a step drafted by the checkpoint's "

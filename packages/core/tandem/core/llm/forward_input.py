@@ -170,6 +170,11 @@ class SamplerOutput:
     # With drafts: how many of each sequence's drafts were accepted (the engine appends
     # that many of them before the sequence's token).
     num_accepted: list[int] | None = None
+    # With drafts and logprobs: per sampled sequence, the logprobs of its accepted drafts,
+    # one entry per accepted draft as ``logprobs`` / ``top_*`` hold one per sequence.
+    accepted_logprobs: list[list[float]] | None = None
+    accepted_top_token_ids: list[list[list[int]]] | None = None
+    accepted_top_logprobs: list[list[list[float]]] | None = None
     # Rows (of token_ids) whose logits processor raised, each with why: their requests end
     # with that error and nothing sampled for them is used. None when none did.
     failed: dict[int, str] | None = None

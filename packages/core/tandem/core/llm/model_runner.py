@@ -21,6 +21,7 @@ from tandem.core.kv.kv_cache import (
     bytes_per_block,
     copy_rows,
 )
+from tandem.core.layers.int8_packing import int8_packed_bytes
 from tandem.core.layers.linear_attention_state import (
     allocate_linear_attention_state,
     state_bytes_per_slot,
@@ -72,7 +73,10 @@ class ModelRunner:
         )
 
     def weight_bytes(self) -> int:
-        return parameter_bytes(self.model) + packed_bytes(self.model)
+        # Packed int8 weights live beside the parameters, which then hold none of them.
+        return (
+            parameter_bytes(self.model) + packed_bytes(self.model) + int8_packed_bytes(self.model)
+        )
 
     def block_bytes(self, block_size: int) -> int:
         layers = self.model.attention_layers()

@@ -1,7 +1,7 @@
 """Pipelined stepping (``--max-concurrency`` > 1): up to that many steps in flight on the
 workers' pipeline lanes, the oldest completed first. A step that admits, prefills or preempts
 runs alone; decode steps share the running sequences between lanes (disjoint sets, so results
-match one step at a time)."""
+match one step at a time). Speculative decodes verify their drafts in these steps too."""
 
 from __future__ import annotations
 
@@ -88,7 +88,8 @@ class PipelinedStepping(SteppingBase):
             except Exception as exc:  # noqa: BLE001 - becomes a failed step when waited for
                 promise = Promise(self.sync)
                 promise.set_exception(exc)
-            ids = frozenset(e.seq.request_id for e in out.scheduled)
+            # A sequence whose rejected drafts this step rolls back is busy until it has run.
+            ids = frozenset(e.seq.request_id for e in out.scheduled) | out.rollback_ids
             now = self.sync.monotonic()
             steps.append(InFlight(lane, out, promise, ids, exclusive, now))
             self.watch.last_progress = now

@@ -31,7 +31,7 @@ from tandem.core.llm.logits_processors import (
     needs_pre_temperature,
 )
 from tandem.core.llm.processor_failures import ProcessorFailed
-from tandem.core.llm.rejection_sampler import verify
+from tandem.core.llm.rejection_sampler import Verified, draft_per_position, verify
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 _CDF_BLOCK = 128
@@ -235,9 +235,14 @@ class Sampler:
         out = SamplerOutput(token_ids=verified.tokens, num_accepted=verified.num_accepted)
         if batch.max_logprobs is None:
             return out
-        rows = torch.tensor(verified.positions, dtype=torch.int64, device=logits.device)
-        tokens = torch.tensor(verified.tokens, dtype=torch.int64, device=logits.device)
-        return _with_logprobs(out, logits[rows], tokens, batch)
+        # Every position's chosen token: the draft where one was accepted, else the emitted
+        # one (positions after a sequence's first rejection are never read).
+        draft = draft_per_position(batch.drafts).to(logits.device)
+        chosen = torch.where(draft >= 0, draft, verified.position_tokens.to(logits.device))
+        final = torch.tensor(verified.positions, dtype=torch.int64, device=logits.device)
+        chosen[final] = torch.tensor(verified.tokens, dtype=torch.int64, device=logits.device)
+        scored = _with_logprobs(SamplerOutput(token_ids=[]), logits, chosen, batch)
+        return _split_by_sequence(out, scored, verified)
 
     def _uniforms(
         self, batch: SamplingBatch, pairs: bool = False
@@ -299,6 +304,28 @@ def _by_sequence(failed: dict[int, str], drafts: DraftRows) -> dict[int, str]:
     ends = np.cumsum(np.array(drafts.num_drafts, dtype=np.int64) + 1)
     rows = np.searchsorted(ends, np.array(list(failed), dtype=np.int64), side="right")
     return {int(row): message for row, message in zip(rows, failed.values(), strict=True)}
+
+
+def _split_by_sequence(
+    out: SamplerOutput, scored: SamplerOutput, verified: Verified
+) -> SamplerOutput:
+    """``out`` with the logprobs of each sequence's token and of its accepted drafts, taken
+    from ``scored`` (one entry per position)."""
+    assert scored.logprobs is not None
+    assert scored.top_token_ids is not None and scored.top_logprobs is not None
+    ends = verified.positions
+    starts = [end - accepted for end, accepted in zip(ends, verified.num_accepted, strict=True)]
+    return replace(
+        out,
+        logprobs=[scored.logprobs[e] for e in ends],
+        top_token_ids=[scored.top_token_ids[e] for e in ends],
+        top_logprobs=[scored.top_logprobs[e] for e in ends],
+        accepted_logprobs=[scored.logprobs[a:e] for a, e in zip(starts, ends, strict=True)],
+        accepted_top_token_ids=[
+            scored.top_token_ids[a:e] for a, e in zip(starts, ends, strict=True)
+        ],
+        accepted_top_logprobs=[scored.top_logprobs[a:e] for a, e in zip(starts, ends, strict=True)],
+    )
 
 
 def _with_logprobs(

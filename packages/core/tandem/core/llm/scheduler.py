@@ -92,6 +92,9 @@ class SchedulerOutput:
     # Hybrid models with speculative decoding: state rows to copy before this step's forward
     # (scratch row, the row holding a sequence's state) that undo rejected drafts.
     rollbacks: list[tuple[int, int]] = field(default_factory=list)
+    # The requests those rollbacks belong to: no other step may read or write their rows
+    # until this one has run (pipeline lanes run steps at once).
+    rollback_ids: set[str] = field(default_factory=set)
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +133,12 @@ class Scheduler:
                 )
         # Rollbacks of the last step's rejected drafts, for the next step to run first.
         self._rollbacks: list[tuple[int, int]] = []
+        self._rollback_ids: set[str] = set()
+        # Runs of scratch rows, one per sequence from admission to its end (not per step:
+        # steps in flight at once on pipeline lanes must not share them).
+        self._free_runs: deque[int] | None = None
+        if drafter is not None and state_slots is not None:
+            self._free_runs = deque(range(state_slots.num_slots))
         self.block_manager = block_manager
         self.state_slots = state_slots
         self.snapshots = snapshots
@@ -218,6 +227,9 @@ class Scheduler:
                 break
             if slots is not None:
                 slots.assign(seq)
+            if self._free_runs is not None:
+                # As many runs as slots, and a sequence holds both: one is free.
+                seq.scratch_run = self._free_runs.popleft()
             self.waiting.popleft()
             self.block_manager.allocate(seq, num_new, start.blocks, start.num_tokens)
             self._count_lookup(seq, start)
@@ -247,43 +259,57 @@ class Scheduler:
         return out
 
     def _give_scratch(self, out: SchedulerOutput) -> None:
-        """Scratch rows for the states of the verifying sequences of a hybrid model: the
-        i-th of the step gets the i-th run of ``num_speculative_tokens`` rows. Rows are reused
-        from step to step: a step's rollbacks run before its forward writes any."""
-        if self.state_slots is None or self.drafter is None or self.state_scratch is None:
+        """Scratch rows for the states of the verifying sequences of a hybrid model: each
+        sequence's own run of ``num_speculative_tokens`` rows. A run is written only by its
+        sequence's steps and read by the rollback after one, which runs before anything else
+        in the next step that carries it; a sequence whose rollback a step in flight carries
+        is busy until it completes, and a run given to a new sequence is first written in a
+        step after its admission, which carried every rollback pending then."""
+        if self._free_runs is None or self.drafter is None or self.state_scratch is None:
             return
         per_slot = self.drafter.config.num_speculative_tokens
-        verifying = (e for e in out.scheduled if e.draft_token_ids)
-        for i, entry in enumerate(verifying):
-            first = self.state_scratch[i * per_slot]
-            entry.scratch_rows = tuple(range(first, first + len(entry.draft_token_ids)))
+        for entry in out.scheduled:
+            if entry.draft_token_ids:
+                first = self.state_scratch[entry.seq.scratch_run * per_slot]
+                entry.scratch_rows = tuple(range(first, first + len(entry.draft_token_ids)))
 
     def take_rollbacks(self, out: SchedulerOutput) -> None:
         """Hand the pending rollbacks to ``out``, the next step to run."""
         out.rollbacks, self._rollbacks = self._rollbacks + out.rollbacks, []
+        out.rollback_ids, self._rollback_ids = self._rollback_ids | out.rollback_ids, set()
 
     def return_rollbacks(self, out: SchedulerOutput) -> None:
         """Take back the rollbacks of ``out``, a step that will not run."""
         self._rollbacks, out.rollbacks = out.rollbacks + self._rollbacks, []
+        self._rollback_ids, out.rollback_ids = out.rollback_ids | self._rollback_ids, set()
 
     def schedule_decodes(self, exclude: set[str], max_seqs: int) -> SchedulerOutput:
         """A decode-only batch while other steps are in flight: running sequences not in
         ``exclude`` that have exactly one token to compute, oldest first, at most
-        ``max_seqs``. Nothing is admitted or preempted (an in-flight step may hold what a
-        preemption would free); a sequence without room for its next block waits, and the
-        batch says so (``blocked``)."""
+        ``max_seqs``, with their drafts where speculating. Nothing is admitted or preempted
+        (an in-flight step may hold what a preemption would free); a sequence without room
+        for its next block waits, and the batch says so (``blocked``)."""
         out = SchedulerOutput()
-        limit = min(max_seqs, self.config.max_seqs_per_batch, self.config.max_tokens_per_batch)
+        budget = self.config.max_tokens_per_batch
+        limit = min(max_seqs, self.config.max_seqs_per_batch)
         for seq in self.running:
-            if len(out.scheduled) >= limit:
+            if len(out.scheduled) >= limit or budget <= 0:
                 break
             if seq.request_id in exclude or seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
             if not self._room(partial(self.block_manager.append_deficit, seq, 1)):
                 out.blocked = True
                 continue
-            self.block_manager.append_slots(seq, 1)
-            out.scheduled.append(self._entry(seq, 1))
+            # Only with their blocks free (_drafts): the single token's room is enough.
+            drafts = self._drafts(seq, 1, budget)
+            self.block_manager.append_slots(seq, 1 + len(drafts))
+            out.scheduled.append(self._entry(seq, 1 + len(drafts), drafts))
+            budget -= 1 + len(drafts)
+        # Decodes before sequences verifying drafts, as in schedule().
+        out.scheduled.sort(key=lambda s: bool(s.draft_token_ids))
+        self._give_scratch(out)
+        if out.scheduled:
+            self.take_rollbacks(out)
         return out
 
     def decodes_fit(self) -> bool:
@@ -497,6 +523,7 @@ class Scheduler:
                 # position (kept in a scratch row), before anything reads the sequence's row
                 # again: the next step's forward, whichever sequence or snapshot holds it then.
                 self._rollbacks.append((entry.scratch_rows[entry.num_accepted], seq.state_slot))
+                self._rollback_ids.add(seq.request_id)
             if rejected:
                 # Blocks taken only for rejected positions go back (the next token's stays).
                 self.block_manager.trim(seq, seq.num_computed_tokens + 1)
@@ -507,6 +534,9 @@ class Scheduler:
         self.block_manager.free(seq)
         if self.state_slots is not None:
             self.state_slots.release(seq)
+        if self._free_runs is not None and seq.scratch_run >= 0:
+            self._free_runs.append(seq.scratch_run)
+            seq.scratch_run = -1
 
     def finish(
         self, seq: TokenSequence, reason: str, error: str | None = None, free_now: bool = True

@@ -68,6 +68,9 @@ class TokenSequence:
     # one, made when the sequence had ``head_drafts_at`` tokens (stale once it has more).
     head_drafts: tuple[int, ...] = ()
     head_drafts_at: int = -1
+    # Hybrid models with speculative decoding: the run of scratch state rows its verify
+    # steps keep their states in, held from admission to the end; -1 = none.
+    scratch_run: int = -1
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None

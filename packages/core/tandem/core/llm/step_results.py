@@ -90,6 +90,7 @@ def accept_drafts(
         kept = 0
         for token in entry.draft_token_ids[:accepted]:
             seq.token_ids.append(token)
+            _record_draft_logprobs(seq, row - 1, kept, result)
             kept += 1
             if seq.check_stop_token() is not None:
                 ended.add(seq.request_id)
@@ -98,6 +99,23 @@ def accept_drafts(
         out.appended[seq.request_id] = kept
     out.ended = frozenset(ended)
     return out
+
+
+def _record_draft_logprobs(seq: TokenSequence, row: int, k: int, result: SamplerOutput) -> None:
+    """The logprobs of ``seq``'s ``k``-th accepted draft (its newest token), if it asked."""
+    if seq.params.logprobs is None or result.accepted_logprobs is None:
+        return
+    assert result.accepted_top_token_ids is not None
+    assert result.accepted_top_logprobs is not None
+    n = seq.params.logprobs
+    ids, values = result.accepted_top_token_ids[row][k], result.accepted_top_logprobs[row][k]
+    seq.logprobs.append(
+        TokenLogprobs(
+            token_id=seq.token_ids[-1],
+            logprob=result.accepted_logprobs[row][k],
+            top=list(zip(ids[:n], values[:n], strict=True)),
+        )
+    )
 
 
 def record_logprobs(seq: TokenSequence, row: int, result: SamplerOutput) -> None:

@@ -5,9 +5,11 @@ Fields read as vLLM 0.32 reads them (``auto_awq.py`` ``from_config``): the bits 
 or ``bits``, the group size from ``q_group_size`` or ``group_size``, ``zero_point``,
 ``lm_head`` (a quantized LM head: refused here) and ``modules_to_not_convert`` (modules left
 float; an entry leaves a projection float when it is a substring of its module path, as
-vLLM's ``is_layer_skipped`` matches; entries naming no decoder projection, such as a vision
-tower, change nothing here). ``version`` must be ``gemm``, the packing read here (AutoAWQ's
-GEMV and Marlin versions pack otherwise).
+vLLM's ``is_layer_skipped`` matches; a mixture-of-experts layer's routed experts stay float
+when an entry is a substring of ``model.layers.{i}.mlp.experts``, vLLM's name of them, so
+``gate`` leaves the router float, not the experts' ``gate_proj``; entries naming no decoder
+projection, such as a vision tower, change nothing here). ``version`` must be ``gemm``, the
+packing read here (AutoAWQ's GEMV and Marlin versions pack otherwise).
 """
 
 from __future__ import annotations
@@ -16,8 +18,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from tandem.core.errors import ModelLoadError
-from tandem.core.layers.quant_scheme import AWQ_LAYOUT, PROJECTIONS, W4A16Scheme
-from tandem.core.models.projection_match import picked_projections, split_fused_group
+from tandem.core.layers.quant_scheme import AWQ_LAYOUT, W4A16Scheme
+from tandem.core.models.projection_match import (
+    DecoderLayout,
+    picked_projections,
+    split_fused_group,
+)
 
 AWQ = "awq"
 GROUP_SIZES = (32, 64, 128, -1)
@@ -39,7 +45,7 @@ def _either(config: Mapping[str, Any], *fields: str) -> tuple[str, object]:
     return fields[-1], None
 
 
-def parse_awq(config: Mapping[str, Any], num_layers: int) -> W4A16Scheme:
+def parse_awq(config: Mapping[str, Any], layout: DecoderLayout) -> W4A16Scheme:
     """The scheme of an AWQ ``quantization_config``."""
     field, bits = _either(config, "w_bit", "bits")
     if bits != 4:
@@ -57,10 +63,10 @@ def parse_awq(config: Mapping[str, Any], num_layers: int) -> W4A16Scheme:
     skipped = config.get("modules_to_not_convert") or []
     if not isinstance(skipped, list) or not all(isinstance(n, str) for n in skipped):
         raise _refuse("modules_to_not_convert", skipped, "supported: a list of names")
-    float_ones = picked_projections(skipped, num_layers)
+    float_ones = picked_projections(skipped, layout, experts_whole=True)
     if float_ones is None:
         raise _refuse("modules_to_not_convert", skipped, "supported: the same in every layer")
-    quantized = frozenset(PROJECTIONS) - float_ones
+    quantized = layout.all_quantizable() - float_ones
     fused = split_fused_group(quantized)
     if fused is not None:
         raise _refuse(

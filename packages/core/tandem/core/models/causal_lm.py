@@ -22,6 +22,7 @@ from tandem.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.core.layers.gated_delta_net import GatedDeltaNet
 from tandem.core.layers.weights import LazyTensor
 from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.projection_match import DecoderLayout
 from tandem.core.models.weight_mapping import WeightMapping, load_mapped_weights
 
 
@@ -44,6 +45,12 @@ class CausalLM(nn.Module):
     def parse_config(raw: dict[str, Any], arch: str) -> ModelConfig:
         """Its config from the parsed ``config.json`` (``config_json.py`` asks the class)."""
         raise NotImplementedError
+
+    @staticmethod
+    def decoder_layout(config: ModelConfig) -> DecoderLayout:
+        """Which quantizable modules its layers have, as a quantization config names them;
+        dense decoder layers unless the class says otherwise (mixture-of-experts)."""
+        return DecoderLayout(config.num_layers)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

@@ -28,7 +28,8 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         raise ModelLoadError(f"config.json lacks the required field {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"config.json has a malformed field: {exc}") from None
-    quantization = parse_quantization(raw, arch, cls.SERVES_W8A8, config.num_layers)
+    layout = cls.decoder_layout(config)
+    quantization = parse_quantization(raw, arch, cls.SERVES_W8A8, layout)
     return config if quantization is None else replace(config, quantization=quantization)
 
 

@@ -1,12 +1,12 @@
 """Routes the checkpoint tensors of routed experts to the stacked-expert modules that hold them
-(``FusedMoeExperts``), whichever naming the checkpoint uses, and reports which stacked
-parameters ended up complete."""
+(``FusedMoeExperts``, or ``QuantizedMoeExperts`` for a quantized checkpoint), whichever naming
+the checkpoint uses, and reports which stacked parameters ended up complete."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from tandem.core.layers.fused_moe import FusedMoeExperts
+from tandem.core.layers.fused_moe import RoutedExperts
 from tandem.core.layers.weights import LazyTensor
 
 
@@ -15,7 +15,7 @@ class ExpertWeights:
         self.modules = {
             name: module
             for name, module in model.named_modules()
-            if isinstance(module, FusedMoeExperts)
+            if isinstance(module, RoutedExperts)
         }
 
     def take(self, target: str, loaded: LazyTensor, name: str) -> bool:
@@ -39,5 +39,5 @@ class ExpertWeights:
             f"{name}.{param}"
             for name, module in self.modules.items()
             if module.fully_loaded()
-            for param in ("w13", "w2")
+            for param in module.loaded_parameters()
         }

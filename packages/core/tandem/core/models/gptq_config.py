@@ -5,7 +5,10 @@ Fields read as vLLM reads them (vLLM 0.32, ``auto_gptq.py`` ``from_config``): ``
 ``group_size``, ``desc_act``, ``sym``, ``lm_head`` (a quantized LM head: refused here),
 ``dynamic`` (GPTQModel's per-module overrides: refused here) and
 ``modules_in_block_to_quantize`` (the projections stored 4-bit; the others float, matched as
-vLLM matches them: an entry names a projection when it is a substring of its module path).
+vLLM matches them: an entry names a projection when it is a substring of its module path;
+a mixture-of-experts layer's routed experts are 4-bit when an entry names them or one of
+their projections, ``mlp.experts.3.gate_proj``: vLLM quantizes them whatever the list says,
+which misreads a checkpoint that left them float).
 Activation order with one group per channel changes nothing, so it is read as without (vLLM
 does the same). Other fields (``damp_percent``, ``true_sequential``, ``static_groups``, ...)
 describe how the weights were made, not how they are read.
@@ -17,8 +20,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from tandem.core.errors import ModelLoadError
-from tandem.core.layers.quant_scheme import PROJECTIONS, W4A16Scheme
-from tandem.core.models.projection_match import picked_projections, split_fused_group
+from tandem.core.layers.quant_scheme import W4A16Scheme
+from tandem.core.models.projection_match import (
+    DecoderLayout,
+    picked_projections,
+    split_fused_group,
+    unmatched_names,
+)
 
 GPTQ = "gptq"
 GROUP_SIZES = (32, 64, 128, -1)
@@ -40,7 +48,7 @@ def _flag(config: Mapping[str, Any], field: str, default: bool) -> bool:
     return value
 
 
-def parse_gptq(config: Mapping[str, Any], num_layers: int) -> W4A16Scheme:
+def parse_gptq(config: Mapping[str, Any], layout: DecoderLayout) -> W4A16Scheme:
     """The scheme of a GPTQ ``quantization_config``."""
     bits = config.get("bits")
     if bits != 4:
@@ -56,7 +64,7 @@ def parse_gptq(config: Mapping[str, Any], num_layers: int) -> W4A16Scheme:
             raise _refuse(absent, config[absent])
     sym = _flag(config, "sym", default=True)
     desc_act = _flag(config, "desc_act", default=False) and group_size != -1
-    quantized = _quantized_projections(config.get("modules_in_block_to_quantize"), num_layers)
+    quantized = _quantized_projections(config.get("modules_in_block_to_quantize"), layout)
     return W4A16Scheme(group_size=group_size, sym=sym, desc_act=desc_act, quantized=quantized)
 
 
@@ -68,17 +76,16 @@ def _flatten(entries: object) -> list[str]:
     return [name for entry in entries for name in _flatten(entry)]
 
 
-def _quantized_projections(entries: object, num_layers: int) -> frozenset[str]:
+def _quantized_projections(entries: object, layout: DecoderLayout) -> frozenset[str]:
     if entries is None or entries == []:
-        return frozenset(PROJECTIONS)
+        return layout.all_quantizable()
     names = _flatten(entries)
     field = "modules_in_block_to_quantize"
-    unmatched = [n for n in names if not any(n in f"model.layers.0.{p}" for p in PROJECTIONS)]
+    unmatched = unmatched_names(names, layout)
     if unmatched:
-        raise _refuse(
-            field, names, f"{unmatched[0]!r} names none of the supported {', '.join(PROJECTIONS)}"
-        )
-    quantized = picked_projections(names, num_layers)
+        supported = ", ".join(sorted(layout.all_quantizable()))
+        raise _refuse(field, names, f"{unmatched[0]!r} names none of the supported {supported}")
+    quantized = picked_projections(names, layout)
     if quantized is None:
         raise _refuse(field, names, "supported: the same projections in every layer")
     fused = split_fused_group(quantized)

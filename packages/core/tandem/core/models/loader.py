@@ -20,6 +20,7 @@ from tandem.core.kernels.cpu.packed_linear import pack_linear_weights
 from tandem.core.layers.fused_moe import pack_expert_weights
 from tandem.core.layers.int8_packing import pack_int8_weights
 from tandem.core.layers.quantized_linear import QuantizableLinear
+from tandem.core.layers.quantized_moe import QuantizedMoeExperts
 from tandem.core.layers.weights import LazyTensor
 from tandem.core.models.causal_lm import CausalLM
 from tandem.core.models.model_config import ModelConfig
@@ -178,10 +179,11 @@ def _load(
 
 
 def finish_quantized_layers(model: nn.Module) -> None:
-    """Pack each 4-bit layer's loaded checkpoint tensors into its kernel's layout, once."""
+    """Pack each 4-bit layer's (and 4-bit routed experts') loaded checkpoint tensors into its
+    kernel's layout, once."""
     try:
         for name, module in model.named_modules():
-            if isinstance(module, QuantizableLinear):
+            if isinstance(module, QuantizableLinear | QuantizedMoeExperts):
                 module.finish_loading(name)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None

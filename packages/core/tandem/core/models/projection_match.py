@@ -1,22 +1,103 @@
-"""Which decoder projections a quantization config's list of module names picks, matched as
-vLLM matches them: a name picks a projection when it is a substring of the projection's module
-path (``model.layers.3.self_attn.q_proj``)."""
+"""Which decoder modules a quantization config's list of module names picks, matched as vLLM
+matches them: a name picks a projection when it is a substring of the projection's module path
+(``model.layers.3.self_attn.q_proj``); the routed experts of a mixture-of-experts layer are
+one module to vLLM (``model.layers.3.mlp.experts``), whose checkpoint tensors are named per
+expert (``model.layers.3.mlp.experts.7.gate_proj``)."""
 
 from __future__ import annotations
 
-from tandem.core.layers.quant_scheme import FUSED_PROJECTIONS, PROJECTIONS
+from dataclasses import dataclass
+
+from tandem.core.layers.quant_scheme import (
+    EXPERT_PROJECTIONS,
+    EXPERTS,
+    FUSED_PROJECTIONS,
+    PROJECTIONS,
+)
+
+# The dense MLP's projections (absent from a mixture-of-experts layer).
+_MLP = tuple(p for p in PROJECTIONS if p.startswith("mlp."))
 
 
-def picked_projections(names: list[str], num_layers: int) -> frozenset[str] | None:
-    """The projections ``names`` pick, or None when that differs between layers (a model's
-    layers are built alike here)."""
-    per_layer = {
-        frozenset(p for p in PROJECTIONS if any(n in f"model.layers.{i}.{p}" for n in names))
-        for i in range(num_layers)
-    }
-    if len(per_layer) > 1:
+@dataclass(frozen=True)
+class DecoderLayout:
+    """Which quantizable modules each decoder layer has: attention's projections in every
+    layer; the dense MLP's, or (layers in ``moe_layers``) ``num_experts`` routed experts and a
+    router."""
+
+    num_layers: int
+    moe_layers: frozenset[int] = frozenset()
+    num_experts: int = 0
+
+    @property
+    def has_experts(self) -> bool:
+        return bool(self.moe_layers)
+
+    def projections(self, layer: int) -> tuple[str, ...]:
+        """The ``PROJECTIONS`` layer ``layer`` has."""
+        if layer in self.moe_layers:
+            return tuple(p for p in PROJECTIONS if p not in _MLP)
+        return PROJECTIONS
+
+    def experts_module(self, layer: int) -> str:
+        """vLLM's name of a layer's routed experts (what AWQ's skip list is matched against)."""
+        return f"model.layers.{layer}.{EXPERTS}"
+
+    def expert_paths(self, layer: int) -> list[str]:
+        """Every routed expert projection's module path in layer ``layer`` (none: dense)."""
+        if layer not in self.moe_layers:
+            return []
+        prefix = self.experts_module(layer)
+        return [f"{prefix}.{e}.{p}" for e in range(self.num_experts) for p in EXPERT_PROJECTIONS]
+
+    def router(self, layer: int) -> str:
+        return f"model.layers.{layer}.mlp.gate"
+
+    def modules(self, layer: int, experts_whole: bool) -> dict[str, str]:
+        """Each quantizable module of layer ``layer`` (a projection, or ``EXPERTS``) and the
+        paths a name may pick it by, one a line: the experts by vLLM's module name only
+        (``experts_whole``, as AWQ's skip list is read), or also by each expert projection's."""
+        found = {p: f"model.layers.{layer}.{p}" for p in self.projections(layer)}
+        if layer in self.moe_layers:
+            paths = [self.experts_module(layer)]
+            if not experts_whole:
+                paths += self.expert_paths(layer)
+            found[EXPERTS] = "\n".join(paths)
+        return found
+
+    def all_quantizable(self) -> frozenset[str]:
+        """Every projection, and the experts where there are some."""
+        return frozenset(PROJECTIONS) | ({EXPERTS} if self.has_experts else frozenset())
+
+
+def _picks(name: str, paths: str) -> bool:
+    """Whether ``name`` is a substring of one of ``paths`` (one a line; no name holds a line
+    break, so none matches across two)."""
+    return "\n" not in name and name in paths
+
+
+def unmatched_names(names: list[str], layout: DecoderLayout) -> list[str]:
+    """The names that pick no module of any layer."""
+    paths = "\n".join(
+        found
+        for i in range(layout.num_layers)
+        for found in layout.modules(i, experts_whole=False).values()
+    )
+    return [n for n in names if not _picks(n, paths)]
+
+
+def picked_projections(
+    names: list[str], layout: DecoderLayout, experts_whole: bool = False
+) -> frozenset[str] | None:
+    """The modules (projections, ``EXPERTS``) ``names`` pick, or None when that differs
+    between the layers that have the module (a model's layers are built alike here)."""
+    picks: dict[str, set[bool]] = {}
+    for i in range(layout.num_layers):
+        for module, paths in layout.modules(i, experts_whole).items():
+            picks.setdefault(module, set()).add(any(_picks(n, paths) for n in names))
+    if any(len(seen) > 1 for seen in picks.values()):
         return None
-    return next(iter(per_layer), frozenset())
+    return frozenset(module for module, seen in picks.items() if True in seen)
 
 
 def split_fused_group(quantized: frozenset[str]) -> tuple[str, ...] | None:

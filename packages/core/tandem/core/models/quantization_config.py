@@ -6,7 +6,11 @@ start-up that names the field and what is supported.
 Supported for compressed-tensors: one config group targeting ``Linear``; weights int8,
 symmetric, one scale per output channel; input activations int8, symmetric, either dynamic per
 token or static per tensor (an ``input_scale`` per layer); ``lm_head`` ignored, every decoder
-projection quantized.
+projection quantized. In a mixture-of-experts layer every routed expert's projections are
+quantized and the router (``mlp.gate``) is ignored, as llm-compressor's MoE recipes write
+(``re:.*mlp.gate$``) and vLLM builds it (float). vLLM refuses static activation scales for
+int8 MoE layers; we serve them, each expert with its own calibrated scale (gate and up at
+their maximum, as a fused dense layer's parts).
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from tandem.core.errors import ModelLoadError
-from tandem.core.layers.quant_scheme import PROJECTIONS, QuantScheme, W8A8Scheme
+from tandem.core.layers.quant_scheme import QuantScheme, W8A8Scheme
 from tandem.core.models import awq_config, gptq_config
+from tandem.core.models.projection_match import DecoderLayout
 
 QUANT_METHOD = "compressed-tensors"
 INT_QUANTIZED = "int-quantized"
@@ -40,10 +45,11 @@ def _refuse(field: str, value: object, supported: str = SUPPORTED) -> ModelLoadE
 
 
 def parse_quantization(
-    raw: Mapping[str, Any], architecture: str, serves_w8a8: bool, num_layers: int
+    raw: Mapping[str, Any], architecture: str, serves_w8a8: bool, layout: DecoderLayout
 ) -> QuantScheme | None:
     """The scheme of the parsed ``config.json`` ``raw``; None for a float checkpoint.
-    ``serves_w8a8``: whether the architecture's model builds quantized linear layers."""
+    ``serves_w8a8``: whether the architecture's model builds quantized linear layers;
+    ``layout``: the modules its decoder layers have."""
     config = raw.get("quantization_config")
     if config is None:
         return None
@@ -56,13 +62,13 @@ def parse_quantization(
     if not serves_w8a8:
         raise ModelLoadError(
             f"config.json: quantized checkpoints of {architecture} are not supported; "
-            "int8 W8A8 and GPTQ/AWQ 4-bit are served for LlamaForCausalLM, Qwen2ForCausalLM and "
-            "Qwen3ForCausalLM"
+            "int8 W8A8 and GPTQ/AWQ 4-bit are served for LlamaForCausalLM, Qwen2ForCausalLM, "
+            "Qwen3ForCausalLM and Qwen3MoeForCausalLM"
         )
     if method == gptq_config.GPTQ:
-        return gptq_config.parse_gptq(config, num_layers)
+        return gptq_config.parse_gptq(config, layout)
     if method == awq_config.AWQ:
-        return awq_config.parse_awq(config, num_layers)
+        return awq_config.parse_awq(config, layout)
     status = config.get("quantization_status", "compressed")
     if status != "compressed":
         raise _refuse(
@@ -76,7 +82,7 @@ def parse_quantization(
         raise _refuse("config_groups", groups, "supported: exactly one group; " + SUPPORTED)
     [(name, group)] = groups.items()
     scheme = _parse_group(f"config_groups.{name}", group, config.get("format"))
-    _check_ignore(config.get("ignore") or [], num_layers)
+    _check_ignore(config.get("ignore") or [], layout)
     return scheme
 
 
@@ -137,19 +143,27 @@ def _matches(target: str, name: str) -> bool:
     return target == name
 
 
-def _check_ignore(ignore: list[str], num_layers: int) -> None:
-    """The LM head must be left float; every decoder projection must be quantized (a layer
-    built for int8 cannot take a float tensor)."""
+def _check_ignore(ignore: list[str], layout: DecoderLayout) -> None:
+    """The LM head and every router must be left float; every decoder projection and routed
+    expert must be quantized (a layer built for int8 cannot take a float tensor)."""
     if not any(_matches(t, "lm_head") for t in ignore):
         raise _refuse("ignore", ignore, "supported: lists that include 'lm_head' (kept float)")
-    for i in range(num_layers):
-        for projection in PROJECTIONS:
-            name = f"model.layers.{i}.{projection}"
+    for i in range(layout.num_layers):
+        names = [f"model.layers.{i}.{p}" for p in layout.projections(i)]
+        for name in names + layout.expert_paths(i):
             hit = next((t for t in ignore if _matches(t, name)), None)
             if hit is not None:
                 raise _refuse(
                     "ignore",
                     ignore,
                     f"its entry {hit!r} leaves {name} float; supported: every decoder "
-                    "projection quantized, only 'lm_head' ignored",
+                    "projection and routed expert quantized, only 'lm_head' and the routers "
+                    "ignored",
                 )
+        if i in layout.moe_layers and not any(_matches(t, layout.router(i)) for t in ignore):
+            raise _refuse(
+                "ignore",
+                ignore,
+                f"no entry leaves the router {layout.router(i)} float; supported: lists that "
+                "ignore every router (e.g. 're:.*mlp.gate$'), which is served float",
+            )

@@ -1,7 +1,12 @@
 """Write a quantized copy of a float Hugging Face folder (``tandem quantize``): every decoder
-projection weight the scheme quantizes is replaced by the tensors its format stores; embeddings,
-norms, biases and ``lm_head`` stay as they are; the tokenizer and generation files are copied
-and ``config.json`` gains the scheme's ``quantization_config``.
+projection weight the scheme quantizes, routed experts' included, is replaced by the tensors
+its format stores; embeddings, norms, biases, routers and ``lm_head`` stay as they are; the
+tokenizer and generation files are copied and ``config.json`` gains the scheme's
+``quantization_config``.
+
+Routed experts stacked in one tensor per layer (``experts.gate_up_proj`` [E, 2 I, H],
+``experts.down_proj`` [E, H, I], as transformers 5 may save Qwen3-MoE) are written one expert
+at a time (``experts.{e}.gate_proj.weight`` ...), the names quantized checkpoints use.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from tandem.core.errors import ModelLoadError
 from tandem.core.models.config_json import load_model_config
 from tandem.core.models.loader import weight_files
 from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.projection_match import DecoderLayout
 from tandem.core.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -30,6 +36,12 @@ logger = logging.getLogger(__name__)
 PROJECTION_WEIGHT = re.compile(
     r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight$"
 )
+# A routed expert's projection weight (``model.layers.3.mlp.experts.7.up_proj.weight``).
+EXPERT_WEIGHT = re.compile(
+    r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.weight$"
+)
+# A layer's routed experts stacked in one tensor; group 1 is the experts' module.
+_STACKED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 # Files beside the weights that a served folder needs.
 _COPIED = (
     "tokenizer*",
@@ -58,9 +70,30 @@ def read_float_config(src: Path, scheme: str) -> ModelConfig:
     if not model_class(config.architecture).SERVES_W8A8:
         raise ModelLoadError(
             f"{config.architecture} cannot be served {scheme}; supported: LlamaForCausalLM, "
-            "Qwen2ForCausalLM, Qwen3ForCausalLM"
+            "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"
         )
     return config
+
+
+def decoder_layout(config: ModelConfig) -> DecoderLayout:
+    """Which quantizable modules the layers of ``config``'s model have."""
+    return model_class(config.architecture).decoder_layout(config)
+
+
+def _one_by_one(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A checkpoint tensor, or a layer's stacked experts as one tensor per expert."""
+    stacked = _STACKED_EXPERTS.match(name)
+    if stacked is None:
+        return {name: tensor}
+    prefix, kind = stacked.groups()
+    if kind == "down_proj":
+        return {f"{prefix}.{e}.down_proj.weight": w.clone() for e, w in enumerate(tensor)}
+    size = tensor.shape[1] // 2
+    out: dict[str, torch.Tensor] = {}
+    for e, w in enumerate(tensor):
+        out[f"{prefix}.{e}.gate_proj.weight"] = w[:size].clone()
+        out[f"{prefix}.{e}.up_proj.weight"] = w[size:].clone()
+    return out
 
 
 def write_quantized(
@@ -77,14 +110,16 @@ def write_quantized(
     for number, path in enumerate(files, 1):
         tensors: dict[str, torch.Tensor] = {}
         with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not dicts
-                tensor = handle.get_tensor(name)
-                stored = quantize(name, tensor) if PROJECTION_WEIGHT.match(name) else None
-                if stored is None:
-                    tensors[name] = tensor
-                else:
-                    tensors.update(stored)
-                    quantized += 1
+            for stored in handle.keys():  # noqa: SIM118 - safe_open handles are not dicts
+                expert_by_expert = _one_by_one(stored, handle.get_tensor(stored))
+                for name, tensor in expert_by_expert.items():
+                    weight = PROJECTION_WEIGHT.match(name) or EXPERT_WEIGHT.match(name)
+                    written = quantize(name, tensor) if weight else None
+                    if written is None:
+                        tensors[name] = tensor
+                    else:
+                        tensors.update(written)
+                        quantized += 1
         save_file(tensors, str(dst / path.name), metadata={"format": "pt"})
         placed.update(dict.fromkeys(tensors, path.name))
         total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())

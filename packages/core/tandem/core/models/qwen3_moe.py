@@ -14,9 +14,11 @@ import torch
 from torch import nn
 
 from tandem.collectives import ProcessGroup
+from tandem.core.layers.quant_scheme import EXPERTS, QuantScheme, projection_scheme
 from tandem.core.layers.sparse_moe_block import SparseMoeBlock
 from tandem.core.models.decoder import DecoderForCausalLM
 from tandem.core.models.model_config import ModelConfig
+from tandem.core.models.projection_match import DecoderLayout
 from tandem.core.models.qwen3_family_config import (
     Qwen3FamilyConfig,
     family_config,
@@ -25,12 +27,19 @@ from tandem.core.models.qwen3_family_config import (
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
-    # Its experts have no int8 layers yet.
-    SERVES_W8A8 = False
+    # Quantized checkpoints: attention and dense MLPs as the dense decoder's, routed experts
+    # stacked (``quantized_moe.py``), the router float.
+    SERVES_W8A8 = True
 
     @staticmethod
     def parse_config(raw: dict[str, Any], arch: str) -> Qwen3FamilyConfig:
         return parse_family_config(raw, arch)
+
+    @staticmethod
+    def decoder_layout(config: ModelConfig) -> DecoderLayout:
+        family = family_config(config)
+        moe = frozenset(i for i, sparse in enumerate(family.moe_layers) if sparse)
+        return DecoderLayout(config.num_layers, moe, family.num_experts)
 
     def __init__(self, config: ModelConfig, group: ProcessGroup, dtype: torch.dtype):
         family_config(config)  # fail before building anything
@@ -40,10 +49,12 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         config = family_config(self.config)
         if not config.moe_layers[layer_index]:
             return super().build_mlp(layer_index, group)
-        return sparse_moe_block(config, group)
+        return sparse_moe_block(config, group, projection_scheme(config.quantization, EXPERTS))
 
 
-def sparse_moe_block(config: Qwen3FamilyConfig, group: ProcessGroup) -> SparseMoeBlock:
+def sparse_moe_block(
+    config: Qwen3FamilyConfig, group: ProcessGroup, quant: QuantScheme | None = None
+) -> SparseMoeBlock:
     return SparseMoeBlock(
         config.hidden_size,
         num_experts=config.num_experts,
@@ -53,4 +64,5 @@ def sparse_moe_block(config: Qwen3FamilyConfig, group: ProcessGroup) -> SparseMo
         shared_intermediate_size=config.shared_expert_intermediate_size,
         activation=config.hidden_act,
         group=group,
+        quant=quant,
     )

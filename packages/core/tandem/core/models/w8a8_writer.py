@@ -5,7 +5,9 @@ Every decoder projection's weight becomes int8 [out, in] with a ``weight_scale``
 the checkpoint's dtype: round-to-nearest, symmetric, per output channel, with llm-compressor's
 min-max scale (absmax / 127.5, so the most negative value may reach -128). Activations are
 quantized per token at run time, so nothing is calibrated. Embeddings, norms and ``lm_head``
-stay as they are; the tokenizer and generation files are copied.
+stay as they are; the tokenizer and generation files are copied. A mixture-of-experts model's
+routed experts are quantized one by one like any projection; its routers stay float, listed
+in ``ignore`` as llm-compressor's MoE recipes list them (``re:.*mlp.gate$``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ from typing import Any
 
 import torch
 
-from tandem.core.models.quantized_writer import read_float_config, write_quantized
+from tandem.core.models.quantized_writer import (
+    decoder_layout,
+    read_float_config,
+    write_quantized,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +31,8 @@ COMPRESSED_TENSORS_VERSION = "0.12.2"
 _INT8_MIN, _INT8_MAX = -128, 127
 # llm-compressor's symmetric scale: the absmax over half the int8 range (255 / 2).
 _HALF_RANGE = (_INT8_MAX - _INT8_MIN) / 2
+# The routers of a mixture-of-experts model, left float.
+ROUTERS = "re:.*mlp.gate$"
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,9 +66,10 @@ def _args(strategy: str, dynamic: bool) -> dict[str, Any]:
     }
 
 
-def w8a8_quantization_config() -> dict[str, Any]:
+def w8a8_quantization_config(routers: bool = False) -> dict[str, Any]:
     """``config.json``'s ``quantization_config`` as llm-compressor writes it for its W8A8
-    scheme (int8 per-channel weights, dynamic per-token int8 activations)."""
+    scheme (int8 per-channel weights, dynamic per-token int8 activations); ``routers``: a
+    mixture-of-experts model's, whose routers are ignored too."""
     return {
         "config_groups": {
             "group_0": {
@@ -73,7 +82,7 @@ def w8a8_quantization_config() -> dict[str, Any]:
         },
         "format": "int-quantized",
         "global_compression_ratio": None,
-        "ignore": ["lm_head"],
+        "ignore": ["lm_head", ROUTERS] if routers else ["lm_head"],
         "kv_cache_scheme": None,
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",
@@ -91,7 +100,8 @@ def _quantize(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
 def write_w8a8(src: Path, dst: Path) -> int:
     """Write the W8A8 copy of the float folder ``src`` into ``dst`` (new or empty); returns
     how many weights were quantized."""
-    read_float_config(src, "int8 W8A8")
-    quantized = write_quantized(src, dst, _quantize, w8a8_quantization_config())
+    config = read_float_config(src, "int8 W8A8")
+    routers = decoder_layout(config).has_experts
+    quantized = write_quantized(src, dst, _quantize, w8a8_quantization_config(routers))
     logger.info("quantize: wrote %s (%d weights int8 W8A8)", dst, quantized)
     return quantized

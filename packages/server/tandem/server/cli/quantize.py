@@ -9,9 +9,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import SafetensorError
 
 from tandem.core.errors import ModelLoadError
+from tandem.core.models.calibration import calibration_samples, collect_hessians
 from tandem.core.models.gptq_config import GROUP_SIZES
 from tandem.core.models.w4a16_writer import write_w4a16
 from tandem.core.models.w8a8_writer import write_w8a8
@@ -39,7 +41,8 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
         "activations quantized per token at run time (compressed-tensors 'int-quantized', "
         "as llm-compressor's W8A8 writes it); w4a16: 4-bit weights per group of inputs "
         "(round to nearest), float activations, in GPTQ's format as AutoGPTQ writes it; "
-        "embeddings, norms and lm_head stay float",
+        "a mixture-of-experts model's routed experts are quantized one by one; embeddings, "
+        "norms, routers and lm_head stay float",
     )
     p.add_argument(
         "--group-size",
@@ -55,6 +58,31 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
         help="w4a16: a zero point per group (asymmetric) instead of 8 for all; note that "
         "vLLM 0.32 serves only symmetric GPTQ",
     )
+    p.add_argument(
+        "--calibration",
+        metavar="TEXT_FILE",
+        help="w4a16: quantize with GPTQ (each weight's rounding error spread over its later "
+        "inputs, weighted by the model's own activations on this text) instead of rounding "
+        "to nearest; a few hundred KB of text like what the model will serve",
+    )
+    p.add_argument(
+        "--calibration-samples",
+        type=int,
+        default=128,
+        help="with --calibration: at most this many samples of the text (default: 128)",
+    )
+    p.add_argument(
+        "--calibration-len",
+        type=int,
+        default=512,
+        help="with --calibration: tokens per sample (default: 512)",
+    )
+    p.add_argument(
+        "--act-order",
+        action="store_true",
+        help="with --calibration: quantize the inputs in decreasing order of their "
+        "activations' energy (GPTQ's desc_act)",
+    )
     p.set_defaults(func=run)
 
 
@@ -62,15 +90,42 @@ def run(args: argparse.Namespace) -> int:
     src, dst = Path(args.src), Path(args.dst)
     if args.scheme == "w8a8" and (args.group_size is not None or not args.sym):
         raise ModelLoadError("--group-size and --no-sym apply to --scheme w4a16 only")
+    calibrated = args.calibration is not None
+    if (calibrated or args.act_order) and args.scheme != "w4a16":
+        raise ModelLoadError("--calibration and --act-order apply to --scheme w4a16 only")
+    if args.act_order and not calibrated:
+        raise ModelLoadError("--act-order needs --calibration TEXT_FILE (it is GPTQ's)")
+    if args.calibration_samples < 1 or args.calibration_len < 2:
+        raise ModelLoadError("--calibration-samples must be >= 1 and --calibration-len >= 2")
     group_size = DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size
     try:
         if args.scheme == "w8a8":
             count = write_w8a8(src, dst)
         else:
-            count = write_w4a16(src, dst, group_size=group_size, sym=args.sym)
+            hessians = _hessians(args, src) if calibrated else None
+            count = write_w4a16(
+                src, dst, group_size=group_size, sym=args.sym, hessians=hessians,
+                act_order=args.act_order,
+            )  # fmt: skip
     except (OSError, SafetensorError) as exc:
         raise ModelLoadError(f"quantize {args.src} -> {args.dst}: {exc}") from None
     logger.info(
         "quantized %d linear weights of %s into %s (%s)", count, args.src, args.dst, args.scheme
     )
     return 0
+
+
+def _hessians(args: argparse.Namespace, src: Path) -> dict[str, torch.Tensor]:
+    """GPTQ's statistics of the float model on the calibration text."""
+    try:
+        text = Path(args.calibration).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"--calibration {args.calibration}: {exc}") from None
+    try:
+        samples = calibration_samples(src, text, args.calibration_samples, args.calibration_len)
+    except ValueError as exc:
+        raise ModelLoadError(f"--calibration {args.calibration}: {exc}") from None
+    logger.info(
+        "quantize: calibrating on %d samples (%d tokens)", len(samples), sum(map(len, samples))
+    )
+    return collect_hessians(src, samples)
