@@ -2,10 +2,10 @@
 topology: TP=1, TP=2 in one process (also with two steps in flight on pipeline lanes), TP=2
 as one process per device; for a dense, an MoE and a hybrid (Qwen3.5) model, the last also
 drafting with its multi-token-prediction head (``mtp``), the MoE one with prompts prefilled in
-chunks of 8 tokens beside verify steps. Drafts are accepted (the engine's closing log line says how many), so the
-comparison has teeth; on the hybrid, drafts are also rejected, so every rank rolls its
-linear-attention states back (its random weights rarely repeat: its acceptance is not
-asserted, packages/core/tests/llm/test_speculative_decoding.py drives every count)."""
+chunks of 8 tokens beside verify steps. Drafts are accepted (the engine's closing log line
+says how many), so the comparison has teeth; on the hybrid, drafts are also rejected, so every
+rank rolls its linear-attention states back (its random weights rarely repeat: its acceptance
+is not asserted, packages/core/tests/llm/test_speculative_decoding.py drives every count)."""
 
 from __future__ import annotations
 
