@@ -4,16 +4,20 @@ whole weight into floats on every call.
 
 Batches up to ``DECODE_ROWS`` rows (decode, and small mixed steps) run the fused kernel: the
 weight is read as the packed codes, a quarter of bfloat16's bytes, and turned into floats in
-registers (or in an L1 buffer) four output rows at a time (the source says how). Larger batches
-(prefill) have the C++ dequantize the whole weight in a pass and torch's GEMM take it: the
-pass is cheap beside a product of that many rows, and the GEMM library is faster there than a
-dot product per output.
+registers (or in an L1 buffer) four output rows at a time (the source says how). bfloat16
+activations on a CPU with AVX512-BF16 run the kernel's dot-product path instead, up to
+``BF16_DOT_ROWS`` rows: bfloat16 weights formed once per call and VDPBF16PS, twice the
+float32 FMAs' products an instruction, which keeps up with torch's bfloat16 GEMM on the
+dense weight at batches where the float32 path fell behind it (figures in the source).
+Larger batches (prefill) have the C++ dequantize the whole weight in a pass and torch's GEMM
+take it: the pass is cheap beside a product of that many rows, and the GEMM library is as
+fast there as the kernel, or faster.
 
-Both paths form each weight exactly as the reference does, ``(q - z) * s`` in float32 and
-rounded to bfloat16 for bfloat16 activations; the fused path sums in float32 in its own
-order. Layers quantized in activation order (``g_idx``) keep the reference: the kernel reads
-groups of consecutive inputs only. Built for AVX-512, AVX2 or plain loops by
-``TANDEM_CPU_ISA`` (``native_build``); ``TANDEM_INT4=torch`` keeps the reference.
+Every path forms each weight exactly as the reference does, ``(q - z) * s`` in float32 and
+rounded to bfloat16 for bfloat16 activations; the kernel sums in float32 in its own order.
+Layers quantized in activation order (``g_idx``) keep the reference: the kernel reads groups
+of consecutive inputs only. Built for AVX-512 (with or without AVX512-BF16), AVX2 or plain
+loops by ``TANDEM_CPU_ISA`` (``native_build``); ``TANDEM_INT4=torch`` keeps the reference.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ logger = logging.getLogger(__name__)
 SOURCE = CSRC / "int4_linear.cpp"
 # Up to this many activation rows the fused kernel; above, dequantize and GEMM.
 DECODE_ROWS = 32
+# The same for bfloat16 activations where the kernel takes AVX512-BF16 dot products: level
+# with dequantize-then-GEMM from about here (``csrc/int4_linear.cpp`` has the figures).
+BF16_DOT_ROWS = 128
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
@@ -61,6 +68,27 @@ class NativeInt4Linear:
         self._linear = c_function(lib.tandem_int4_linear, [_vp] * 6 + [_i64] * 6 + [_i32, _i32])
         self._dequantize = c_function(
             lib.tandem_int4_dequantize, [_vp] * 4 + [_i64] * 3 + [_i32, _i32]
+        )
+        # Whether bfloat16 activations take AVX512-BF16 dot products (a library built from an
+        # older source, as a benchmark's baseline, has no such path and no flag).
+        self.bf16_dot = hasattr(lib, "tandem_int4_bf16_dot") and bool(
+            c_function(lib.tandem_int4_bf16_dot, [])()
+        )
+        # The most activation rows a call runs the kernel on, by dtype; above, the weight is
+        # dequantized whole for torch's GEMM.
+        self.kernel_rows = {
+            torch.float32: DECODE_ROWS,
+            torch.bfloat16: BF16_DOT_ROWS if self.bf16_dot else DECODE_ROWS,
+        }
+
+    def describe(self) -> str:
+        """What runs, by dtype and batch size (for the start-up report)."""
+        fused = f"fused up to {DECODE_ROWS} rows"
+        if not self.bf16_dot:
+            return f"{fused}, dequantized then torch's GEMM above"
+        return (
+            f"float32 {fused}, bfloat16 AVX512-BF16 dot products on bfloat16 weight panels "
+            f"up to {self.kernel_rows[torch.bfloat16]} rows; dequantized then torch's GEMM above"
         )
 
     @staticmethod
@@ -97,7 +125,7 @@ class NativeInt4Linear:
         scales_c = scales.to(x.dtype).contiguous()
         zeros_c = zeros.to(torch.uint8).contiguous()
         dtype, threads = _DTYPES[x.dtype], torch.get_num_threads()
-        if rows.shape[0] > DECODE_ROWS:
+        if rows.shape[0] > self.kernel_rows[x.dtype]:
             weight = torch.empty(rows_out, inputs, dtype=x.dtype)
             code = self._dequantize(
                 weight.data_ptr(), codes_c.data_ptr(), scales_c.data_ptr(), zeros_c.data_ptr(),

@@ -29,7 +29,7 @@ from tandem.core.kernels.cpu.avx2_linear import avx2_linear
 from tandem.core.kernels.cpu.avx512_linear import avx512_linear
 from tandem.core.kernels.cpu.elementwise import native_elementwise
 from tandem.core.kernels.cpu.grouped_moe import grouped_expert_kernel
-from tandem.core.kernels.cpu.int4_linear import DECODE_ROWS, native_int4_linear
+from tandem.core.kernels.cpu.int4_linear import native_int4_linear
 from tandem.core.kernels.cpu.int8_gemm import native_int8
 from tandem.core.kernels.cpu.linear_attention import native_linear_attention
 from tandem.core.kernels.cpu.native_build import (
@@ -184,10 +184,7 @@ def _int4_choice(no_library: str) -> KernelChoice:
     kernel = native_int4_linear()
     if kernel is None:
         return KernelChoice(role, "torch reference (dequantizes the weight every call)", no_library)
-    why = (
-        f"fused up to {DECODE_ROWS} rows, dequantized then torch's GEMM above; layers in "
-        "activation order keep the reference"
-    )
+    why = f"{kernel.describe()}; layers in activation order keep the reference"
     return KernelChoice(role, _native_path(kernel), why)
 
 

@@ -23,11 +23,17 @@
 // 8 j + i; the activations are put in that order once per call, so the dot products are
 // plain contiguous loops. Large batches do not come here: ``tandem_int4_dequantize`` writes
 // the whole float weight for a GEMM library to take.
+//
+// bfloat16 activations on a CPU with AVX512-BF16 take another path (its section below):
+// bfloat16 weights formed once per panel of output rows and VDPBF16PS dot products, 32
+// products an instruction, twice the FMAs' 16; the Python side hands it batches of up to
+// BF16_DOT_ROWS rows.
 
 #include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "vec_math.h"
@@ -344,6 +350,439 @@ inline void dequantize_row(const Layer& L, const int32_t* row, const float* s, c
 
 #endif
 
+#if TANDEM_COMPILED_ISA == 2 && defined(__AVX512BF16__)
+#define TANDEM_INT4_BF16_DOT 1
+
+// ---- bfloat16 activations with AVX512-BF16: pair dot products on bfloat16 weights ----
+//
+// The float32 path above is bound by its FMAs (16 products an instruction) and forms the
+// weights again for every kRowsTogether activation rows: at 32 rows it took 8.4 ms where
+// dense bfloat16 took 4.1 (N = 2816, K = 1024, one thread). Here the activations are put in
+// this path's order once per call as bfloat16 (exactly: they are bfloat16 already), each
+// weight is formed once per call as bfloat16 (the value the float32 path forms and rounds:
+// the reference's, bit for bit) into a panel buffer, and VDPBF16PS takes 32 products an
+// instruction from there, in register tiles of kDotOutputs weight rows times kDotRows
+// activation rows (16 accumulators; each weight vector loaded serves four rows and each
+// activation vector four outputs). Batches of up to kDotFusedRows rows take the weights
+// from the codes straight into the dot products instead. The 16 sums of a tile are folded
+// into one vector (lane 4 r + t), the bias added and rounded there, and each row's four
+// outputs stored at once.
+//
+// The order of a block of 128 inputs (16 words, four vectors of 32 bfloat16): 16-bit lane l
+// of vector s holds input 8 (l / 2) + s + 4 (l % 2): the low half of word w is 16-bit lane
+// 2 w and holds nibbles 0..3, the high half nibbles 4..7, so one 16-bit shift by 4 s puts
+// nibble s (or s + 4) of every lane at the bottom, and VPERMW looks it up in a table of the
+// group's 16 weights (written twice, so the stray fifth index bit, the next nibble's lowest,
+// picks the same weight): three shifts and four lookups for 128 weights. Groups smaller than
+// a block (or not whole blocks) form each lane's weight as the float32 path does.
+//
+// Measured (AMD Zen 4 EPYC, 2 vCPUs, host otherwise idle: load average 1.4-1.8 with the
+// benchmark itself; benchmarks/int4_gemm.py --baseline, medians of 5 interleaved rounds; ms,
+// this path / the float32 path with dequantize-then-GEMM above 32 rows / dense bfloat16
+// F.linear), one thread:
+//   M      qkv 2048 x 1024          gate_up 5632 x 1024        down 1024 x 2816
+//   1      0.200 / 0.242 / 0.437    0.559 / 0.618 / 1.143      0.226 / 0.300 / 0.584
+//   4      0.254 / 0.383 / 0.465    0.703 / 1.141 / 1.273      0.342 / 0.480 / 0.560
+//   8      0.332 / 0.687 / 0.529    0.913 / 1.659 / 1.449      0.449 / 0.794 / 0.659
+//   16     0.478 / 1.225 / 0.681    1.338 / 3.362 / 1.852      0.657 / 1.613 / 0.861
+//   32     0.789 / 2.385 / 0.965    2.216 / 6.495 / 2.675      1.106 / 3.135 / 1.242
+//   48     1.116 / 1.241 / 1.263    3.105 / 3.671 / 3.517      1.527 / 1.692 / 1.650
+//   64     1.438 / 1.560 / 1.553    4.001 / 4.592 / 4.377      1.963 / 2.228 / 2.074
+//   128    2.718 / 2.779 / 2.726    7.484 / 8.111 / 7.613      3.750 / 3.977 / 3.694
+//   256    5.303 / 5.332 / 5.136    15.24 / 15.05 / 14.29      7.189 / 7.257 / 6.888
+// two threads: 0.110 / 0.131 / 0.240 ms (qkv, M = 1), 0.442 / 1.253 / 0.516 (qkv, 32),
+// 0.623 / 0.668 / 0.670 (qkv, 48), 1.629 / 1.861 / 1.779 (gate_up, 48); at 128 rows
+// 1.430 / 1.402, 4.002 / 4.139, 2.145 / 1.992 (this path / dequantize-then-GEMM).
+// From 32 rows on it runs at 170-200 GFLOP/s a thread, near VDPBF16PS's one-a-cycle peak
+// (the bare 4 x 4 tile loop: ~220), as does the dense bfloat16 GEMM from about 128 rows:
+// so the Python side hands it up to BF16_DOT_ROWS = 128 rows, where the three projections
+// together are 6% ahead on one thread and level on two; above, dequantize-then-GEMM is
+// level with it (256 rows: within 3% either way) and needs no activation copy.
+// kDotFusedRows = 3: unbuffered took 0.110 ms at M = 3 against 0.131 buffered, buffered
+// 0.124 at M = 4 against 0.149 unbuffered (N = 1536, K = 1024, codes in cache). kDotRows
+// = 4: 6 rows a tile (24 accumulators) was level at 32 and 256 rows and slower at 8
+// (6 + 2); 8 weight rows x 3 or 6 x 4 spilled registers (a third slower). Panels of 8
+// tiles: 2% over 1 tile at 48 to 256 rows (whole cache lines of y written; 16 tiles level).
+//
+// Rounding: products of two bfloat16 are exact in float32; VDPBF16PS adds them into float32
+// lanes rounding to nearest-even, whatever MXCSR says, with denormal inputs and results
+// read and written as zero (the test file says why the float32 bound still holds).
+
+constexpr int64_t kDotBlock = 128;
+// A register tile: kDotOutputs weight rows times up to kDotRows activation rows.
+constexpr int kDotOutputs = 4;
+constexpr int kDotRows = 4;
+// Batches up to this many rows skip the weight buffer.
+constexpr int kDotFusedRows = 3;
+
+// The 16 weights of a group, bfloat16 bits, twice over: VPERMW's 32-entry table.
+inline __m512i dot_table(const Layer& L, float s, float z) {
+  const __m512 table = block_table(L, s, z);  // rounded to bfloat16 already: top halves exact
+  const __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(table), 16));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(half), half, 1);
+}
+
+// Block b of a row in the dot order where groups are smaller than a block or not a whole
+// number of blocks (the lanes of a block in several groups): each lane's weight as the
+// float32 path forms it, the block's two halves (words 0..7, 8..15; lane j of a half is
+// 16-bit lane j: word j / 2) widened to float32 lanes and their bfloat16 tops put back
+// together. Lanes past the last word are zero.
+inline void lane_block(const Layer& L, const int32_t* row, const float* s, const float* z,
+                       const int32_t* word_group, int64_t b, __m512i (&w)[4]) {
+  const int64_t first = b * 16;
+  const int64_t count = std::min<int64_t>(16, L.words - first);
+  const __m512i words =
+      _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << count) - 1u), row + first);
+  const __mmask32 mask = static_cast<__mmask32>((uint64_t{1} << (2 * count)) - 1u);
+  const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i g_lo = _mm512_permutexvar_epi32(
+      pairs, _mm512_castsi256_si512(
+                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(word_group + first))));
+  const __m512i g_hi = _mm512_permutexvar_epi32(
+      pairs, _mm512_castsi256_si512(
+                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(word_group + first + 8))));
+  const __m512 s_lo = _mm512_i32gather_ps(g_lo, s, 4), z_lo = _mm512_i32gather_ps(g_lo, z, 4);
+  const __m512 s_hi = _mm512_i32gather_ps(g_hi, s, 4), z_hi = _mm512_i32gather_ps(g_hi, z, 4);
+  // The odd 16-bit halves (the bfloat16 tops) of lo's 16 lanes, then of hi's.
+  const __m512i tops = _mm512_setr_epi32(
+      0x00030001, 0x00070005, 0x000B0009, 0x000F000D, 0x00130011, 0x00170015, 0x001B0019,
+      0x001F001D, 0x00230021, 0x00270025, 0x002B0029, 0x002F002D, 0x00330031, 0x00370035,
+      0x003B0039, 0x003F003D);
+  const __m512i nibble = _mm512_set1_epi16(kNibble);
+  for (int i = 0; i < 4; ++i) {
+    const __m512i q = _mm512_and_si512(_mm512_srli_epi16(words, 4 * i), nibble);
+    const __m512 q_lo = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q)));
+    const __m512 q_hi =
+        _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1)));
+    const __m512 lo = round_bf16_vec(_mm512_mul_ps(_mm512_sub_ps(q_lo, z_lo), s_lo));
+    const __m512 hi = round_bf16_vec(_mm512_mul_ps(_mm512_sub_ps(q_hi, z_hi), s_hi));
+    w[i] = _mm512_maskz_permutex2var_epi16(mask, _mm512_castps_si512(lo), tops,
+                                           _mm512_castps_si512(hi));
+  }
+}
+
+// The horizontal sums of 16 accumulators, lane i = the sum of a[i]'s lanes: pairs of
+// accumulators folded together, then pairs of those, then the 128-bit quarters.
+inline __m512 fold16(const __m512 (&a)[16]) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i) {
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// float32 lanes -> bfloat16 bits as float_to_bf16 rounds them (NaN: torch's quiet NaN).
+inline __m256i to_bf16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i top = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  top = _mm512_mask_mov_epi32(top, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                              _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(top);
+}
+
+// Where a tile's sums go: outputs first .. first + T of y's rows r0 .., plus the bias.
+struct TileOut {
+  uint16_t* y;
+  int64_t ldy;
+  const uint16_t* bias;  // may be null
+  int64_t first;
+  int64_t r0;
+};
+
+// The T x R tile's sums, plus the bias, rounded into y. Folded row-major (lane 4 r + t for
+// T = 4): four rows' outputs a vector, each row's four a single 8-byte store.
+template <int T, int R>
+inline void store_tile(const __m512 (&acc)[T][R], const TileOut& o) {
+  constexpr int kCount = T * R;
+  for (int base = 0; base < kCount; base += 16) {
+    __m512 a[16];
+    for (int i = 0; i < 16; ++i) {
+      const int at = base + i;
+      a[i] = at < kCount ? acc[at % T][at / T] : _mm512_setzero_ps();
+    }
+    __m512 sums = fold16(a);
+    const int rows = std::min(16, kCount - base) / T;
+    const int64_t r0 = o.r0 + base / T;
+    if constexpr (T == 4) {
+      __m512 add = _mm512_setzero_ps();
+      if (o.bias) {
+        const __m128i b = _mm_cvtepu16_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(o.bias + o.first)));
+        add = _mm512_broadcast_f32x4(_mm_castsi128_ps(_mm_slli_epi32(b, 16)));
+      }
+      sums = _mm512_add_ps(sums, add);
+      alignas(32) uint64_t out[4];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(out), to_bf16_bits(sums));
+      for (int r = 0; r < rows; ++r) std::memcpy(o.y + (r0 + r) * o.ldy + o.first, &out[r], 8);
+    } else {
+      alignas(64) float out[16];
+      _mm512_store_ps(out, sums);
+      for (int r = 0; r < rows; ++r) {
+        for (int t = 0; t < T; ++t) {
+          const float add = o.bias ? bf16_to_float(o.bias[o.first + t]) : 0.0f;
+          o.y[(r0 + r) * o.ldy + o.first + t] = float_to_bf16(out[r * T + t] + add);
+        }
+      }
+    }
+  }
+}
+
+inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+// T buffered weight rows (`w`, `padded` apart) times R activation rows (`x`, likewise).
+template <int T, int R>
+inline void dot_bf16_tile(const uint16_t* w, const uint16_t* x, int64_t padded,
+                          const TileOut& o) {
+  __m512 acc[T][R];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < padded; k += 32) {
+    __m512i wv[T];
+    for (int t = 0; t < T; ++t) {
+      wv[t] = _mm512_loadu_si512(w + t * padded + k);
+      // Kept in a register: left alone, GCC 12 loads it again for every row below 4 rows
+      // (12 loads for 12 dot products at R = 3: the loads set the pace, M = 3 took 0.17 ms
+      // to M = 4's 0.125), while at 4 rows and more the barrier costs it a third.
+      if constexpr (R < 4) __asm__("" : "+v"(wv[t]));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = as_bh(_mm512_loadu_si512(x + r * padded + k));
+      for (int t = 0; t < T; ++t) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], as_bh(wv[t]), xv);
+    }
+  }
+  store_tile<T, R>(acc, o);
+}
+
+// The same products with the weights straight from the codes (rows first .. first + T),
+// never stored: `s` and `z` hold each row's groups, `L.groups` apart. Groups of whole
+// blocks (K a whole number of blocks then) go group by group, the T tables in registers;
+// smaller groups through DotRow.
+template <int T, int R>
+void fused_bf16_tile(const Layer& L, int64_t first, const uint16_t* x, const float* s,
+                     const float* z, const int32_t* word_group, const TileOut& o) {
+  __m512 acc[T][R];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+  const auto dot = [&](int t, const __m512i (&w)[4], int64_t b) {
+    for (int i = 0; i < 4; ++i) {
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xv = as_bh(_mm512_loadu_si512(x + r * L.padded + b * kDotBlock + 32 * i));
+        acc[t][r] = _mm512_dpbf16_ps(acc[t][r], as_bh(w[i]), xv);
+      }
+    }
+  };
+  const int32_t* codes = L.codes + first * L.words;
+  if (L.group_inputs % kDotBlock == 0) {
+    const int64_t per_group = L.group_inputs / kDotBlock;
+    for (int64_t g = 0; g < L.groups; ++g) {
+      __m512i table[T];
+      for (int t = 0; t < T; ++t) table[t] = dot_table(L, s[t * L.groups + g], z[t * L.groups + g]);
+      for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+        for (int t = 0; t < T; ++t) {
+          const __m512i words = _mm512_loadu_si512(codes + t * L.words + 16 * b);
+          __m512i w[4];
+          for (int i = 0; i < 4; ++i) {
+            w[i] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4 * i), table[t]);
+          }
+          dot(t, w, b);
+        }
+      }
+    }
+  } else {
+    for (int64_t b = 0; b < L.padded / kDotBlock; ++b) {
+      for (int t = 0; t < T; ++t) {
+        __m512i w[4];
+        lane_block(L, codes + t * L.words, s + t * L.groups, z + t * L.groups, word_group, b, w);
+        dot(t, w, b);
+      }
+    }
+  }
+  store_tile<T, R>(acc, o);
+}
+
+// A weight row's bfloat16 weights in the dot order into dst[0 .. L.padded).
+inline void form_row(const Layer& L, const int32_t* row, const float* s, const float* z,
+                     const int32_t* word_group, uint16_t* dst) {
+  if (L.group_inputs % kDotBlock == 0) {
+    const int64_t per_group = L.group_inputs / kDotBlock;
+    for (int64_t g = 0; g < L.groups; ++g) {
+      const __m512i table = dot_table(L, s[g], z[g]);
+      for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+        const __m512i words = _mm512_loadu_si512(row + 16 * b);
+        for (int i = 0; i < 4; ++i) {
+          _mm512_storeu_si512(dst + b * kDotBlock + 32 * i,
+                              _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4 * i), table));
+        }
+      }
+    }
+    return;
+  }
+  for (int64_t b = 0; b < L.padded / kDotBlock; ++b) {
+    __m512i w[4];
+    lane_block(L, row, s, z, word_group, b, w);
+    for (int i = 0; i < 4; ++i) _mm512_storeu_si512(dst + b * kDotBlock + 32 * i, w[i]);
+  }
+}
+
+// `rows` (1 .. R) activation rows: the tile of that many.
+template <int T, int R = kDotRows>
+inline void dot_bf16_some(int rows, const uint16_t* w, const uint16_t* x, int64_t padded,
+                          const TileOut& o) {
+  if constexpr (R > 1) {
+    if (rows < R) return dot_bf16_some<T, R - 1>(rows, w, x, padded, o);
+  }
+  dot_bf16_tile<T, R>(w, x, padded, o);
+}
+
+template <int T, int R = kDotFusedRows>
+inline void fused_bf16_some(int rows, const Layer& L, int64_t first, const uint16_t* x,
+                            const float* s, const float* z, const int32_t* word_group,
+                            const TileOut& o) {
+  if constexpr (R > 1) {
+    if (rows < R) return fused_bf16_some<T, R - 1>(rows, L, first, x, s, z, word_group, o);
+  }
+  fused_bf16_tile<T, R>(L, first, x, s, z, word_group, o);
+}
+
+// Activation rows in the dot order, bfloat16 as they came, zero past K. Output vector i of
+// a block takes, in 16-bit lane l, input 8 (l / 2) + i + 4 (l % 2): below 64 for l < 16
+// (the block's first two vectors), 64 more for l >= 16 (its last two), so one index vector
+// (read modulo 64) serves both halves.
+void permute_rows_bf16(const uint16_t* x, int64_t m, int64_t ldx, const Layer& L,
+                       uint16_t* out, int threads) {
+  const int64_t blocks = L.padded / kDotBlock;
+  alignas(64) int16_t index[4][32];
+  for (int i = 0; i < 4; ++i)
+    for (int l = 0; l < 32; ++l) index[i][l] = static_cast<int16_t>(8 * (l >> 1) + i + 4 * (l & 1));
+#pragma omp parallel for num_threads(threads) schedule(static) if (m * L.padded >= kParallelPermute)
+  for (int64_t r = 0; r < m; ++r) {
+    const uint16_t* src = x + r * ldx;
+    uint16_t* dst = out + r * L.padded;
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512i in[4];
+      for (int v = 0; v < 4; ++v) {
+        const int64_t at = b * kDotBlock + 32 * v;
+        const int64_t count = std::max<int64_t>(0, std::min<int64_t>(32, L.k - at));
+        const __mmask32 mask = static_cast<__mmask32>((uint64_t{1} << count) - 1u);
+        in[v] = _mm512_maskz_loadu_epi16(mask, src + at);
+      }
+      for (int i = 0; i < 4; ++i) {
+        const __m512i idx = _mm512_load_si512(index[i]);
+        const __m512i low = _mm512_permutex2var_epi16(in[0], idx, in[1]);
+        const __m512i high = _mm512_permutex2var_epi16(in[2], idx, in[3]);
+        _mm512_storeu_si512(dst + b * kDotBlock + 32 * i,
+                            _mm512_mask_blend_epi16(0xFFFF0000u, low, high));
+      }
+    }
+  }
+}
+
+// Bytes of bfloat16 weights a panel buffers (kept in L2 while every activation row group
+// passes through the panel), and the most tiles a panel holds.
+constexpr int64_t kPanelBytes = 64 << 10;
+constexpr int64_t kPanelTiles = 8;
+
+// The whole product for bfloat16 activations (tandem_int4_linear's arguments). Threads take
+// panels of up to kPanelTiles tiles; a panel's weights are formed once into the buffer, then
+// each group of kDotRows activation rows (read from L2 once per panel, from L1 for each of
+// its tiles) takes its dot products with every tile, and writes whole cache lines of y.
+void linear_bf16_dot(const Layer& L, uint16_t* y, const uint16_t* x, const uint16_t* bias,
+                     int64_t m, int64_t ldx, int64_t ldy, int threads) {
+  const int64_t padded = L.padded;  // a whole number of kDotBlock: kBlock is 128 here
+  // Kept from call to call: a fresh buffer of this size would be mapped (and faulted in)
+  // every call.
+  thread_local std::vector<uint16_t> xp;
+  if (xp.size() < static_cast<size_t>(m * padded)) xp.resize(static_cast<size_t>(m * padded));
+  permute_rows_bf16(x, m, ldx, L, xp.data(), threads);
+  const uint16_t* xs_all = xp.data();
+  const int64_t blocks = padded / kDotBlock;
+  std::vector<int32_t> word_group(static_cast<size_t>(blocks * 16), 0);
+  for (int64_t w = 0; w < L.words; ++w) {
+    word_group[w] = static_cast<int32_t>(8 * w / L.group_inputs);
+  }
+  const bool registers_only = m <= kDotFusedRows;
+  const int64_t tile_bytes = kDotOutputs * padded * static_cast<int64_t>(sizeof(uint16_t));
+  const int64_t panel_tiles =
+      registers_only ? 1 : std::max<int64_t>(1, std::min(kPanelTiles, kPanelBytes / tile_bytes));
+  const int64_t panel_rows = panel_tiles * kDotOutputs;
+  const int64_t panels = (L.n + panel_rows - 1) / panel_rows;
+  // Row groups of at most kDotRows, as even as they go (8 rows: 4 + 4, not 6 + 2).
+  const int64_t row_groups_count = (m + kDotRows - 1) / kDotRows;
+#pragma omp parallel num_threads(threads)
+  {
+    thread_local std::vector<uint16_t> wrows;
+    if (!registers_only && wrows.size() < static_cast<size_t>(panel_rows * padded)) {
+      wrows.resize(static_cast<size_t>(panel_rows * padded));
+    }
+    std::vector<float> s(static_cast<size_t>(panel_rows * L.groups));
+    std::vector<float> z(s.size());
+#pragma omp for schedule(static)
+    for (int64_t panel = 0; panel < panels; ++panel) {
+      const int64_t first = panel * panel_rows;
+      const int64_t count = std::min(panel_rows, L.n - first);
+      for (int64_t t = 0; t < count; ++t) {
+        row_groups(L, first + t, s.data() + t * L.groups, z.data() + t * L.groups);
+      }
+      if (registers_only) {
+        const int rows = static_cast<int>(m);
+        for (int64_t t0 = 0; t0 < count; t0 += kDotOutputs) {
+          const int outputs = static_cast<int>(std::min<int64_t>(kDotOutputs, count - t0));
+          const float* st = s.data() + t0 * L.groups;
+          const float* zt = z.data() + t0 * L.groups;
+          if (outputs == kDotOutputs) {
+            fused_bf16_some<kDotOutputs>(rows, L, first + t0, xs_all, st, zt, word_group.data(),
+                                         TileOut{y, ldy, bias, first + t0, 0});
+          } else {
+            for (int t = 0; t < outputs; ++t) {
+              fused_bf16_some<1>(rows, L, first + t0 + t, xs_all, st + t * L.groups,
+                                 zt + t * L.groups, word_group.data(),
+                                 TileOut{y, ldy, bias, first + t0 + t, 0});
+            }
+          }
+        }
+        continue;
+      }
+      for (int64_t t = 0; t < count; ++t) {
+        form_row(L, L.codes + (first + t) * L.words, s.data() + t * L.groups,
+                 z.data() + t * L.groups, word_group.data(), wrows.data() + t * padded);
+      }
+      for (int64_t i = 0, r0 = 0; i < row_groups_count; ++i) {
+        const int rows =
+            static_cast<int>((m - r0 + row_groups_count - i - 1) / (row_groups_count - i));
+        const uint16_t* xs = xs_all + r0 * padded;
+        for (int64_t t0 = 0; t0 < count; t0 += kDotOutputs) {
+          const int outputs = static_cast<int>(std::min<int64_t>(kDotOutputs, count - t0));
+          const uint16_t* wt = wrows.data() + t0 * padded;
+          if (outputs == kDotOutputs) {
+            dot_bf16_some<kDotOutputs>(rows, wt, xs, padded, TileOut{y, ldy, bias, first + t0, r0});
+          } else {
+            for (int t = 0; t < outputs; ++t) {
+              dot_bf16_some<1>(rows, wt + t * padded, xs, padded,
+                               TileOut{y, ldy, bias, first + t0 + t, r0});
+            }
+          }
+        }
+        r0 += rows;
+      }
+    }
+  }
+}
+
+#endif
+
 // Activation row m in the permuted block order, as float32, zero past K.
 void permute_rows(const void* x, int64_t m, int64_t ldx, const Layer& L, float* out,
                   int threads) {
@@ -392,6 +831,13 @@ int tandem_int4_linear(void* y, const void* x, const int32_t* codes, const void*
   if (const int code = tandem::check(L)) return code;
   if (m == 0 || n == 0) return 0;
   threads = std::max(1, threads);
+#ifdef TANDEM_INT4_BF16_DOT
+  if (dtype == tandem::kBFloat16) {
+    tandem::linear_bf16_dot(L, static_cast<uint16_t*>(y), static_cast<const uint16_t*>(x),
+                            static_cast<const uint16_t*>(bias), m, ldx, ldy, threads);
+    return 0;
+  }
+#endif
   std::vector<float> xp(static_cast<size_t>(m * L.padded));
   tandem::permute_rows(x, m, ldx, L, xp.data(), threads);
   // Each word's group, padded with group 0 to whole vectors (the padding's codes are masked).
@@ -471,6 +917,16 @@ int tandem_int4_linear(void* y, const void* x, const int32_t* codes, const void*
     }
   }
   return 0;
+}
+
+// Whether bfloat16 activations take the AVX512-BF16 dot products (for every batch size the
+// caller hands over) rather than the float32 FMAs.
+int tandem_int4_bf16_dot() {
+#ifdef TANDEM_INT4_BF16_DOT
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 // The whole dequantized weight w [n, k] in `dtype`, each value the reference's, for a GEMM
