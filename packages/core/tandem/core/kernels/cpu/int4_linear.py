@@ -15,8 +15,10 @@ fast there as the kernel, or faster.
 
 Every path forms each weight exactly as the reference does, ``(q - z) * s`` in float32 and
 rounded to bfloat16 for bfloat16 activations; the kernel sums in float32 in its own order.
-Layers quantized in activation order (``g_idx``) keep the reference: the kernel reads groups
-of consecutive inputs only. Built for AVX-512 (with or without AVX512-BF16), AVX2 or plain
+The kernel reads groups of consecutive inputs only: a layer quantized in activation order
+reaches it with its inputs sorted by group at load (``layers/int4_weights.py``), and one whose
+groups cannot be sorted so (a tensor-parallel rank's uneven share) keeps ``g_idx`` and the
+reference. Built for AVX-512 (with or without AVX512-BF16), AVX2 or plain
 loops by ``TANDEM_CPU_ISA`` (``native_build``); ``TANDEM_INT4=torch`` keeps the reference.
 """
 

@@ -184,7 +184,10 @@ def _int4_choice(no_library: str) -> KernelChoice:
     kernel = native_int4_linear()
     if kernel is None:
         return KernelChoice(role, "torch reference (dequantizes the weight every call)", no_library)
-    why = f"{kernel.describe()}; layers in activation order keep the reference"
+    why = (
+        f"{kernel.describe()}; layers in activation order with their inputs sorted by group "
+        "at load (the reference where a rank's groups are uneven)"
+    )
     return KernelChoice(role, _native_path(kernel), why)
 
 
