@@ -153,7 +153,8 @@ def _routing(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, weights, ids
 
 
-def _fake_quantize(h: torch.Tensor, static: float | None) -> torch.Tensor:
+def fake_quantize(h: torch.Tensor, static: float | None) -> torch.Tensor:
+    """``h`` rounded to int8 codes of its rows' (or the static) scale and back, in float64."""
     if static is None:
         scale = h.abs().amax(-1, keepdim=True) / 127
         scale = torch.where(scale == 0, torch.ones_like(scale), scale)
@@ -211,10 +212,10 @@ def test_int8_experts_compute_their_dequantized_weights_on_int8_activations(
 
     def fake(h: torch.Tensor, e: int, part: str) -> torch.Tensor:
         if not static:
-            return _fake_quantize(h, None)
+            return fake_quantize(h, None)
         # gate and up are one fused matmul: the larger of their two scales.
         parts = ("gate_proj", "up_proj") if part != "down_proj" else (part,)
-        return _fake_quantize(h, max(_static_scale(e, p) for p in parts))
+        return fake_quantize(h, max(_static_scale(e, p) for p in parts))
 
     expected = _expected(x, weights, ids, _int8_dense(tensors), fake)
     # float32 scaling of exact int32 sums against float64: a code of the down projection's

@@ -37,6 +37,7 @@ from tandem.core.models.w4a16_writer import write_w4a16
 from tandem.core.models.w8a8_writer import write_w8a8
 
 from ..conftest import HfFactory
+from ..layers.test_quantized_moe import fake_quantize
 from .checkpoint_files import read_tensors
 from .gptq_reference import dequantized_folder
 from .test_quantized_loading import STATIC_SCALE, _dequantized, _fake_quantized_matmul, _static
@@ -75,15 +76,6 @@ def _generate(engine: LLMEngine) -> list[list[int]]:
     return [out.token_ids for out in engine.generate(PROMPTS, params)]
 
 
-def _fake(h: torch.Tensor, static: float | None) -> torch.Tensor:
-    if static is None:
-        scale = h.abs().amax(-1, keepdim=True) / 127
-        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    else:
-        scale = torch.tensor(static, dtype=torch.float64)
-    return torch.round(h / scale).clamp(-128, 127) * scale
-
-
 def _fake_quantized_experts(static: float | None) -> Callable[..., torch.Tensor]:
     """Float experts (one rank, plain weights) whose projections' inputs are fake-quantized
     per row or with ``static``, multiplied in float64."""
@@ -94,8 +86,9 @@ def _fake_quantized_experts(static: float | None) -> Callable[..., torch.Tensor]
         out = torch.zeros(x.shape, dtype=torch.float64)
         for e in sorted(set(topk_ids.reshape(-1).tolist())):
             token, choice = (topk_ids == e).nonzero(as_tuple=True)
-            gate, up = (_fake(x[token].double(), static) @ self.w13[e].double().t()).chunk(2, -1)
-            hidden = _fake(F.silu(gate) * up, static)
+            rows = fake_quantize(x[token].double(), static)
+            gate, up = (rows @ self.w13[e].double().t()).chunk(2, -1)
+            hidden = fake_quantize(F.silu(gate) * up, static)
             y = hidden @ self.w2[e].double().t()
             out.index_add_(0, token, topk_weights[token, choice].double().unsqueeze(1) * y)
         return out.to(x.dtype)

@@ -51,6 +51,5 @@ def int8_packed_bytes(model: nn.Module) -> int:
         if isinstance(module, QuantizedMoeExperts):
             total += module.packed_bytes()
         elif isinstance(module, QuantizableLinear) and module.int8_packed is not None:
-            packed = module.int8_packed
-            total += packed.packed.numel() + packed.compensation.numel() * 4
+            total += module.int8_packed.nbytes
     return total

@@ -21,7 +21,12 @@ from tandem.core.kernels.cpu.int8_gemm import PackedInt8Weight
 from tandem.core.kernels.cpu.packed_linear import PackableLinear
 from tandem.core.layers.int4_weights import Int4Parameters, Split
 from tandem.core.layers.quant_scheme import QuantScheme, W4A16Scheme
-from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
+from tandem.core.layers.weights import (
+    LazyTensor,
+    copy_channels,
+    copy_checked,
+    per_tensor_scale,
+)
 
 # A float or int8 weight [out, in], and what is cut along its outputs alone.
 _WEIGHT_OUTPUTS = Split(dim=0, per_entry=1)
@@ -104,14 +109,7 @@ class QuantizableLinear(PackableLinear):
                 return
             copy_checked(param.data, src, name)
             return
-        n = split.per_entry
-        if (offset | start | size) % n:
-            raise ValueError(
-                f"checkpoint tensor {name}: outputs {start}..{start + size} of this rank do "
-                f"not fall on whole packed words of {n}; use fewer tensor-parallel ranks"
-            )
-        dst = param.data.narrow(split.dim, offset // n, size // n)
-        copy_checked(dst, read_shard(loaded, split.dim, start // n, size // n), name)
+        copy_channels(param.data, loaded, split.dim, split.per_entry, start, size, name, offset)
 
     def finish_loading(self, name: str) -> None:
         """Repack loaded 4-bit weights into the kernel's layout (nothing for other layers)."""
@@ -155,11 +153,4 @@ class QuantizableLinear(PackableLinear):
     def load_input_scale(self, loaded: LazyTensor, slot: int, name: str) -> None:
         """A static per-tensor activation scale: one value, the same on every rank."""
         assert self.input_scale is not None
-        shape = loaded.get_shape()
-        if [d for d in shape if d != 1]:
-            raise ValueError(
-                f"checkpoint tensor {name} has shape {tuple(shape)}; a per-tensor input scale "
-                "holds one value (the quantization_config says strategy 'tensor')"
-            )
-        value = loaded[tuple(slice(None) for _ in shape)]
-        self.input_scale.data[slot] = value.reshape(())
+        self.input_scale.data[slot] = per_tensor_scale(loaded, name)

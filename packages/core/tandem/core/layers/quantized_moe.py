@@ -40,7 +40,13 @@ from tandem.core.kernels.reference.quantized_moe import combine, sort_by_expert
 from tandem.core.layers.fused_moe import FusedMoeExperts, RoutedExperts
 from tandem.core.layers.int4_weights import Int4Parameters, Split
 from tandem.core.layers.quant_scheme import QuantScheme, W4A16Scheme, W8A8Scheme
-from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
+from tandem.core.layers.weights import (
+    LazyTensor,
+    copy_channels,
+    copy_checked,
+    per_tensor_scale,
+    read_shard,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -171,23 +177,12 @@ class QuantizedMoeExperts(RoutedExperts):
                 f"config.json's quantization_config says (expected {expected})"
             )
         if param is projection.input_scale:
-            self._load_input_scale(param, expert, part, loaded, name)
+            param.data[expert, part] = per_tensor_scale(loaded, name)
         elif projection.split_outputs:
             self._load_outputs(projection, param, expert, part, loaded, name)
         else:
             self._load_inputs(projection, param, expert, loaded, name)
         self._loaded.add((expert, checkpoint_projection, tensor))
-
-    def _load_input_scale(
-        self, param: nn.Parameter, expert: int, part: int, loaded: LazyTensor, name: str
-    ) -> None:
-        shape = loaded.get_shape()
-        if [d for d in shape if d != 1]:
-            raise ValueError(
-                f"checkpoint tensor {name} has shape {tuple(shape)}; a per-tensor input scale "
-                "holds one value (the quantization_config says strategy 'tensor')"
-            )
-        param.data[expert, part] = loaded[tuple(slice(None) for _ in shape)].reshape(())
 
     def _extent(self, loaded: LazyTensor, split: Split, name: str) -> None:
         """The checkpoint tensor must span the whole intermediate size along ``split``."""
@@ -218,15 +213,9 @@ class QuantizedMoeExperts(RoutedExperts):
                 copy_checked(held, src, name)
             return
         self._extent(loaded, split, name)
-        n, size = split.per_entry, self.local_size
+        size = self.local_size
         start, offset = self.group.rank * size, part * size
-        if (offset | start | size) % n:
-            raise ValueError(
-                f"checkpoint tensor {name}: outputs {start}..{start + size} of this rank do "
-                f"not fall on whole packed words of {n}; use fewer tensor-parallel ranks"
-            )
-        dst = held.narrow(split.dim, offset // n, size // n)
-        copy_checked(dst, read_shard(loaded, split.dim, start // n, size // n), name)
+        copy_channels(held, loaded, split.dim, split.per_entry, start, size, name, offset)
 
     def _load_inputs(
         self,
@@ -243,15 +232,11 @@ class QuantizedMoeExperts(RoutedExperts):
             copy_checked(held, read_shard(loaded, 0, 0, loaded.get_shape()[0]), name)
             return
         self._extent(loaded, split, name)
-        n, size = split.per_entry, self.local_size
-        start = self.group.rank * size
-        if (start | size) % n:
-            raise ValueError(
-                f"checkpoint tensor {name}: inputs {start}..{start + size} of this rank do not "
-                f"fall on whole entries of {n} (packed words or quantization groups); use "
-                "fewer tensor-parallel ranks"
-            )
-        copy_checked(held, read_shard(loaded, split.dim, start // n, size // n), name)
+        size = self.local_size
+        copy_channels(
+            held, loaded, split.dim, split.per_entry, self.group.rank * size, size, name,
+            what="inputs", unit="entries (packed words or quantization groups)",
+        )  # fmt: skip
 
     def fully_loaded(self) -> bool:
         for checkpoint_projection, (which, _) in _PARTS.items():
@@ -284,11 +269,7 @@ class QuantizedMoeExperts(RoutedExperts):
 
     def packed_bytes(self) -> int:
         """Bytes of the int8 weights packed for the CPU kernel (beside the parameters)."""
-        return sum(
-            w.packed.numel() + w.compensation.numel() * w.compensation.element_size()
-            for projection in (self.w13, self.w2)
-            for w in projection.packed or ()
-        )
+        return sum(w.nbytes for projection in (self.w13, self.w2) for w in projection.packed or ())
 
     # Compute.
 

@@ -52,3 +52,39 @@ def parameter_bytes(module: nn.Module) -> int:
             seen.add(id(p))
             total += p.numel() * p.element_size()
     return total
+
+
+def per_tensor_scale(loaded: LazyTensor, name: str) -> torch.Tensor:
+    """A static per-tensor activation scale (``input_scale``): one value, as a 0-d tensor."""
+    shape = loaded.get_shape()
+    if [d for d in shape if d != 1]:
+        raise ValueError(
+            f"checkpoint tensor {name} has shape {tuple(shape)}; a per-tensor input scale "
+            "holds one value (the quantization_config says strategy 'tensor')"
+        )
+    return loaded[tuple(slice(None) for _ in shape)].reshape(())
+
+
+def copy_channels(
+    dst: torch.Tensor,
+    loaded: LazyTensor,
+    dim: int,
+    per_entry: int,
+    start: int,
+    size: int,
+    name: str,
+    offset: int = 0,
+    what: str = "outputs",
+    unit: str = "packed words",
+) -> None:
+    """Channels ``[start, start + size)`` of the checkpoint tensor along ``dim``, stored
+    ``per_entry`` to an entry (8 a packed word, a group's inputs a scales row), into ``dst``
+    from channel ``offset``; refused where a bound would cut an entry."""
+    n = per_entry
+    if (offset | start | size) % n:
+        raise ValueError(
+            f"checkpoint tensor {name}: {what} {start}..{start + size} of this rank do not "
+            f"fall on whole {unit} of {n}; use fewer tensor-parallel ranks"
+        )
+    target = dst.narrow(dim, offset // n, size // n)
+    copy_checked(target, read_shard(loaded, dim, start // n, size // n), name)

@@ -107,14 +107,11 @@ def _record_draft_logprobs(seq: TokenSequence, row: int, k: int, result: Sampler
         return
     assert result.accepted_top_token_ids is not None
     assert result.accepted_top_logprobs is not None
-    n = seq.params.logprobs
-    ids, values = result.accepted_top_token_ids[row][k], result.accepted_top_logprobs[row][k]
-    seq.logprobs.append(
-        TokenLogprobs(
-            token_id=seq.token_ids[-1],
-            logprob=result.accepted_logprobs[row][k],
-            top=list(zip(ids[:n], values[:n], strict=True)),
-        )
+    _append_logprobs(
+        seq,
+        result.accepted_logprobs[row][k],
+        result.accepted_top_token_ids[row][k],
+        result.accepted_top_logprobs[row][k],
     )
 
 
@@ -123,14 +120,15 @@ def record_logprobs(seq: TokenSequence, row: int, result: SamplerOutput) -> None
     if seq.params.logprobs is None or result.logprobs is None:
         return
     assert result.top_token_ids is not None and result.top_logprobs is not None
+    _append_logprobs(seq, result.logprobs[row], result.top_token_ids[row], result.top_logprobs[row])
+
+
+def _append_logprobs(
+    seq: TokenSequence, logprob: float, top_ids: list[int], top_values: list[float]
+) -> None:
     n = seq.params.logprobs
-    seq.logprobs.append(
-        TokenLogprobs(
-            token_id=seq.token_ids[-1],
-            logprob=result.logprobs[row],
-            top=list(zip(result.top_token_ids[row][:n], result.top_logprobs[row][:n], strict=True)),
-        )
-    )
+    top = list(zip(top_ids[:n], top_values[:n], strict=True))
+    seq.logprobs.append(TokenLogprobs(token_id=seq.token_ids[-1], logprob=logprob, top=top))
 
 
 def advance_grammar(seq: TokenSequence, token: int) -> str | None:

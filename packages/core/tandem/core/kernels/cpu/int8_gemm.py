@@ -71,6 +71,11 @@ class PackedInt8Weight:
     def padded_in(self) -> int:
         return int(self.packed.shape[1]) * GROUP
 
+    @property
+    def nbytes(self) -> int:
+        """Memory it holds (the codes and the compensation)."""
+        return self.packed.nbytes + self.compensation.nbytes
+
 
 def pack_int8_weight(weight: torch.Tensor, panel: int) -> PackedInt8Weight:
     """``weight`` int8 [N, K] in the layout with ``panel`` columns a panel (once per layer,

@@ -22,7 +22,6 @@ import torch
 
 from tandem.core.kernels.reference import int4_linear as int4_ref
 from tandem.core.kernels.reference import int8_linear as int8_ref
-from tandem.core.kernels.reference.elementwise import GATED_ACTIVATIONS
 
 # One active expert's rows of the sorted routing: (expert, first row, end row).
 Span = tuple[int, int, int]
@@ -212,45 +211,3 @@ def moe_int4_linear(
     g_idx: torch.Tensor | None,
 ) -> torch.Tensor:
     return grouped_int4_linear(int4_ref.int4_linear, rows, spans, codes, scales, zeros, g_idx)
-
-
-# The whole computation of one rank holding every expert whole (tensor-parallel size 1).
-
-
-def fused_moe_int8(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scale: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str,
-    a13_scale: torch.Tensor | None = None,
-    a2_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``x`` [T, H]; int8 ``w13`` [E, 2 I, H] (gate rows, then up rows) and ``w2`` [E, H, I]
-    with per-channel scales [E, N, 1]; static activation scales [E, parts] (None: per
-    token) -> [T, H]: over each token's k experts, weight * down(act(gate(x)) * up(x))."""
-    order, token, spans = sort_by_expert(topk_ids, w13.shape[0])
-    rows = x.index_select(0, token)
-    hidden = GATED_ACTIVATIONS[activation](moe_int8_linear(rows, spans, w13, w13_scale, a13_scale))
-    out = moe_int8_linear(hidden, spans, w2, w2_scale, a2_scale)
-    return combine(x, out, order, token, topk_weights)
-
-
-def fused_moe_int4(
-    x: torch.Tensor,
-    w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
-    w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str,
-) -> torch.Tensor:
-    """``fused_moe_int8`` with 4-bit weights: each projection (codes [E, N, K / 8], scales
-    [E, N, G], zero points [E, N, G], activation-order groups [E, K] or None)."""
-    order, token, spans = sort_by_expert(topk_ids, w13[0].shape[0])
-    rows = x.index_select(0, token)
-    hidden = GATED_ACTIVATIONS[activation](moe_int4_linear(rows, spans, *w13))
-    out = moe_int4_linear(hidden, spans, *w2)
-    return combine(x, out, order, token, topk_weights)
