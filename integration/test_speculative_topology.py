@@ -21,8 +21,9 @@ from tandem.core.models.mtp_writer import initial_head, write_mtp_head
 NEW_TOKENS = 32
 SPEC = ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
         '"prompt_lookup_max": 3, "prompt_lookup_min": 1}')  # fmt: skip
-# Qwen3.5's own multi-token-prediction head (untrained here: its drafts are mostly rejected).
-MTP = ("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}')
+# Qwen3.5's own multi-token-prediction head (untrained here: its drafts are mostly rejected),
+# three drafts a step: every rank runs the head's later steps on rank 0's accepted counts.
+MTP = ("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}')
 # Each topology, and TP=2 in one process with two steps in flight (pipeline lanes).
 TOPOLOGIES: list[tuple[str, tuple[str, ...]]] = [
     ("tp1", ()),

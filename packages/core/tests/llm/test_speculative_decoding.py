@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from reference_models import write_reference_model
 
 from tandem.core import LLMEngine, SamplingParams
@@ -379,6 +380,8 @@ def test_hybrid_next_turns_start_from_states_kept_after_rollbacks(
 
 
 MTP = SpeculativeConfig(method="mtp", num_speculative_tokens=1)
+# Three drafts a step: the head's second and third run on its own outputs (lookahead blocks).
+MTP3 = SpeculativeConfig(method="mtp", num_speculative_tokens=3)
 
 
 @pytest.fixture(scope="module")
@@ -400,23 +403,46 @@ def moe_mtp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _check_head_drafts(folder: Path, seen: list[tuple[list[int], int]]) -> None:
+def reference_chain(model: Any, head: TrainableHead, token_ids: list[int], count: int) -> list[int]:
+    """The head's first ``count`` drafts after ``token_ids`` (whose last token was just
+    sampled), with transformers' layer over the whole sequence each time: the first at the
+    position before the last token (``reference_drafts``), each next one a position further
+    with the draft before it as input and the head's own output in place of the model's
+    hidden state."""
+    ids = torch.tensor([token_ids])
+    embed = model.get_input_embeddings()
+    drafts: list[int] = []
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
+        embeds = embed(ids[:, 1:])
+        for _ in range(count):
+            out = head(embeds, hidden)[:, -1:]
+            draft = model.lm_head(out).argmax(-1)
+            drafts.append(int(draft))
+            embeds = torch.cat([embeds, embed(draft)], dim=1)
+            hidden = torch.cat([hidden, out], dim=1)
+    return drafts
+
+
+def _check_head_drafts(folder: Path, seen: list[tuple[list[int], tuple[int, ...]]]) -> None:
     """Each draft is transformers' Qwen3.5 layer run as the head over the whole sequence so
-    far, at the position before its last token."""
+    far, at the position before its last token; later drafts as ``reference_chain``."""
     model = load_reference_model(folder)
     head = TrainableHead(text_config(model))
     head.load_head({k: v.float() for k, v in initial_head(folder, seed=3).items()})
-    for tokens, draft in seen:
-        assert reference_drafts(model, head, tokens)[-1] == draft, len(tokens)
+    for tokens, drafts in seen:
+        assert reference_drafts(model, head, tokens)[-1] == drafts[0], len(tokens)
+        if len(drafts) > 1:
+            assert reference_chain(model, head, tokens, len(drafts)) == list(drafts), tokens
 
 
-@pytest.mark.parametrize("max_tokens", [1, 24])
+@pytest.mark.parametrize(("max_tokens", "spec"), [(1, MTP), (24, MTP), (24, MTP3)])
 def test_mtp_drafts_keep_greedy_tokens(
-    mtp_dir: Path, make_engine: EngineFactory, max_tokens: int
+    mtp_dir: Path, make_engine: EngineFactory, max_tokens: int, spec: SpeculativeConfig
 ) -> None:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     plain = _tokens(make_engine(mtp_dir), params)
-    engine = make_engine(mtp_dir, speculative=MTP)
+    engine = make_engine(mtp_dir, speculative=spec)
     assert _tokens(engine, params) == plain
     if max_tokens > 1:
         assert engine.stats.spec_num_drafts > 0
@@ -424,49 +450,88 @@ def test_mtp_drafts_keep_greedy_tokens(
 
 
 class RecordingDrafter(Drafter):
-    """The engine's own drafter, noting each head draft it hands out with the tokens the
+    """The engine's own drafter, noting the head drafts it hands out with the tokens the
     sequence had."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         super().__init__(config, uses_processor=lambda seq: False)
-        self.seen: list[tuple[list[int], int]] = []
+        self.seen: list[tuple[list[int], tuple[int, ...]]] = []
+        # Drafts handed out shorter than the request and the step's budget allowed.
+        self.short = 0
 
     def drafts(self, seq: TokenSequence, budget: int) -> tuple[int, ...]:
         out = super().drafts(seq, budget)
         if out:
-            self.seen.append((list(seq.token_ids), out[0]))
+            self.seen.append((list(seq.token_ids), out))
+            room = min(budget, seq.max_output_tokens - seq.num_output_tokens) - 1
+            self.short += len(out) < min(self.config.num_speculative_tokens, room)
         return out
 
+    def longest(self) -> int:
+        return max(len(drafts) for _, drafts in self.seen)
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+
+@pytest.mark.parametrize(
+    ("kind", "spec"), [("dense", MTP), ("moe", MTP), ("dense", MTP3), ("moe", MTP3)]
+)
 def test_mtp_drafts_are_the_heads_prediction_over_the_whole_sequence(
-    mtp_dir: Path, moe_mtp_dir: Path, make_engine: EngineFactory, kind: str
+    mtp_dir: Path,
+    moe_mtp_dir: Path,
+    make_engine: EngineFactory,
+    kind: str,
+    spec: SpeculativeConfig,
 ) -> None:
     """Each draft equals the head run over the whole sequence so far (transformers' layer):
     so the head's KV cache holds every earlier position, filled across prefill chunks (a
-    budget of 5 tokens a step) and verify steps, with rejected positions recomputed; greedy
+    budget of 5 tokens a step) and verify steps, with rejected positions recomputed; with
+    three drafts, the later ones chain the head on its own outputs at positions whose KV
+    lies in blocks past the step (4-token blocks: they often start a new one); greedy
     tokens stay those of plain decoding."""
     folder = mtp_dir if kind == "dense" else moe_mtp_dir
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    kw: dict[str, Any] = {"max_tokens_per_batch": 5, "block_size": 4}
+    kw: dict[str, Any] = {"max_tokens_per_batch": 16, "block_size": 4}
+    if spec is MTP:
+        kw["max_tokens_per_batch"] = 5
     plain = _tokens(make_engine(folder, **kw), params)
-    engine = make_engine(folder, speculative=MTP, **kw)
-    recorder = RecordingDrafter(MTP)
+    engine = make_engine(folder, speculative=spec, **kw)
+    recorder = RecordingDrafter(spec)
     engine.scheduler.drafter = recorder
     assert _tokens(engine, params) == plain
     assert len(recorder.seen) > 20
+    # Every chain is as long as the request allows: the lookahead blocks were there.
+    assert recorder.longest() == spec.num_speculative_tokens and recorder.short == 0
     _check_head_drafts(folder, recorder.seen)
+    assert _all_free(engine)
 
 
-def test_mtp_drafts_on_pipeline_lanes_are_the_heads_prediction(
+def test_mtp_chains_under_block_pressure_keep_the_tokens(
     mtp_dir: Path, make_engine: EngineFactory
+) -> None:
+    """With the pool too small for every sequence's lookahead blocks (and preempting for
+    their next tokens), the drafts made are still the head's chain and greedy tokens plain
+    decoding's."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    kw: dict[str, Any] = {"block_size": 4, "num_blocks": 26}
+    plain = _tokens(make_engine(mtp_dir, **kw), params)
+    engine = make_engine(mtp_dir, speculative=MTP3, **kw)
+    recorder = RecordingDrafter(MTP3)
+    engine.scheduler.drafter = recorder
+    assert _tokens(engine, params) == plain
+    assert recorder.longest() == 3
+    _check_head_drafts(mtp_dir, recorder.seen)
+    assert _all_free(engine)
+
+
+@pytest.mark.parametrize("spec", [MTP, MTP3])
+def test_mtp_drafts_on_pipeline_lanes_are_the_heads_prediction(
+    mtp_dir: Path, make_engine: EngineFactory, spec: SpeculativeConfig
 ) -> None:
     """Each lane's step runs the head on its own sequences: drafts stay the head's
     prediction over the whole sequence, and greedy tokens plain decoding's."""
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     plain = _tokens(make_engine(mtp_dir), params)
-    engine = make_engine(mtp_dir, speculative=MTP, pipeline=LANES)
-    recorder = RecordingDrafter(MTP)
+    engine = make_engine(mtp_dir, speculative=spec, pipeline=LANES)
+    recorder = RecordingDrafter(spec)
     engine.scheduler.drafter = recorder
     log = LaunchLog(engine)
     assert _tokens(engine, params) == plain
@@ -474,15 +539,17 @@ def test_mtp_drafts_on_pipeline_lanes_are_the_heads_prediction(
     _check_head_drafts(mtp_dir, recorder.seen)
 
 
+@pytest.mark.parametrize("spec", [MTP, MTP3])
 def test_mtp_drafts_on_two_ranks_follow_the_sampled_tokens(
-    mtp_dir: Path, make_engine: EngineFactory
+    mtp_dir: Path, make_engine: EngineFactory, spec: SpeculativeConfig
 ) -> None:
-    """Tensor-parallel ranks run the head on rank 0's sampled tokens (only rank 0 samples):
-    with random sampling, every draft is still the head's prediction after the token drawn."""
+    """Tensor-parallel ranks run the head on rank 0's sampled tokens (only rank 0 samples)
+    and, for later drafts, its accepted counts: with random sampling, every draft is still
+    the head's prediction after the token drawn."""
     params = SamplingParams(max_tokens=16, temperature=0.9, seed=5)
     tp2 = ParallelConfig(devices="cpu:0,cpu:1", single_process=True)
-    engine = make_engine(mtp_dir, speculative=MTP, parallel=tp2)
-    recorder = RecordingDrafter(MTP)
+    engine = make_engine(mtp_dir, speculative=spec, parallel=tp2)
+    recorder = RecordingDrafter(spec)
     engine.scheduler.drafter = recorder
     _tokens(engine, params)
     assert len(recorder.seen) > 10
@@ -495,5 +562,3 @@ def test_mtp_setups_that_cannot_work_are_refused(
     for folder in (hybrid_dir, demo_dir):
         with pytest.raises(ConfigError, match=r"has none .*use method 'ngram'"):
             make_engine(folder, speculative=MTP)
-    with pytest.raises(ConfigError, match="one token a step for now"):
-        make_engine(mtp_dir, speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=2))

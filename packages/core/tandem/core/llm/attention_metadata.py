@@ -40,9 +40,15 @@ def _gather_blocks(
 
 def _plan_decode(fi: ForwardInput, tensors: list[torch.Tensor]) -> FinishGroup:
     n = fi.num_decodes
-    ctx = fi.context_lens[:n]
-    blocks = _gather_blocks(fi.block_tables[:n], ctx, fi.block_size)
-    length = blocks.shape[1] * fi.block_size
+    return _plan_decode_group(fi.block_tables[:n], fi.context_lens[:n], fi.block_size, tensors)
+
+
+def _plan_decode_group(
+    tables: torch.Tensor, ctx: torch.Tensor, block_size: int, tensors: list[torch.Tensor]
+) -> FinishGroup:
+    n = ctx.shape[0]
+    blocks = _gather_blocks(tables, ctx, block_size)
+    length = blocks.shape[1] * block_size
     masked = int(ctx.min()) != length
     host_kv_lens = ctx.to(torch.int32)
     tensors += [blocks, ctx, torch.arange(n)]
@@ -126,6 +132,19 @@ def plan_attention_metadata(fi: ForwardInput, conv_kernel_size: int | None = Non
             verify_scratch=fi.verify_scratch,
         )
     return AttentionPlan(tensors, fi.num_decodes, decode, prefill, linear)
+
+
+def plan_decode_metadata(
+    positions: torch.Tensor, block_tables: torch.Tensor, block_size: int
+) -> AttentionPlan:
+    """The host half for one new token per sequence at ``positions`` [B] (host), written to
+    and reading the blocks of ``block_tables`` [B, N]: a multi-token-prediction head's later
+    drafts, which run on their own after the step's forward."""
+    rows = torch.arange(positions.shape[0])
+    slot_mapping = block_tables[rows, positions // block_size] * block_size + positions % block_size
+    tensors: list[torch.Tensor] = [slot_mapping]
+    decode = _plan_decode_group(block_tables, positions + 1, block_size, tensors)
+    return AttentionPlan(tensors, positions.shape[0], decode, None, None)
 
 
 def build_attention_metadata(

@@ -69,7 +69,7 @@ class LLMEngine:
         spec = config.speculative
         if spec is not None and spec.drafts_with_head:
             # Before any worker builds a model without the head it needs.
-            self._check_head(spec.num_speculative_tokens)
+            self._check_head()
         self.tokenizer = Tokenizer(folder)
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.model.max_model_len or limit, limit)
@@ -226,19 +226,14 @@ class LLMEngine:
             )
         return StateSlotPool(num_slots, self._sync)
 
-    def _check_head(self, num_tokens: int) -> None:
-        """What the "mtp" method needs: a head in the checkpoint, one draft a step."""
+    def _check_head(self) -> None:
+        """What the "mtp" method needs: a head in the checkpoint."""
         flag = "--speculative-config"
         if self.model_config.mtp_layers < 1:
             raise ConfigError(
                 f"{flag}: method 'mtp' drafts with the checkpoint's multi-token-prediction "
                 f"head, and this {self.model_config.architecture} checkpoint has none "
                 "(config.json has no mtp_num_hidden_layers); use method 'ngram'"
-            )
-        if num_tokens != 1:
-            raise ConfigError(
-                f"{flag}: method 'mtp' drafts one token a step for now; set "
-                f"num_speculative_tokens to 1 (got {num_tokens})"
             )
 
     def _state_scratch(self) -> range | None:

@@ -112,6 +112,10 @@ class AheadInputs:
     last_index: torch.Tensor  # [B] int64
     next_ids: torch.Tensor  # [B] int64
     sampled_after: torch.Tensor  # [S] int64
+    # Host only, for the head's drafts after its first (``num_speculative_tokens`` > 1): per
+    # sampling sequence, the position of its last known token and its row of block_tables.
+    sampled_positions: torch.Tensor | None = None  # [S] int64
+    sampled_rows: torch.Tensor | None = None  # [S] int64
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,6 @@ class SamplerOutput:
     # Rows (of token_ids) whose logits processor raised, each with why: their requests end
     # with that error and nothing sampled for them is used. None when none did.
     failed: dict[int, str] | None = None
-    # Speculative decoding's "mtp" method: per sampled sequence, the head's draft of the
-    # token after the one sampled (None: no head).
-    draft_token_ids: list[int] | None = None
+    # Speculative decoding's "mtp" method: per sampled sequence, the head's drafts of the
+    # tokens after the one sampled, up to ``num_speculative_tokens`` (None: no head).
+    draft_token_ids: list[list[int]] | None = None

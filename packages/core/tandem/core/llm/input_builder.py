@@ -115,16 +115,25 @@ def _ahead_inputs(
 ) -> AheadInputs:
     """Where each sequence's tokens end, the prompt token after a chunk that does not reach
     the prompt's end (-1 for sequences that sample: their next token is this step's), and
-    each sampling sequence's last known token."""
+    each sampling sequence's last known token (its index in the step, and on the host its
+    position and row)."""
     next_ids = [
         -1 if e.samples else e.seq.token_ids[start + e.num_new_tokens - len(e.draft_token_ids)]
         for e, start in zip(entries, starts, strict=True)
     ]
-    after = ends[sample_rows] - 1 - np.array(num_drafts, dtype=np.int64)
+    drafted = np.array(num_drafts, dtype=np.int64)
+    after = ends[sample_rows] - 1 - drafted
+    rows = np.array(sample_rows, dtype=np.int64)
+    last_known = (
+        np.array([starts[i] + entries[i].num_new_tokens - 1 for i in sample_rows], dtype=np.int64)
+        - drafted
+    )
     return AheadInputs(
         last_index=torch.from_numpy(ends - 1),
         next_ids=torch.tensor(next_ids, dtype=torch.int64),
         sampled_after=torch.from_numpy(after.astype(np.int64)),
+        sampled_positions=torch.from_numpy(last_known),
+        sampled_rows=torch.from_numpy(rows),
     )
 
 

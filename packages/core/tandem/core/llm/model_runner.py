@@ -13,6 +13,7 @@ from tandem.collectives import ProcessGroup
 from tandem.core.kernels.attention_metadata import AttentionMetadata
 from tandem.core.kernels.cpu.packed_linear import packed_bytes
 from tandem.core.kernels.device_copy import to_device_once
+from tandem.core.kv.block_pool import NULL_BLOCK
 from tandem.core.kv.cache_sizing import CacheSize
 from tandem.core.kv.kv_cache import (
     BlockDemand,
@@ -27,7 +28,7 @@ from tandem.core.layers.linear_attention_state import (
     state_bytes_per_slot,
 )
 from tandem.core.layers.weights import parameter_bytes
-from tandem.core.llm.attention_metadata import plan_attention_metadata
+from tandem.core.llm.attention_metadata import plan_attention_metadata, plan_decode_metadata
 from tandem.core.llm.forward_input import AheadInputs, ForwardInput, SamplerOutput
 from tandem.core.llm.logits_processor import ProcessorContext
 from tandem.core.llm.logits_processors import LogitsProcessors
@@ -53,12 +54,16 @@ class ModelRunner:
         processors: LogitsProcessors | None = None,
         limits: SequenceLimits | None = None,
         group: ProcessGroup | None = None,
+        head_drafts: int = 1,
     ) -> None:
         """``limits``: what bounds the KV cache beside memory (None: memory alone);
         ``group``: the tensor-parallel ranks (a multi-token-prediction head's input needs
-        the sampled tokens on every rank; None: one rank)."""
+        the sampled tokens on every rank; None: one rank); ``head_drafts``: the drafts a
+        multi-token-prediction head makes per sequence a step, when the steps carry its
+        inputs."""
         self.model = model
         self.group = group
+        self.head_drafts = head_drafts
         self._limits = limits
         self.device = device
         self.dtype = dtype
@@ -163,7 +168,7 @@ class ModelRunner:
         hidden, samples, step = self._forward(fi)
         out = self._sample(hidden, samples, fi)
         if step.ahead is not None:
-            out = self._draft_ahead(step.ahead, step, hidden, out)
+            out = self._draft_ahead(step.ahead, step, hidden, out, fi)
         if fi.prompt_logprobs is None:
             return out
         scored = score_prompt(
@@ -191,11 +196,12 @@ class ModelRunner:
         step: _StepTensors,
         hidden: torch.Tensor,
         out: SamplerOutput | None,
+        fi: ForwardInput,
     ) -> SamplerOutput | None:
         """Run the multi-token-prediction head over the step's tokens (``ahead``: its inputs,
         on the device), filling its KV cache at every position as the model's layers do, and
         draft, per sequence that sampled, the token after the sampled one: the head's argmax
-        at its last accepted position.
+        at its last accepted position; then the drafts after it (``_later_drafts``).
 
         The head's input at a token is the token one place ahead: the step's next token,
         the prompt's next one for a chunk cut short, the sampled token after a sequence's
@@ -211,10 +217,69 @@ class ModelRunner:
         if rows.numel() == 0:
             return out
         # On every rank: the logits are gathered across them.
-        drafts = self.model.compute_logits(predicted[rows]).argmax(dim=-1)
+        first = predicted[rows]
+        drafts = [self.model.compute_logits(first).argmax(dim=-1)]
+        if self.head_drafts > 1:
+            drafts += self._later_drafts(ahead, sampled[1], drafts[0], first, fi)
         if out is None:
             return None
-        return replace(out, draft_token_ids=drafts.tolist())
+        # A sequence's drafts end where its chain stopped (-1 after).
+        chains = torch.stack(drafts, dim=1).tolist()
+        return replace(out, draft_token_ids=[[t for t in c if t >= 0] for c in chains])
+
+    def _later_drafts(
+        self,
+        ahead: AheadInputs,
+        accepted: torch.Tensor,
+        ids: torch.Tensor,
+        hidden: torch.Tensor,
+        fi: ForwardInput,
+    ) -> list[torch.Tensor]:
+        """The head's second to ``head_drafts``-th drafts, [S] each on the device (-1 where
+        a sequence has none), one head step per draft over every sequence that sampled.
+
+        Each step runs the head one position further: its input there is the token it drafted
+        last and, in place of the model's hidden state (not computed yet), its own output at
+        the position before, as vLLM's MTP proposer chains them. Its KV goes to the
+        sequence's blocks past the step's tokens (``Scheduler._reserve_lookahead``) and is
+        overwritten by the next step, which computes those positions with the model's
+        states. A sequence whose blocks end sooner (none were free), or that reaches the
+        rotary table's end, drafts no further.
+
+        The positions and slots are host arithmetic on the step's host tensors and the
+        accepted counts (on ranks other than 0 those come from rank 0: on an accelerator a
+        read-back, as the sampled tokens are one on rank 0)."""
+        assert ahead.sampled_positions is not None and ahead.sampled_rows is not None
+        tables = fi.block_tables[ahead.sampled_rows]
+        block_size = fi.block_size
+        limit = torch.clamp(
+            (tables != NULL_BLOCK).sum(dim=1) * block_size,
+            max=self.model.config.max_position_embeddings,
+        )
+        position = ahead.sampled_positions + accepted.cpu()
+        live = torch.arange(position.shape[0])
+        drafts: list[torch.Tensor] = []
+        for _ in range(1, self.head_drafts):
+            position = position + 1
+            fits = (position < limit)[live]
+            if not bool(fits.all()):
+                keep = fits.nonzero().squeeze(1)
+                live = live[keep]
+                moved_keep = keep.to(self.device)
+                ids, hidden = ids[moved_keep], hidden[moved_keep]
+            if live.numel() == 0:
+                break
+            at = position[live]
+            plan = plan_decode_metadata(at, tables[live], block_size)
+            moved_at, *rest = to_device_once([at, live, *plan.tensors], self.device)
+            moved_live, meta_tensors = rest[0], rest[1:]
+            meta = plan.finish(meta_tensors, self.device)
+            hidden = self.model.predict_ahead(ids, moved_at, hidden, meta)
+            ids = self.model.compute_logits(hidden).argmax(dim=-1)
+            step_drafts = torch.full_like(accepted, -1)
+            step_drafts[moved_live] = ids
+            drafts.append(step_drafts)
+        return drafts
 
     def _sampled_on_every_rank(self, out: SamplerOutput | None, count: int) -> torch.Tensor:
         """[2, count] on the device: the tokens sampled on rank 0 and how many drafts each
@@ -254,7 +319,10 @@ def _ahead_tensors(fi: ForwardInput) -> list[torch.Tensor]:
 
 
 def _moved_ahead(fi: ForwardInput, moved: list[torch.Tensor]) -> AheadInputs | None:
-    return None if fi.ahead is None else AheadInputs(*moved)
+    if fi.ahead is None:
+        return None
+    last_index, next_ids, sampled_after = moved
+    return replace(fi.ahead, last_index=last_index, next_ids=next_ids, sampled_after=sampled_after)
 
 
 @dataclass(frozen=True)
@@ -308,4 +376,5 @@ class LLMRunnerFactory:
                 prefix_cache=config.cache.enable_prefix_cache,
             ),
             group=context.group,
+            head_drafts=spec.num_speculative_tokens if spec is not None else 1,
         )

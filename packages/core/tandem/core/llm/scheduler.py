@@ -248,6 +248,7 @@ class Scheduler:
             out.scheduled.append(entry)
             budget -= num_new
 
+        self._reserve_lookahead(out)
         # Decodes, then sequences verifying drafts, then prefill chunks (the layout the
         # linear-attention layers of hybrid models read, linear_attention_metadata.py).
         out.scheduled.sort(
@@ -305,6 +306,7 @@ class Scheduler:
             self.block_manager.append_slots(seq, 1 + len(drafts))
             out.scheduled.append(self._entry(seq, 1 + len(drafts), drafts))
             budget -= 1 + len(drafts)
+        self._reserve_lookahead(out)
         # Decodes before sequences verifying drafts, as in schedule().
         out.scheduled.sort(key=lambda s: bool(s.draft_token_ids))
         self._give_scratch(out)
@@ -494,6 +496,23 @@ class Scheduler:
         if drafts and not self.block_manager.can_append(seq, 1 + len(drafts)):
             return ()
         return drafts
+
+    def _reserve_lookahead(self, out: SchedulerOutput) -> None:
+        """Blocks for a multi-token-prediction head's drafts after its first: the head
+        writes its KV at up to ``num_speculative_tokens - 1`` positions past the step's
+        last token (``ModelRunner._later_drafts``). Taken once the step is scheduled, from
+        blocks still free, so that they never cost a preemption or an admission; a sequence
+        left without them drafts fewer tokens. No further than the request may emit."""
+        drafter = self.drafter
+        if drafter is None or not drafter.config.drafts_with_head:
+            return
+        lookahead = drafter.config.num_speculative_tokens - 1
+        for entry in out.scheduled:
+            seq = entry.seq
+            extra = min(lookahead, seq.max_output_tokens - seq.num_output_tokens - 1)
+            wanted = entry.num_new_tokens + extra
+            if entry.samples and extra > 0 and self.block_manager.can_append(seq, wanted):
+                self.block_manager.append_slots(seq, wanted)
 
     def _preempt(self, seq: TokenSequence) -> None:
         logger.info("preempting request %s (recompute later): out of KV blocks", seq.request_id)

@@ -32,7 +32,7 @@ def append_sampled(
                 seq.token_ids.append(result.token_ids[row])
                 if result.draft_token_ids is not None:
                     # The head drafted what follows the token just appended.
-                    seq.head_drafts = (result.draft_token_ids[row],)
+                    seq.head_drafts = tuple(result.draft_token_ids[row])
                     seq.head_drafts_at = len(seq.token_ids)
             sampled.append((seq, row))
         row += 1
