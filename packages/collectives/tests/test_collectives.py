@@ -3,7 +3,6 @@ threads, torch.distributed processes (2 and 4) and two-level groups (2 nodes x 2
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from tandem.collectives import (  # noqa: E402
     InProcessGroup,
     create_inprocess_groups,
 )
+from tandem.server.bench.ports import free_port  # noqa: E402
 
 
 def _in_threads(
@@ -132,14 +132,9 @@ def test_abort_wakes_waiting_ranks() -> None:
     assert len(errors) == 1 and isinstance(errors[0], CollectiveAborted)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_world(mode: str, world: int, *extra: str) -> None:
-    port = _free_port()
+    # Below the ephemeral range: no client connection can hold it when the master binds.
+    port = free_port()
     procs = [
         subprocess.Popen(
             [
