@@ -193,7 +193,7 @@ class LLMEngine:
             return None
         if spec.drafts_with_head:
             logger.info(
-                "speculative decoding: %d token a step drafted by the checkpoint's "
+                "speculative decoding: up to %d draft token(s) a step from the checkpoint's "
                 "multi-token-prediction head",
                 spec.num_speculative_tokens,
             )
