@@ -10,11 +10,14 @@ import pytest
 from tandem.core.errors import ModelLoadError
 from tandem.core.layers.quant_scheme import EXPERTS, PROJECTIONS, W4A16Scheme
 from tandem.core.models.config_json import parse_model_config
+from tandem.core.models.projection_match import DecoderLayout
+from tandem.core.models.quantization_config import parse_quantization
 from tandem.core.models.w4a16_writer import gptq_quantization_config
 
 from .test_quantization_config import BASE, MOE
 
 ALL = frozenset(PROJECTIONS)
+LAYOUT = DecoderLayout(2)
 
 
 def _config(**changes: Any) -> dict[str, Any]:
@@ -65,7 +68,11 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "gptq_v2": ({"checkpoint_format": "gptq_v2"}, "checkpoint_format is 'gptq_v2'"),
     "marlin": ({"checkpoint_format": "marlin"}, "checkpoint_format is 'marlin'"),
     "quantized lm_head": ({"lm_head": True}, "lm_head is True"),
-    "dynamic": ({"dynamic": {"-:.*down_proj": {}}}, "dynamic is"),
+    "dynamic override": ({"dynamic": {"+:.*down_proj": {"bits": 8}}}, "dynamic is"),
+    "dynamic exclusion of a fused part": (
+        {"dynamic": {"-:.*q_proj": {}}},
+        "all 4-bit or all float",
+    ),
     "sym not a flag": ({"sym": "yes"}, "sym is 'yes'"),
     "fused parts apart": (
         {"modules_in_block_to_quantize": [["self_attn.q_proj", "self_attn.k_proj"]]},
@@ -92,10 +99,17 @@ def test_unsupported_configs_are_refused_naming_the_field(case: str) -> None:
     assert "supported" in message
 
 
+def test_dynamic_exclusions_leave_their_modules_float() -> None:
+    """GPTQModel's ``-:`` keys, as Qwen's GPTQ releases of Qwen3.5 write them."""
+    scheme = parse_model_config(_config(dynamic={"-:.*down_proj": {}})).quantization
+    assert isinstance(scheme, W4A16Scheme)
+    assert scheme.quantized == ALL - {"mlp.down_proj"}
+
+
 def test_an_architecture_without_quantized_layers_is_refused() -> None:
-    raw = {**_config(), "architectures": ["Qwen3_5MoeForCausalLM"]}
-    with pytest.raises(ModelLoadError, match="Qwen3_5MoeForCausalLM are not supported"):
-        parse_model_config(raw)
+    qc = _config()["quantization_config"]
+    with pytest.raises(ModelLoadError, match="PluginForCausalLM are not supported"):
+        parse_quantization({"quantization_config": qc}, "PluginForCausalLM", False, LAYOUT)
 
 
 def _moe(**changes: Any) -> dict[str, Any]:

@@ -14,6 +14,8 @@ from tandem.core.errors import ModelLoadError
 from tandem.core.layers.quant_scheme import W8A8Scheme
 from tandem.core.llm.model_runner import LLMRunnerFactory
 from tandem.core.models.config_json import parse_model_config
+from tandem.core.models.projection_match import DecoderLayout
+from tandem.core.models.quantization_config import parse_quantization
 from tandem.core.models.w8a8_writer import w8a8_quantization_config
 
 BASE: dict[str, Any] = {
@@ -72,12 +74,23 @@ REFUSED = {
     "kv cache": (("kv_cache_scheme",), {"num_bits": 8}, "kv_cache_scheme is"),
     "targets": ((*GROUP, "targets"), ["re:.*proj"], "targets is"),
     "lm_head quantized": (("ignore",), [], "ignore is []"),
-    "a projection left float": (
+    "a fused part left float": (
         ("ignore",),
-        ["lm_head", "re:.*down_proj"],
-        "leaves model.layers.0.mlp.down_proj float",
+        ["lm_head", "re:.*q_proj"],
+        "all int8 or all float",
+    ),
+    "a projection left float in one layer": (
+        ("ignore",),
+        ["lm_head", "model.layers.0.mlp.down_proj"],
+        "leaves mlp.down_proj float in some layers only",
     ),
 }
+
+
+def test_ignored_projections_are_served_float() -> None:
+    raw = _with(("ignore",), ["lm_head", "re:.*down_proj"])
+    scheme = parse_model_config(raw).quantization
+    assert scheme == W8A8Scheme(static=False, float_projections=frozenset({"mlp.down_proj"}))
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
@@ -91,10 +104,10 @@ def test_unsupported_configs_are_refused_naming_the_field(case: str) -> None:
 
 
 def test_an_architecture_without_int8_layers_is_refused() -> None:
-    raw = {**BASE, "architectures": ["Qwen3_5MoeForCausalLM"]}
-    raw["quantization_config"] = w8a8_quantization_config()
-    with pytest.raises(ModelLoadError, match="Qwen3_5MoeForCausalLM are not supported"):
-        parse_model_config(raw)
+    raw = {"quantization_config": w8a8_quantization_config()}
+    with pytest.raises(ModelLoadError, match="PluginForCausalLM are not supported") as caught:
+        parse_quantization(raw, "PluginForCausalLM", False, DecoderLayout(2))
+    assert "Qwen3_5MoeForCausalLM" in str(caught.value)
 
 
 # A Qwen3-MoE config: every layer sparse unless ``mlp_only_layers`` says otherwise.
@@ -139,9 +152,9 @@ MOE_REFUSED = {
         "leaves model.layers.1.mlp.experts.3.down_proj float",
     ),
     # The same entry is harmless where the dense MLP is not (every layer sparse).
-    "a dense layer's MLP left float": (
+    "half a dense layer's fused MLP left float": (
         _moe(["lm_head", "re:.*mlp.gate.*"], mlp_only_layers=[1]),
-        "leaves model.layers.1.mlp.gate_proj float",
+        "mlp.gate_proj, mlp.up_proj all int8 or all float",
     ),
 }
 

@@ -3,7 +3,9 @@ zero-centred q/k RMSNorm, partial rotary and a per-head output gate (q_proj yiel
 query followed by its gate; the attention output is multiplied by ``sigmoid(gate)``).
 
 Tensor parallelism as in the dense decoder: query heads (with their gates) split across ranks,
-KV heads split or, when fewer than ranks, replicated; o_proj row-parallel.
+KV heads split or, when fewer than ranks, replicated; o_proj row-parallel. Quantized
+(``quant``), q_proj's scales follow its rows (each head's query, then its gate) as the float
+rows do.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from tandem.core.kernels.attention_metadata import AttentionMetadata
 from tandem.core.layers.attention import PagedAttention
 from tandem.core.layers.linear import QKVParallelLinear, RowParallelLinear
 from tandem.core.layers.partial_rotary import PartialRotaryEmbedding
+from tandem.core.layers.quant_scheme import QuantScheme, projection_scheme
 from tandem.core.layers.zero_centered_rms_norm import ZeroCenteredRMSNorm
 
 
@@ -29,17 +32,31 @@ class GatedAttention(nn.Module):
         bias: bool,
         eps: float,
         group: ProcessGroup,
+        quant: QuantScheme | None = None,
     ):
         super().__init__()
         self.head_dim = head_dim
         self.qkv_proj = QKVParallelLinear(
-            hidden_size, head_dim, num_heads, num_kv_heads, bias=bias, group=group, gated_query=True
+            hidden_size,
+            head_dim,
+            num_heads,
+            num_kv_heads,
+            bias=bias,
+            group=group,
+            gated_query=True,
+            quant=projection_scheme(quant, "self_attn.q_proj"),
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = 2 * self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=bias, group=group)
+        self.o_proj = RowParallelLinear(
+            num_heads * head_dim,
+            hidden_size,
+            bias=bias,
+            group=group,
+            quant=projection_scheme(quant, "self_attn.o_proj"),
+        )
         self.q_norm = ZeroCenteredRMSNorm(head_dim, eps)
         self.k_norm = ZeroCenteredRMSNorm(head_dim, eps)
         self.attn = PagedAttention(

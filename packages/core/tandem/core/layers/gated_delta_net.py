@@ -1,6 +1,6 @@
 """Gated DeltaNet, the linear-attention token mixer of Qwen3.5, with tensor parallelism.
 
-    [q | k | v | z | b | a] = x W_in          (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)
+    [q | k | v | z] = x W_qkvz,  [b | a] = x W_ba   (in_proj_qkv, in_proj_z; in_proj_b, in_proj_a)
     q, k, v = silu(causal_conv1d([q | k | v]))
     beta = sigmoid(b),  g = -exp(A_log) * softplus(a + dt_bias)
     o = gated_delta_rule(q, k, v, g, beta);  out = W_out gated_rms_norm(o, z)
@@ -8,6 +8,10 @@
 Tensor parallelism splits the heads: rank r owns key heads ``[r Hk/tp, (r+1) Hk/tp)`` and the
 value heads they serve, with their conv channels, z/b/a rows, A_log/dt_bias entries and state;
 ``out_proj`` is row-parallel (one all-reduce per layer).
+
+Quantized checkpoints (``quant``): the two input projections and ``out_proj`` each quantized
+or float as the config says (vLLM fuses the same pairs, so a checkpoint stores each pair
+alike); conv1d, A_log, dt_bias and the norm are always float.
 
 State, per sequence in its slot (bound once with ``bind_state``, like ``bind_cache``):
 conv state ``[num_slots + 1, conv_channels, K - 1]`` in the model dtype (it holds raw projected
@@ -40,19 +44,21 @@ from tandem.core.kernels.linear_attention_metadata import (
 )
 from tandem.core.kernels.reference.causal_conv1d import check_activation
 from tandem.core.layers.gated_rms_norm import GatedRMSNorm
-from tandem.core.layers.linear import RowParallelLinear, _divide
+from tandem.core.layers.linear import _divide, row_parallel_projection
+from tandem.core.layers.quant_scheme import QuantScheme, projection_scheme
 from tandem.core.layers.sectioned_linear import SectionedColumnParallelLinear, load_sections
 from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
 
 RECURRENT_STATE_DTYPE = torch.float32
 
-# Checkpoint tensor -> the in_proj sections it holds (q, k, v, z, b, a).
-IN_PROJ_TENSORS = {"in_proj_qkv": [0, 1, 2], "in_proj_z": [3], "in_proj_b": [4], "in_proj_a": [5]}
+# Checkpoint tensor -> the sections it holds of in_proj_qkvz (q, k, v, z) and in_proj_ba.
+QKVZ_TENSORS = {"in_proj_qkv": [0, 1, 2], "in_proj_z": [3]}
+BA_TENSORS = {"in_proj_b": [0], "in_proj_a": [1]}
 
 
 class DepthwiseConvWeight(nn.Module):
     """The conv taps ``[channels, K]`` of this rank's q/k/v channels (``[C, 1, K]`` in
-    checkpoints), split as the q/k/v sections of ``in_proj``."""
+    checkpoints), split as the q/k/v sections of ``in_proj_qkvz``."""
 
     def __init__(self, in_proj: SectionedColumnParallelLinear, kernel_size: int):
         super().__init__()
@@ -76,6 +82,7 @@ class GatedDeltaNet(nn.Module):
         activation: str,
         eps: float,
         group: ProcessGroup,
+        quant: QuantScheme | None = None,
     ):
         super().__init__()
         check_activation(activation)
@@ -93,20 +100,30 @@ class GatedDeltaNet(nn.Module):
         self.conv_kernel_size = conv_kernel_size
         key_dim = num_k_heads * k_head_dim
         value_dim = num_v_heads * v_head_dim
-        self.in_proj = SectionedColumnParallelLinear(
+        self.in_proj_qkvz = SectionedColumnParallelLinear(
             hidden_size,
-            [key_dim, key_dim, value_dim, value_dim, num_v_heads, num_v_heads],
-            IN_PROJ_TENSORS,
+            [key_dim, key_dim, value_dim, value_dim],
+            QKVZ_TENSORS,
             group,
+            quant=projection_scheme(quant, "linear_attn.in_proj_qkv"),
+        )
+        self.in_proj_ba = SectionedColumnParallelLinear(
+            hidden_size,
+            [num_v_heads, num_v_heads],
+            BA_TENSORS,
+            group,
+            quant=projection_scheme(quant, "linear_attn.in_proj_b"),
         )
         self.key_size = self.num_k_heads * k_head_dim
         self.value_size = self.num_v_heads * v_head_dim
         self.conv_channels = 2 * self.key_size + self.value_size
-        self.conv1d = DepthwiseConvWeight(self.in_proj, conv_kernel_size)
+        self.conv1d = DepthwiseConvWeight(self.in_proj_qkvz, conv_kernel_size)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         self.norm = GatedRMSNorm(v_head_dim, eps)
-        self.out_proj = RowParallelLinear(value_dim, hidden_size, bias=False, group=group)
+        self.out_proj = row_parallel_projection(
+            value_dim, hidden_size, group, quant, projection="linear_attn.out_proj"
+        )
         self.conv_state = torch.empty(0)
         self.recurrent_state = torch.empty(0)
         self._conv_prefill = handles.causal_conv1d_prefill()
@@ -142,9 +159,8 @@ class GatedDeltaNet(nn.Module):
         lin = meta.linear
         if lin is None:
             raise ValueError("a linear-attention layer needs AttentionMetadata.linear")
-        mixed, z, b, a = self.in_proj(x).split(
-            [self.conv_channels, self.value_size, self.num_v_heads, self.num_v_heads], dim=-1
-        )
+        mixed, z = self.in_proj_qkvz(x).split([self.conv_channels, self.value_size], dim=-1)
+        b, a = self.in_proj_ba(x).split([self.num_v_heads, self.num_v_heads], dim=-1)
         mixed = self._conv(mixed, lin)
         q, k, v = torch.split(mixed, [self.key_size, self.key_size, self.value_size], dim=-1)
         num_tokens = x.shape[0]

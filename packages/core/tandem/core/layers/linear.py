@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tandem.collectives import ProcessGroup
-from tandem.core.layers.quant_scheme import QuantScheme
+from tandem.core.layers.quant_scheme import QuantScheme, projection_scheme
 from tandem.core.layers.quantized_linear import QuantizableLinear
 from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
 
@@ -162,3 +162,21 @@ class RowParallelLinear(QuantizableLinear):
         """This rank's partial sum, without the bias, for a caller that reduces it together
         with others."""
         return self.matmul(x)
+
+
+def row_parallel_projection(
+    in_features: int,
+    out_features: int,
+    group: ProcessGroup,
+    quant: QuantScheme | None,
+    projection: str,
+) -> RowParallelLinear:
+    """A bias-free row-parallel layer computing the checkpoint's ``projection``, quantized
+    as ``quant`` says of it."""
+    return RowParallelLinear(
+        in_features,
+        out_features,
+        bias=False,
+        group=group,
+        quant=projection_scheme(quant, projection),
+    )

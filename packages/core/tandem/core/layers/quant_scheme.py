@@ -15,8 +15,30 @@ PROJECTIONS = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
-# The checkpoint projections each of our fused layers computes in one matmul.
-FUSED_PROJECTIONS = (PROJECTIONS[:3], PROJECTIONS[4:6])
+# A Gated DeltaNet (linear-attention) layer's projections, which replace attention's there.
+LINEAR_ATTENTION_PROJECTIONS = (
+    "linear_attn.in_proj_qkv",
+    "linear_attn.in_proj_z",
+    "linear_attn.in_proj_b",
+    "linear_attn.in_proj_a",
+    "linear_attn.out_proj",
+)
+# A mixture-of-experts layer's shared expert (Qwen3.5-MoE); its gate
+# (``mlp.shared_expert_gate``), like the router, is always float, as vLLM builds it.
+SHARED_EXPERT_PROJECTIONS = (
+    "mlp.shared_expert.gate_proj",
+    "mlp.shared_expert.up_proj",
+    "mlp.shared_expert.down_proj",
+)
+# The checkpoint projections each of our fused layers computes in one matmul (vLLM fuses the
+# same: ``in_proj_qkvz`` and ``in_proj_ba``).
+FUSED_PROJECTIONS = (
+    PROJECTIONS[:3],
+    PROJECTIONS[4:6],
+    LINEAR_ATTENTION_PROJECTIONS[:2],
+    LINEAR_ATTENTION_PROJECTIONS[2:4],
+    SHARED_EXPERT_PROJECTIONS[:2],
+)
 # A mixture-of-experts layer's routed experts (``mlp.experts.{e}.gate_proj`` ...), quantized
 # all alike or not at all; its router (``mlp.gate``) is always float, as vLLM builds it.
 EXPERTS = "mlp.experts"
@@ -27,9 +49,11 @@ EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 class W8A8Scheme:
     """int8 symmetric weights with one scale per output channel; activations int8 symmetric,
     per token at run time (``static`` False) or with a calibrated per-tensor ``input_scale``
-    (True)."""
+    (True). ``float_projections``: the projections the checkpoint keeps float (its ``ignore``
+    list), the same in every layer that has them."""
 
     static: bool
+    float_projections: frozenset[str] = frozenset()
 
 
 # The two 4-bit checkpoint layouts (``kernels/reference/int4_packing.py``).
@@ -60,5 +84,7 @@ def projection_scheme(quant: QuantScheme | None, *projections: str) -> QuantSche
     """The scheme of the layer that computes ``projections`` (one, or a fused group the config
     parser checked are stored alike)."""
     if isinstance(quant, W4A16Scheme) and projections[0] not in quant.quantized:
+        return None
+    if isinstance(quant, W8A8Scheme) and projections[0] in quant.float_projections:
         return None
     return quant

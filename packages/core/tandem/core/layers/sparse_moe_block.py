@@ -9,8 +9,10 @@ experts split their intermediate dimension, and their partial sums meet in one a
 int8 routed experts reduce their own exact int32 sums (``quantized_moe.py``): then only the
 shared expert's partial sums are reduced here.
 
-Quantized checkpoints (``quant``) quantize the routed experts; the router, the shared expert
-and its gate stay float, as vLLM builds them.
+Quantized checkpoints (``quant``) quantize the routed experts and, unless the config keeps
+it float, the shared expert (as vLLM builds it); the router and the shared expert's gate stay
+float. An int8 shared expert over several ranks reduces its own exact int32 sums, as an int8
+row-parallel layer does, so its output is the one rank's bit for bit.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from torch import nn
 from tandem.collectives import ProcessGroup
 from tandem.core.kernels import handles
 from tandem.core.kernels.reference.elementwise import GATED_ACTIVATIONS
-from tandem.core.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from tandem.core.layers.quant_scheme import QuantScheme
+from tandem.core.layers.linear import MergedColumnParallelLinear, row_parallel_projection
+from tandem.core.layers.quant_scheme import EXPERTS, QuantScheme, projection_scheme
 from tandem.core.layers.quantized_moe import routed_experts
 from tandem.core.layers.replicated_linear import ReplicatedLinear
 
@@ -41,18 +43,34 @@ class TopKRouter(ReplicatedLinear):
 
 class SharedExpert(nn.Module):
     def __init__(
-        self, hidden_size: int, intermediate_size: int, activation: str, group: ProcessGroup
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str,
+        group: ProcessGroup,
+        quant: QuantScheme | None = None,
     ):
         super().__init__()
         self.act = GATED_ACTIVATIONS[activation]
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias=False, group=group
+            hidden_size,
+            [intermediate_size] * 2,
+            bias=False,
+            group=group,
+            quant=projection_scheme(quant, "mlp.shared_expert.gate_proj"),
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, group=group)
+        self.down_proj = row_parallel_projection(
+            intermediate_size, hidden_size, group, quant, projection="mlp.shared_expert.down_proj"
+        )
+        # int8 partial sums quantized per rank would differ from one rank's: reduce inside.
+        self.reduces_itself = group.size > 1 and self.down_proj.weight_scale is not None
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum; the block reduces it together with the routed experts'."""
-        return self.down_proj.partial(self.act(self.gate_up_proj(x)))
+        """This rank's partial sum (the whole sum where it ``reduces_itself``); the block
+        reduces it together with the routed experts'."""
+        h = self.act(self.gate_up_proj(x))
+        out: torch.Tensor = self.down_proj(h) if self.reduces_itself else self.down_proj.partial(h)
+        return out
 
 
 class SparseMoeBlock(nn.Module):
@@ -74,13 +92,18 @@ class SparseMoeBlock(nn.Module):
         self.group = group
         self.gate = TopKRouter(hidden_size, num_experts, top_k, normalize_topk)
         self.experts = routed_experts(
-            num_experts, hidden_size, intermediate_size, activation, group, quant
+            num_experts,
+            hidden_size,
+            intermediate_size,
+            activation,
+            group,
+            projection_scheme(quant, EXPERTS),
         )
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: ReplicatedLinear | None = None
         if shared_intermediate_size > 0:
             self.shared_expert = SharedExpert(
-                hidden_size, shared_intermediate_size, activation, group
+                hidden_size, shared_intermediate_size, activation, group, quant
             )
             self.shared_expert_gate = ReplicatedLinear(hidden_size, out_features=1)
 
@@ -92,6 +115,8 @@ class SparseMoeBlock(nn.Module):
             # The gate is one scalar per token, identical on every rank: scaling the partial
             # sums scales their total.
             shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial(x)
+            if self.shared_expert.reduces_itself:
+                return (self.group.all_reduce(out) if partial else out) + shared
             if self.group.size > 1 and not partial:
                 return out + self.group.all_reduce(shared)
             out = out + shared

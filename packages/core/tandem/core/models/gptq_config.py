@@ -3,7 +3,8 @@ transformers write it) read into a ``W4A16Scheme``, or refused at start-up namin
 
 Fields read as vLLM reads them (vLLM 0.32, ``auto_gptq.py`` ``from_config``): ``bits``,
 ``group_size``, ``desc_act``, ``sym``, ``lm_head`` (a quantized LM head: refused here),
-``dynamic`` (GPTQModel's per-module overrides: refused here) and
+``dynamic`` (GPTQModel's per-module overrides: its ``-:`` exclusions leave modules float;
+other overrides are refused here) and
 ``modules_in_block_to_quantize`` (the projections stored 4-bit; the others float, matched as
 vLLM matches them: an entry names a projection when it is a substring of its module path;
 a mixture-of-experts layer's routed experts are 4-bit when an entry names them or one of
@@ -16,6 +17,7 @@ describe how the weights were made, not how they are read.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,8 +34,8 @@ GPTQ = "gptq"
 GROUP_SIZES = (32, 64, 128, -1)
 SUPPORTED = (
     "supported: gptq 4-bit weight-only (bits 4; group_size 32, 64, 128 or -1; sym true or "
-    "false; desc_act true or false; checkpoint_format 'gptq'; lm_head not quantized; no "
-    "'dynamic' overrides)"
+    "false; desc_act true or false; checkpoint_format 'gptq'; lm_head not quantized; "
+    "'dynamic' only with '-:' exclusions)"
 )
 
 
@@ -59,13 +61,45 @@ def parse_gptq(config: Mapping[str, Any], layout: DecoderLayout) -> W4A16Scheme:
     form = config.get("checkpoint_format", GPTQ)
     if form != GPTQ:
         raise _refuse("checkpoint_format", form)
-    for absent in ("lm_head", "dynamic"):
-        if config.get(absent):
-            raise _refuse(absent, config[absent])
+    if config.get("lm_head"):
+        raise _refuse("lm_head", config["lm_head"])
     sym = _flag(config, "sym", default=True)
     desc_act = _flag(config, "desc_act", default=False) and group_size != -1
     quantized = _quantized_projections(config.get("modules_in_block_to_quantize"), layout)
+    quantized -= _dynamic_exclusions(config.get("dynamic") or {}, layout)
+    fused = split_fused_group(quantized)
+    if fused is not None:
+        raise _refuse(
+            "dynamic",
+            config.get("dynamic"),
+            f"supported: {', '.join(fused)} all 4-bit or all float (they run as one matmul)",
+        )
     return W4A16Scheme(group_size=group_size, sym=sym, desc_act=desc_act, quantized=quantized)
+
+
+def _dynamic_exclusions(dynamic: object, layout: DecoderLayout) -> frozenset[str]:
+    """The modules GPTQModel's ``dynamic`` leaves float: its ``-:`` keys, regular expressions
+    matched from the start of a module's path, as vLLM's ``get_dynamic_override`` matches
+    them (Qwen's own Qwen3.5 GPTQ releases write ``-:.*attn.*``); per-module overrides of the
+    bits or groups (``+:`` or unprefixed keys) are refused."""
+    if not isinstance(dynamic, Mapping):
+        raise _refuse("dynamic", dynamic, "supported: an object of '-:' regular expressions")
+    patterns: list[re.Pattern[str]] = []
+    for key in dynamic:
+        if not isinstance(key, str) or not key.startswith("-:"):
+            raise _refuse(
+                "dynamic", dynamic, f"its key {key!r} overrides a module's scheme; " + SUPPORTED
+            )
+        patterns.append(re.compile(key[2:]))
+    excluded: dict[str, set[bool]] = {}
+    for i in range(layout.num_layers):
+        for module, paths in layout.modules(i, experts_whole=True).items():
+            hit = any(p.match(path) for p in patterns for path in paths.split("\n"))
+            excluded.setdefault(module, set()).add(hit)
+    mixed = sorted(m for m, seen in excluded.items() if len(seen) > 1)
+    if mixed:
+        raise _refuse("dynamic", dynamic, f"it leaves {mixed[0]} float in some layers only")
+    return frozenset(m for m, seen in excluded.items() if True in seen)
 
 
 def _flatten(entries: object) -> list[str]:

@@ -12,32 +12,41 @@ from tandem.core.layers.quant_scheme import (
     EXPERT_PROJECTIONS,
     EXPERTS,
     FUSED_PROJECTIONS,
+    LINEAR_ATTENTION_PROJECTIONS,
     PROJECTIONS,
+    SHARED_EXPERT_PROJECTIONS,
 )
 
-# The dense MLP's projections (absent from a mixture-of-experts layer).
+# The dense MLP's projections (absent from a mixture-of-experts layer), and attention's
+# (absent from a linear-attention layer).
 _MLP = tuple(p for p in PROJECTIONS if p.startswith("mlp."))
+_ATTENTION = tuple(p for p in PROJECTIONS if p not in _MLP)
 
 
 @dataclass(frozen=True)
 class DecoderLayout:
-    """Which quantizable modules each decoder layer has: attention's projections in every
-    layer; the dense MLP's, or (layers in ``moe_layers``) ``num_experts`` routed experts and a
-    router."""
+    """Which quantizable modules each decoder layer has: attention's projections, or (layers
+    in ``linear_attention_layers``) a Gated DeltaNet's; the dense MLP's, or (layers in
+    ``moe_layers``) ``num_experts`` routed experts, a router and, with ``shared_expert``, a
+    shared expert and its gate."""
 
     num_layers: int
     moe_layers: frozenset[int] = frozenset()
     num_experts: int = 0
+    linear_attention_layers: frozenset[int] = frozenset()
+    shared_expert: bool = False
 
     @property
     def has_experts(self) -> bool:
         return bool(self.moe_layers)
 
     def projections(self, layer: int) -> tuple[str, ...]:
-        """The ``PROJECTIONS`` layer ``layer`` has."""
-        if layer in self.moe_layers:
-            return tuple(p for p in PROJECTIONS if p not in _MLP)
-        return PROJECTIONS
+        """The projections layer ``layer`` has (routed experts apart)."""
+        linear = layer in self.linear_attention_layers
+        mixer = LINEAR_ATTENTION_PROJECTIONS if linear else _ATTENTION
+        if layer not in self.moe_layers:
+            return mixer + _MLP
+        return mixer + (SHARED_EXPERT_PROJECTIONS if self.shared_expert else ())
 
     def experts_module(self, layer: int) -> str:
         """vLLM's name of a layer's routed experts (what AWQ's skip list is matched against)."""
@@ -53,6 +62,16 @@ class DecoderLayout:
     def router(self, layer: int) -> str:
         return f"model.layers.{layer}.mlp.gate"
 
+    def always_float(self, layer: int) -> list[str]:
+        """The linear modules of layer ``layer`` served float whatever the config says (the
+        router and the shared expert's gate, as vLLM builds them)."""
+        if layer not in self.moe_layers:
+            return []
+        gates = [self.router(layer)]
+        if self.shared_expert:
+            gates.append(f"model.layers.{layer}.mlp.shared_expert_gate")
+        return gates
+
     def modules(self, layer: int, experts_whole: bool) -> dict[str, str]:
         """Each quantizable module of layer ``layer`` (a projection, or ``EXPERTS``) and the
         paths a name may pick it by, one a line: the experts by vLLM's module name only
@@ -66,8 +85,11 @@ class DecoderLayout:
         return found
 
     def all_quantizable(self) -> frozenset[str]:
-        """Every projection, and the experts where there are some."""
-        return frozenset(PROJECTIONS) | ({EXPERTS} if self.has_experts else frozenset())
+        """Every projection (the dense decoder's whether or not a layer has them), and the
+        experts where there are some."""
+        found = {p for i in range(self.num_layers) for p in self.projections(i)}
+        experts = {EXPERTS} if self.has_experts else set()
+        return frozenset(PROJECTIONS) | found | experts
 
 
 def _picks(name: str, paths: str) -> bool:

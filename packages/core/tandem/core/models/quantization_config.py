@@ -5,10 +5,13 @@ start-up that names the field and what is supported.
 
 Supported for compressed-tensors: one config group targeting ``Linear``; weights int8,
 symmetric, one scale per output channel; input activations int8, symmetric, either dynamic per
-token or static per tensor (an ``input_scale`` per layer); ``lm_head`` ignored, every decoder
-projection quantized. In a mixture-of-experts layer every routed expert's projections are
-quantized and the router (``mlp.gate``) is ignored, as llm-compressor's MoE recipes write
-(``re:.*mlp.gate$``) and vLLM builds it (float). vLLM refuses static activation scales for
+token or static per tensor (an ``input_scale`` per layer); ``lm_head`` ignored; decoder
+projections quantized unless ``ignore`` names them (the same in every layer, fused partners
+alike: a Qwen3.5 checkpoint may keep its linear-attention projections float, as
+llm-compressor's Qwen3.5 recipes do with ``re:.*linear_attn.*``). In a mixture-of-experts
+layer every routed expert's projections are quantized and the router (``mlp.gate``) and the
+shared expert's gate (``mlp.shared_expert_gate``) are ignored, as llm-compressor's MoE recipes
+write (``re:.*mlp.gate$``) and vLLM builds them (float). vLLM refuses static activation scales for
 int8 MoE layers; we serve them, each expert with its own calibrated scale (gate and up at
 their maximum, as a fused dense layer's parts).
 """
@@ -17,15 +20,22 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from tandem.core.errors import ModelLoadError
 from tandem.core.layers.quant_scheme import QuantScheme, W8A8Scheme
 from tandem.core.models import awq_config, gptq_config
-from tandem.core.models.projection_match import DecoderLayout
+from tandem.core.models.projection_match import DecoderLayout, split_fused_group
 
 QUANT_METHOD = "compressed-tensors"
 INT_QUANTIZED = "int-quantized"
+# The architectures whose quantized checkpoints are served (``CausalLM.SERVES_W8A8``).
+SERVED_ARCHITECTURES = (
+    "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, "
+    "Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM (and their *ForConditionalGeneration text "
+    "models)"
+)
 SUPPORTED = (
     "supported: compressed-tensors int8 W8A8 (format 'int-quantized'; weights 8-bit int "
     "symmetric per channel; activations 8-bit int symmetric, dynamic per token or static per "
@@ -62,8 +72,7 @@ def parse_quantization(
     if not serves_w8a8:
         raise ModelLoadError(
             f"config.json: quantized checkpoints of {architecture} are not supported; "
-            "int8 W8A8 and GPTQ/AWQ 4-bit are served for LlamaForCausalLM, Qwen2ForCausalLM, "
-            "Qwen3ForCausalLM and Qwen3MoeForCausalLM"
+            f"int8 W8A8 and GPTQ/AWQ 4-bit are served for {SERVED_ARCHITECTURES}"
         )
     if method == gptq_config.GPTQ:
         return gptq_config.parse_gptq(config, layout)
@@ -82,8 +91,8 @@ def parse_quantization(
         raise _refuse("config_groups", groups, "supported: exactly one group; " + SUPPORTED)
     [(name, group)] = groups.items()
     scheme = _parse_group(f"config_groups.{name}", group, config.get("format"))
-    _check_ignore(config.get("ignore") or [], layout)
-    return scheme
+    float_projections = _check_ignore(config.get("ignore") or [], layout)
+    return replace(scheme, float_projections=float_projections)
 
 
 def _parse_group(path: str, group: Any, top_format: object) -> W8A8Scheme:
@@ -143,27 +152,68 @@ def _matches(target: str, name: str) -> bool:
     return target == name
 
 
-def _check_ignore(ignore: list[str], layout: DecoderLayout) -> None:
-    """The LM head and every router must be left float; every decoder projection and routed
-    expert must be quantized (a layer built for int8 cannot take a float tensor)."""
+# Where a checkpoint keeps its decoder layers: a text model's, and a composite (vision and
+# language) checkpoint's, whose ignore lists name its language model's modules.
+_LAYER_PREFIXES = ("model.layers.", "model.language_model.layers.")
+
+
+def _ignored_by(ignore: list[str], path: str) -> str | None:
+    """The entry of ``ignore`` that leaves the module at ``path`` (``model.layers.3.x``)
+    float, by its name in either kind of checkpoint."""
+    tail = path.removeprefix(_LAYER_PREFIXES[0])
+    names = [prefix + tail for prefix in _LAYER_PREFIXES]
+    return next((t for t in ignore if any(_matches(t, n) for n in names)), None)
+
+
+def _kind_of(gate: str) -> str:
+    return "router" if gate.endswith(".mlp.gate") else "shared-expert gate"
+
+
+def _check_ignore(ignore: list[str], layout: DecoderLayout) -> frozenset[str]:
+    """The projections ``ignore`` leaves float (the same in every layer that has them, fused
+    partners alike). The LM head, the routers and shared-expert gates must be left float;
+    every routed expert must be quantized (experts built for int8 cannot take a float
+    tensor)."""
     if not any(_matches(t, "lm_head") for t in ignore):
         raise _refuse("ignore", ignore, "supported: lists that include 'lm_head' (kept float)")
+    float_in: dict[str, set[bool]] = {}
     for i in range(layout.num_layers):
-        names = [f"model.layers.{i}.{p}" for p in layout.projections(i)]
-        for name in names + layout.expert_paths(i):
-            hit = next((t for t in ignore if _matches(t, name)), None)
+        for p in layout.projections(i):
+            float_in.setdefault(p, set()).add(
+                _ignored_by(ignore, f"model.layers.{i}.{p}") is not None
+            )
+        for name in layout.expert_paths(i):
+            hit = _ignored_by(ignore, name)
             if hit is not None:
                 raise _refuse(
                     "ignore",
                     ignore,
-                    f"its entry {hit!r} leaves {name} float; supported: every decoder "
-                    "projection and routed expert quantized, only 'lm_head' and the routers "
-                    "ignored",
+                    f"its entry {hit!r} leaves {name} float; supported: every routed expert "
+                    "quantized",
                 )
-        if i in layout.moe_layers and not any(_matches(t, layout.router(i)) for t in ignore):
-            raise _refuse(
-                "ignore",
-                ignore,
-                f"no entry leaves the router {layout.router(i)} float; supported: lists that "
-                "ignore every router (e.g. 're:.*mlp.gate$'), which is served float",
-            )
+        for gate in layout.always_float(i):
+            if _ignored_by(ignore, gate) is None:
+                raise _refuse(
+                    "ignore",
+                    ignore,
+                    f"no entry leaves the {_kind_of(gate)} {gate} float; supported: lists "
+                    "that ignore every router "
+                    "and shared-expert gate (e.g. 're:.*mlp.gate$', "
+                    "'re:.*mlp.shared_expert_gate$'), which are served float",
+                )
+    mixed = sorted(p for p, seen in float_in.items() if len(seen) > 1)
+    if mixed:
+        raise _refuse(
+            "ignore",
+            ignore,
+            f"it leaves {mixed[0]} float in some layers only; supported: the same in every layer",
+        )
+    float_ones = frozenset(p for p, seen in float_in.items() if True in seen)
+    fused = split_fused_group(frozenset(float_in) - float_ones)
+    if fused is not None:
+        raise _refuse(
+            "ignore",
+            ignore,
+            f"supported: {', '.join(fused)} all int8 or all float (they run as one matmul)",
+        )
+    return float_ones

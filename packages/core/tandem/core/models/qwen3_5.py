@@ -22,6 +22,7 @@ Driving it (the engine's side of the contract):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any, cast
 
@@ -40,11 +41,16 @@ from tandem.core.layers.gated_attention import GatedAttention
 from tandem.core.layers.gated_delta_net import GatedDeltaNet
 from tandem.core.layers.linear_attention_state import state_bytes_per_slot
 from tandem.core.layers.partial_rotary import PartialRotaryEmbedding
+from tandem.core.layers.quant_scheme import QuantScheme
+from tandem.core.layers.weights import LazyTensor
 from tandem.core.layers.zero_centered_rms_norm import ZeroCenteredRMSNorm
 from tandem.core.models.causal_lm import CausalLM
 from tandem.core.models.decoder import DecoderMLP
+from tandem.core.models.int4_shard_check import check_int4_shards
 from tandem.core.models.model_config import ModelConfig
 from tandem.core.models.multi_token_predictor import MultiTokenPredictor
+from tandem.core.models.projection_match import DecoderLayout
+from tandem.core.models.qwen3_5_quantized_parts import refuse_quantized_mtp, sharded_projections
 from tandem.core.models.qwen3_family_config import (
     LINEAR_ATTENTION,
     Qwen3FamilyConfig,
@@ -70,9 +76,11 @@ class Qwen3_5DecoderLayer(nn.Module):
         index: int,
         group: ProcessGroup,
         full_attention: bool = False,
+        quant: QuantScheme | None = None,
     ):
         """Layer ``index`` of the model (``full_attention``: gated full attention whatever
-        ``layer_types`` says, as the multi-token-prediction head's layer)."""
+        ``layer_types`` says, as the multi-token-prediction head's layer), its projections
+        quantized with ``quant``."""
         super().__init__()
         self.linear_attn: GatedDeltaNet | None = None
         self.self_attn: GatedAttention | None = None
@@ -87,6 +95,7 @@ class Qwen3_5DecoderLayer(nn.Module):
                 activation=config.hidden_act,
                 eps=config.rms_norm_eps,
                 group=group,
+                quant=quant,
             )
         else:
             self.self_attn = GatedAttention(
@@ -97,11 +106,12 @@ class Qwen3_5DecoderLayer(nn.Module):
                 bias=config.qkv_bias,
                 eps=config.rms_norm_eps,
                 group=group,
+                quant=quant,
             )
         self.mlp: nn.Module = (
-            sparse_moe_block(config, group)
+            sparse_moe_block(config, group, quant)
             if config.moe_layers[index]
-            else DecoderMLP(config, group)
+            else DecoderMLP(replace(config, quantization=quant), group)
         )
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -126,9 +136,27 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5ForCausalLM(CausalLM):
+    # Quantized checkpoints: every projection quantized or float as the config says, routed
+    # experts stacked (``quantized_moe.py``); routers, gates, norms, conv and the
+    # multi-token-prediction head float.
+    SERVES_W8A8 = True
+
     @staticmethod
     def parse_config(raw: dict[str, Any], arch: str) -> Qwen3FamilyConfig:
         return parse_family_config(raw, arch)
+
+    @staticmethod
+    def decoder_layout(config: ModelConfig) -> DecoderLayout:
+        family = family_config(config)
+        return DecoderLayout(
+            family.num_layers,
+            moe_layers=frozenset(i for i, sparse in enumerate(family.moe_layers) if sparse),
+            num_experts=family.num_experts,
+            linear_attention_layers=frozenset(
+                i for i, kind in enumerate(family.layer_types) if kind == LINEAR_ATTENTION
+            ),
+            shared_expert=family.shared_expert_intermediate_size > 0,
+        )
 
     def __init__(self, config: ModelConfig, group: ProcessGroup, dtype: torch.dtype):
         family = family_config(config)
@@ -142,8 +170,10 @@ class Qwen3_5ForCausalLM(CausalLM):
             family.rope_scaling,
             dtype,
         )
+        check_int4_shards(family.quantization, sharded_projections(family), group.size)
         self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(family, i, group) for i in range(family.num_layers)
+            Qwen3_5DecoderLayer(family, i, group, quant=family.quantization)
+            for i in range(family.num_layers)
         )
         self.norm = ZeroCenteredRMSNorm(family.hidden_size, family.rms_norm_eps)
         self.lm_head = ParallelLMHead(family.vocab_size, family.hidden_size, group)
@@ -157,6 +187,8 @@ class Qwen3_5ForCausalLM(CausalLM):
                     "(mtp_num_hidden_layers is 0 or missing in config.json)"
                 )
             last = family.num_layers - 1  # the head's layer is of the model's last kind
+            # Built float: quantized checkpoints keep the head float (``load_weights``
+            # refuses one that does not).
             self.mtp = MultiTokenPredictor(
                 family.hidden_size,
                 family.rms_norm_eps,
@@ -235,6 +267,14 @@ class Qwen3_5ForCausalLM(CausalLM):
         )
         return out
 
+    def load_weights(self, weights: Iterable[tuple[str, LazyTensor]]) -> set[str]:
+        """As ``CausalLM.load_weights``; with the multi-token-prediction head served, refused
+        when the checkpoint stores it quantized (it is built float)."""
+        if self.mtp is not None:
+            weights = list(weights)
+            refuse_quantized_mtp([name for name, _ in weights], self.config.architecture)
+        return super().load_weights(weights)
+
     def weight_mapping(self) -> WeightMapping:
         """``WEIGHTS``, with the head's ``mtp.*`` tensors loaded when it is served."""
         if self.mtp is None:
@@ -244,10 +284,10 @@ class Qwen3_5ForCausalLM(CausalLM):
     WEIGHTS = WeightMapping(
         fused=(
             *QKV_GATE_UP,
-            ("in_proj_qkv", "in_proj", "in_proj_qkv"),
-            ("in_proj_z", "in_proj", "in_proj_z"),
-            ("in_proj_b", "in_proj", "in_proj_b"),
-            ("in_proj_a", "in_proj", "in_proj_a"),
+            ("in_proj_qkv", "in_proj_qkvz", "in_proj_qkv"),
+            ("in_proj_z", "in_proj_qkvz", "in_proj_z"),
+            ("in_proj_b", "in_proj_ba", "in_proj_b"),
+            ("in_proj_a", "in_proj_ba", "in_proj_a"),
         ),
         prefixes=_TEXT_PREFIXES,
         unused_prefixes=_SKIPPED_PREFIXES,

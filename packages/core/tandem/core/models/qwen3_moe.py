@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tandem.collectives import ProcessGroup
-from tandem.core.layers.quant_scheme import EXPERTS, QuantScheme, projection_scheme
+from tandem.core.layers.quant_scheme import QuantScheme
 from tandem.core.layers.sparse_moe_block import SparseMoeBlock
 from tandem.core.models.decoder import DecoderForCausalLM
 from tandem.core.models.model_config import ModelConfig
@@ -49,7 +49,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         config = family_config(self.config)
         if not config.moe_layers[layer_index]:
             return super().build_mlp(layer_index, group)
-        return sparse_moe_block(config, group, projection_scheme(config.quantization, EXPERTS))
+        return sparse_moe_block(config, group, config.quantization)
 
 
 def sparse_moe_block(
