@@ -4,6 +4,9 @@ its format stores; embeddings, norms, biases, routers and ``lm_head`` stay as th
 tokenizer and generation files are copied and ``config.json`` gains the scheme's
 ``quantization_config``.
 
+A projection kept float (``--keep-float``, e.g. a Qwen3.5's linear-attention ones) is left as
+it is, and the written config says so in the way its format does.
+
 Routed experts stacked in one tensor per layer (``experts.gate_up_proj`` [E, 2 I, H],
 ``experts.down_proj`` [E, H, I], as transformers 5 may save Qwen3-MoE) are written one expert
 at a time (``experts.{e}.gate_proj.weight`` ...), the names quantized checkpoints use.
@@ -24,24 +27,29 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tandem.core.errors import ModelLoadError
+from tandem.core.layers.quant_scheme import FUSED_PROJECTIONS
 from tandem.core.models.config_json import load_model_config
 from tandem.core.models.loader import weight_files
 from tandem.core.models.model_config import ModelConfig
 from tandem.core.models.projection_match import DecoderLayout
+from tandem.core.models.quantization_config import SERVED_ARCHITECTURES
 from tandem.core.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
+# Where a checkpoint keeps its decoder layers (a composite checkpoint under its language model).
+_LAYERS = r"^model\.(?:language_model\.)?layers\.\d+\."
 # A decoder projection's weight; group 1 is its name within the layer (``self_attn.q_proj``).
 PROJECTION_WEIGHT = re.compile(
-    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight$"
+    _LAYERS + r"(self_attn\.[qkvo]_proj|mlp\.(?:shared_expert\.)?(?:gate|up|down)_proj"
+    r"|linear_attn\.(?:in_proj_(?:qkv|z|b|a)|out_proj))\.weight$"
 )
 # A routed expert's projection weight (``model.layers.3.mlp.experts.7.up_proj.weight``).
-EXPERT_WEIGHT = re.compile(
-    r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.weight$"
-)
+EXPERT_WEIGHT = re.compile(_LAYERS + r"mlp\.experts\.\d+\.(?:gate|up|down)_proj\.weight$")
 # A layer's routed experts stacked in one tensor; group 1 is the experts' module.
-_STACKED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_STACKED_EXPERTS = re.compile(
+    r"^(model\.(?:language_model\.)?layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$"
+)
 # Files beside the weights that a served folder needs.
 _COPIED = (
     "tokenizer*",
@@ -69,8 +77,7 @@ def read_float_config(src: Path, scheme: str) -> ModelConfig:
         )
     if not model_class(config.architecture).SERVES_W8A8:
         raise ModelLoadError(
-            f"{config.architecture} cannot be served {scheme}; supported: LlamaForCausalLM, "
-            "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"
+            f"{config.architecture} cannot be served {scheme}; supported: {SERVED_ARCHITECTURES}"
         )
     return config
 
@@ -78,6 +85,24 @@ def read_float_config(src: Path, scheme: str) -> ModelConfig:
 def decoder_layout(config: ModelConfig) -> DecoderLayout:
     """Which quantizable modules the layers of ``config``'s model have."""
     return model_class(config.architecture).decoder_layout(config)
+
+
+def float_projections(names: frozenset[str], layout: DecoderLayout) -> frozenset[str]:
+    """The projections ``names`` (each a projection, or a part of its name that picks it:
+    ``linear_attn`` picks the five of a Gated DeltaNet) ask to keep float, with their fused
+    partners; refused when one picks none."""
+    quantizable = layout.all_quantizable()
+    chosen: set[str] = set()
+    for name in names:
+        picked = {p for p in quantizable if name in p}
+        if not picked:
+            supported = ", ".join(sorted(quantizable))
+            raise ModelLoadError(f"--keep-float {name!r} names none of {supported}")
+        chosen |= picked
+    for fused in FUSED_PROJECTIONS:
+        if chosen.intersection(fused):
+            chosen.update(fused)
+    return frozenset(chosen)
 
 
 def _one_by_one(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:

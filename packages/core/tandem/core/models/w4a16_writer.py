@@ -33,7 +33,9 @@ from tandem.core.layers.quant_scheme import (
     EXPERT_PROJECTIONS,
     EXPERTS,
     FUSED_PROJECTIONS,
+    LINEAR_ATTENTION_PROJECTIONS,
     PROJECTIONS,
+    SHARED_EXPERT_PROJECTIONS,
 )
 from tandem.core.models.gptq_config import GROUP_SIZES
 from tandem.core.models.gptq_solver import gptq_quantize, quantize_gptq
@@ -43,9 +45,11 @@ from tandem.core.models.quantized_writer import (
     EXPERT_WEIGHT,
     PROJECTION_WEIGHT,
     decoder_layout,
+    float_projections,
     read_float_config,
     write_quantized,
 )
+from tandem.core.models.qwen3_family_config import Qwen3FamilyConfig
 
 logger = logging.getLogger(__name__)
 
@@ -83,11 +87,22 @@ def packed_tensors(
 
 
 def projection_sizes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(outputs, inputs) of each decoder projection."""
+    """(outputs, inputs) of each decoder projection (a Qwen3.5's gated q_proj yields a gate
+    beside each query; its linear-attention and shared-expert projections too)."""
     h, q = config.hidden_size, config.num_heads * config.head_dim
     kv, i = config.num_kv_heads * config.head_dim, config.intermediate_size
-    sizes = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
-    return dict(zip(PROJECTIONS, sizes, strict=True))
+    gated = 2 if getattr(config, "gated_attention", False) else 1
+    sizes = [(gated * q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
+    found = dict(zip(PROJECTIONS, sizes, strict=True))
+    if isinstance(config, Qwen3FamilyConfig):
+        key = config.linear_num_key_heads * config.linear_key_head_dim
+        value = config.linear_num_value_heads * config.linear_value_head_dim
+        heads = config.linear_num_value_heads
+        linear = [(2 * key + value, h), (value, h), (heads, h), (heads, h), (h, value)]
+        found.update(zip(LINEAR_ATTENTION_PROJECTIONS, linear, strict=True))
+        s = config.shared_expert_intermediate_size
+        found.update(zip(SHARED_EXPERT_PROJECTIONS, [(s, h), (s, h), (h, s)], strict=True))
+    return found
 
 
 def _expert_sizes(config: ModelConfig) -> list[tuple[int, int]]:
@@ -103,10 +118,14 @@ def _existing(layout: DecoderLayout) -> frozenset[str]:
 
 
 def storable_projections(
-    config: ModelConfig, group_size: int, layout: DecoderLayout | None = None
+    config: ModelConfig,
+    group_size: int,
+    layout: DecoderLayout | None = None,
+    keep_float: frozenset[str] = frozenset(),
 ) -> frozenset[str]:
     """The modules whose sizes GPTQ's packing holds (fused partners together, every routed
-    expert projection or none), and those no layer of ``layout`` has."""
+    expert projection or none) but those in ``keep_float``, and those no layer of ``layout``
+    has."""
     layout = layout or DecoderLayout(config.num_layers)
     size = projection_sizes(config)
 
@@ -114,7 +133,8 @@ def storable_projections(
         grouped = group_size == -1 or columns % group_size == 0
         return rows % PACK == 0 and columns % PACK == 0 and grouped
 
-    chosen = {p for p in PROJECTIONS if fits(*size[p])}
+    existing = _existing(layout)
+    chosen = {p for p in size if p in existing and p not in keep_float and fits(*size[p])}
     for fused in FUSED_PROJECTIONS:
         if not chosen.issuperset(fused):
             chosen.difference_update(fused)
@@ -149,7 +169,8 @@ def gptq_quantization_config(
     layout = layout or DecoderLayout(1)
     if quantized != layout.all_quantizable():
         existing = _existing(layout)
-        listed: list[list[str]] = [[p for p in PROJECTIONS if p in quantized & existing]]
+        order = (*PROJECTIONS, *LINEAR_ATTENTION_PROJECTIONS, *SHARED_EXPERT_PROJECTIONS)
+        listed: list[list[str]] = [[p for p in order if p in quantized & existing]]
         if EXPERTS in quantized & existing:
             listed.append(
                 [
@@ -169,11 +190,13 @@ def write_w4a16(
     sym: bool = True,
     hessians: dict[str, torch.Tensor] | None = None,
     act_order: bool = False,
+    keep_float: frozenset[str] = frozenset(),
 ) -> int:
     """Write the GPTQ 4-bit copy of the float folder ``src`` into ``dst`` (new or empty);
     returns how many weights were quantized. With ``hessians`` (``calibration.py``, keyed by
     projection) the weights are quantized by GPTQ (``gptq_solver.py``), in activation order
-    with ``act_order``; without, rounded to nearest."""
+    with ``act_order``; without, rounded to nearest. ``keep_float``: projections left float
+    (``float_projections``)."""
     if act_order and hessians is None:
         raise ModelLoadError("activation order needs calibration statistics (GPTQ)")
     if group_size not in GROUP_SIZES:
@@ -181,7 +204,8 @@ def write_w4a16(
         raise ModelLoadError(f"group size {group_size} is not supported; supported: {supported}")
     config = read_float_config(src, "4-bit GPTQ")
     layout = decoder_layout(config)
-    quantized = storable_projections(config, group_size, layout)
+    left_float = float_projections(keep_float, layout)
+    quantized = storable_projections(config, group_size, layout, left_float)
     existing = _existing(layout)
     if not quantized & existing:
         raise ModelLoadError(
@@ -189,7 +213,7 @@ def write_w4a16(
             f"sizes must be multiples of {PACK} and their inputs of the group size"
         )
     sizes = {**projection_sizes(config), EXPERTS: _expert_sizes(config)}
-    left = [p for p in (*PROJECTIONS, EXPERTS) if p in existing - quantized]
+    left = sorted(existing - quantized - left_float)
     if left:
         logger.warning(
             "quantize: %s stay float (sizes %s: not multiples of %d, or inputs not of the "

@@ -7,19 +7,25 @@ min-max scale (absmax / 127.5, so the most negative value may reach -128). Activ
 quantized per token at run time, so nothing is calibrated. Embeddings, norms and ``lm_head``
 stay as they are; the tokenizer and generation files are copied. A mixture-of-experts model's
 routed experts are quantized one by one like any projection; its routers stay float, listed
-in ``ignore`` as llm-compressor's MoE recipes list them (``re:.*mlp.gate$``).
+in ``ignore`` as llm-compressor's MoE recipes list them (``re:.*mlp.gate$``), with a
+Qwen3.5-MoE's shared-expert gates (``re:.*mlp.shared_expert_gate$``); projections kept float
+(``keep_float``) are listed there too.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tandem.core.models.projection_match import DecoderLayout
 from tandem.core.models.quantized_writer import (
+    PROJECTION_WEIGHT,
     decoder_layout,
+    float_projections,
     read_float_config,
     write_quantized,
 )
@@ -31,8 +37,9 @@ COMPRESSED_TENSORS_VERSION = "0.12.2"
 _INT8_MIN, _INT8_MAX = -128, 127
 # llm-compressor's symmetric scale: the absmax over half the int8 range (255 / 2).
 _HALF_RANGE = (_INT8_MAX - _INT8_MIN) / 2
-# The routers of a mixture-of-experts model, left float.
+# The routers of a mixture-of-experts model, and the gates of its shared experts, left float.
 ROUTERS = "re:.*mlp.gate$"
+SHARED_EXPERT_GATES = "re:.*mlp.shared_expert_gate$"
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,10 +73,28 @@ def _args(strategy: str, dynamic: bool) -> dict[str, Any]:
     }
 
 
-def w8a8_quantization_config(routers: bool = False) -> dict[str, Any]:
+def ignore_list(layout: DecoderLayout, keep_float: frozenset[str] = frozenset()) -> list[str]:
+    """The modules a W8A8 checkpoint of ``layout`` leaves float: ``lm_head``, routers and
+    shared-expert gates, and the projections in ``keep_float``, by llm-compressor's kind of
+    entry (a regular expression anchored at the name's end)."""
+    ignore = ["lm_head"]
+    if layout.has_experts:
+        ignore.append(ROUTERS)
+    if layout.shared_expert:
+        ignore.append(SHARED_EXPERT_GATES)
+    ignore += [f"re:.*{re.escape(p)}$" for p in sorted(keep_float)]
+    return ignore
+
+
+def w8a8_quantization_config(
+    routers: bool = False, ignore: list[str] | None = None
+) -> dict[str, Any]:
     """``config.json``'s ``quantization_config`` as llm-compressor writes it for its W8A8
     scheme (int8 per-channel weights, dynamic per-token int8 activations); ``routers``: a
-    mixture-of-experts model's, whose routers are ignored too."""
+    mixture-of-experts model's, whose routers are ignored too; ``ignore``: the list in full,
+    instead."""
+    if ignore is None:
+        ignore = ["lm_head", ROUTERS] if routers else ["lm_head"]
     return {
         "config_groups": {
             "group_0": {
@@ -82,7 +107,7 @@ def w8a8_quantization_config(routers: bool = False) -> dict[str, Any]:
         },
         "format": "int-quantized",
         "global_compression_ratio": None,
-        "ignore": ["lm_head", ROUTERS] if routers else ["lm_head"],
+        "ignore": ignore,
         "kv_cache_scheme": None,
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",
@@ -92,16 +117,22 @@ def w8a8_quantization_config(routers: bool = False) -> dict[str, Any]:
     }
 
 
-def _quantize(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    q, scale = quantize_weight(weight)
-    return {name: q, name.removesuffix("weight") + "weight_scale": scale}
-
-
-def write_w8a8(src: Path, dst: Path) -> int:
+def write_w8a8(src: Path, dst: Path, keep_float: frozenset[str] = frozenset()) -> int:
     """Write the W8A8 copy of the float folder ``src`` into ``dst`` (new or empty); returns
-    how many weights were quantized."""
+    how many weights were quantized. ``keep_float``: projections left float
+    (``float_projections``)."""
     config = read_float_config(src, "int8 W8A8")
-    routers = decoder_layout(config).has_experts
-    quantized = write_quantized(src, dst, _quantize, w8a8_quantization_config(routers))
+    layout = decoder_layout(config)
+    left = float_projections(keep_float, layout)
+
+    def quantize(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        match = PROJECTION_WEIGHT.match(name)
+        if match is not None and match.group(1) in left:
+            return None
+        q, scale = quantize_weight(weight)
+        return {name: q, name.removesuffix("weight") + "weight_scale": scale}
+
+    metadata = w8a8_quantization_config(ignore=ignore_list(layout, left))
+    quantized = write_quantized(src, dst, quantize, metadata)
     logger.info("quantize: wrote %s (%d weights int8 W8A8)", dst, quantized)
     return quantized

@@ -83,6 +83,15 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
         help="with --calibration: quantize the inputs in decreasing order of their "
         "activations' energy (GPTQ's desc_act)",
     )
+    p.add_argument(
+        "--keep-float",
+        action="append",
+        default=[],
+        metavar="PROJECTION",
+        help="leave these projections float (repeatable; a part of a name picks every "
+        "projection it is in, e.g. 'linear_attn' for a Qwen3.5's linear-attention ones); the "
+        "written quantization_config says so",
+    )
     p.set_defaults(func=run)
 
 
@@ -98,14 +107,15 @@ def run(args: argparse.Namespace) -> int:
     if args.calibration_samples < 1 or args.calibration_len < 2:
         raise ModelLoadError("--calibration-samples must be >= 1 and --calibration-len >= 2")
     group_size = DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size
+    keep_float = frozenset(args.keep_float)
     try:
         if args.scheme == "w8a8":
-            count = write_w8a8(src, dst)
+            count = write_w8a8(src, dst, keep_float=keep_float)
         else:
             hessians = _hessians(args, src) if calibrated else None
             count = write_w4a16(
                 src, dst, group_size=group_size, sym=args.sym, hessians=hessians,
-                act_order=args.act_order,
+                act_order=args.act_order, keep_float=keep_float,
             )  # fmt: skip
     except (OSError, SafetensorError) as exc:
         raise ModelLoadError(f"quantize {args.src} -> {args.dst}: {exc}") from None
