@@ -1,9 +1,9 @@
 """Greedy token ids are byte-identical across topologies: TP=1; TP=2 in one process; TP=2 as
 one process per device; TP=4 as 2 nodes x 2 devices, one process per node, on loopback. For
 dense models (one of them GPTQ 4-bit), a Qwen3.5 hybrid (state slots, linear-attention heads
-and conv channels split) and Qwen3-MoE models (experts' intermediate split; float, int8 W8A8
-and GPTQ 4-bit experts), the latter with prompts prefilled in chunks of 8 tokens beside
-decodes."""
+and conv channels split; float, int8 W8A8 and GPTQ 4-bit, and an int8 Qwen3.5-MoE) and
+Qwen3-MoE models (experts' intermediate split; float, int8 W8A8 and GPTQ 4-bit experts), the
+latter with prompts prefilled in chunks of 8 tokens beside decodes."""
 
 from __future__ import annotations
 
@@ -50,9 +50,25 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     write_reference_model(moe_float, "Qwen3MoeForCausalLM", head_dim=32, moe_intermediate_size=128)
     write_w8a8(moe_float, root / "qwen3_moe_w8a8")
     write_w4a16(moe_float, root / "qwen3_moe_w4a16", group_size=32, sym=False)
+    # The hybrid's int8 copy: q/k/v/z sections and their scales split; out_proj, o_proj and
+    # the MLP reduce exact int32 sums.
+    write_w8a8(root / "qwen3_5", root / "qwen3_5_w8a8")
+    # Its GPTQ 4-bit copy, groups of 32: out_proj's 128 inputs are 32 per rank at TP=4, each
+    # q/k/v/z section a whole number of packed words per rank. b and a (8 rows, 2 per rank at
+    # TP=4) cannot be cut into words of 8: kept float, as vLLM replicates them for GPTQ.
+    write_w4a16(
+        root / "qwen3_5", root / "qwen3_5_w4a16", group_size=32, sym=False,
+        keep_float=frozenset({"in_proj_b"}),
+    )  # fmt: skip
+    # Qwen3.5-MoE int8: the shared expert's down projection reduces its own int32 sums.
+    write_reference_model(
+        root / "qwen3_5_moe", "Qwen3_5MoeForCausalLM", linear_num_key_heads=4,
+        linear_num_value_heads=8, shared_expert_intermediate_size=64,
+    )  # fmt: skip
+    write_w8a8(root / "qwen3_5_moe", root / "qwen3_5_moe_w8a8")
     names = (
         "llama", "qwen3", "qwen3_w4a16", "qwen3_5", "qwen3_moe", "qwen3_moe_w8a8",
-        "qwen3_moe_w4a16",
+        "qwen3_moe_w4a16", "qwen3_5_w8a8", "qwen3_5_w4a16", "qwen3_5_moe_w8a8",
     )  # fmt: skip
     found = {name: root / name for name in names}
     if (STORIES / "model.safetensors").is_file():
@@ -71,7 +87,8 @@ CHUNKED = ("--max-tokens-per-batch", "8")
     "model",
     [
         "llama", "qwen3", "qwen3_w4a16", "stories260k", "qwen3_5", "qwen3_moe",
-        "qwen3_moe_w8a8", "qwen3_moe_w4a16",
+        "qwen3_moe_w8a8", "qwen3_moe_w4a16", "qwen3_5_w8a8", "qwen3_5_w4a16",
+        "qwen3_5_moe_w8a8",
     ],
 )  # fmt: skip
 def test_greedy_tokens_identical_across_topologies(models: dict[str, Path], model: str) -> None:
