@@ -30,6 +30,7 @@ from tandem.core.kernels.reference import fused_moe as moe_ref
 from tandem.core.kernels.reference import gated_delta_rule as delta_ref
 from tandem.core.kernels.reference import int4_linear as int4_ref
 from tandem.core.kernels.reference import int8_linear as int8_ref
+from tandem.core.kernels.reference import linear_attention_verify as verify_ref
 from tandem.core.kernels.reference import paged_attention as attention_ref
 from tandem.core.kernels.reference import quantized_moe as qmoe_ref
 from tandem.core.kernels.triton.loading import triton_kernel
@@ -144,6 +145,20 @@ def causal_conv1d_update() -> KernelHandle[torch.Tensor]:
     return KernelHandle(
         "causal_conv1d_update", conv_ref.causal_conv1d_update, native, triton=triton
     )
+
+
+def causal_conv1d_verify() -> KernelHandle[torch.Tensor]:
+    """The conv over sequences verifying drafts: on CPU one native call, each sequence's
+    positions in order; elsewhere position by position through the decode step it is
+    handed (Triton's on the accelerators)."""
+    native = native_linear_attention_kernel("conv_verify")
+    return KernelHandle("causal_conv1d_verify", verify_ref.conv_verify, native)
+
+
+def recurrent_gated_delta_verify() -> KernelHandle[torch.Tensor]:
+    """The delta rule over sequences verifying drafts, as ``causal_conv1d_verify``."""
+    native = native_linear_attention_kernel("recurrent_verify")
+    return KernelHandle("recurrent_gated_delta_verify", verify_ref.delta_verify, native)
 
 
 def chunk_gated_delta_rule() -> KernelHandle[torch.Tensor]:

@@ -84,6 +84,13 @@ class LinearVerifyIndices:
     # once and hands each position a contiguous run of them.
     order: torch.Tensor  # [num_tokens] int64
     positions: list[LinearVerifyPosition]
+    # The same tokens sequence by sequence (token order), for kernels that run a sequence's
+    # positions in order in one call: each sequence's slot, where its tokens start (from the
+    # verify part's first, [V + 1]), and per token the scratch row its state after it is
+    # kept in (-1 for each sequence's last token).
+    run_slots: torch.Tensor | None = None  # [V] int64
+    run_starts: torch.Tensor | None = None  # [V + 1] int64
+    keep_rows: torch.Tensor | None = None  # [num_tokens] int64
 
 
 @dataclass
@@ -222,6 +229,13 @@ def _plan_verify(
         sizes.append((n, int(saved.shape[0])))
     num_tokens = int(lens.sum())
     tensors.append(torch.cat(order))
+    run_starts = torch.zeros(lens.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(lens, 0, out=run_starts[1:])
+    keep_rows = torch.full((num_tokens,), -1, dtype=torch.int64)
+    is_kept = torch.ones(num_tokens, dtype=torch.bool)
+    is_kept[run_starts[1:] - 1] = False  # each sequence's last token
+    keep_rows[is_kept] = scratch
+    tensors += [slots, run_starts, keep_rows]
 
     def finish(parts: Iterator[torch.Tensor]) -> LinearVerifyIndices:
         positions = []
@@ -238,7 +252,9 @@ def _plan_verify(
                 decodes_have_initial_state=True,
             )
             positions.append(LinearVerifyPosition(meta, num_saved, save_from, save_to))
-        return LinearVerifyIndices(num_tokens, next(parts), positions)
+        order = next(parts)
+        run_slots, run_starts, keep_rows = next(parts), next(parts), next(parts)
+        return LinearVerifyIndices(num_tokens, order, positions, run_slots, run_starts, keep_rows)
 
     return finish
 

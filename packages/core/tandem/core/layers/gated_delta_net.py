@@ -28,8 +28,6 @@ copying that row into its slot before the next step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,7 +38,6 @@ from tandem.core.kernels.attention_metadata import AttentionMetadata
 from tandem.core.kernels.linear_attention_metadata import (
     LinearAttentionMetadata,
     LinearVerifyIndices,
-    LinearVerifyPosition,
 )
 from tandem.core.kernels.reference.causal_conv1d import check_activation
 from tandem.core.layers.gated_rms_norm import GatedRMSNorm
@@ -130,6 +127,8 @@ class GatedDeltaNet(nn.Module):
         self._conv_update = handles.causal_conv1d_update()
         self._delta_chunked = handles.chunk_gated_delta_rule()
         self._delta_step = handles.recurrent_gated_delta_rule()
+        self._conv_verify = handles.causal_conv1d_verify()
+        self._delta_verify = handles.recurrent_gated_delta_verify()
 
     def load_weight(self, param: nn.Parameter, loaded: LazyTensor, name: str) -> None:
         """A_log and dt_bias: this rank's value heads."""
@@ -195,14 +194,9 @@ class GatedDeltaNet(nn.Module):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _verify_conv(self, x: torch.Tensor, verify: LinearVerifyIndices) -> torch.Tensor:
-        def step(p: LinearVerifyPosition, xs: list[torch.Tensor]) -> torch.Tensor:
-            y: torch.Tensor = self._conv_update(
-                xs[0], self.conv1d.weight, self.conv_state, p.meta, self.activation
-            )
-            _keep(self.conv_state, p)
-            return y
-
-        return _by_position(verify, [x], step)
+        return self._conv_verify(
+            x, self.conv1d.weight, self.conv_state, verify, self.activation, self._conv_update
+        )
 
     def _delta(
         self,
@@ -236,37 +230,4 @@ class GatedDeltaNet(nn.Module):
         beta: torch.Tensor,
         verify: LinearVerifyIndices,
     ) -> torch.Tensor:
-        state = self.recurrent_state
-
-        def step(p: LinearVerifyPosition, xs: list[torch.Tensor]) -> torch.Tensor:
-            y: torch.Tensor = self._delta_step(*xs, state, p.meta)
-            _keep(state, p)
-            return y
-
-        return _by_position(verify, [q, k, v, g, beta], step)
-
-
-def _by_position(
-    verify: LinearVerifyIndices,
-    inputs: list[torch.Tensor],
-    step: Callable[[LinearVerifyPosition, list[torch.Tensor]], torch.Tensor],
-) -> torch.Tensor:
-    """``step`` on each position's run of ``inputs`` (the verify part's rows, gathered in
-    position order once), the outputs put back in token order once."""
-    gathered = [x.index_select(0, verify.order) for x in inputs]
-    outs, start = [], 0
-    for p in verify.positions:
-        end = start + p.meta.num_decodes
-        outs.append(step(p, [x[start:end] for x in gathered]))
-        start = end
-    joined = torch.cat(outs)
-    out = torch.empty_like(joined)
-    out.index_copy_(0, verify.order, joined)
-    return out
-
-
-def _keep(pool: torch.Tensor, p: LinearVerifyPosition) -> None:
-    """Copy the state rows of ``p``'s sequences with a later token to their scratch rows
-    (sources and destinations disjoint)."""
-    if p.num_saved:
-        pool.index_copy_(0, p.save_to, pool.index_select(0, p.save_from))
+        return self._delta_verify(q, k, v, g, beta, self.recurrent_state, verify, self._delta_step)

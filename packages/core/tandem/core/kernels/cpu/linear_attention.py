@@ -27,9 +27,13 @@ from tandem.core.kernels.cpu.native_build import (
     log_unbuilt,
 )
 from tandem.core.kernels.handle import NativeChoice, library_choice
-from tandem.core.kernels.linear_attention_metadata import LinearAttentionMetadata
+from tandem.core.kernels.linear_attention_metadata import (
+    LinearAttentionMetadata,
+    LinearVerifyIndices,
+)
 from tandem.core.kernels.process_once import ProcessOnce
 from tandem.core.kernels.reference.causal_conv1d import check_activation
+from tandem.core.kernels.reference.linear_attention_verify import ConvStep, DeltaStep
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +49,10 @@ class NativeLinearAttention:
         # avx512, avx2 or portable: the code path this build runs.
         self.compiled_path = compiled_path(lib)
         self._recurrent = c_function(
-            lib.tandem_recurrent_gated_delta_rule, [_vp] * 9 + [_i64] * 8 + [_i32, _i32]
+            lib.tandem_recurrent_gated_delta_rule, [_vp] * 11 + [_i64] * 8 + [_i32, _i32]
         )
         self._conv = c_function(
-            lib.tandem_causal_conv1d_update, [_vp] * 6 + [_i64] * 4 + [_i32, _i32]
+            lib.tandem_causal_conv1d_update, [_vp] * 8 + [_i64] * 4 + [_i32, _i32]
         )
 
     @staticmethod
@@ -66,21 +70,52 @@ class NativeLinearAttention:
         """One new token per decode sequence: ``x`` [B, C] -> [B, C] (SiLU of the conv);
         the states of ``meta.decode_slots`` in ``conv_states`` [slots, C, K - 1] shift by
         one, in place."""
+        slots = meta.decode_slots.contiguous()
+        return self._conv_runs(x, weight, conv_states, slots, _initial(meta), None, activation)
+
+    def conv_verify(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        conv_states: torch.Tensor,
+        verify: LinearVerifyIndices,
+        activation: str,
+        step: ConvStep,
+    ) -> torch.Tensor:
+        """The conv over verifying sequences' tokens ``x`` [T, C] (token order), each
+        sequence's positions in order in one call, the state after each but the last kept in
+        its scratch row (``reference.linear_attention_verify.conv_verify``; ``step`` is the
+        reference's, unused here)."""
+        runs = _runs(verify)
+        return self._conv_runs(
+            x, weight, conv_states, runs[0], None, (runs[1], runs[2]), activation
+        )
+
+    def _conv_runs(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        conv_states: torch.Tensor,
+        slots: torch.Tensor,
+        initial: torch.Tensor | None,
+        runs: tuple[torch.Tensor, torch.Tensor] | None,
+        activation: str,
+    ) -> torch.Tensor:
         check_activation(activation)
-        batch, channels = x.shape
+        tokens, channels = x.shape
         taps = weight.shape[1]
         if x.stride(1) != 1 or weight.dtype is not x.dtype or conv_states.dtype is not x.dtype:
             raise ValueError("the conv update takes contiguous rows, taps and states of x's dtype")
         if conv_states.shape[1:] != (channels, taps - 1) or not conv_states.is_contiguous():
             raise ValueError("the conv states must be one contiguous [slots, C, K - 1] pool")
         taps_rows = weight.contiguous()
-        slots = meta.decode_slots.contiguous()
-        initial = _initial(meta)
-        out = torch.empty(batch, channels, dtype=x.dtype)
+        starts, keep = (None, None) if runs is None else runs
+        out = torch.empty(tokens, channels, dtype=x.dtype)
         code = self._conv(
             out.data_ptr(), x.data_ptr(), taps_rows.data_ptr(), conv_states.data_ptr(),
-            slots.data_ptr(), None if initial is None else initial.data_ptr(), batch,
-            channels, taps, x.stride(0), _DTYPES[x.dtype], torch.get_num_threads(),
+            slots.data_ptr(), _pointer(initial), _pointer(starts), _pointer(keep),
+            slots.shape[0], channels, taps, x.stride(0), _DTYPES[x.dtype],
+            torch.get_num_threads(),
         )  # fmt: skip
         if code != 0:
             raise ValueError(f"the native conv update refused its arguments (code {code})")
@@ -100,7 +135,39 @@ class NativeLinearAttention:
         (log decay, float32) and ``beta`` [B, Hv] -> [B, Hv, Dv] in ``v``'s dtype; the
         states of ``meta.decode_slots`` in ``states`` [slots, Hv, Dk, Dv] (float32) are
         updated in place."""
-        batch, k_heads, k_dim = q.shape
+        slots = meta.decode_slots.contiguous()
+        return self._recurrent_runs(q, k, v, g, beta, states, slots, _initial(meta), None)
+
+    def recurrent_verify(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        states: torch.Tensor,
+        verify: LinearVerifyIndices,
+        step: DeltaStep,
+    ) -> torch.Tensor:
+        """The delta rule over verifying sequences' tokens (token order), each sequence's
+        positions in order in one call, the state after each but the last kept in its scratch
+        row (``reference.linear_attention_verify.delta_verify``; ``step`` unused here)."""
+        runs = _runs(verify)
+        return self._recurrent_runs(q, k, v, g, beta, states, runs[0], None, (runs[1], runs[2]))
+
+    def _recurrent_runs(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        states: torch.Tensor,
+        slots: torch.Tensor,
+        initial: torch.Tensor | None,
+        runs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        tokens, k_heads, k_dim = q.shape
         v_heads, v_dim = v.shape[1], v.shape[2]
         for t, dim in ((q, k_dim), (k, k_dim), (v, v_dim)):
             if t.stride(2) != 1 or t.stride(1) != dim or t.dtype is not v.dtype:
@@ -111,19 +178,32 @@ class NativeLinearAttention:
         # before the kernel reads through it.
         gf = g.float().contiguous()
         betac = beta.to(v.dtype).contiguous()
-        slots = meta.decode_slots.contiguous()
-        initial = _initial(meta)
-        out = torch.empty(batch, v_heads, v_dim, dtype=v.dtype)
+        starts, keep = (None, None) if runs is None else runs
+        out = torch.empty(tokens, v_heads, v_dim, dtype=v.dtype)
         code = self._recurrent(
             out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), gf.data_ptr(),
-            betac.data_ptr(), states.data_ptr(), slots.data_ptr(),
-            None if initial is None else initial.data_ptr(), batch, k_heads, v_heads, k_dim,
-            v_dim, q.stride(0), k.stride(0), v.stride(0), _DTYPES[v.dtype],
-            torch.get_num_threads(),
+            betac.data_ptr(), states.data_ptr(), slots.data_ptr(), _pointer(initial),
+            _pointer(starts), _pointer(keep), slots.shape[0], k_heads, v_heads, k_dim, v_dim,
+            q.stride(0), k.stride(0), v.stride(0), _DTYPES[v.dtype], torch.get_num_threads(),
         )  # fmt: skip
         if code != 0:
             raise ValueError(f"the native gated delta rule refused its arguments (code {code})")
         return out
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _runs(verify: LinearVerifyIndices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The verifying sequences' slots, run starts and kept rows, as the kernels take them."""
+    if verify.run_slots is None or verify.run_starts is None or verify.keep_rows is None:
+        raise ValueError("the verify metadata lacks its runs (run_slots, run_starts, keep_rows)")
+    return (
+        verify.run_slots.contiguous(),
+        verify.run_starts.contiguous(),
+        verify.keep_rows.contiguous(),
+    )
 
 
 def _initial(meta: LinearAttentionMetadata) -> torch.Tensor | None:

@@ -1,5 +1,6 @@
 // The decode step of Gated DeltaNet's two stateful parts, fused, each state updated in place
-// in its slot of the pool.
+// in its slot of the pool; and the same over runs of tokens of one sequence in order (a
+// sequence verifying drafts), the state after each but the last also kept in a scratch row.
 //
 // The causal conv1d update (the reference: kernels/reference/causal_conv1d.py,
 // causal_conv1d_update): per sequence and channel, the K - 1 inputs kept in the state and the
@@ -60,74 +61,106 @@ inline void l2_normalised(const T* src, float* dst, int64_t n, float scale) {
   for (int64_t i = 0; i < n; ++i) dst[i] = dst[i] * r * scale;
 }
 
+// One token's delta-rule step for value head h on the state s [Dk, Dv] (updated in place),
+// its output row written to o_out.
+template <typename T>
+inline void delta_token(T* o_out, const T* q_row, const T* k_row, const T* v_row, float g,
+                        float bt, float* s, int64_t Dk, int64_t Dv, float q_scale) {
+  float qf[kMaxDim], kf[kMaxDim], pred[kMaxDim], delta[kMaxDim], o[kMaxDim];
+  l2_normalised(q_row, qf, Dk, q_scale);
+  l2_normalised(k_row, kf, Dk, 1.0f);
+  const float decay = std::exp(g);
+  for (int64_t j = 0; j < Dv; ++j) pred[j] = 0.0f;
+  for (int64_t i = 0; i < Dk; ++i) {
+    float* row = s + i * Dv;
+    const float ki = kf[i];
+    for (int64_t j = 0; j < Dv; ++j) {
+      row[j] *= decay;
+      pred[j] += ki * row[j];
+    }
+  }
+  for (int64_t j = 0; j < Dv; ++j) {
+    delta[j] = (to_float(v_row[j]) - pred[j]) * bt;
+    o[j] = 0.0f;
+  }
+  for (int64_t i = 0; i < Dk; ++i) {
+    float* row = s + i * Dv;
+    const float ki = kf[i], qi = qf[i];
+    for (int64_t j = 0; j < Dv; ++j) {
+      row[j] += ki * delta[j];
+      o[j] += qi * row[j];
+    }
+  }
+  store_row<T>(o, o_out, Dv, 1.0f);
+}
+
+// Tokens [starts[r], starts[r + 1]) of run r share the state row slots[r] and run in order;
+// after token b the state is also kept in row keep[b] where keep[b] >= 0. Decode steps are
+// runs of one token (starts == nullptr: token b is run b, keep == nullptr: nothing kept).
 template <typename T>
 void recurrent(T* out, const T* q, const T* k, const T* v, const float* g, const T* beta,
-               float* states, const int64_t* slots, const uint8_t* has_initial, int64_t B,
-               int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t q_stride,
-               int64_t k_stride, int64_t v_stride, int32_t threads) {
+               float* states, const int64_t* slots, const uint8_t* has_initial,
+               const int64_t* starts, const int64_t* keep, int64_t R, int64_t Hk, int64_t Hv,
+               int64_t Dk, int64_t Dv, int64_t q_stride, int64_t k_stride, int64_t v_stride,
+               int32_t threads) {
   const int64_t group = Hv / Hk;
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(Dk));
+  const int64_t head_floats = Dk * Dv;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
-  for (int64_t b = 0; b < B; ++b) {
+  for (int64_t r = 0; r < R; ++r) {
     for (int64_t h = 0; h < Hv; ++h) {
-      float qf[kMaxDim], kf[kMaxDim], pred[kMaxDim], delta[kMaxDim], o[kMaxDim];
       const int64_t kh = h / group;
-      l2_normalised(q + b * q_stride + kh * Dk, qf, Dk, q_scale);
-      l2_normalised(k + b * k_stride + kh * Dk, kf, Dk, 1.0f);
-      float* s = states + (slots[b] * Hv + h) * Dk * Dv;
-      if (has_initial != nullptr && has_initial[b] == 0) {
-        std::memset(s, 0, sizeof(float) * Dk * Dv);
+      float* s = states + (slots[r] * Hv + h) * head_floats;
+      if (has_initial != nullptr && has_initial[r] == 0) {
+        std::memset(s, 0, sizeof(float) * head_floats);
       }
-      const float decay = std::exp(g[b * Hv + h]);
-      for (int64_t j = 0; j < Dv; ++j) pred[j] = 0.0f;
-      for (int64_t i = 0; i < Dk; ++i) {
-        float* row = s + i * Dv;
-        const float ki = kf[i];
-        for (int64_t j = 0; j < Dv; ++j) {
-          row[j] *= decay;
-          pred[j] += ki * row[j];
+      const int64_t first = starts == nullptr ? r : starts[r];
+      const int64_t end = starts == nullptr ? r + 1 : starts[r + 1];
+      for (int64_t b = first; b < end; ++b) {
+        delta_token<T>(out + (b * Hv + h) * Dv, q + b * q_stride + kh * Dk,
+                       k + b * k_stride + kh * Dk, v + b * v_stride + h * Dv, g[b * Hv + h],
+                       to_float(beta[b * Hv + h]), s, Dk, Dv, q_scale);
+        if (keep != nullptr && keep[b] >= 0) {
+          std::memcpy(states + (keep[b] * Hv + h) * head_floats, s,
+                      sizeof(float) * head_floats);
         }
       }
-      const float bt = to_float(beta[b * Hv + h]);
-      const T* vr = v + b * v_stride + h * Dv;
-      for (int64_t j = 0; j < Dv; ++j) {
-        delta[j] = (to_float(vr[j]) - pred[j]) * bt;
-        o[j] = 0.0f;
-      }
-      for (int64_t i = 0; i < Dk; ++i) {
-        float* row = s + i * Dv;
-        const float ki = kf[i], qi = qf[i];
-        for (int64_t j = 0; j < Dv; ++j) {
-          row[j] += ki * delta[j];
-          o[j] += qi * row[j];
-        }
-      }
-      store_row<T>(o, out + (b * Hv + h) * Dv, Dv, 1.0f);
     }
   }
 }
 
+// Runs as in ``recurrent``, each channel's K - 1 kept inputs shifted token by token.
 template <typename T>
 void conv_update(T* out, const T* x, const T* weight, T* states, const int64_t* slots,
-                 const uint8_t* has_initial, int64_t B, int64_t C, int64_t K, int64_t x_stride,
-                 int32_t threads) {
+                 const uint8_t* has_initial, const int64_t* starts, const int64_t* keep,
+                 int64_t R, int64_t C, int64_t K, int64_t x_stride, int32_t threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t b = 0; b < B; ++b) {
-    T* state = states + slots[b] * C * (K - 1);
-    const bool zero = has_initial != nullptr && has_initial[b] == 0;
-    const T* xb = x + b * x_stride;
-    T* ob = out + b * C;
-    for (int64_t c = 0; c < C; ++c) {
-      T* sc = state + c * (K - 1);
-      const T* wc = weight + c * K;
-      float acc = 0.0f;
-      for (int64_t t = 0; t < K - 1; ++t) acc += (zero ? 0.0f : to_float(sc[t])) * to_float(wc[t]);
-      acc += to_float(xb[c]) * to_float(wc[K - 1]);
-      // Rounded to the input dtype before SiLU, as the reference's conv output is.
-      const float y = to_float(round_to<T>(acc));
-      ob[c] = round_to<T>(y / (1.0f + std::exp(-y)));
-      for (int64_t t = 0; t + 1 < K - 1; ++t) sc[t] = zero ? T(0) : sc[t + 1];
-      sc[K - 2] = xb[c];
+  for (int64_t r = 0; r < R; ++r) {
+    T* state = states + slots[r] * C * (K - 1);
+    bool zero = has_initial != nullptr && has_initial[r] == 0;
+    const int64_t first = starts == nullptr ? r : starts[r];
+    const int64_t end = starts == nullptr ? r + 1 : starts[r + 1];
+    for (int64_t b = first; b < end; ++b) {
+      const T* xb = x + b * x_stride;
+      T* ob = out + b * C;
+      for (int64_t c = 0; c < C; ++c) {
+        T* sc = state + c * (K - 1);
+        const T* wc = weight + c * K;
+        float acc = 0.0f;
+        for (int64_t t = 0; t < K - 1; ++t) {
+          acc += (zero ? 0.0f : to_float(sc[t])) * to_float(wc[t]);
+        }
+        acc += to_float(xb[c]) * to_float(wc[K - 1]);
+        // Rounded to the input dtype before SiLU, as the reference's conv output is.
+        const float y = to_float(round_to<T>(acc));
+        ob[c] = round_to<T>(y / (1.0f + std::exp(-y)));
+        for (int64_t t = 0; t + 1 < K - 1; ++t) sc[t] = zero ? T(0) : sc[t + 1];
+        sc[K - 2] = xb[c];
+      }
+      zero = false;
+      if (keep != nullptr && keep[b] >= 0) {
+        std::memcpy(states + keep[b] * C * (K - 1), state, sizeof(T) * C * (K - 1));
+      }
     }
   }
 }
@@ -136,20 +169,23 @@ void conv_update(T* out, const T* x, const T* weight, T* states, const int64_t* 
 
 extern "C" {
 
-// Codes: 0 ok, 1 unsupported dtype, 2 fewer than two taps.
+// Codes: 0 ok, 1 unsupported dtype, 2 fewer than two taps. ``starts`` [runs + 1] and
+// ``keep`` [tokens] may be null: one token a run, nothing kept (the decode step).
 int tandem_causal_conv1d_update(void* out, const void* x, const void* weight, void* states,
                                 const int64_t* slots, const uint8_t* has_initial,
-                                int64_t batch, int64_t channels, int64_t taps, int64_t x_stride,
-                                int32_t dtype, int32_t threads) {
+                                const int64_t* starts, const int64_t* keep, int64_t runs,
+                                int64_t channels, int64_t taps, int64_t x_stride, int32_t dtype,
+                                int32_t threads) {
   if (taps < 2) return 2;
   if (dtype == kFloat32) {
     conv_update<float>(static_cast<float*>(out), static_cast<const float*>(x),
                        static_cast<const float*>(weight), static_cast<float*>(states), slots,
-                       has_initial, batch, channels, taps, x_stride, threads);
+                       has_initial, starts, keep, runs, channels, taps, x_stride, threads);
   } else if (dtype == kBFloat16) {
     conv_update<uint16_t>(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(x),
                           static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(states),
-                          slots, has_initial, batch, channels, taps, x_stride, threads);
+                          slots, has_initial, starts, keep, runs, channels, taps, x_stride,
+                          threads);
   } else {
     return 1;
   }
@@ -157,11 +193,12 @@ int tandem_causal_conv1d_update(void* out, const void* x, const void* weight, vo
 }
 
 // Codes: 0 ok, 1 unsupported dtype, 2 a head size over kMaxDim or value heads that are not a
-// multiple of the key heads.
+// multiple of the key heads. ``starts`` and ``keep`` as for the conv update.
 int tandem_recurrent_gated_delta_rule(void* out, const void* q, const void* k, const void* v,
                                       const float* g, const void* beta, float* states,
                                       const int64_t* slots, const uint8_t* has_initial,
-                                      int64_t batch, int64_t k_heads, int64_t v_heads,
+                                      const int64_t* starts, const int64_t* keep, int64_t runs,
+                                      int64_t k_heads, int64_t v_heads,
                                       int64_t k_dim, int64_t v_dim, int64_t q_stride,
                                       int64_t k_stride, int64_t v_stride, int32_t dtype,
                                       int32_t threads) {
@@ -172,13 +209,15 @@ int tandem_recurrent_gated_delta_rule(void* out, const void* q, const void* k, c
   if (dtype == kFloat32) {
     recurrent<float>(static_cast<float*>(out), static_cast<const float*>(q),
                      static_cast<const float*>(k), static_cast<const float*>(v), g,
-                     static_cast<const float*>(beta), states, slots, has_initial, batch,
-                     k_heads, v_heads, k_dim, v_dim, q_stride, k_stride, v_stride, threads);
+                     static_cast<const float*>(beta), states, slots, has_initial, starts, keep,
+                     runs, k_heads, v_heads, k_dim, v_dim, q_stride, k_stride, v_stride,
+                     threads);
   } else if (dtype == kBFloat16) {
     recurrent<uint16_t>(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(q),
                         static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), g,
-                        static_cast<const uint16_t*>(beta), states, slots, has_initial, batch,
-                        k_heads, v_heads, k_dim, v_dim, q_stride, k_stride, v_stride, threads);
+                        static_cast<const uint16_t*>(beta), states, slots, has_initial, starts,
+                        keep, runs, k_heads, v_heads, k_dim, v_dim, q_stride, k_stride, v_stride,
+                        threads);
   } else {
     return 1;
   }
