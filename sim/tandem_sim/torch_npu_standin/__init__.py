@@ -28,6 +28,14 @@ from .moe import (
     npu_moe_init_routing,
 )
 from .norms import npu_add_rms_norm, npu_rms_norm
+from .quant import (
+    npu_convert_weight_to_int4pack,
+    npu_dynamic_quant,
+    npu_quant_matmul,
+    npu_quantize,
+    npu_trans_quant_param,
+    npu_weight_quant_batchmatmul,
+)
 from .rotary import _npu_rotary_embedding, npu_apply_rotary_pos_emb, npu_rotary_mul
 
 __all__ = [
@@ -38,13 +46,19 @@ __all__ = [
     "_npu_rotary_embedding",
     "npu_add_rms_norm",
     "npu_apply_rotary_pos_emb",
+    "npu_convert_weight_to_int4pack",
+    "npu_dynamic_quant",
     "npu_fused_infer_attention_score",
     "npu_grouped_matmul",
     "npu_moe_compute_expert_tokens",
     "npu_moe_finalize_routing",
     "npu_moe_gating_top_k_softmax",
     "npu_moe_init_routing",
+    "npu_quant_matmul",
+    "npu_quantize",
     "npu_rms_norm",
     "npu_rotary_mul",
     "npu_swiglu",
+    "npu_trans_quant_param",
+    "npu_weight_quant_batchmatmul",
 ]
