@@ -23,7 +23,7 @@ from tandem.core.kernels.cpu.paged_attention import native_paged_attention
 from tandem.core.kernels.cpu.prefill_attention import native_prefill_attention
 from tandem.core.kernels.cpu.quantized_moe import native_moe_int4_kernel, native_moe_int8_kernel
 from tandem.core.kernels.handle import KernelHandle
-from tandem.core.kernels.npu.loading import HALVES, torch_npu_kernel
+from tandem.core.kernels.npu.loading import HALVES, INT8, torch_npu_kernel
 from tandem.core.kernels.reference import causal_conv1d as conv_ref
 from tandem.core.kernels.reference import elementwise as ref
 from tandem.core.kernels.reference import fused_moe as moe_ref
@@ -194,23 +194,31 @@ def int8_linear() -> KernelHandle[torch.Tensor]:
     """A W8A8 linear: int8 weights [N, K] with per-channel scales, activations quantized per
     token (or with a given scale) inside the kernel, int32 accumulation. On CPU the native
     kernel (AVX512-VNNI, AVX2 or plain loops) over weights packed at load, bit for bit the
-    reference; an NPU kernel joins here with the same arguments."""
-    return KernelHandle("int8_linear", int8_ref.int8_linear, native_int8_kernel("linear"))
+    reference; on Ascend torch_npu's ``npu_dynamic_quant`` / ``npu_quantize`` and
+    ``npu_quant_matmul`` (float16 and bfloat16 activations, the ones its quantizers take)."""
+    npu = torch_npu_kernel("int8_linear", "int8_linear", HALVES)
+    return KernelHandle("int8_linear", int8_ref.int8_linear, native_int8_kernel("linear"), npu=npu)
 
 
 def int8_quantize() -> KernelHandle[Pair]:
     """Activations to int8 codes and their scales: the first step of ``int8_linear``, apart
     where the int32 sums cross ranks before they are scaled (row-parallel layers)."""
-    return KernelHandle("int8_quantize", int8_ref.quantize_int8, native_int8_kernel("quantize"))
+    npu = torch_npu_kernel("int8_linear", "int8_quantize", HALVES)
+    native = native_int8_kernel("quantize")
+    return KernelHandle("int8_quantize", int8_ref.quantize_int8, native, npu=npu)
 
 
 def int8_matmul() -> KernelHandle[torch.Tensor]:
-    """int8 codes times int8 weights, exact int32 sums."""
-    return KernelHandle("int8_matmul", int8_ref.int8_matmul, native_int8_kernel("matmul"))
+    """int8 codes times int8 weights, exact int32 sums (resolved by the codes' dtype, int8;
+    on Ascend ``npu_quant_matmul``'s int32 output)."""
+    npu = torch_npu_kernel("int8_linear", "int8_matmul", INT8)
+    return KernelHandle("int8_matmul", int8_ref.int8_matmul, native_int8_kernel("matmul"), npu=npu)
 
 
 def int8_dequantize() -> KernelHandle[torch.Tensor]:
-    """int32 sums times the activation and weight scales, plus the bias."""
+    """int32 sums times the activation and weight scales, plus the bias. Ascend keeps the
+    torch reference: no torch_npu op scales int32 sums by both (the elementwise torch ops
+    run on the device as they are)."""
     native = native_int8_kernel("dequantize")
     return KernelHandle("int8_dequantize", int8_ref.dequantize, native)
 
@@ -219,15 +227,18 @@ def int4_linear() -> KernelHandle[torch.Tensor]:
     """A W4A16 linear (GPTQ 4-bit weights, float activations): codes packed once at load
     into [N, K / 8] int32, per-group scales and zero points, dequantized on the fly. On CPU
     the native kernel reads the codes without a float copy of the weight (it keeps the
-    reference for layers in activation order)."""
-    return KernelHandle("int4_linear", int4_ref.int4_linear, native_int4_kernel())
+    reference for layers in activation order); on Ascend torch_npu's
+    ``npu_weight_quant_batchmatmul`` over the layout made at load (``kernels/npu/layouts.py``)."""
+    npu = torch_npu_kernel("int4_linear", "int4_linear", HALVES)
+    return KernelHandle("int4_linear", int4_ref.int4_linear, native_int4_kernel(), npu=npu)
 
 
 # Routed experts with quantized weights: each step runs every active expert's rows (sorted by
 # expert, ``reference/quantized_moe.py``) through the dense quantized kernel of that step. On
 # CPU the native int8 / 4-bit kernels over each expert's packed weight; there is no Triton or
 # NPU kernel for them yet, so CUDA and Ascend run the torch reference (a loop over active
-# experts) for quantized experts while their float experts take the fused kernels above.
+# experts) for quantized experts while their float experts take the fused kernels above
+# (torch_npu's grouped matmul takes int8 and int4 experts too; not wired here yet).
 
 
 def moe_int8_linear() -> KernelHandle[torch.Tensor]:

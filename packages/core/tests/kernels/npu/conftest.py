@@ -21,12 +21,13 @@ if "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is n
     pytest.skip("a real torch_npu is installed: hw/tests runs these ops", allow_module_level=True)
 
 STANDIN: ModuleType = importlib.import_module("tandem_sim.torch_npu_standin")
+MODULES = ("activation", "attention", "fused_moe", "int4_linear", "int8_linear", "norms", "rotary")
 
 
 def _import_kernels() -> None:
     sys.modules["torch_npu"] = STANDIN
     try:
-        for name in ("activation", "attention", "fused_moe", "norms", "rotary"):
+        for name in MODULES:
             importlib.import_module(f"tandem.core.kernels.npu.{name}")
     finally:
         del sys.modules["torch_npu"]

@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32})
 # The attention ops and the cache write take half precision only (their pages' dtype tables).
 HALVES = frozenset({torch.float16, torch.bfloat16})
+# Kernels resolved by int8 codes (the quantized matmul's first operand).
+INT8 = frozenset({torch.int8})
 
 
 def _warn_missing() -> bool:
