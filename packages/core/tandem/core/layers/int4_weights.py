@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tandem.core.kernels.npu.layouts import NpuInt4Weight
 from tandem.core.kernels.reference.int4_packing import (
     AWQ_ORDER,
     PACK,
@@ -119,6 +120,9 @@ class Int4Parameters:
         self.g_idx_from: dict[int | None, str] = {}
         # Whether the parameters hold the kernel layout yet (``finish_loading``).
         self.packed = False
+        # The layout torch_npu's op reads, where the NPU packing step made it
+        # (``layers/npu_packing.py``); the parameters are then emptied.
+        self.npu: NpuInt4Weight | None = None
 
     def _param(self, name: str) -> nn.Parameter:
         param = self._module._parameters[name]

@@ -123,7 +123,8 @@ class QuantizableLinear(PackableLinear):
             if order is not None:
                 x = x.index_select(-1, order)
             g_idx = w.kernel_g_idx()
-            return self._int4_linear(x, w.qweight, w.scales, w.qzeros, g_idx, bias)
+            codes = w.qweight if w.npu is None else w.npu
+            return self._int4_linear(x, codes, w.scales, w.qzeros, g_idx, bias)
         weight_scale = self.weight_scale
         if weight_scale is None:
             return super().matmul(x, bias)

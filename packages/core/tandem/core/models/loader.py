@@ -19,6 +19,7 @@ from tandem.core.errors import ModelLoadError
 from tandem.core.kernels.cpu.packed_linear import pack_linear_weights
 from tandem.core.layers.fused_moe import pack_expert_weights
 from tandem.core.layers.int8_packing import pack_int8_weights
+from tandem.core.layers.npu_packing import pack_npu_quantized_weights
 from tandem.core.layers.quantized_linear import QuantizableLinear
 from tandem.core.layers.quantized_moe import QuantizedMoeExperts
 from tandem.core.layers.weights import LazyTensor
@@ -134,11 +135,12 @@ def fill_from_checkpoint(model: Loadable, files: list[Path], desc: str) -> None:
     model.eval()
 
 
-def _cpu_kernels_serve() -> bool:
-    """Whether the loading worker's runtime launches the CPU kernels: not the simulator's
-    NPU, whose tensors are host memory too but which runs what an NPU would."""
+def _kernel_families() -> tuple[str, ...]:
+    """The kernel families the loading worker's runtime launches: the CPU's where no device
+    is bound; not the CPU kernels on the simulator's NPU, whose tensors are host memory too
+    but which runs what an NPU would."""
     context = bound_context()
-    return context is None or "cpu" in context.runtime.kernel_families
+    return ("cpu",) if context is None else tuple(context.runtime.kernel_families)
 
 
 def load_model(
@@ -168,10 +170,12 @@ def _load(
     model.lm_head.weight.data.zero_()
     fill_from_checkpoint(model, weight_files(folder), f"loading {folder.name} (rank {group.rank})")
     finish_quantized_layers(model)
-    if _cpu_kernels_serve():
+    families = _kernel_families()
+    if "cpu" in families:
         pack_linear_weights(model, device, dtype)
         pack_expert_weights(model, device, dtype)
         pack_int8_weights(model, device)
+    pack_npu_quantized_weights(model, dtype, families)
     logger.info(
         "loaded %s (%s, %d layers) in %s", folder, config.architecture, config.num_layers, dtype
     )
