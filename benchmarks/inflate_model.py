@@ -227,10 +227,10 @@ def inflate(small_dir: Path, out: Path, big: dict[str, int], seed: int) -> None:
     else:
         config = big_config
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    # The tokenizer and generation config; the weights and their index are written anew.
     for extra in small_dir.iterdir():
-        if extra.suffix != ".safetensors" and extra.name not in ("config.json",):
-            if extra.name.endswith(".index.json"):
-                continue
+        written = extra.suffix == ".safetensors" or extra.name.endswith(".index.json")
+        if not written and extra.name != "config.json":
             shutil.copy(extra, out / extra.name)
     count = sum(t.numel() for t in tensors.values()) + sum(t.numel() for t in mtp.values())
     logger.info("wrote %s: %.1fM parameters (head included)", out, count / 1e6)

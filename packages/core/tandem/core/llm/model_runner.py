@@ -271,8 +271,9 @@ class ModelRunner:
                 break
             at = position[live]
             plan = plan_decode_metadata(at, tables[live], block_size)
-            moved_at, *rest = to_device_once([at, live, *plan.tensors], self.device)
-            moved_live, meta_tensors = rest[0], rest[1:]
+            moved_at, moved_live, *meta_tensors = to_device_once(
+                [at, live, *plan.tensors], self.device
+            )
             meta = plan.finish(meta_tensors, self.device)
             hidden = self.model.predict_ahead(ids, moved_at, hidden, meta)
             ids = self.model.compute_logits(hidden).argmax(dim=-1)

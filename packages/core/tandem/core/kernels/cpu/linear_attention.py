@@ -86,10 +86,8 @@ class NativeLinearAttention:
         sequence's positions in order in one call, the state after each but the last kept in
         its scratch row (``reference.linear_attention_verify.conv_verify``; ``step`` is the
         reference's, unused here)."""
-        runs = _runs(verify)
-        return self._conv_runs(
-            x, weight, conv_states, runs[0], None, (runs[1], runs[2]), activation
-        )
+        slots, starts, keep = _runs(verify)
+        return self._conv_runs(x, weight, conv_states, slots, None, (starts, keep), activation)
 
     def _conv_runs(
         self,
@@ -152,8 +150,8 @@ class NativeLinearAttention:
         """The delta rule over verifying sequences' tokens (token order), each sequence's
         positions in order in one call, the state after each but the last kept in its scratch
         row (``reference.linear_attention_verify.delta_verify``; ``step`` unused here)."""
-        runs = _runs(verify)
-        return self._recurrent_runs(q, k, v, g, beta, states, runs[0], None, (runs[1], runs[2]))
+        slots, starts, keep = _runs(verify)
+        return self._recurrent_runs(q, k, v, g, beta, states, slots, None, (starts, keep))
 
     def _recurrent_runs(
         self,
