@@ -173,3 +173,12 @@ def test_a_quantized_head_is_refused_at_start_up(
     with pytest.raises(TandemError, match="multi-token-prediction head is quantized"):
         make_engine(folder, speculative=MTP)
     make_engine(folder)  # without drafting the head is not read
+
+
+def test_w8a8_refuses_to_keep_routed_experts_float(
+    float_folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """Its writer quantizes every routed expert: asked to keep them float, it says so instead
+    of writing an ignore entry that matches nothing."""
+    with pytest.raises(TandemError, match=r"--keep-float: W8A8 writes every routed expert"):
+        write_w8a8(float_folders["moe"], tmp_path / "out", keep_float=frozenset({"experts"}))

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from tandem.core.errors import ModelLoadError
+from tandem.core.layers.quant_scheme import EXPERTS
 from tandem.core.models.projection_match import DecoderLayout
 from tandem.core.models.quantized_writer import (
     PROJECTION_WEIGHT,
@@ -124,6 +126,13 @@ def write_w8a8(src: Path, dst: Path, keep_float: frozenset[str] = frozenset()) -
     config = read_float_config(src, "int8 W8A8")
     layout = decoder_layout(config)
     left = float_projections(keep_float, layout)
+    if EXPERTS in left:
+        # Every routed expert is written int8 below (the served W8A8 MoE path quantizes all
+        # of them); an ignore entry for them would match no tensor and keep nothing float.
+        raise ModelLoadError(
+            "--keep-float: W8A8 writes every routed expert (mlp.experts) int8; to keep the "
+            "experts float, leave them out of --keep-float or use --scheme w4a16"
+        )
 
     def quantize(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor] | None:
         match = PROJECTION_WEIGHT.match(name)
