@@ -134,8 +134,12 @@ def paged_attention_prefill(head_dim: int) -> KernelHandle[torch.Tensor]:
 
 
 def causal_conv1d_prefill() -> KernelHandle[torch.Tensor]:
+    """The conv over prefill tokens; on CPU the native kernel, tokens shared among threads."""
     triton = triton_kernel("causal_conv1d", "causal_conv1d_prefill")
-    return KernelHandle("causal_conv1d_prefill", conv_ref.causal_conv1d_prefill, triton=triton)
+    native = native_linear_attention_kernel("conv_prefill")
+    return KernelHandle(
+        "causal_conv1d_prefill", conv_ref.causal_conv1d_prefill, native, triton=triton
+    )
 
 
 def causal_conv1d_update() -> KernelHandle[torch.Tensor]:
@@ -162,8 +166,13 @@ def recurrent_gated_delta_verify() -> KernelHandle[torch.Tensor]:
 
 
 def chunk_gated_delta_rule() -> KernelHandle[torch.Tensor]:
+    """The delta rule over prefill tokens: in chunks (the reference, Triton); on CPU the
+    native recurrence, each sequence's tokens in order with its state in L1."""
     triton = triton_kernel("gated_delta_rule", "chunk_gated_delta_rule")
-    return KernelHandle("chunk_gated_delta_rule", delta_ref.chunk_gated_delta_rule, triton=triton)
+    native = native_linear_attention_kernel("recurrent_prefill")
+    return KernelHandle(
+        "chunk_gated_delta_rule", delta_ref.chunk_gated_delta_rule, native, triton=triton
+    )
 
 
 def recurrent_gated_delta_rule() -> KernelHandle[torch.Tensor]:

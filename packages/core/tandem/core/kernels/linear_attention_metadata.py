@@ -63,6 +63,9 @@ class LinearPrefillIndices:
     # Chunk id of each sequence's i-th chunk; sequences with fewer chunks point at the zero
     # chunk (num_chunks), which leaves their state unchanged.
     chunk_table: torch.Tensor  # [B, max chunks per sequence] int64
+    # Where each sequence's tokens start, counted from the prefill part's first ([B + 1]), for
+    # kernels that run a sequence's tokens in order in one call (the CPU's).
+    run_starts: torch.Tensor  # [B + 1] int64
 
 
 @dataclass
@@ -327,10 +330,14 @@ def _plan_prefill(
         ith < seq_chunks.unsqueeze(1), chunk_start.unsqueeze(1) + ith, num_chunks
     )
     all_have_initial_state = bool(has_initial.all())
-    tensors += [slots, has_initial, window, state_rows, chunk_token_index, chunk_table]
+    run_starts = torch.zeros(num_seqs + 1, dtype=torch.int64)
+    torch.cumsum(lens, 0, out=run_starts[1:])
+    tensors += [slots, has_initial, window, state_rows, chunk_token_index, chunk_table, run_starts]
 
     def finish(parts: Iterator[torch.Tensor]) -> LinearPrefillIndices:
-        slots, has_initial, window, state_rows, token_index, table = (next(parts) for _ in range(6))
+        slots, has_initial, window, state_rows, token_index, table, run_starts = (
+            next(parts) for _ in range(7)
+        )
         return LinearPrefillIndices(
             num_tokens=num_tokens,
             state_slots=slots,
@@ -342,6 +349,7 @@ def _plan_prefill(
             num_chunks=num_chunks,
             chunk_token_index=token_index,
             chunk_table=table,
+            run_starts=run_starts,
         )
 
     return finish

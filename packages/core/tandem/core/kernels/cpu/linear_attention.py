@@ -1,10 +1,15 @@
-"""Gated DeltaNet's decode step on CPU (``csrc/linear_attention.cpp``): the causal conv1d
-update and the one-step gated delta rule, each sequence's conv and recurrent state read and
-written once, in place in its slot, instead of the torch references' gathers, concatenations
-and passes over the gathered states. Same signatures as ``reference.causal_conv1d.
-causal_conv1d_update`` and ``reference.gated_delta_rule.recurrent_gated_delta_rule``, so the
-kernel registry hands either to the layer. Built on first use (``native_build``), loaded with
-ctypes; None where the library cannot be had (logged once per process).
+"""Gated DeltaNet's stateful parts on CPU (``csrc/linear_attention.cpp``): the causal conv1d
+and the gated delta rule for decodes, verifying drafts and prefills, each sequence's conv and
+recurrent state read and written once, in place in its slot, instead of the torch references'
+gathers, concatenations and passes over the gathered states. Same signatures as the
+references in ``reference.causal_conv1d`` and ``reference.gated_delta_rule``, so the kernel
+registry hands either to the layer.
+
+A prefill runs the delta rule token by token, as a decode does, rather than in chunks as the
+reference and flash-linear-attention do: chunks turn the recurrence into matrix products,
+which pays on accelerators; on a CPU each head's 16 KiB state stays in L1 for the whole run,
+with no padding, gathers or triangular solves. Built on first use (``native_build``), loaded
+with ctypes; None where the library cannot be had (logged once per process).
 ``TANDEM_LINEAR_ATTENTION=torch`` keeps the references."""
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from tandem.core.kernels.cpu.native_build import (
 from tandem.core.kernels.handle import NativeChoice, library_choice
 from tandem.core.kernels.linear_attention_metadata import (
     LinearAttentionMetadata,
+    LinearPrefillIndices,
     LinearVerifyIndices,
 )
 from tandem.core.kernels.process_once import ProcessOnce
@@ -53,6 +59,9 @@ class NativeLinearAttention:
         )
         self._conv = c_function(
             lib.tandem_causal_conv1d_update, [_vp] * 8 + [_i64] * 4 + [_i32, _i32]
+        )
+        self._conv_prefill = c_function(
+            lib.tandem_causal_conv1d_prefill, [_vp] * 7 + [_i64] * 4 + [_i32, _i32]
         )
 
     @staticmethod
@@ -89,6 +98,45 @@ class NativeLinearAttention:
         slots, starts, keep = _runs(verify)
         return self._conv_runs(x, weight, conv_states, slots, None, (starts, keep), activation)
 
+    def conv_prefill(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        conv_states: torch.Tensor,
+        meta: LinearAttentionMetadata,
+        activation: str,
+    ) -> torch.Tensor:
+        """The prefill tokens ``x`` [N, C] (sequences contiguous) -> [N, C]; every prefill
+        sequence's state slot is left holding its last K - 1 inputs (as
+        ``reference.causal_conv1d.causal_conv1d_prefill``)."""
+        p = _prefill(meta)
+        tokens, channels, taps = self._conv_checks(x, weight, conv_states, activation)
+        out = torch.empty(tokens, channels, dtype=x.dtype)
+        taps_rows = weight.contiguous()
+        initial = _prefill_initial(p)
+        code = self._conv_prefill(
+            out.data_ptr(), x.data_ptr(), taps_rows.data_ptr(), conv_states.data_ptr(),
+            p.state_slots.data_ptr(), _pointer(initial), p.run_starts.data_ptr(),
+            p.state_slots.shape[0], channels, taps, x.stride(0), _DTYPES[x.dtype],
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"the native conv prefill refused its arguments (code {code})")
+        return out
+
+    @staticmethod
+    def _conv_checks(
+        x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, activation: str
+    ) -> tuple[int, int, int]:
+        check_activation(activation)
+        tokens, channels = x.shape
+        taps = weight.shape[1]
+        if x.stride(1) != 1 or weight.dtype is not x.dtype or conv_states.dtype is not x.dtype:
+            raise ValueError("the conv update takes contiguous rows, taps and states of x's dtype")
+        if conv_states.shape[1:] != (channels, taps - 1) or not conv_states.is_contiguous():
+            raise ValueError("the conv states must be one contiguous [slots, C, K - 1] pool")
+        return tokens, channels, taps
+
     def _conv_runs(
         self,
         x: torch.Tensor,
@@ -99,13 +147,7 @@ class NativeLinearAttention:
         runs: tuple[torch.Tensor, torch.Tensor] | None,
         activation: str,
     ) -> torch.Tensor:
-        check_activation(activation)
-        tokens, channels = x.shape
-        taps = weight.shape[1]
-        if x.stride(1) != 1 or weight.dtype is not x.dtype or conv_states.dtype is not x.dtype:
-            raise ValueError("the conv update takes contiguous rows, taps and states of x's dtype")
-        if conv_states.shape[1:] != (channels, taps - 1) or not conv_states.is_contiguous():
-            raise ValueError("the conv states must be one contiguous [slots, C, K - 1] pool")
+        tokens, channels, taps = self._conv_checks(x, weight, conv_states, activation)
         taps_rows = weight.contiguous()
         starts, keep = (None, None) if runs is None else runs
         out = torch.empty(tokens, channels, dtype=x.dtype)
@@ -153,6 +195,24 @@ class NativeLinearAttention:
         slots, starts, keep = _runs(verify)
         return self._recurrent_runs(q, k, v, g, beta, states, slots, None, (starts, keep))
 
+    def recurrent_prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        states: torch.Tensor,
+        meta: LinearAttentionMetadata,
+    ) -> torch.Tensor:
+        """The prefill tokens (sequences contiguous), each sequence's tokens in order in one
+        run from its state (zeros on its first chunk), the state after its last token written
+        back (as ``reference.gated_delta_rule.chunk_gated_delta_rule``)."""
+        p = _prefill(meta)
+        return self._recurrent_runs(
+            q, k, v, g, beta, states, p.state_slots, _prefill_initial(p), (p.run_starts, None)
+        )
+
     def _recurrent_runs(
         self,
         q: torch.Tensor,
@@ -163,7 +223,7 @@ class NativeLinearAttention:
         states: torch.Tensor,
         slots: torch.Tensor,
         initial: torch.Tensor | None,
-        runs: tuple[torch.Tensor, torch.Tensor] | None = None,
+        runs: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         tokens, k_heads, k_dim = q.shape
         v_heads, v_dim = v.shape[1], v.shape[2]
@@ -204,6 +264,18 @@ def _runs(verify: LinearVerifyIndices) -> tuple[torch.Tensor, torch.Tensor, torc
     )
 
 
+def _prefill(meta: LinearAttentionMetadata) -> LinearPrefillIndices:
+    if meta.prefill is None:
+        raise ValueError("a prefill kernel needs the step's prefill metadata")
+    return meta.prefill
+
+
+def _prefill_initial(p: LinearPrefillIndices) -> torch.Tensor | None:
+    """Per prefill sequence, 1 where it continues its state; None where all do. A bool
+    tensor's bytes are 0 or 1, read by the kernel as they are."""
+    return None if p.all_have_initial_state else p.has_initial_state.view(torch.uint8)
+
+
 def _initial(meta: LinearAttentionMetadata) -> torch.Tensor | None:
     """Per decode, 1 where it continues its state; None where all do (known on the host)."""
     if meta.decodes_have_initial_state:
@@ -217,7 +289,7 @@ def load_native_linear_attention(
     """Build (if needed) and load the kernel; None, with the reason logged, where it cannot
     be had."""
     if os.environ.get("TANDEM_LINEAR_ATTENTION", "").lower() == "torch":
-        logger.info("TANDEM_LINEAR_ATTENTION=torch: linear-attention decodes run in torch")
+        logger.info("TANDEM_LINEAR_ATTENTION=torch: linear-attention kernels run in torch")
         return None
     try:
         path = build_library(SOURCE, "tandem_linear_attention", build_dir=build_dir, isa=isa)
@@ -226,7 +298,7 @@ def load_native_linear_attention(
         log_unbuilt(
             logger,
             exc,
-            "no native CPU linear-attention decode (%s); it runs in torch",
+            "no native CPU linear-attention kernels (%s); they run in torch",
             exc,
         )
         return None
@@ -237,6 +309,6 @@ native_linear_attention = ProcessOnce(load_native_linear_attention)
 
 
 def native_linear_attention_kernel(name: str) -> NativeChoice[Any]:
-    """The kernel registry's CPU choice ``name`` (``recurrent``, ``conv_update``) for a
+    """The kernel registry's CPU choice ``name`` (``recurrent``, ``conv_prefill``, ...) for a
     dtype, where the library is built."""
     return library_choice(native_linear_attention, name)

@@ -211,7 +211,7 @@ def build_report() -> CpuKernelReport:
         _library_choice("prefill attention", native_prefill_attention(), "torch SDPA", no_library),
         _library_choice("norms, rotary, SiLU", native_elementwise(), "torch, op by op", no_library),
         _library_choice(
-            "linear-attention decode",
+            "linear attention (conv, delta rule)",
             native_linear_attention(),
             "torch reference (gathers and passes over the gathered states)",
             no_library,

@@ -24,6 +24,7 @@
 namespace {
 
 using tandem::bf16_to_float;
+using tandem::fast_exp;
 using tandem::float_to_bf16;
 
 // A value as torch stores it in the tensor's dtype: rounded to bfloat16, or left as is.
@@ -267,26 +268,6 @@ bool qk_norm_rotary_fast(T*, T*, const T*, const T*, const T*, const T*, const i
   return false;
 }
 #endif
-
-// exp(x) in float: x = n ln2 + r, exp(r) by a degree-6 polynomial, 2^n by exponent bits.
-// Written without calls so the loop below vectorizes; within 2 ulp of expf.
-inline float fast_exp(float x) {
-  x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
-  float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693145751953125f;
-  r = r - n * 1.428606765330187045e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 template <typename T>
 void silu_mul(T* out, const T* gate_up, int64_t rows, int64_t inter, int64_t in_stride,

@@ -25,9 +25,11 @@
 // called through ctypes. Padding entries may share the null slot 0, whose contents nothing
 // reads: their writes race there and only there.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "vec_math.h"
 
@@ -106,9 +108,11 @@ void recurrent(T* out, const T* q, const T* k, const T* v, const float* g, const
   const int64_t group = Hv / Hk;
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(Dk));
   const int64_t head_floats = Dk * Dv;
+  // Heads outermost: a static split then gives each thread whole heads of every run, so
+  // prefill runs of unequal lengths still share the work evenly.
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t h = 0; h < Hv; ++h) {
+  for (int64_t h = 0; h < Hv; ++h) {
+    for (int64_t r = 0; r < R; ++r) {
       const int64_t kh = h / group;
       float* s = states + (slots[r] * Hv + h) * head_floats;
       if (has_initial != nullptr && has_initial[r] == 0) {
@@ -128,6 +132,10 @@ void recurrent(T* out, const T* q, const T* k, const T* v, const float* g, const
     }
   }
 }
+
+// SiLU as the conv kernels apply it (fast_exp, so that prefill rows vectorize; the decode
+// step uses the same function so that both give a token the same output).
+inline float silu(float y) { return y / (1.0f + fast_exp(-y)); }
 
 // Runs as in ``recurrent``, each channel's K - 1 kept inputs shifted token by token.
 template <typename T>
@@ -153,13 +161,78 @@ void conv_update(T* out, const T* x, const T* weight, T* states, const int64_t* 
         acc += to_float(xb[c]) * to_float(wc[K - 1]);
         // Rounded to the input dtype before SiLU, as the reference's conv output is.
         const float y = to_float(round_to<T>(acc));
-        ob[c] = round_to<T>(y / (1.0f + std::exp(-y)));
+        ob[c] = round_to<T>(silu(y));
         for (int64_t t = 0; t + 1 < K - 1; ++t) sc[t] = zero ? T(0) : sc[t + 1];
         sc[K - 2] = xb[c];
       }
       zero = false;
       if (keep != nullptr && keep[b] >= 0) {
         std::memcpy(states + keep[b] * C * (K - 1), state, sizeof(T) * C * (K - 1));
+      }
+    }
+  }
+}
+
+// A prefill: run r's tokens [starts[r], starts[r + 1]) continue the K - 1 inputs kept in its
+// state row slots[r] (zeros where has_initial[r] == 0). A token's output depends on inputs
+// only, not on the outputs before it, so the tokens of all runs are shared among threads and
+// each token's channels are one vectorized pass per tap; the same sums, in the same order,
+// as ``conv_update`` makes for that token. Afterwards each state row holds its run's last
+// K - 1 inputs.
+template <typename T>
+void conv_prefill(T* out, const T* x, const T* weight, T* states, const int64_t* slots,
+                  const uint8_t* has_initial, const int64_t* starts, int64_t R, int64_t C,
+                  int64_t K, int64_t x_stride, int32_t threads) {
+  const int64_t N = starts[R];
+  const int64_t H = K - 1;  // inputs a state keeps
+  std::vector<float> taps(K * C);  // [K, C]: one tap's weights contiguous over channels
+  for (int64_t c = 0; c < C; ++c) {
+    for (int64_t j = 0; j < K; ++j) taps[j * C + c] = to_float(weight[c * K + j]);
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> acc(C), kept(C);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < N; ++b) {
+      const int64_t r = std::upper_bound(starts + 1, starts + R + 1, b) - (starts + 1);
+      const int64_t pos = b - starts[r];
+      const T* state = states + slots[r] * C * H;
+      const bool zero = has_initial != nullptr && has_initial[r] == 0;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t src = pos + j - H;  // the input tap j reads, from the run's first
+        const float* w = taps.data() + j * C;
+        if (src >= 0) {
+          const T* row = x + (starts[r] + src) * x_stride;
+#pragma omp simd
+          for (int64_t c = 0; c < C; ++c) acc[c] += to_float(row[c]) * w[c];
+        } else if (!zero) {
+          for (int64_t c = 0; c < C; ++c) kept[c] = to_float(state[c * H + H + src]);
+#pragma omp simd
+          for (int64_t c = 0; c < C; ++c) acc[c] += kept[c] * w[c];
+        }
+      }
+      T* ob = out + b * C;
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) {
+        // Rounded to the input dtype before SiLU, as the reference's conv output is.
+        ob[c] = round_to<T>(silu(to_float(round_to<T>(acc[c]))));
+      }
+    }
+    // The implicit barrier above: every token has read the old states.
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < R; ++r) {
+      T* state = states + slots[r] * C * H;
+      const bool zero = has_initial != nullptr && has_initial[r] == 0;
+      const int64_t len = starts[r + 1] - starts[r];
+      // Column t takes input len - H + t; reading old column t + len > t, so ascending t
+      // never reads a column it already rewrote.
+      for (int64_t t = 0; t < H; ++t) {
+        const int64_t src = len - H + t;
+        for (int64_t c = 0; c < C; ++c) {
+          T* sc = state + c * H;
+          sc[t] = src >= 0 ? x[(starts[r] + src) * x_stride + c] : (zero ? T(0) : sc[t + len]);
+        }
       }
     }
   }
@@ -186,6 +259,27 @@ int tandem_causal_conv1d_update(void* out, const void* x, const void* weight, vo
                           static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(states),
                           slots, has_initial, starts, keep, runs, channels, taps, x_stride,
                           threads);
+  } else {
+    return 1;
+  }
+  return 0;
+}
+
+// Codes as for the update. ``starts`` [runs + 1], from 0: each run's tokens in ``x``.
+int tandem_causal_conv1d_prefill(void* out, const void* x, const void* weight, void* states,
+                                 const int64_t* slots, const uint8_t* has_initial,
+                                 const int64_t* starts, int64_t runs, int64_t channels,
+                                 int64_t taps, int64_t x_stride, int32_t dtype,
+                                 int32_t threads) {
+  if (taps < 2) return 2;
+  if (dtype == kFloat32) {
+    conv_prefill<float>(static_cast<float*>(out), static_cast<const float*>(x),
+                        static_cast<const float*>(weight), static_cast<float*>(states), slots,
+                        has_initial, starts, runs, channels, taps, x_stride, threads);
+  } else if (dtype == kBFloat16) {
+    conv_prefill<uint16_t>(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(x),
+                           static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(states),
+                           slots, has_initial, starts, runs, channels, taps, x_stride, threads);
   } else {
     return 1;
   }

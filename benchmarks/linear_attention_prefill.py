@@ -1,0 +1,65 @@
+"""The prefill of one bench-size Gated DeltaNet layer (4 key / 8 value heads of 64, conv over
+1,024 channels, bfloat16) through the torch references (chunked delta rule, gathered conv)
+and the native CPU kernels, interleaved, median of five rounds of two calls each:
+
+    python benchmarks/linear_attention_prefill.py
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from tandem.core.kernels.cpu.linear_attention import native_linear_attention
+from tandem.core.kernels.linear_attention_metadata import build_linear_attention_metadata
+from tandem.core.kernels.reference.causal_conv1d import causal_conv1d_prefill
+from tandem.core.kernels.reference.gated_delta_rule import chunk_gated_delta_rule
+
+ROUNDS = 5
+
+
+def cases(lens: list[int]) -> dict[str, Callable[[], torch.Tensor]]:
+    kernel = native_linear_attention()
+    if kernel is None:
+        raise SystemExit("no native linear-attention kernels here (no compiler?)")
+    n, dt, gen = sum(lens), torch.bfloat16, torch.Generator().manual_seed(0)
+    query_lens = torch.tensor(lens)
+    meta = build_linear_attention_metadata(
+        query_lens, query_lens, torch.arange(1, len(lens) + 1), num_decodes=0,
+        conv_kernel_size=4, device=torch.device("cpu"),
+    )  # fmt: skip
+    q, k = (torch.randn(n, 4, 64, generator=gen).to(dt) for _ in range(2))
+    v = torch.randn(n, 8, 64, generator=gen).to(dt)
+    g, beta = -torch.rand(n, 8, generator=gen), torch.rand(n, 8, generator=gen).to(dt)
+    states = torch.zeros(len(lens) + 1, 8, 64, 64)
+    x = torch.randn(n, 1024, generator=gen).to(dt)
+    taps = torch.randn(1024, 4, generator=gen).to(dt)
+    conv_states = torch.zeros(len(lens) + 1, 1024, 3, dtype=dt)
+    return {
+        "delta torch": lambda: chunk_gated_delta_rule(q, k, v, g, beta, states, meta),
+        "delta native": lambda: kernel.recurrent_prefill(q, k, v, g, beta, states, meta),
+        "conv torch": lambda: causal_conv1d_prefill(x, taps, conv_states, meta, "silu"),
+        "conv native": lambda: kernel.conv_prefill(x, taps, conv_states, meta, "silu"),
+    }
+
+
+def main() -> None:
+    print(f"torch threads {torch.get_num_threads()}", flush=True)
+    for lens in ([256], [256] * 4, [2048]):
+        runs = cases(lens)
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(ROUNDS):
+            for name, run in runs.items():
+                run()
+                start = time.perf_counter()
+                run()
+                run()
+                times[name].append((time.perf_counter() - start) / 2 * 1e3)
+        row = "  ".join(f"{name} {sorted(t)[ROUNDS // 2]:.2f} ms" for name, t in times.items())
+        print(f"prompts {lens}: {row}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
