@@ -60,8 +60,18 @@ def rms_norm_gated() -> KernelHandle[torch.Tensor]:
 
 
 def rms_norm_zero_centered() -> KernelHandle[torch.Tensor]:
+    native = native_elementwise_kernel("rms_norm_zero_centered")
     triton = triton_kernel("norms", "rms_norm_zero_centered")
-    return KernelHandle("rms_norm_zero_centered", ref.rms_norm_zero_centered, triton=triton)
+    return KernelHandle("rms_norm_zero_centered", ref.rms_norm_zero_centered, native, triton=triton)
+
+
+def add_rms_norm_zero_centered() -> KernelHandle[Pair]:
+    """``add_rms_norm`` with Qwen3.5's zero-centred norm."""
+    native = native_elementwise_kernel("add_rms_norm_zero_centered")
+    triton = triton_kernel("norms", "add_rms_norm_zero_centered")
+    return KernelHandle(
+        "add_rms_norm_zero_centered", ref.add_rms_norm_zero_centered, native, triton=triton
+    )
 
 
 def gated_activation(name: str) -> KernelHandle[torch.Tensor]:

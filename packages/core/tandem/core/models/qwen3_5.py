@@ -130,8 +130,10 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             assert self.self_attn is not None
             h = self.self_attn(h, rotary, cos, sin, meta)
-        x = x + h
-        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        # x is this layer's own input (the previous layer's output or the embedding), so the
+        # fused kernel may write the residual sum into it.
+        h, x = self.post_attention_layernorm.add_and_norm(h, x)
+        out: torch.Tensor = x + self.mlp(h)
         return out
 
 

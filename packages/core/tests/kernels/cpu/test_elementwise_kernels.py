@@ -21,13 +21,19 @@ from tandem.core.kernels.cpu import elementwise as elementwise_cpu
 from tandem.core.kernels.cpu import native_build
 from tandem.core.kernels.cpu.elementwise import native_elementwise, native_elementwise_kernel
 from tandem.core.kernels.handle import KernelHandle
-from tandem.core.kernels.reference.elementwise import add_rms_norm, rms_norm
+from tandem.core.kernels.reference.elementwise import (
+    add_rms_norm,
+    add_rms_norm_zero_centered,
+    rms_norm,
+    rms_norm_zero_centered,
+)
 
 from .rounding import (
     check_qk_norm_rotary_in_place,
     mostly_identical,
     rms_norm_bound,
     rounded,
+    sum_of_squares_seed,
     unit_roundoff,
     within,
 )
@@ -67,6 +73,44 @@ def test_rms_norm_and_residual_add(dtype: torch.dtype, rows: int) -> None:
     assert torch.equal(got_sum, want_sum) and got_sum.data_ptr() == own.data_ptr()
     within(got_out, want_out, rms_norm_bound(want_sum, weight, want_out, 1024, dtype))
     _mostly_identical(got_out, want_out)
+
+
+def zero_centered_bound(
+    h: torch.Tensor, weight: torch.Tensor, want: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``round(h * inv * (1 + w))`` twice, rounded once each: the scales differ by the
+    sum-of-squares seed, and each side's float32 products h * inv, (1 + w) and their product
+    add 3 u of float32 before the one rounding to ``dtype``."""
+    hf = h.double()
+    normalized = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)
+    relative = sum_of_squares_seed(h.shape[-1], dtype) + 6 * unit_roundoff(torch.float32)
+    exact = normalized.abs() * (1 + weight.double()).abs()
+    return rounded(exact * relative, want, dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 48])
+def test_zero_centered_rms_norm_and_residual_add(dtype: torch.dtype, rows: int) -> None:
+    """Qwen3.5's norm (scale 1 + weight, rounded once), alone and after the residual add."""
+    kernels = native_elementwise()
+    assert kernels is not None
+    g = torch.Generator().manual_seed(rows + 1)
+    x = torch.randn(rows, 1024, generator=g).to(dtype) * 3
+    residual = torch.randn(rows, 1024, generator=g).to(dtype)
+    weight = (0.3 * torch.randn(1024, generator=g)).to(dtype)  # an offset from one
+    want = rms_norm_zero_centered(x, weight, 1e-6)
+    got = kernels.rms_norm_zero_centered(x, weight, 1e-6)
+    within(got, want, zero_centered_bound(x, weight, want, dtype))
+    _mostly_identical(got, want)
+    want_out, want_sum = add_rms_norm_zero_centered(x, residual.clone(), weight, 1e-6)
+    own = residual.clone()
+    got_out, got_sum = kernels.add_rms_norm_zero_centered(x, own, weight, 1e-6)
+    assert torch.equal(got_sum, want_sum) and got_sum.data_ptr() == own.data_ptr()
+    within(got_out, want_out, zero_centered_bound(want_sum, weight, want_out, dtype))
+    _mostly_identical(got_out, want_out)
+    # Read as a plain RMSNorm weight (scale w, not 1 + w) it would be far off.
+    assert not torch.allclose(kernels.rms_norm(x, weight, 1e-6).float(), want.float(), atol=0.1)
 
 
 @needs_native

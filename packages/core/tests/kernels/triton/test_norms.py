@@ -93,6 +93,22 @@ def test_zero_centred_rms_norm_matches_the_reference(dtype: torch.dtype) -> None
     assert_close(norms.rms_norm_zero_centered(x, weight - 1, 1e-6), want, 1, 128)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_centred_add_rms_norm_writes_the_sum_into_the_residual(dtype: torch.dtype) -> None:
+    x, residual, weight = inputs(dtype, 128, seed=4)
+    want, want_sum = reference.add_rms_norm_zero_centered(x, residual, weight - 1, 1e-6)
+    handed = residual.clone()
+    got, got_sum = norms.add_rms_norm_zero_centered(x, handed, weight - 1, 1e-6)
+    assert got_sum.data_ptr() == handed.data_ptr()
+    if dtype is torch.bfloat16:
+        # As the plain add above: the sum may differ by an ulp, its norm by one more.
+        assert_close(got_sum, want_sum, 1, 128)
+        assert_close(got, want, 2, 128)
+    else:
+        assert torch.equal(got_sum, want_sum)
+        assert_close(got, want, 1, 128)
+
+
 def test_rows_of_a_wider_tensor_are_read_in_place() -> None:
     """A view with a row stride wider than its rows (q split from a fused projection)."""
     wide = torch.randn(5, 200)

@@ -56,7 +56,7 @@ class NativeElementwise:
         # avx512, avx2 or portable: the code path this build runs.
         self.compiled_path = compiled_path(lib)
         self._norm = c_function(
-            lib.tandem_add_rms_norm, [_vp] * 4 + [_i64] * 5 + [_f32, _i32, _i32]
+            lib.tandem_add_rms_norm, [_vp] * 4 + [_i64] * 5 + [_f32, _i32, _i32, _i32]
         )
         self._rotary = c_function(
             lib.tandem_qk_norm_rotary, [_vp] * 7 + [_i64] * 7 + [_f32, _i32, _i32]
@@ -83,10 +83,35 @@ class NativeElementwise:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); the sum is written into ``residual``, which
         the caller hands over (it is the layer stack's own running sum)."""
+        return self._with_residual(x, residual, weight, eps, centered=False)
+
+    def rms_norm_zero_centered(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """Qwen3.5's RMSNorm scaled by ``1 + weight``, rounded once."""
+        rows = _rows(x)
+        out = torch.empty(rows.shape, dtype=x.dtype)
+        self._add_rms_norm(out, None, rows, weight, eps, centered=True)
+        return out.view(x.shape)
+
+    def add_rms_norm_zero_centered(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``add_rms_norm`` with the zero-centred norm."""
+        return self._with_residual(x, residual, weight, eps, centered=True)
+
+    def _with_residual(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        centered: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = _rows(x)
         res = residual.view(rows.shape)
         out = torch.empty(rows.shape, dtype=x.dtype)
-        self._add_rms_norm(out, res, rows, weight, eps)
+        self._add_rms_norm(out, res, rows, weight, eps, centered)
         return out.view(x.shape), residual
 
     def _add_rms_norm(
@@ -96,6 +121,7 @@ class NativeElementwise:
         x: torch.Tensor,
         weight: torch.Tensor,
         eps: float,
+        centered: bool = False,
     ) -> None:
         # Bound to a name: a temporary's memory is freed as soon as its pointer is read,
         # before the kernel reads through it (another worker thread may reuse it by then).
@@ -103,8 +129,8 @@ class NativeElementwise:
         code = self._norm(
             out.data_ptr(), _ptr(residual), x.data_ptr(), weight.data_ptr(),
             x.shape[0], x.shape[1], x.stride(0), out.stride(0),
-            residual.stride(0) if residual is not None else 0, eps, _DTYPES[x.dtype],
-            torch.get_num_threads(),
+            residual.stride(0) if residual is not None else 0, eps, int(centered),
+            _DTYPES[x.dtype], torch.get_num_threads(),
         )  # fmt: skip
         self._check(code, "RMSNorm")
 

@@ -66,6 +66,14 @@ def add_rms_norm(
     return rms_norm(h, weight, eps), h
 
 
+def add_rms_norm_zero_centered(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm`` with the zero-centred norm (Qwen3.5's)."""
+    h = x + residual
+    return rms_norm_zero_centered(h, weight, eps), h
+
+
 def qk_norm_rotary(
     q: torch.Tensor,
     k: torch.Tensor,

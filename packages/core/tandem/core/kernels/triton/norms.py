@@ -118,3 +118,12 @@ def rms_norm_gated(
 
 def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, weight, eps, ZERO_CENTERED)
+
+
+def add_rms_norm_zero_centered(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm`` with the zero-centred norm."""
+    if not residual.is_contiguous():
+        residual = residual.contiguous()
+    return _launch(x, weight, eps, ZERO_CENTERED, residual=residual), residual

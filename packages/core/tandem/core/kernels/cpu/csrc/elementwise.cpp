@@ -59,13 +59,20 @@ inline int threads_for(int64_t elements, int threads, int64_t threshold = kParal
   return elements >= threshold && threads > 1 ? threads : 1;
 }
 
-// One row of RMSNorm: out = w * round(h * rsqrt(mean(h^2) + eps)), h in float.
+// One row of RMSNorm: out = w * round(h * rsqrt(mean(h^2) + eps)), h in float; or, with
+// `centered` (Qwen3.5's zero-centred norm, whose weight is an offset from one),
+// out = round(h * rsqrt(mean(h^2) + eps) * (1 + w)), rounded once as its reference does.
 template <typename T>
-inline void norm_row(const float* h, const T* weight, T* out, int64_t dim, float eps) {
+inline void norm_row(const float* h, const T* weight, T* out, int64_t dim, float eps,
+                     bool centered) {
   float sumsq = 0.f;
 #pragma omp simd reduction(+ : sumsq)
   for (int64_t i = 0; i < dim; ++i) sumsq += h[i] * h[i];
   float inv = 1.f / std::sqrt(sumsq / static_cast<float>(dim) + eps);
+  if (centered) {
+    for (int64_t i = 0; i < dim; ++i) store<T>(out, i, h[i] * inv * (1.f + load<T>(weight, i)));
+    return;
+  }
   for (int64_t i = 0; i < dim; ++i) {
     float normalized = stored<T>(h[i] * inv);
     store<T>(out, i, load<T>(weight, i) * normalized);
@@ -75,7 +82,7 @@ inline void norm_row(const float* h, const T* weight, T* out, int64_t dim, float
 template <typename T>
 void add_rms_norm(T* out, T* residual, const T* x, const T* weight, int64_t rows, int64_t dim,
                   int64_t x_stride, int64_t out_stride, int64_t residual_stride, float eps,
-                  int threads) {
+                  bool centered, int threads) {
 #pragma omp parallel for num_threads(threads_for(rows * dim, threads)) schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     float h[8192];
@@ -92,7 +99,7 @@ void add_rms_norm(T* out, T* residual, const T* x, const T* weight, int64_t rows
     } else {
       for (int64_t i = 0; i < dim; ++i) h[i] = load<T>(xr, i);
     }
-    norm_row<T>(h, weight, out + r * out_stride, dim, eps);
+    norm_row<T>(h, weight, out + r * out_stride, dim, eps, centered);
   }
 }
 
@@ -294,16 +301,19 @@ extern "C" {
 // Codes: 0 ok, 1 unsupported dtype, 2 a dimension over the kernel's row buffer.
 int tandem_add_rms_norm(void* out, void* residual, const void* x, const void* weight,
                         int64_t rows, int64_t dim, int64_t x_stride, int64_t out_stride,
-                        int64_t residual_stride, float eps, int32_t dtype, int32_t threads) {
+                        int64_t residual_stride, float eps, int32_t centered, int32_t dtype,
+                        int32_t threads) {
   if (dim > 8192) return 2;
   if (dtype == 0) {
     add_rms_norm<float>(static_cast<float*>(out), static_cast<float*>(residual),
                         static_cast<const float*>(x), static_cast<const float*>(weight), rows,
-                        dim, x_stride, out_stride, residual_stride, eps, threads);
+                        dim, x_stride, out_stride, residual_stride, eps, centered != 0,
+                        threads);
   } else if (dtype == 1) {
     add_rms_norm<uint16_t>(static_cast<uint16_t*>(out), static_cast<uint16_t*>(residual),
                            static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(weight),
-                           rows, dim, x_stride, out_stride, residual_stride, eps, threads);
+                           rows, dim, x_stride, out_stride, residual_stride, eps, centered != 0,
+                        threads);
   } else {
     return 1;
   }
