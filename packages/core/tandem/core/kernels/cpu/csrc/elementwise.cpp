@@ -313,7 +313,7 @@ int tandem_add_rms_norm(void* out, void* residual, const void* x, const void* we
     add_rms_norm<uint16_t>(static_cast<uint16_t*>(out), static_cast<uint16_t*>(residual),
                            static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(weight),
                            rows, dim, x_stride, out_stride, residual_stride, eps, centered != 0,
-                        threads);
+                           threads);
   } else {
     return 1;
   }
