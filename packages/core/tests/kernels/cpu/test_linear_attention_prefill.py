@@ -20,6 +20,7 @@ from tandem.core.kernels.reference.causal_conv1d import causal_conv1d_prefill
 from tandem.core.kernels.reference.gated_delta_rule import chunk_gated_delta_rule
 
 from ..reference.test_linear_attention import _meta
+from .test_linear_attention_verify import delta_inputs
 
 # Runs of unequal lengths (one shorter than the conv's 3 kept inputs, one of a single token);
 # fresh ones start from zeros on a slot filled with NaN.
@@ -62,13 +63,8 @@ def test_delta_prefill_equals_the_decode_step_position_by_position(
     kernel: NativeLinearAttention, dtype: torch.dtype
 ) -> None:
     gen = torch.Generator().manual_seed(5)
-    tokens, hk, hv, dk, dv = sum(LENS), 2, 4, 64, 32
-    proj = torch.randn(tokens, 2 * hk * dk + hv * dv + 5, generator=gen).to(dtype)
-    q = proj[:, : hk * dk].view(tokens, hk, dk)
-    k = proj[:, hk * dk : 2 * hk * dk].view(tokens, hk, dk)
-    v = proj[:, 2 * hk * dk : 2 * hk * dk + hv * dv].view(tokens, hv, dv)
-    g = -torch.rand(tokens, hv, generator=gen)
-    beta = torch.rand(tokens, hv, generator=gen).to(dtype)
+    hv, dk, dv = 4, 64, 32
+    q, k, v, g, beta = delta_inputs(gen, sum(LENS), 2, hv, dk, dv, dtype)
     states = _poisoned(torch.randn(ROWS, hv, dk, dv, generator=gen))
     want_states = states.clone()
 

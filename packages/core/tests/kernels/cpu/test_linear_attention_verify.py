@@ -49,18 +49,27 @@ def _verify() -> LinearVerifyIndices:
     return meta.verify
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_delta_verify_equals_the_decode_step_position_by_position(
-    kernel: NativeLinearAttention, dtype: torch.dtype
-) -> None:
-    gen = torch.Generator().manual_seed(3)
-    tokens, hk, hv, dk, dv = sum(LENS), 2, 4, 64, 64
+def delta_inputs(
+    gen: torch.Generator, tokens: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """q, k, v as the layer gets them (strided views of one projection's rows), the log
+    decay g and beta, for ``tokens`` tokens."""
     proj = torch.randn(tokens, 2 * hk * dk + hv * dv + 5, generator=gen).to(dtype)
     q = proj[:, : hk * dk].view(tokens, hk, dk)
     k = proj[:, hk * dk : 2 * hk * dk].view(tokens, hk, dk)
     v = proj[:, 2 * hk * dk : 2 * hk * dk + hv * dv].view(tokens, hv, dv)
     g = -torch.rand(tokens, hv, generator=gen)
     beta = torch.rand(tokens, hv, generator=gen).to(dtype)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_delta_verify_equals_the_decode_step_position_by_position(
+    kernel: NativeLinearAttention, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(3)
+    hv, dk, dv = 4, 64, 64
+    q, k, v, g, beta = delta_inputs(gen, sum(LENS), 2, hv, dk, dv, dtype)
     states = torch.randn(ROWS, hv, dk, dv, generator=gen)
     want_states = states.clone()
     verify = _verify()
