@@ -2,24 +2,27 @@
 the calibration tokens of its input activations x (GPTQ's Hessian up to a factor of 2), from
 the float model run by Tandem itself in float32 on the calibration samples.
 
-The fused layers that share an input share the statistics: q, k and v (``qkv_proj``), and
-gate and up (``gate_up_proj``). Every layer's activations come from the float model (GPTQ
-with ``true_sequential`` re-runs each layer on its quantized predecessors' outputs instead;
-here the writer records ``true_sequential: false``).
+The fused layers that share an input share the statistics: q, k and v (``qkv_proj``), gate
+and up (``gate_up_proj``, a shared expert's too), and a Gated DeltaNet's qkv and z
+(``in_proj_qkvz``), b and a (``in_proj_ba``). Every layer's activations come from the float
+model (GPTQ with ``true_sequential`` re-runs each layer on its quantized predecessors'
+outputs instead; here the writer records ``true_sequential: false``). The routed experts of a
+mixture-of-experts layer get none (the writer rounds them to nearest and says so).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch import nn
 
 from tandem.core import CacheConfig, EngineConfig, LLMEngine, ModelLoadConfig
 from tandem.core.executor.thread_executor import ThreadExecutor
+from tandem.core.layers.quantized_linear import QuantizableLinear
 from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
 from tandem.core.llm.model_runner import ModelRunner
 from tandem.core.llm.prompt_logits import prompt_logits
@@ -34,6 +37,11 @@ _PARTS = {
     "self_attn.o_proj": ("self_attn.o_proj",),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.down_proj": ("mlp.down_proj",),
+    "linear_attn.in_proj_qkvz": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
+    "linear_attn.in_proj_ba": ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
+    "linear_attn.out_proj": ("linear_attn.out_proj",),
+    "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+    "mlp.shared_expert.down_proj": ("mlp.shared_expert.down_proj",),
 }
 _MODULE = re.compile(r"^layers\.(\d+)\.(" + "|".join(re.escape(m) for m in _PARTS) + r")$")
 
@@ -62,34 +70,31 @@ def collect_hessians(model: Path, samples: list[list[int]]) -> dict[str, torch.T
     )
     sums: dict[str, torch.Tensor] = {}
 
-    def accumulate(name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
-        x = args[0].reshape(-1, args[0].shape[-1]).double()
-        product = x.t() @ x
+    def accumulate(name: str, x: torch.Tensor) -> None:
+        rows = x.reshape(-1, x.shape[-1]).double()
+        product = rows.t() @ rows
         sums[name] = sums[name] + product if name in sums else product
 
-    def install(worker: Worker[ForwardInput, SamplerOutput]) -> list[Any]:
+    def install(worker: Worker[ForwardInput, SamplerOutput]) -> list[Callable[[], None]]:
         runner = worker.runner
         assert isinstance(runner, ModelRunner)
-        hooks = []
-        for name, module in runner.model.named_modules():
-            if _MODULE.match(name):
-                hook = module.register_forward_pre_hook(
-                    lambda m, a, name=name: accumulate(name, m, a)
-                )
-                hooks.append(hook)
-        return hooks
+        return [
+            _record_inputs(module, functools.partial(accumulate, name))
+            for name, module in runner.model.named_modules()
+            if _MODULE.match(name) and isinstance(module, QuantizableLinear)
+        ]
 
     executor = engine.executor
     if not isinstance(executor, ThreadExecutor):
         raise TypeError("calibration runs the model in this process (a thread executor)")
     try:
-        hooks = executor.call(0, install)
+        removers = executor.call(0, install)
         for number, sample in enumerate(samples, 1):
             prompt_logits(engine, sample)
             if number % 16 == 0 or number == len(samples):
                 logger.info("calibration: %d of %d samples", number, len(samples))
-        for hook in hooks:
-            hook.remove()
+        for remove in removers:
+            remove()
     finally:
         engine.shutdown()
     out: dict[str, torch.Tensor] = {}
@@ -99,3 +104,24 @@ def collect_hessians(model: Path, samples: list[list[int]]) -> dict[str, torch.T
         for part in _PARTS[match.group(2)]:
             out[f"model.layers.{match.group(1)}.{part}"] = total
     return out
+
+
+def _record_inputs(
+    module: QuantizableLinear, record: Callable[[torch.Tensor], None]
+) -> Callable[[], None]:
+    """Pass every input of ``module``'s matmul to ``record``; returns the undo. The matmul,
+    not the forward: a shared expert's down projection is called through ``partial``, which
+    forward hooks never see."""
+    plain = module.matmul
+
+    def matmul(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        record(x)
+        return plain(x, bias)
+
+    # An instance attribute shadows the method until it is deleted.
+    module.__dict__["matmul"] = matmul
+
+    def undo() -> None:
+        del module.__dict__["matmul"]
+
+    return undo

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 # Where a checkpoint keeps its decoder layers (a composite checkpoint under its language model).
 _LAYERS = r"^model\.(?:language_model\.)?layers\.\d+\."
+_COMPOSITE = "model.language_model."
 # A decoder projection's weight; group 1 is its name within the layer (``self_attn.q_proj``).
 PROJECTION_WEIGHT = re.compile(
     _LAYERS + r"(self_attn\.[qkvo]_proj|mlp\.(?:shared_expert\.)?(?:gate|up|down)_proj"
@@ -103,6 +104,16 @@ def float_projections(names: frozenset[str], layout: DecoderLayout) -> frozenset
         if chosen.intersection(fused):
             chosen.update(fused)
     return frozenset(chosen)
+
+
+def layer_module(name: str) -> str:
+    """The module path of the decoder tensor ``name`` (``....weight``) as the model names it
+    (``model.layers.3.self_attn.q_proj``), whether or not the checkpoint nests its layers
+    under a language model."""
+    module = name.removesuffix(".weight")
+    if module.startswith(_COMPOSITE):
+        return "model." + module.removeprefix(_COMPOSITE)
+    return module
 
 
 def _one_by_one(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:

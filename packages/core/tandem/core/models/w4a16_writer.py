@@ -10,7 +10,9 @@ computed from the stored float16 scale, so dequantizing is exact to what was wri
 format stores a zero point minus one in four bits, so an asymmetric zero point of 0 (a group
 with no negative weight) cannot be stored: it is raised to 1, at most one step of clipping at
 the group's top. Without calibration ``desc_act`` is false and ``g_idx`` the consecutive
-groups; with it (``tandem quantize --calibration``), GPTQ itself (``gptq_solver.py``).
+groups; with it (``tandem quantize --calibration``), GPTQ itself (``gptq_solver.py``), but for
+the modules without statistics (a mixture-of-experts model's routed experts), which are
+rounded to nearest and listed in the log.
 
 A projection whose sizes the format cannot hold (inputs or outputs not a multiple of 8, inputs
 not a multiple of the group size) stays float, with its fused partners, in every layer; the
@@ -46,6 +48,7 @@ from tandem.core.models.quantized_writer import (
     PROJECTION_WEIGHT,
     decoder_layout,
     float_projections,
+    layer_module,
     read_float_config,
     write_quantized,
 )
@@ -224,16 +227,24 @@ def write_w4a16(
             group_size,
         )
 
+    # With calibration: the modules rounded to nearest all the same (in order, once each).
+    uncalibrated: dict[str, None] = {}
+
     def quantize(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor] | None:
         if EXPERT_WEIGHT.match(name):
-            # Routed experts are rounded to nearest, calibrated or not: the calibration
-            # statistics cover the dense projections (calibration.py).
-            return gptq_tensors(name, weight, group_size, sym) if EXPERTS in quantized else None
+            if EXPERTS not in quantized:
+                return None
+            # The calibration statistics cover the projections, not the routed experts.
+            uncalibrated[layer_module(name).rsplit(".", 2)[0]] = None
+            return gptq_tensors(name, weight, group_size, sym)
         match = PROJECTION_WEIGHT.match(name)
         if match is None or match.group(1) not in quantized:
             return None
-        hessian = None if hessians is None else hessians.get(name.removesuffix(".weight"))
+        if hessians is None:
+            return gptq_tensors(name, weight, group_size, sym)
+        hessian = hessians.get(layer_module(name))
         if hessian is None:
+            uncalibrated[layer_module(name)] = None
             return gptq_tensors(name, weight, group_size, sym)
         codes, zeros, scales, g_idx = gptq_quantize(weight, hessian, group_size, sym, act_order)
         return packed_tensors(name, codes, zeros, scales, g_idx)
@@ -242,5 +253,12 @@ def write_w4a16(
         group_size, sym, quantized, layout, act_order, calibrated=hessians is not None
     )
     count = write_quantized(src, dst, quantize, metadata)
+    if hessians is not None and uncalibrated:
+        logger.warning(
+            "quantize: no calibration statistics for %d modules, rounded to nearest instead "
+            "of GPTQ: %s",
+            len(uncalibrated),
+            ", ".join(uncalibrated),
+        )
     logger.info("quantize: wrote %s (%d weights 4-bit GPTQ, group size %d)", dst, count, group_size)
     return count

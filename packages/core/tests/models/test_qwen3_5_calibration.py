@@ -1,0 +1,106 @@
+"""GPTQ calibration (``calibration.py``) of the Qwen3.5 family: statistics for every
+projection the 4-bit scheme quantizes (the Gated DeltaNet's and the shared expert's too), equal
+to the inputs transformers' own model feeds those projections; found by the writer whether the
+checkpoint keeps its layers under ``model.layers`` or a composite's
+``model.language_model.layers``; and what still falls back to round to nearest (the routed
+experts) named in the log."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tandem.core.models.calibration import collect_hessians
+from tandem.core.models.quantized_writer import PROJECTION_WEIGHT, layer_module
+from tandem.core.models.w4a16_writer import write_w4a16
+
+from ..conftest import HfFactory
+from .checkpoint_files import read_tensors
+
+SAMPLES = [[5, 17, 300, 42, 9, 100, 7, 250, 8, 61], [3, 9, 27, 81, 243, 11, 33, 99, 297, 2, 6]]
+GROUP = 32
+WRITER_LOG = "tandem.core.models.w4a16_writer"
+
+
+def _reference_sums(model: Any) -> dict[str, torch.Tensor]:
+    """Sum of x x^T of the inputs of each checkpoint projection of the transformers model,
+    over ``SAMPLES``, keyed as ``collect_hessians`` keys them."""
+    sums: dict[str, torch.Tensor] = {}
+
+    def record(name: str, x: torch.Tensor) -> None:
+        rows = x.reshape(-1, x.shape[-1]).double()
+        sums[name] = sums.get(name, 0) + rows.t() @ rows
+
+    def recorder(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
+        key = layer_module(f"{name}.weight")
+        return lambda module, args: record(key, args[0])
+
+    hooks = [
+        module.register_forward_pre_hook(recorder(name))
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and PROJECTION_WEIGHT.match(f"{name}.weight")
+    ]
+    with torch.no_grad():
+        for sample in SAMPLES:
+            model(input_ids=torch.tensor([sample]))
+    for hook in hooks:
+        hook.remove()
+    return sums
+
+
+@pytest.mark.parametrize(
+    "architecture",
+    ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration"],
+)
+def test_statistics_are_the_inputs_of_every_projection(
+    architecture: str, hf_model: HfFactory
+) -> None:
+    folder, model = hf_model(architecture)
+    expected = _reference_sums(model)
+    assert any(".linear_attn." in name for name in expected)
+    got = collect_hessians(folder, SAMPLES)
+    assert sorted(got) == sorted(expected)
+    for name, total in expected.items():
+        scale = float(total.abs().max())
+        torch.testing.assert_close(got[name], total, rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_a_composite_checkpoint_is_quantized_with_its_statistics(
+    hf_model: HfFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its projections are ``model.language_model.layers.*``: each must be GPTQ's, not the
+    round to nearest written without statistics."""
+    folder, _ = hf_model("Qwen3_5ForConditionalGeneration")
+    hessians = collect_hessians(folder, SAMPLES)
+    with caplog.at_level(logging.WARNING, logger=WRITER_LOG):
+        write_w4a16(folder, tmp_path / "gptq", group_size=GROUP, hessians=hessians)
+    assert "no calibration statistics" not in caplog.text
+    write_w4a16(folder, tmp_path / "rtn", group_size=GROUP)
+    gptq, rtn = read_tensors(tmp_path / "gptq"), read_tensors(tmp_path / "rtn")
+    codes = [name for name in gptq if name.endswith(".qweight")]
+    assert codes and all(name.startswith("model.language_model.layers.") for name in codes)
+    same = [name for name in codes if torch.equal(gptq[name], rtn[name])]
+    assert not same, f"rounded to nearest despite calibration: {same}"
+
+
+def test_what_is_rounded_to_nearest_is_named_in_one_line(
+    hf_model: HfFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mixture-of-experts model's routed experts get no statistics, nor does a projection
+    whose statistics are missing: both are named."""
+    folder, _ = hf_model("Qwen3_5MoeForCausalLM")
+    hessians = collect_hessians(folder, SAMPLES)
+    missing = "model.layers.0.linear_attn.out_proj"
+    del hessians[missing]
+    with caplog.at_level(logging.WARNING, logger=WRITER_LOG):
+        write_w4a16(folder, tmp_path / "gptq", group_size=GROUP, hessians=hessians)
+    lines = [r.getMessage() for r in caplog.records if "no calibration statistics" in r.message]
+    assert len(lines) == 1
+    named = set(lines[0].rpartition(": ")[2].split(", "))
+    assert named == {missing, "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
