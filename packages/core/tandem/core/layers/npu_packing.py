@@ -31,6 +31,25 @@ def _int4_served(families: Sequence[str], dtype: torch.dtype) -> bool:
     return npu is not None and handles.int4_linear().choose(families, dtype) is npu
 
 
+def _not_served(dtype: torch.dtype) -> str:
+    """Why torch_npu's 4-bit kernel does not serve ``dtype`` here (``_int4_served`` said no)."""
+    if dtype not in HALVES:
+        return f"npu_weight_quant_batchmatmul takes float16 and bfloat16 activations, not {dtype}"
+    return "torch_npu does not import (see its warning above)"
+
+
+def npu_int4_bytes(model: nn.Module) -> int:
+    """Bytes of the 4-bit weights laid out for torch_npu's op: they live beside the
+    parameters, which were emptied."""
+    return sum(
+        module.int4.npu.nbytes
+        for module in model.modules()
+        if isinstance(module, QuantizableLinear)
+        and module.int4 is not None
+        and module.int4.npu is not None
+    )
+
+
 def _pack_int4(name: str, int4: Int4Parameters, dtype: torch.dtype) -> bool:
     if int4.kernel_g_idx() is not None:
         logger.info(
@@ -58,14 +77,22 @@ def pack_npu_quantized_weights(
         return 0
     int4_served = _int4_served(families, dtype)
     int8 = int4 = 0
+    kept: list[str] = []
     for name, module in model.named_modules():
         if not isinstance(module, QuantizableLinear):
             continue
         if module.weight_scale is not None:
             module.weight_scale.data = int8_scale_layout(module.weight_scale.data)
             int8 += 1
-        elif module.int4 is not None and int4_served and module.int4.npu is None:
-            int4 += _pack_int4(name, module.int4, dtype)
+        elif module.int4 is not None and module.int4.npu is None:
+            if int4_served:
+                int4 += _pack_int4(name, module.int4, dtype)
+            else:
+                kept.append(name)
+    if kept:
+        logger.info(
+            "%s keep the torch 4-bit reference on NPU: %s", ", ".join(kept), _not_served(dtype)
+        )
     if int8 or int4:
         logger.info(
             "laid out %d int8 and %d 4-bit weights for torch_npu's quantized matmuls", int8, int4

@@ -27,6 +27,7 @@ from tandem.core.layers.linear_attention_state import (
     allocate_linear_attention_state,
     state_bytes_per_slot,
 )
+from tandem.core.layers.npu_packing import npu_int4_bytes
 from tandem.core.layers.weights import parameter_bytes
 from tandem.core.llm.attention_metadata import plan_attention_metadata, plan_decode_metadata
 from tandem.core.llm.forward_input import AheadInputs, ForwardInput, SamplerOutput
@@ -78,10 +79,10 @@ class ModelRunner:
         )
 
     def weight_bytes(self) -> int:
-        # Packed int8 weights live beside the parameters, which then hold none of them.
-        return (
-            parameter_bytes(self.model) + packed_bytes(self.model) + int8_packed_bytes(self.model)
-        )
+        # Weights packed at load (float and int8 for the CPU kernels, 4-bit for torch_npu's
+        # op) live beside the parameters, which then hold none of them.
+        packed = packed_bytes(self.model) + int8_packed_bytes(self.model)
+        return parameter_bytes(self.model) + packed + npu_int4_bytes(self.model)
 
     def block_bytes(self, block_size: int) -> int:
         layers = self.model.attention_layers()
