@@ -91,6 +91,25 @@ def test_row_shards_are_the_unsharded_columns(act_order: bool) -> None:
         assert torch.equal(_weight(layer), _weight(whole)[:, rank * 32 : rank * 32 + 32])
 
 
+def test_activation_order_shards_need_not_be_whole_groups() -> None:
+    """192 inputs in groups of 64 over two ranks: 96 each, a group and a half. Every rank
+    keeps all the groups, so its inputs may be any of them (vLLM refuses this size)."""
+    tensors = _checkpoint(24, 192, 64, seed=9, act_order=True)
+    scheme = _scheme(64, act_order=True)
+    whole = RowParallelLinear(192, 24, False, rank_of(0, 1), quant=scheme)
+    _load(whole, tensors)
+    x = torch.randn(5, 192, generator=torch.Generator().manual_seed(10))
+    total = torch.zeros(5, 24, dtype=torch.float64)
+    for rank in range(2):
+        layer = RowParallelLinear(192, 24, False, rank_of(rank, 2), quant=scheme)
+        _load(layer, tensors)
+        assert layer.int4 is not None and layer.int4.scales.shape == (24, 3)
+        columns = slice(rank * 96, rank * 96 + 96)
+        assert torch.equal(_weight(layer), _weight(whole)[:, columns])
+        total += layer.partial(x[:, columns]).double()
+    torch.testing.assert_close(total, x.double() @ _weight(whole).t(), rtol=1e-5, atol=1e-5)
+
+
 def test_fused_parts_land_in_their_places() -> None:
     gate, up = _checkpoint(16, 32, 16, seed=2), _checkpoint(16, 32, 16, seed=3)
     whole = {}

@@ -30,6 +30,7 @@ from tandem.core.layers.gated_delta_net import GatedDeltaNet
 from tandem.core.layers.quantized_linear import QuantizableLinear
 from tandem.core.llm.engine import LLMEngine
 from tandem.core.models import loader
+from tandem.core.models.calibration import collect_hessians
 from tandem.core.models.mtp_writer import initial_head, write_mtp_head
 from tandem.core.models.w4a16_writer import write_w4a16
 from tandem.core.models.w8a8_writer import quantize_weight, write_w8a8
@@ -137,6 +138,17 @@ def test_a_shard_that_splits_a_4bit_group_is_refused_naming_the_layer(
     message = str(caught.value)
     assert "model.layers.0.linear_attn.out_proj" in message
     assert "group of 64 inputs" in message and "keep whole groups: 1" in message
+
+
+def test_activation_order_serves_shards_that_hold_part_of_a_group(
+    float_folders: dict[str, Path], tmp_path: Path, make_engine: Callable[..., LLMEngine]
+) -> None:
+    """The same out_proj in activation order (GPTQ's ``desc_act``): every rank keeps every
+    group, so two ranks serve it, and generate what one does."""
+    folder = tmp_path / "act_order"
+    hessians = collect_hessians(float_folders["dense"], PROMPTS)
+    write_w4a16(float_folders["dense"], folder, group_size=64, hessians=hessians, act_order=True)
+    assert _generate(make_engine(folder, parallel=TWO_RANKS)) == _generate(make_engine(folder))
 
 
 def _with_head(folder: Path, float_folder: Path, quantized: bool) -> Path:

@@ -14,7 +14,9 @@ its older ``gptq.py`` for activation order):
 - split by inputs (row-parallel): ``qweight`` by whole words, ``g_idx`` by inputs, and the
   groups with them, so the group size must divide a rank's inputs (a group never straddles two
   ranks); one group per channel (``group_size`` -1) or activation order (a rank's inputs then
-  belong to any group) keep every group's scales and zeros on every rank.
+  belong to any group) keep every group's scales and zeros on every rank, so a rank's inputs
+  need not be whole groups there (vLLM refuses such sizes even in activation order; here
+  they serve, through ``g_idx`` where the rank's groups are uneven).
 
 The kernel layout (``finish_loading``): ``qweight`` repacked output-major, int32 [N, K / 8] (a
 row of codes per output, so the dequantized weight is the [N, K] ``F.linear`` takes),
@@ -88,14 +90,15 @@ class Int4Parameters:
         check_packable(rows, "a layer's output size")
         check_packable(columns, "a layer's input size")
         size = scheme.group_size
-        if size != -1 and columns % size:
+        # Whether each rank keeps every group (else the groups of its own inputs).
+        self.whole_groups = size == -1 or scheme.desc_act
+        # Only then may a rank hold part of a group (``int4_shard_check`` agrees).
+        if not self.whole_groups and columns % size:
             raise ValueError(
                 f"a layer's input size per rank ({columns}) is not a multiple of the group "
                 f"size {size}: a quantization group would straddle two tensor-parallel "
                 "ranks; use fewer ranks, or a checkpoint with a smaller group size"
             )
-        # Whether each rank keeps every group (else the groups of its own inputs).
-        self.whole_groups = size == -1 or scheme.desc_act
         groups = 1 if size == -1 else (full_columns if scheme.desc_act else columns) // size
         self.scheme = scheme
         self.group_inputs = size

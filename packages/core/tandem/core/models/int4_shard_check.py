@@ -1,8 +1,10 @@
 """Start-up refusal of a 4-bit checkpoint whose tensor-parallel shards would cut its packing:
 a row-parallel projection whose inputs per rank are not whole quantization groups (a group's
-scale and zero point would serve two ranks), or a column-parallel one whose output sections
-per rank are not whole packed words of 8 (``qzeros``). Checked before anything is built or
-read, naming the layer, so the message says what to change instead of which tensor failed."""
+scale and zero point would serve two ranks; in activation order, or with one group per
+channel, every rank keeps every group, so whole packed words of 8 inputs suffice), or a
+column-parallel one whose output sections per rank are not whole packed words of 8
+(``qzeros``). Checked before anything is built or read, naming the layer, so the message says
+what to change instead of which tensor failed."""
 
 from __future__ import annotations
 
@@ -36,26 +38,31 @@ def check_int4_shards(
     """Refuse, naming the first layer that does not shard over ``ranks``."""
     if not isinstance(quant, W4A16Scheme):
         return
-    # Each rank keeps every group where groups are channels or in activation order.
+    # Each rank keeps every group where groups are channels or in activation order, so its
+    # inputs need only fill whole packed words; else whole groups (every group size served
+    # is a multiple of the word).
     whole_groups = quant.group_size == -1 or quant.desc_act
+    unit = PACK if whole_groups else quant.group_size
+    if whole_groups:
+        cut = f"a packed word of {PACK} inputs (4-bit codes pack {PACK} to a word)"
+    else:
+        cut = f"a 4-bit quantization group of {unit} inputs (group_size {unit})"
+    kept = "packed words" if whole_groups else "groups"
     for p in projections:
         if projection_scheme(quant, p.projection) is None:
             continue
         name = f"model.layers.{p.layer}.{p.projection}"
-        if p.split_inputs and not whole_groups:
-            size = quant.group_size
-            inputs = p.split_inputs
+        inputs = p.split_inputs
 
-            def whole(r: int, inputs: int = inputs, size: int = size) -> bool:
-                return inputs % r == 0 and (inputs // r) % size == 0
+        def whole(r: int, inputs: int = inputs) -> bool:
+            return inputs % r == 0 and (inputs // r) % unit == 0
 
-            if not whole(ranks):
-                raise ModelLoadError(
-                    f"{name}: its {inputs} inputs over {ranks} tensor-parallel ranks would "
-                    f"split a 4-bit quantization group of {size} inputs (group_size {size}) "
-                    f"between two ranks; tensor-parallel sizes that keep whole groups: "
-                    f"{_ranks_that_fit(whole, ranks)}"
-                )
+        if inputs and not whole(ranks):
+            raise ModelLoadError(
+                f"{name}: its {inputs} inputs over {ranks} tensor-parallel ranks would split "
+                f"{cut} between two ranks; tensor-parallel sizes that keep whole {kept}: "
+                f"{_ranks_that_fit(whole, ranks)}"
+            )
         sections = p.output_sections
 
         def packed(r: int, sections: tuple[int, ...] = sections) -> bool:
