@@ -3,6 +3,7 @@ the field for everything else."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -104,6 +105,24 @@ def test_dynamic_exclusions_leave_their_modules_float() -> None:
     scheme = parse_model_config(_config(dynamic={"-:.*down_proj": {}})).quantization
     assert isinstance(scheme, W4A16Scheme)
     assert scheme.quantized == ALL - {"mlp.down_proj"}
+
+
+def test_an_exclusion_that_matches_no_module_is_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM ignores it silently; a typo there leaves 4-bit what was meant float."""
+    dynamic: dict[str, Any] = {
+        "-:.*down_proj": {},
+        "-:.*dwon_proj": {},
+        "-:model\\.layers\\.9\\..*": {},
+    }
+    with caplog.at_level(logging.WARNING, logger="tandem.core.models.gptq_config"):
+        scheme = parse_model_config(_config(dynamic=dynamic)).quantization
+    assert isinstance(scheme, W4A16Scheme) and scheme.quantized == ALL - {"mlp.down_proj"}
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1
+    assert "quantization_config.dynamic '-:.*dwon_proj', '-:model\\\\.layers\\\\.9" in warned[0]
+    assert "'-:.*down_proj'" not in warned[0]
 
 
 def test_an_architecture_without_quantized_layers_is_refused() -> None:

@@ -5,6 +5,7 @@ must stay float."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -109,3 +110,16 @@ def test_gptq_dynamic_exclusions_keep_every_attention_float() -> None:
     assert isinstance(scheme, W4A16Scheme)
     assert scheme.quantized & {*LINEAR_ATTENTION_PROJECTIONS, "self_attn.q_proj"} == set()
     assert scheme.quantized >= {EXPERTS, *SHARED_EXPERT_PROJECTIONS}
+
+
+def test_exclusions_of_the_parts_served_float_are_not_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The vision tower, the multi-token-prediction head and the shared expert's gate, as
+    Qwen's releases exclude them, match modules of the model (served float here anyway)."""
+    qc = gptq_quantization_config(group_size=128, sym=True, quantized=frozenset())
+    qc.pop("modules_in_block_to_quantize", None)
+    qc["dynamic"] = {"-:.*visual.*": {}, "-:.*mtp.*": {}, "-:.*shared_expert_gate": {}}
+    with caplog.at_level(logging.WARNING, logger="tandem.core.models.gptq_config"):
+        parse_model_config({**QWEN3_5_MOE, "quantization_config": qc})
+    assert caplog.records == []

@@ -3,8 +3,9 @@ transformers write it) read into a ``W4A16Scheme``, or refused at start-up namin
 
 Fields read as vLLM reads them (vLLM 0.32, ``auto_gptq.py`` ``from_config``): ``bits``,
 ``group_size``, ``desc_act``, ``sym``, ``lm_head`` (a quantized LM head: refused here),
-``dynamic`` (GPTQModel's per-module overrides: its ``-:`` exclusions leave modules float;
-other overrides are refused here) and
+``dynamic`` (GPTQModel's per-module overrides: its ``-:`` exclusions leave modules float,
+and one that matches no module is warned of, which vLLM does not do; other overrides are
+refused here) and
 ``modules_in_block_to_quantize`` (the projections stored 4-bit; the others float, matched as
 vLLM matches them: an entry names a projection when it is a substring of its module path;
 a mixture-of-experts layer's routed experts are 4-bit when an entry names them or one of
@@ -17,6 +18,7 @@ describe how the weights were made, not how they are read.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -30,7 +32,21 @@ from tandem.core.models.projection_match import (
     unmatched_names,
 )
 
+logger = logging.getLogger(__name__)
+
 GPTQ = "gptq"
+# Modules served float whatever the config says, beside the decoder's routers and gates, that
+# an exclusion may rightly name: Qwen's Qwen3.5 GPTQ releases write ``-:.*visual.*`` and
+# ``-:.*mtp.*`` (the vision tower under vLLM's name and the checkpoint's, the
+# multi-token-prediction head).
+_FLOAT_ELSEWHERE = (
+    "lm_head",
+    "model.embed_tokens",
+    "visual.blocks.0.attn.qkv",
+    "model.visual.blocks.0.attn.qkv",
+    "mtp.fc",
+    "mtp.layers.0.self_attn.q_proj",
+)
 GROUP_SIZES = (32, 64, 128, -1)
 SUPPORTED = (
     "supported: gptq 4-bit weight-only (bits 4; group_size 32, 64, 128 or -1; sym true or "
@@ -84,22 +100,43 @@ def _dynamic_exclusions(dynamic: object, layout: DecoderLayout) -> frozenset[str
     bits or groups (``+:`` or unprefixed keys) are refused."""
     if not isinstance(dynamic, Mapping):
         raise _refuse("dynamic", dynamic, "supported: an object of '-:' regular expressions")
-    patterns: list[re.Pattern[str]] = []
+    patterns: dict[str, re.Pattern[str]] = {}
     for key in dynamic:
         if not isinstance(key, str) or not key.startswith("-:"):
             raise _refuse(
                 "dynamic", dynamic, f"its key {key!r} overrides a module's scheme; " + SUPPORTED
             )
-        patterns.append(re.compile(key[2:]))
+        patterns[key] = re.compile(key[2:])
     excluded: dict[str, set[bool]] = {}
     for i in range(layout.num_layers):
         for module, paths in layout.modules(i, experts_whole=True).items():
-            hit = any(p.match(path) for p in patterns for path in paths.split("\n"))
+            hit = any(p.match(path) for p in patterns.values() for path in paths.split("\n"))
             excluded.setdefault(module, set()).add(hit)
     mixed = sorted(m for m, seen in excluded.items() if len(seen) > 1)
     if mixed:
         raise _refuse("dynamic", dynamic, f"it leaves {mixed[0]} float in some layers only")
+    _warn_unmatched(patterns, layout)
     return frozenset(m for m, seen in excluded.items() if True in seen)
+
+
+def _warn_unmatched(patterns: dict[str, re.Pattern[str]], layout: DecoderLayout) -> None:
+    """Say which exclusions match no module: vLLM ignores them as silently as any other, and
+    a typo there leaves 4-bit what its author meant float."""
+    paths = [
+        path
+        for i in range(layout.num_layers)
+        for found in (*layout.modules(i, experts_whole=True).values(), *layout.always_float(i))
+        for path in found.split("\n")
+    ]
+    paths += _FLOAT_ELSEWHERE
+    unmatched = [key for key, p in patterns.items() if not any(p.match(path) for path in paths)]
+    if unmatched:
+        logger.warning(
+            "config.json: quantization_config.dynamic %s match no module of this model, so "
+            "they leave nothing float; check them against its module names "
+            "(model.layers.0.self_attn.q_proj, ...)",
+            ", ".join(map(repr, unmatched)),
+        )
 
 
 def _flatten(entries: object) -> list[str]:
