@@ -4,7 +4,8 @@ torch_npu's quantized matmuls: W8A8 with dynamic and with static activation scal
 (symmetric, groups of 32) and as AWQ (zero points) through ``npu_weight_quant_batchmatmul``
 over weights packed at load by ``npu_convert_weight_to_int4pack``.
 
-Greedy tokens at TP=1 and TP=2 (one process) equal the CPU path's (the C++ int8 and 4-bit
+The dense demo, and the hybrid one (Qwen3.5, Gated DeltaNet projections quantized too). Greedy
+tokens at TP=1 and TP=2 (one process) equal the CPU path's (the C++ int8 and 4-bit
 kernels); the log shows that torch_npu's kernels served the quantized layers (at TP=2 the
 row-parallel int8 layers quantize, multiply to int32 and all-reduce the exact sums) and that
 the weights were laid out for them at load. In bfloat16: the quantizers take half precision
@@ -73,18 +74,56 @@ def _served_by_torch_npu(log: str, devices: list[str], kernels: list[str]) -> No
     assert "for torch_npu's quantized matmuls" in log
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_quantized_models_on_standin_npus_equal_the_cpu_path(
-    demo: Path, tmp_path: Path, case: str
+def _standin_npus_equal_the_cpu_path(
+    model: Path, kernels: tuple[list[str], list[str]], laid_out: str = ""
 ) -> None:
-    model = _folder(demo, tmp_path, case)
+    """Greedy tokens at TP=1 and TP=2 (one process) equal the CPU path's, with ``kernels``
+    (at TP=1, at TP=2) served by torch_npu's ops, and the load step's ``laid_out`` line in
+    the log."""
     cpu, _ = _generate("tandem.server.cli.main", model, DTYPE, [])
-    tp1_kernels, tp2_kernels = CASES[case]
+    tp1_kernels, tp2_kernels = kernels
     one, log = _generate("tandem_sim.as_npu", model, DTYPE, ["--devices", "npu:0"])
     assert one == cpu
     _served_by_torch_npu(log, ["npu:0"], tp1_kernels)
+    assert laid_out in log
     two, log = _generate(
         "tandem_sim.as_npu", model, DTYPE, ["--devices", "npu:0,npu:1", "--single-process"]
     )
     assert two == cpu
     _served_by_torch_npu(log, ["npu:0", "npu:1"], tp2_kernels)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_quantized_models_on_standin_npus_equal_the_cpu_path(
+    demo: Path, tmp_path: Path, case: str
+) -> None:
+    _standin_npus_equal_the_cpu_path(_folder(demo, tmp_path, case), CASES[case])
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("float") / "qwen3_5"
+    _tandem("make-demo-model", "--kind", "qwen3_5", str(folder))
+    return folder
+
+
+# Each scheme's quantized layers of the hybrid demo (three Gated DeltaNet layers, one gated
+# attention layer, four MLPs), by the layers the engine fuses: W8A8 quantizes every
+# projection; 4-bit leaves in_proj_b and in_proj_a float (4 outputs, under a packed word).
+HYBRID_CASES = {
+    "w8a8": ("laid out 19 int8 and 0 4-bit weights", INT8_TP1, INT8_TP2),
+    "w4a16": ("laid out 0 int8 and 16 4-bit weights", ["int4_linear"], ["int4_linear"]),
+}
+
+
+@pytest.mark.parametrize("scheme", sorted(HYBRID_CASES))
+def test_a_quantized_hybrid_model_on_standin_npus_equals_the_cpu_path(
+    hybrid: Path, tmp_path: Path, scheme: str
+) -> None:
+    """Qwen3.5 written by ``tandem quantize``, its Gated DeltaNet projections quantized too:
+    the q/k/v/z sections cut per rank with their scales, out_proj row-parallel."""
+    model = tmp_path / scheme
+    group = ("--group-size", str(GROUP)) if scheme == "w4a16" else ()
+    _tandem("quantize", str(hybrid), str(model), "--scheme", scheme, *group)
+    laid_out, tp1, tp2 = HYBRID_CASES[scheme]
+    _standin_npus_equal_the_cpu_path(model, (tp1, tp2), laid_out)
