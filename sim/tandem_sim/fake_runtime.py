@@ -15,6 +15,7 @@ import torch
 from tandem.device import Device, MemoryInfo
 from tandem.device.sync import Sync
 from tandem.device.task_thread import TaskThread
+from tandem_sim.triton_casts import round_like_compiled_triton
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class FakeNpuRuntime:
         # (triton/runtime/interpreter.py). Two workers' launches take turns here, as two
         # devices' kernels would run side by side on hardware.
         self._interpreter = sync.lock() if "triton" in kernel_families else None
+        if "triton" in kernel_families:
+            round_like_compiled_triton()
         self.registered: dict[tuple[str, int], str] = {}
         # What each registration loaded: the kernel object itself (a Triton kernel's wrapper,
         # a torch reference), as a real runtime would load its binary.
