@@ -80,6 +80,35 @@ def test_generate_json_contract(demo: Path) -> None:
     assert "tokens/s" in result.stderr
 
 
+def test_generate_reports_logprobs_as_json(demo: Path) -> None:
+    """Each generated token's logprob and top candidates, and the prompt's; fed back as a
+    prompt, the generated tokens get the logprobs generation reported."""
+    common = ["--model", str(demo), "--dtype", "float32", "--json", "--ignore-eos"]
+    result = tandem("generate", *common, "--prompt-token-ids", "5,6,7", "--max-tokens", "4",
+                    "--logprobs", "2", "--prompt-logprobs", "1")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    generated = record["logprobs"]
+    assert [p["token_id"] for p in generated] == record["token_ids"]
+    for position in generated:
+        (first, first_lp), (_, second_lp) = position["top"]
+        # Greedy: the chosen token is the first candidate.
+        assert position["token_id"] == first and position["logprob"] == first_lp
+        assert 0.0 >= first_lp >= second_lp
+    prompt = record["prompt_logprobs"]
+    assert prompt[0] is None and [p["token_id"] for p in prompt[1:]] == [6, 7]
+    assert all(len(p["top"]) == 1 for p in prompt[1:])
+    ids = ",".join(str(t) for t in [5, 6, 7, *record["token_ids"]])
+    again = tandem("generate", *common, "--prompt-token-ids", ids, "--max-tokens", "1",
+                   "--prompt-logprobs", "0")  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    replayed = json.loads(again.stdout)["prompt_logprobs"][3:]
+    assert [p["token_id"] for p in replayed] == record["token_ids"]
+    for ours, theirs in zip(replayed, generated, strict=True):
+        assert ours["logprob"] == pytest.approx(theirs["logprob"], abs=1e-3)
+    assert "logprobs" not in json.loads(again.stdout)
+
+
 @pytest.mark.parametrize(
     ("kind", "architecture"),
     [("qwen3_5", "Qwen3_5ForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM")],
@@ -111,6 +140,7 @@ def test_an_unknown_preset_of_a_kind_is_refused(tmp_path: Path) -> None:
         (["--prompt", "x", "--block-size", "0"], "--block-size must be >= 1"),
         (["--prompt", "x", "--max-tokens", "0"], "max_tokens must be at least 1"),
         (["--prompt", "x", "--temperature", "-1"], "temperature must be in"),
+        (["--prompt", "x", "--logprobs", "21"], "logprobs must be in [0, 20], got 21"),
         ([], "at least one --prompt"),
         (["--prompt-token-ids", "1,x"], "comma-separated integers"),
         (["--prompt", "x", "--speculative-config", "{"], "--speculative-config is not valid"),

@@ -18,6 +18,7 @@ from tandem.core import LLMEngine, SamplingParams
 from tandem.core.executor.follower import run_follower
 from tandem.core.llm.input_processor import Prompt
 from tandem.core.llm.model_runner import LLMRunnerFactory
+from tandem.core.llm.sequence import TokenLogprobs
 from tandem.core.models.rec_config import is_rec_folder
 from tandem.server.cli.engine_args import add_engine_args, engine_config_from_args, model_folder
 
@@ -68,8 +69,30 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --json: each generated token's logprob and the N most likely (0: its own only)",
+    )
+    p.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --json: each prompt token's logprob (the first has none) and the N most likely",
+    )
     add_engine_args(p)
     p.set_defaults(func=run)
+
+
+def _logprobs_record(position: TokenLogprobs) -> dict[str, Any]:
+    return {
+        "token_id": position.token_id,
+        "logprob": position.logprob,
+        "top": [[token, logprob] for token, logprob in position.top],
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
             seed=None if args.seed is None else args.seed + i,
             stop=list(args.stop),
             ignore_eos=args.ignore_eos,
+            logprobs=args.logprobs,
+            prompt_logprobs=args.prompt_logprobs,
         )
         for i in range(len(prompts))
     ]
@@ -110,13 +135,19 @@ def run(args: argparse.Namespace) -> int:
         engine.shutdown()
     for prompt, out in zip(prompts, outputs, strict=True):
         if args.json:
-            record = {
+            record: dict[str, Any] = {
                 "prompt_token_ids": out.prompt_token_ids,
                 "token_ids": out.token_ids,
                 "text": out.text,
                 "finish_reason": out.finish_reason,
                 "num_cached_tokens": out.num_cached_tokens,
             }
+            if out.logprobs is not None:
+                record["logprobs"] = [_logprobs_record(t) for t in out.logprobs]
+            if out.prompt_logprobs is not None:
+                record["prompt_logprobs"] = [
+                    None if t is None else _logprobs_record(t) for t in out.prompt_logprobs
+                ]
             print(json.dumps(record, ensure_ascii=False))
         else:
             shown = prompt if isinstance(prompt, str) else f"<{len(prompt)} token ids>"
