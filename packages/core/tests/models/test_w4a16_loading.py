@@ -154,9 +154,12 @@ def test_a_group_straddling_two_ranks_is_refused(
     folder = tmp_path / "gptq"
     write_w4a16(float_folder, folder, group_size=128)
     parallel = ParallelConfig(devices="cpu:0,cpu:1", single_process=True)
-    # A rank's load error reaches the caller inside the engine's "rank 1 failed" error.
-    with pytest.raises(TandemError, match="straddle two tensor-parallel ranks"):
+    # Refused before any layer is built, naming the first layer it would cut.
+    with pytest.raises(TandemError) as caught:
         make_engine(folder, parallel=parallel)
+    message = str(caught.value)
+    assert "model.layers.0.self_attn.o_proj: its 128 inputs over 2 tensor-parallel" in message
+    assert "group of 128 inputs" in message and "keep whole groups: 1" in message
 
 
 def test_the_written_folder_is_what_autogptq_writes(float_folder: Path, tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from tandem.core.layers.norm import RMSNorm
 from tandem.core.layers.quant_scheme import projection_scheme
 from tandem.core.layers.rotary import RotaryEmbedding
 from tandem.core.models.causal_lm import CausalLM
+from tandem.core.models.int4_shard_check import ShardedProjection, check_int4_shards
 from tandem.core.models.model_config import ModelConfig, parse_plain_config
 from tandem.core.models.weight_mapping import QKV_GATE_UP, WeightMapping
 
@@ -135,6 +136,9 @@ class DecoderLayer(nn.Module):
 class DecoderForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, group: ProcessGroup, dtype: torch.dtype):
         super().__init__(config, group, dtype)
+        # A 4-bit shard that would cut a group is refused here, naming the layer, before the
+        # layers' own checks would refuse it without a name.
+        check_int4_shards(config.quantization, self.sharded_projections(), group.size)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
         # One table for every layer (a table per layer costs hundreds of MB at a real
         # max_position_embeddings).
@@ -156,6 +160,22 @@ class DecoderForCausalLM(CausalLM):
     def build_mlp(self, layer_index: int, group: ProcessGroup) -> nn.Module:
         """The feed-forward block of layer ``layer_index``; MoE families override it."""
         return DecoderMLP(self.config, group)
+
+    def mlp_sharded_projections(self, layer_index: int) -> list[ShardedProjection]:
+        """How the row-parallel projections of ``build_mlp``'s block split their inputs."""
+        inputs = self.config.intermediate_size
+        return [ShardedProjection(layer_index, "mlp.down_proj", split_inputs=inputs)]
+
+    def sharded_projections(self) -> list[ShardedProjection]:
+        """Each layer's row-parallel projections and their inputs; the column-parallel ones
+        split by heads and by the same intermediate size, so they cut a packed word only
+        where these already cut a group."""
+        attention = self.config.num_heads * self.config.head_dim
+        found: list[ShardedProjection] = []
+        for i in range(self.config.num_layers):
+            found.append(ShardedProjection(i, "self_attn.o_proj", split_inputs=attention))
+            found += self.mlp_sharded_projections(i)
+        return found
 
     def attention_layers(self) -> list[PagedAttention]:
         return [cast(DecoderLayer, layer).self_attn.attn for layer in self.layers]
