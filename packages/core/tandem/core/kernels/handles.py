@@ -55,8 +55,11 @@ def add_rms_norm() -> KernelHandle[Pair]:
 
 
 def rms_norm_gated() -> KernelHandle[torch.Tensor]:
+    """Qwen3.5's gated RMSNorm of the Gated DeltaNet output; the CPU kernel reads the gate
+    (a section of the input projection) in place."""
+    native = native_elementwise_kernel("rms_norm_gated")
     triton = triton_kernel("norms", "rms_norm_gated")
-    return KernelHandle("rms_norm_gated", ref.rms_norm_gated, triton=triton)
+    return KernelHandle("rms_norm_gated", ref.rms_norm_gated, native, triton=triton)
 
 
 def rms_norm_zero_centered() -> KernelHandle[torch.Tensor]:

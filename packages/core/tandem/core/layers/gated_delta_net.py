@@ -170,7 +170,9 @@ class GatedDeltaNet(nn.Module):
         # In float32 whatever the model dtype: exp(A_log) overflows half precision.
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         core = self._delta(q, k, v, g, beta, lin)
-        out = self.norm(core.view(-1, self.v_head_dim), z.reshape(-1, self.v_head_dim))
+        # z as [T, H, Dv], a view of the projection (the CPU kernel reads it in place).
+        gate = z.view(num_tokens, self.num_v_heads, self.v_head_dim)
+        out = self.norm(core.view(gate.shape), gate)
         result: torch.Tensor = self.out_proj(out.view(num_tokens, self.value_size))
         return result
 

@@ -1,6 +1,7 @@
 """The fused CPU elementwise kernels against the torch reference they replace: residual add +
 RMSNorm, q/k RMSNorm + rotary in place (on strided views of a fused projection), gated SiLU,
-in float32 and bfloat16, and the registry's choice between the two.
+the gated RMSNorm (on strided views), in float32 and bfloat16, and the registry's choice
+between the two.
 
 Tolerances are bounds derived step by step in ``rounding.py``: the kernels round every
 intermediate where torch rounds it, and differ only in the order of a sum of squares and in
@@ -25,6 +26,7 @@ from tandem.core.kernels.reference.elementwise import (
     add_rms_norm,
     add_rms_norm_zero_centered,
     rms_norm,
+    rms_norm_gated,
     rms_norm_zero_centered,
 )
 
@@ -180,6 +182,84 @@ def test_gated_silu(dtype: torch.dtype) -> None:
     within(kernels.silu_mul(tails), want, _silu_bound(tails, want, dtype))
 
 
+def gated_bound(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    want: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``round(y * silu(gate))`` twice, ``y = round(w * round(x * inv))`` the weighted norm:
+    the two y differ by ``rms_norm_bound`` (the sum-of-squares seed, the same roundings), the
+    two SiLUs as in ``_silu_bound`` (8 u of float32 relative, plus the exp clamp's tail); the
+    product of each side is rounded to float32 (u each) before the one rounding to ``dtype``.
+    In bfloat16 that leaves a difference of an ulp where a value lies on a rounding boundary;
+    in float32 a relative difference of about (D + 12) u."""
+    y = rms_norm(x, weight, 1e-6)  # the reference's weighted norm, rounded as it rounds it
+    d_y = rms_norm_bound(x, weight, y, x.shape[-1], dtype)
+    gf = gate.double()
+    silu = gf * torch.sigmoid(gf)
+    d_silu = silu.abs() * 8 * unit_roundoff(torch.float32) + gf.abs() * _EXP_CLAMP
+    yf = y.double().abs()
+    diff = silu.abs() * d_y + (yf + d_y) * d_silu
+    diff = diff + 2 * unit_roundoff(torch.float32) * (yf + d_y) * (silu.abs() + d_silu)
+    return rounded(diff, want, dtype)
+
+
+def _gated_inputs(
+    dtype: torch.dtype, tokens: int, heads: int, dim: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x and gate [tokens, heads, dim], sections of one wider projection (a token's row is
+    longer than its heads, as the layer's ``z`` is), and a weight near one."""
+    g = torch.Generator().manual_seed(seed)
+    width = heads * dim
+    projection = (torch.randn(tokens, 3 * width + 5, generator=g) * 3).to(dtype)
+    x = projection[:, 5 : 5 + width].view(tokens, heads, dim)
+    gate = projection[:, 2 * width + 5 :].view(tokens, heads, dim)
+    weight = (1 + 0.1 * torch.randn(dim, generator=g)).to(dtype)
+    return x, gate, weight
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+# 1024 tokens of 8 x 64 are enough elements for the kernel to share rows among threads.
+@pytest.mark.parametrize("tokens", [1, 7, 64, 1024])
+def test_gated_rms_norm_reads_strided_sections_of_a_projection(
+    dtype: torch.dtype, tokens: int
+) -> None:
+    """Qwen3.5's gated norm of [T, H, D] views (token rows wider than their heads)."""
+    kernels = native_elementwise()
+    assert kernels is not None
+    x, gate, weight = _gated_inputs(dtype, tokens, 8, 64, seed=tokens)
+    assert tokens == 1 or (x.stride(0) > 8 * 64 and gate.stride(0) > 8 * 64)
+    want = rms_norm_gated(x, gate, weight, 1e-6)
+    got = kernels.rms_norm_gated(x, gate, weight, 1e-6)
+    assert got.shape == want.shape and got.is_contiguous()
+    within(got, want, gated_bound(x, gate, weight, want, dtype))
+    _mostly_identical(got, want)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [65, 128])  # an odd size takes the loops' remainders
+def test_gated_rms_norm_of_strided_rows(dtype: torch.dtype, dim: int) -> None:
+    """[N, D] rows at a stride above D (one head per row), a row as small as eps, and the
+    tails of the SiLU, where exp over- or underflows."""
+    kernels = native_elementwise()
+    assert kernels is not None
+    x, gate, weight = _gated_inputs(dtype, 37, 1, dim, seed=dim)
+    x, gate = x.squeeze(1), gate.squeeze(1)
+    assert x.stride(0) > dim and gate.stride(0) > dim
+    gate[0, :4] = torch.tensor([-200.0, -30.0, 30.0, 200.0], dtype=dtype)
+    x[1] *= 1e-3  # mean(x^2) near eps: a row whose scale eps sets
+    want = rms_norm_gated(x, gate, weight, 1e-6)
+    got = kernels.rms_norm_gated(x, gate, weight, 1e-6)
+    within(got, want, gated_bound(x, gate, weight, want, dtype))
+    _mostly_identical(got, want)
+    with pytest.raises(ValueError, match="not shaped as x"):
+        kernels.rms_norm_gated(x, gate[:, :-1], weight, 1e-6)
+
+
 @needs_native
 def test_the_registry_picks_the_fused_kernel_where_it_handles_the_dtype() -> None:
     handle: KernelHandle[torch.Tensor] = KernelHandle(
@@ -190,6 +270,8 @@ def test_the_registry_picks_the_fused_kernel_where_it_handles_the_dtype() -> Non
     assert handle.choose(("torch_npu", "triton"), torch.bfloat16) is rms_norm
     gelu = handles.gated_activation("gelu")
     assert gelu.choose(("cpu",), torch.float32) is gelu.impl
+    gated = handles.rms_norm_gated()
+    assert gated.choose(("cpu",), torch.bfloat16) != rms_norm_gated
 
 
 def test_without_a_compiler_the_layers_run_op_by_op(

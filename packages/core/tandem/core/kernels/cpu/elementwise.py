@@ -1,7 +1,8 @@
 """The fused elementwise CPU kernels (``csrc/elementwise.cpp``): residual add + RMSNorm, q/k
-RMSNorm + rotary in place, gated SiLU. Built on first use (see ``native_build``), loaded with
-ctypes; each has the signature of the torch reference it replaces, so the kernel registry can
-hand either to a layer. None where the library cannot be had (logged once per process)."""
+RMSNorm + rotary in place, gated SiLU, gated RMSNorm. Built on first use (see
+``native_build``), loaded with ctypes; each has the signature of the torch reference it
+replaces, so the kernel registry can hand either to a layer. None where the library cannot be
+had (logged once per process)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,15 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
+def _head_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``t`` as [tokens, heads, last], each token's heads back to back with a contiguous last
+    dimension, tokens at any stride (a view when possible)."""
+    rows = t.reshape(-1, heads, t.shape[-1])
+    if rows.stride(2) == 1 and (heads == 1 or rows.stride(1) == rows.shape[2]):
+        return rows
+    return rows.contiguous()
+
+
 class NativeElementwise:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -62,6 +72,9 @@ class NativeElementwise:
             lib.tandem_qk_norm_rotary, [_vp] * 7 + [_i64] * 7 + [_f32, _i32, _i32]
         )
         self._silu = c_function(lib.tandem_silu_mul, [_vp] * 2 + [_i64] * 4 + [_i32, _i32])
+        self._gated = c_function(
+            lib.tandem_rms_norm_gated, [_vp] * 4 + [_i64] * 5 + [_f32, _i32, _i32]
+        )
 
     @staticmethod
     def handles(dtype: torch.dtype) -> bool:
@@ -99,6 +112,26 @@ class NativeElementwise:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``add_rms_norm`` with the zero-centred norm."""
         return self._with_residual(x, residual, weight, eps, centered=True)
+
+    def rms_norm_gated(
+        self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """Qwen3.5's gated RMSNorm of ``x`` [..., D] times ``silu(gate)`` (gate shaped as x).
+        A [T, H, D] view whose heads lie back to back in each token's row (the layer's
+        ``z``, a section of a wider projection) is read in place."""
+        if gate.shape != x.shape:
+            raise ValueError(f"gate {tuple(gate.shape)} is not shaped as x {tuple(x.shape)}")
+        heads = x.shape[-2] if x.dim() > 2 else 1
+        xs, gates = _head_rows(x, heads), _head_rows(gate, heads)
+        out = torch.empty(xs.shape, dtype=x.dtype)
+        weight = weight.contiguous()
+        code = self._gated(
+            out.data_ptr(), xs.data_ptr(), gates.data_ptr(), weight.data_ptr(), xs.shape[0],
+            heads, xs.shape[2], xs.stride(0), gates.stride(0), eps, _DTYPES[x.dtype],
+            torch.get_num_threads(),
+        )  # fmt: skip
+        self._check(code, "gated RMSNorm")
+        return out.view(x.shape)
 
     def _with_residual(
         self,

@@ -1,5 +1,6 @@
 // Fused elementwise kernels of the decoder layers on CPU: a residual add with the RMSNorm that
-// follows it, q/k RMSNorm with the rotary embedding (in place), and the gated SiLU.
+// follows it, q/k RMSNorm with the rotary embedding (in place), the gated SiLU, and the gated
+// RMSNorm of Qwen3.5's linear-attention output.
 //
 // Why: done op by op in torch, a decoder layer runs about sixty small ops per step (each a
 // dispatch, an allocation, and on two threads a parallel region costing more than the
@@ -294,6 +295,41 @@ void silu_mul(T* out, const T* gate_up, int64_t rows, int64_t inter, int64_t in_
   }
 }
 
+// Qwen3.5's gated RMSNorm of the Gated DeltaNet output, one head of `dim` values per row:
+// out = round(round(w * round(x * inv)) * silu(gate)), the normalised value rounded to the
+// input dtype before the weight and the weighted value rounded again (a multiply in that
+// dtype, as the reference's), the gate product taken in float and rounded once. SiLU through
+// fast_exp, as silu_mul. Each token's row holds `heads` rows of `dim` back to back, so x and
+// gate can be [tokens, heads, dim] views of wider projections (token strides x_stride and
+// gate_stride); out is contiguous.
+template <typename T>
+void rms_norm_gated(T* out, const T* x, const T* gate, const T* weight, int64_t tokens,
+                    int64_t heads, int64_t dim, int64_t x_stride, int64_t gate_stride,
+                    float eps, int threads) {
+  const int64_t rows = tokens * heads;
+#pragma omp parallel for num_threads(threads_for(rows * dim, threads, kParallelExpElements)) \
+    schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = r / heads, j = r % heads;
+    const T* xr = x + t * x_stride + j * dim;
+    const T* gr = gate + t * gate_stride + j * dim;
+    T* o = out + r * dim;
+    float sumsq = 0.f;
+#pragma omp simd reduction(+ : sumsq)
+    for (int64_t i = 0; i < dim; ++i) {
+      const float h = load<T>(xr, i);
+      sumsq += h * h;
+    }
+    const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(dim) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) {
+      const float weighted = stored<T>(load<T>(weight, i) * stored<T>(load<T>(xr, i) * inv));
+      const float g = load<T>(gr, i);
+      store<T>(o, i, weighted * (g / (1.f + fast_exp(-g))));
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -354,6 +390,24 @@ int tandem_qk_norm_rotary(void* q, void* k, const void* q_weight, const void* k_
         static_cast<const uint16_t*>(cos_table), static_cast<const uint16_t*>(sin_table),
         positions, tokens, q_heads, k_heads, head_dim, q_stride, k_stride, table_stride, eps,
         threads);
+  } else {
+    return 1;
+  }
+  return 0;
+}
+
+int tandem_rms_norm_gated(void* out, const void* x, const void* gate, const void* weight,
+                          int64_t tokens, int64_t heads, int64_t dim, int64_t x_stride,
+                          int64_t gate_stride, float eps, int32_t dtype, int32_t threads) {
+  if (dtype == 0) {
+    rms_norm_gated<float>(static_cast<float*>(out), static_cast<const float*>(x),
+                          static_cast<const float*>(gate), static_cast<const float*>(weight),
+                          tokens, heads, dim, x_stride, gate_stride, eps, threads);
+  } else if (dtype == 1) {
+    rms_norm_gated<uint16_t>(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(x),
+                             static_cast<const uint16_t*>(gate),
+                             static_cast<const uint16_t*>(weight), tokens, heads, dim, x_stride,
+                             gate_stride, eps, threads);
   } else {
     return 1;
   }
