@@ -34,6 +34,7 @@ LINEAR_ATTENTION_KERNELS = (
     "chunk_gated_delta_rule",
     "recurrent_gated_delta_rule",
     "rms_norm_gated",
+    "gdn_gating",
 )
 PROMPTS = [[5, 17, 300, 42, 9, 100, 7], [3, 9, 27, 81, 243, 11, 33, 99, 297, 2, 6, 18, 54]]
 PARAMS = SamplingParams.greedy(max_tokens=24, ignore_eos=True)

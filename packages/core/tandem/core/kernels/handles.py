@@ -178,6 +178,13 @@ def recurrent_gated_delta_verify() -> KernelHandle[torch.Tensor]:
     return KernelHandle("recurrent_gated_delta_verify", verify_ref.delta_verify, native)
 
 
+def gdn_gating() -> KernelHandle[Pair]:
+    """Gated DeltaNet's gates (g, beta) of each token and value head; on CPU one native
+    call reading ``a`` and ``b`` in place instead of eight torch ops."""
+    native = native_elementwise_kernel("gdn_gating")
+    return KernelHandle("gdn_gating", delta_ref.gdn_gating, native)
+
+
 def chunk_gated_delta_rule() -> KernelHandle[torch.Tensor]:
     """The delta rule over prefill tokens: in chunks (the reference, Triton); on CPU the
     native recurrence, each sequence's tokens in order with its state in L1."""

@@ -29,7 +29,6 @@ copying that row into its slot before the next step.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.collectives import ProcessGroup
@@ -129,6 +128,7 @@ class GatedDeltaNet(nn.Module):
         self._delta_step = handles.recurrent_gated_delta_rule()
         self._conv_verify = handles.causal_conv1d_verify()
         self._delta_verify = handles.recurrent_gated_delta_verify()
+        self._gating = handles.gdn_gating()
 
     def load_weight(self, param: nn.Parameter, loaded: LazyTensor, name: str) -> None:
         """A_log and dt_bias: this rank's value heads."""
@@ -166,9 +166,8 @@ class GatedDeltaNet(nn.Module):
         q = q.view(num_tokens, self.num_k_heads, self.k_head_dim)
         k = k.view(num_tokens, self.num_k_heads, self.k_head_dim)
         v = v.view(num_tokens, self.num_v_heads, self.v_head_dim)
-        beta = b.sigmoid()
-        # In float32 whatever the model dtype: exp(A_log) overflows half precision.
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        # g in float32 whatever the model dtype: exp(A_log) overflows half precision.
+        g, beta = self._gating(a, b, self.A_log, self.dt_bias)
         core = self._delta(q, k, v, g, beta, lin)
         # z as [T, H, Dv], a view of the projection (the CPU kernel reads it in place).
         gate = z.view(num_tokens, self.num_v_heads, self.v_head_dim)

@@ -1,7 +1,7 @@
 """The fused CPU elementwise kernels against the torch reference they replace: residual add +
 RMSNorm, q/k RMSNorm + rotary in place (on strided views of a fused projection), gated SiLU,
-the gated RMSNorm (on strided views), in float32 and bfloat16, and the registry's choice
-between the two.
+the gated RMSNorm (on strided views), Gated DeltaNet's gates, in float32 and bfloat16, and
+the registry's choice between the two.
 
 Tolerances are bounds derived step by step in ``rounding.py``: the kernels round every
 intermediate where torch rounds it, and differ only in the order of a sum of squares and in
@@ -29,6 +29,7 @@ from tandem.core.kernels.reference.elementwise import (
     rms_norm_gated,
     rms_norm_zero_centered,
 )
+from tandem.core.kernels.reference.gated_delta_rule import gdn_gating
 
 from .rounding import (
     check_qk_norm_rotary_in_place,
@@ -260,6 +261,63 @@ def test_gated_rms_norm_of_strided_rows(dtype: torch.dtype, dim: int) -> None:
         kernels.rms_norm_gated(x, gate[:, :-1], weight, 1e-6)
 
 
+def gating_bounds(
+    a_log: torch.Tensor, want_g: torch.Tensor, b: torch.Tensor, want_beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """g = -exp(A_log) * softplus(a + dt_bias) in float32 on both sides (the sum a + dt_bias
+    is one float32 add, alike): exp(A_log) within an ulp (2 u) of exact on each side (the C
+    library's, torch's); exp(x) within 2 ulp (fast_exp) and 1 ulp (torch's), which log1p
+    carries over at most as they are (d log1p(e) / d e <= log1p(e) / e); the logs within 4
+    ulp (fast_log with Goldberg's quotient: its series, k ln 2 and the quotient's roundings)
+    and 1 ulp; the product rounded on each side: under 32 u relative. Where a + dt_bias is
+    below -87.3 fast_exp returns e^-87.3 < 2^-125 instead of less: |exp(A_log)| 2^-125
+    more. beta = sigmoid(b) as the gated SiLU's (8 u, the same clamp's tail 2^-126), rounded
+    to the dtype once."""
+    u = unit_roundoff(torch.float32)
+    decay = a_log.double().exp()
+    d_g = want_g.double().abs() * 32 * u + decay * 2.0**-125
+    sigmoid = torch.sigmoid(b.double())
+    d_beta = rounded(sigmoid * 8 * u + 2.0**-126, want_beta, want_beta.dtype)
+    return d_g, d_beta
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+# 8,192 tokens of 8 heads are enough elements for the kernel to share blocks among threads.
+@pytest.mark.parametrize("tokens", [1, 7, 48, 1024, 8192])
+def test_gdn_gating_reads_the_columns_of_a_projection(dtype: torch.dtype, tokens: int) -> None:
+    """(g, beta) from b and a, the two halves of one [T, 2H] projection, over the range
+    of the softplus (past its threshold 20, and far enough below zero that exp underflows)."""
+    kernels = native_elementwise()
+    assert kernels is not None
+    g = torch.Generator().manual_seed(tokens)
+    heads = 8
+    ba = (torch.randn(tokens, 2 * heads, generator=g) * 8).to(dtype)
+    tails = torch.tensor([-200.0, -95.0, -87.5, -30.0, 0.0, 19.9, 20.5, 90.0])
+    ba[0] = torch.cat((-tails, tails))  # beta's tails in b, the softplus's in a
+    b, a = torch.split(ba, [heads, heads], dim=-1)
+    a_log = torch.linspace(-2.0, 4.0, heads).to(dtype)
+    dt_bias = torch.randn(heads, generator=g).to(dtype)
+    want_g, want_beta = gdn_gating(a, b, a_log, dt_bias)
+    got_g, got_beta = kernels.gdn_gating(a, b, a_log, dt_bias)
+    assert got_g.dtype is torch.float32 and got_beta.dtype is dtype
+    d_g, d_beta = gating_bounds(a_log, want_g, b, want_beta)
+    within(got_g, want_g, d_g)
+    within(got_beta, want_beta, d_beta)
+    _mostly_identical(got_beta, want_beta)
+
+
+@needs_native
+def test_gdn_gating_refuses_mismatched_arguments() -> None:
+    kernels = native_elementwise()
+    assert kernels is not None
+    a, b, heads = torch.randn(4, 8), torch.randn(4, 8), torch.zeros(8)
+    with pytest.raises(ValueError, match="share a dtype"):
+        kernels.gdn_gating(a, b, heads.bfloat16(), heads)
+    with pytest.raises(ValueError, match=r"\[T, H\]"):
+        kernels.gdn_gating(a, b[:, :4], heads, heads)
+
+
 @needs_native
 def test_the_registry_picks_the_fused_kernel_where_it_handles_the_dtype() -> None:
     handle: KernelHandle[torch.Tensor] = KernelHandle(
@@ -272,6 +330,8 @@ def test_the_registry_picks_the_fused_kernel_where_it_handles_the_dtype() -> Non
     assert gelu.choose(("cpu",), torch.float32) is gelu.impl
     gated = handles.rms_norm_gated()
     assert gated.choose(("cpu",), torch.bfloat16) != rms_norm_gated
+    gating = handles.gdn_gating()
+    assert gating.choose(("cpu",), torch.bfloat16) != gdn_gating
 
 
 def test_without_a_compiler_the_layers_run_op_by_op(

@@ -337,5 +337,6 @@ def test_the_linear_attention_kernels_resolve_through_the_process_registry() -> 
         "chunk_gated_delta_rule",
         "recurrent_gated_delta_rule",
         "rms_norm_gated",
+        "gdn_gating",
     ):
         assert registry.lookup(KernelKey(name, Device("cpu", 0), "torch.float32")) is not None

@@ -1,8 +1,8 @@
 """The fused elementwise CPU kernels (``csrc/elementwise.cpp``): residual add + RMSNorm, q/k
-RMSNorm + rotary in place, gated SiLU, gated RMSNorm. Built on first use (see
-``native_build``), loaded with ctypes; each has the signature of the torch reference it
-replaces, so the kernel registry can hand either to a layer. None where the library cannot be
-had (logged once per process)."""
+RMSNorm + rotary in place, gated SiLU, gated RMSNorm, Gated DeltaNet's gates. Built on first
+use (see ``native_build``), loaded with ctypes; each has the signature of the torch reference
+it replaces, so the kernel registry can hand either to a layer. None where the library cannot
+be had (logged once per process)."""
 
 from __future__ import annotations
 
@@ -75,6 +75,7 @@ class NativeElementwise:
         self._gated = c_function(
             lib.tandem_rms_norm_gated, [_vp] * 4 + [_i64] * 5 + [_f32, _i32, _i32]
         )
+        self._gating = c_function(lib.tandem_gdn_gating, [_vp] * 6 + [_i64] * 4 + [_i32, _i32])
 
     @staticmethod
     def handles(dtype: torch.dtype) -> bool:
@@ -132,6 +133,30 @@ class NativeElementwise:
         )  # fmt: skip
         self._check(code, "gated RMSNorm")
         return out.view(x.shape)
+
+    def gdn_gating(
+        self, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gated DeltaNet's (g, beta) from ``a`` and ``b`` [T, H] (columns of one projection,
+        read in place), ``a_log`` and ``dt_bias`` [H] in their dtype: g float32, beta in
+        the dtype of ``b``."""
+        if not (a.dtype == b.dtype == a_log.dtype == dt_bias.dtype):
+            raise ValueError("a, b, A_log and dt_bias must share a dtype")
+        heads = a.shape[1:]
+        if a.dim() != 2 or b.shape != a.shape or a_log.shape != heads or dt_bias.shape != heads:
+            raise ValueError("a and b must be [T, H], A_log and dt_bias [H]")
+        a = a if a.stride(1) == 1 else a.contiguous()
+        b = b if b.stride(1) == 1 else b.contiguous()
+        a_log, dt_bias = a_log.contiguous(), dt_bias.contiguous()
+        g = torch.empty(a.shape, dtype=torch.float32)
+        beta = torch.empty(a.shape, dtype=b.dtype)
+        code = self._gating(
+            g.data_ptr(), beta.data_ptr(), a.data_ptr(), b.data_ptr(), a_log.data_ptr(),
+            dt_bias.data_ptr(), a.shape[0], a.shape[1], a.stride(0), b.stride(0),
+            _DTYPES[a.dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        self._check(code, "Gated DeltaNet gating")
+        return g, beta
 
     def _with_residual(
         self,

@@ -17,8 +17,20 @@ one-step recurrence, batched over sequences. Both compute in float32.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tandem.core.kernels.linear_attention_metadata import LinearAttentionMetadata
+
+
+def gdn_gating(
+    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gates of each token and value head from ``a`` and ``b`` [T, H]: the decay
+    ``g = -exp(A_log) * softplus(a + dt_bias)``, float32 whatever the model dtype (exp(A_log)
+    overflows half precision), and ``beta = sigmoid(b)`` in the model dtype."""
+    beta = b.sigmoid()
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, beta
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

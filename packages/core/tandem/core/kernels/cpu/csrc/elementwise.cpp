@@ -1,6 +1,6 @@
 // Fused elementwise kernels of the decoder layers on CPU: a residual add with the RMSNorm that
-// follows it, q/k RMSNorm with the rotary embedding (in place), the gated SiLU, and the gated
-// RMSNorm of Qwen3.5's linear-attention output.
+// follows it, q/k RMSNorm with the rotary embedding (in place), the gated SiLU, and Qwen3.5's
+// linear-attention gates and the gated RMSNorm of its output.
 //
 // Why: done op by op in torch, a decoder layer runs about sixty small ops per step (each a
 // dispatch, an allocation, and on two threads a parallel region costing more than the
@@ -14,6 +14,7 @@
 // Plain C entry points (no torch headers); tensors arrive as pointers with row strides.
 // dtype: 0 = float32, 1 = bfloat16 (uint16 storage).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -330,6 +331,97 @@ void rms_norm_gated(T* out, const T* x, const T* gate, const T* weight, int64_t 
   }
 }
 
+// log(u) for finite u >= 1: u = m 2^k with m in [sqrt(1/2), sqrt(2)), log m = 2 atanh(s),
+// s = (m - 1) / (m + 1), |s| < 0.172, by its odd series to s^9 (truncation below 1e-8
+// relative), k ln 2 in two parts as fast_exp splits it. Written without calls, as fast_exp,
+// so that loops over rows vectorize; within a few ulp of logf.
+inline float fast_log(float u) {
+  int32_t bits;
+  std::memcpy(&bits, &u, sizeof(bits));
+  int32_t k = ((bits >> 23) & 0xFF) - 127;
+  const int32_t mantissa = (bits & 0x7FFFFF) | 0x3F800000;
+  float m;
+  std::memcpy(&m, &mantissa, sizeof(m));
+  const bool high = m > 1.41421356f;
+  m = high ? m * 0.5f : m;
+  k = high ? k + 1 : k;
+  const float s = (m - 1.f) / (m + 1.f);
+  const float s2 = s * s;
+  float p = 1.f / 9.f;
+  p = p * s2 + 1.f / 7.f;
+  p = p * s2 + 1.f / 5.f;
+  p = p * s2 + 1.f / 3.f;
+  p = p * s2 + 1.f;
+  const float kf = static_cast<float>(k);
+  return kf * 0.693145751953125f + (kf * 1.428606765330187045e-06f + 2.f * s * p);
+}
+
+// softplus(x) as torch computes it: x above the threshold 20, else log1p(exp(x)); log1p(e)
+// as log(1 + e) * e / ((1 + e) - 1), which cancels the rounding of 1 + e (Goldberg), and e
+// itself where 1 + e rounds to 1. Without selects between computed values (GCC turns those
+// into branches, and a loop with branches does not vectorize): the mask adds e where
+// log(1) * e is 0; and since log1p(exp(x)) > x, max(x, .) is log1p(exp(x)) up to (x, 20],
+// where the two agree to its last place, and x beyond, where exp(20) caps the other.
+constexpr float kSoftplusThreshold = 20.f;
+
+inline float softplus(float x) {
+  const float e = fast_exp(x < kSoftplusThreshold ? x : kSoftplusThreshold);
+  const float u = 1.f + e;
+  const float d = u - 1.f;
+  const float ratio = e / (d == 0.f ? 1.f : d);
+  const float log1p = fast_log(u) * ratio + static_cast<float>(d == 0.f) * e;
+  return std::max(x, log1p);
+}
+
+// Gated DeltaNet's gates per (token, value head): beta = sigmoid(b) in the input dtype, and
+// the decay g = -exp(A_log) * softplus(a + dt_bias) in float32 (exp(A_log) overflows half
+// precision), each step in float as the reference's torch ops round them. exp(A_log) is the
+// C library's (once per head); the per-element exps and logs are fast_exp and fast_log.
+// a and b are [tokens, heads] columns of one projection (token strides a_stride and
+// b_stride); g and beta are contiguous. A model has a few heads per rank, too few for a
+// vector: each block of the flattened [tokens * heads] is gathered first, then computed
+// as one vectorized run.
+constexpr int64_t kMaxGatingHeads = 4096;
+constexpr int64_t kGatingBlock = 256;
+
+template <typename T>
+void gdn_gating(float* g, T* beta, const T* a, const T* b, const T* a_log, const T* dt_bias,
+                int64_t tokens, int64_t heads, int64_t a_stride, int64_t b_stride,
+                int threads) {
+  float decay[kMaxGatingHeads];
+  float bias[kMaxGatingHeads];
+  for (int64_t j = 0; j < heads; ++j) {
+    decay[j] = -std::exp(load<T>(a_log, j));
+    bias[j] = load<T>(dt_bias, j);
+  }
+  const int64_t total = tokens * heads;
+  const int64_t blocks = (total + kGatingBlock - 1) / kGatingBlock;
+#pragma omp parallel for num_threads(threads_for(total, threads, kParallelExpElements)) \
+    schedule(static)
+  for (int64_t block = 0; block < blocks; ++block) {
+    const int64_t first = block * kGatingBlock;
+    const int64_t n = total - first < kGatingBlock ? total - first : kGatingBlock;
+    float xa[kGatingBlock], xb[kGatingBlock], scale[kGatingBlock];
+    int64_t t = first / heads, j = first % heads;
+    for (int64_t i = 0; i < n; ++i) {
+      xa[i] = load<T>(a, t * a_stride + j) + bias[j];
+      xb[i] = load<T>(b, t * b_stride + j);
+      scale[i] = decay[j];
+      if (++j == heads) {
+        j = 0;
+        ++t;
+      }
+    }
+    float* gb = g + first;
+    T* betab = beta + first;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      gb[i] = scale[i] * softplus(xa[i]);
+      store<T>(betab, i, 1.f / (1.f + fast_exp(-xb[i])));
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -408,6 +500,27 @@ int tandem_rms_norm_gated(void* out, const void* x, const void* gate, const void
                              static_cast<const uint16_t*>(gate),
                              static_cast<const uint16_t*>(weight), tokens, heads, dim, x_stride,
                              gate_stride, eps, threads);
+  } else {
+    return 1;
+  }
+  return 0;
+}
+
+// Codes: 0 ok, 1 unsupported dtype, 2 more heads than kMaxGatingHeads.
+int tandem_gdn_gating(float* g, void* beta, const void* a, const void* b, const void* a_log,
+                      const void* dt_bias, int64_t tokens, int64_t heads, int64_t a_stride,
+                      int64_t b_stride, int32_t dtype, int32_t threads) {
+  if (heads > kMaxGatingHeads) return 2;
+  if (dtype == 0) {
+    gdn_gating<float>(g, static_cast<float*>(beta), static_cast<const float*>(a),
+                      static_cast<const float*>(b), static_cast<const float*>(a_log),
+                      static_cast<const float*>(dt_bias), tokens, heads, a_stride, b_stride,
+                      threads);
+  } else if (dtype == 1) {
+    gdn_gating<uint16_t>(g, static_cast<uint16_t*>(beta), static_cast<const uint16_t*>(a),
+                         static_cast<const uint16_t*>(b), static_cast<const uint16_t*>(a_log),
+                         static_cast<const uint16_t*>(dt_bias), tokens, heads, a_stride,
+                         b_stride, threads);
   } else {
     return 1;
   }
