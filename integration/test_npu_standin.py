@@ -33,7 +33,8 @@ CASES = [
     ("llm", "bfloat16", ["paged_decode", "paged_prefill", "write_kv_cache", "qk_norm_rotary",
                          "add_rms_norm", "gated_silu"], []),
     ("qwen3_5", "float32", ["gated_silu"], ["chunk_gated_delta_rule", "recurrent_gated_delta_rule",
-                                          "causal_conv1d_prefill", "rms_norm_gated"]),
+                                          "causal_conv1d_prefill", "rms_norm_gated",
+                                          "gdn_gating"]),
     ("qwen3_moe", "bfloat16", ["fused_moe", "topk_softmax", "paged_decode"], []),
 ]  # fmt: skip
 

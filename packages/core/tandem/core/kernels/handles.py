@@ -179,10 +179,12 @@ def recurrent_gated_delta_verify() -> KernelHandle[torch.Tensor]:
 
 
 def gdn_gating() -> KernelHandle[Pair]:
-    """Gated DeltaNet's gates (g, beta) of each token and value head; on CPU one native
-    call reading ``a`` and ``b`` in place instead of eight torch ops."""
+    """Gated DeltaNet's gates (g, beta) of each token and value head: one kernel (native on
+    CPU, Triton's on the accelerators) reading ``a`` and ``b`` in place instead of eight
+    torch ops."""
     native = native_elementwise_kernel("gdn_gating")
-    return KernelHandle("gdn_gating", delta_ref.gdn_gating, native)
+    triton = triton_kernel("gdn_gating", "gdn_gating")
+    return KernelHandle("gdn_gating", delta_ref.gdn_gating, native, triton=triton)
 
 
 def chunk_gated_delta_rule() -> KernelHandle[torch.Tensor]:

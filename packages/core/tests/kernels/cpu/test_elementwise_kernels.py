@@ -31,6 +31,7 @@ from tandem.core.kernels.reference.elementwise import (
 )
 from tandem.core.kernels.reference.gated_delta_rule import gdn_gating
 
+from ..gating import gating_inputs
 from .rounding import (
     check_qk_norm_rotary_in_place,
     mostly_identical,
@@ -290,14 +291,9 @@ def test_gdn_gating_reads_the_columns_of_a_projection(dtype: torch.dtype, tokens
     of the softplus (past its threshold 20, and far enough below zero that exp underflows)."""
     kernels = native_elementwise()
     assert kernels is not None
-    g = torch.Generator().manual_seed(tokens)
-    heads = 8
-    ba = (torch.randn(tokens, 2 * heads, generator=g) * 8).to(dtype)
-    tails = torch.tensor([-200.0, -95.0, -87.5, -30.0, 0.0, 19.9, 20.5, 90.0])
-    ba[0] = torch.cat((-tails, tails))  # beta's tails in b, the softplus's in a
-    b, a = torch.split(ba, [heads, heads], dim=-1)
-    a_log = torch.linspace(-2.0, 4.0, heads).to(dtype)
-    dt_bias = torch.randn(heads, generator=g).to(dtype)
+    # -87.5: below where fast_exp clamps.
+    tails = [-200.0, -95.0, -87.5, -30.0, 0.0, 19.9, 20.5, 90.0]
+    b, a, a_log, dt_bias = gating_inputs(dtype, tokens, tails, seed=tokens)
     want_g, want_beta = gdn_gating(a, b, a_log, dt_bias)
     got_g, got_beta = kernels.gdn_gating(a, b, a_log, dt_bias)
     assert got_g.dtype is torch.float32 and got_beta.dtype is dtype
