@@ -104,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if (args.logprobs is not None or args.prompt_logprobs is not None) and not args.json:
+        print("error: --logprobs and --prompt-logprobs are printed with --json", file=sys.stderr)
+        return 2
     prompts: list[Prompt] = args.prompts or []
     if not prompts and args.node_rank == 0:
         print("error: give at least one --prompt TEXT or --prompt-token-ids 1,2,3", file=sys.stderr)
