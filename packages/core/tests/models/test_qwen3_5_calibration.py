@@ -1,9 +1,9 @@
-"""GPTQ calibration (``calibration.py``) of the Qwen3.5 family: statistics for every
-projection the 4-bit scheme quantizes (the Gated DeltaNet's and the shared expert's too), equal
-to the inputs transformers' own model feeds those projections; found by the writer whether the
-checkpoint keeps its layers under ``model.layers`` or a composite's
-``model.language_model.layers``; and what still falls back to round to nearest (the routed
-experts) named in the log."""
+"""GPTQ calibration (``calibration.py``) of the Qwen3.5 family and Qwen3-MoE: statistics for
+every projection the 4-bit scheme quantizes (the Gated DeltaNet's, the shared expert's and each
+routed expert's too), equal to the inputs transformers' own model feeds those projections;
+found by the writer whether the checkpoint keeps its layers under ``model.layers`` or a
+composite's ``model.language_model.layers``; and what still falls back to round to nearest (a
+projection without statistics, an expert no token was routed to) named in the log."""
 
 from __future__ import annotations
 
@@ -41,10 +41,34 @@ def _reference_sums(model: Any) -> dict[str, torch.Tensor]:
         key = layer_module(f"{name}.weight")
         return lambda module, args: record(key, args[0])
 
+    def expert_recorder(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
+        """The routed experts' inputs, recomputed from the router's choice transformers
+        passes them: each expert's rows, and act(gate) * up of them."""
+        key = layer_module(f"{name}.weight")
+
+        def hook(experts: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            x, top_k_index = args[0], args[1]
+            gate_up_proj = experts.get_parameter("gate_up_proj")
+            act = experts.get_submodule("act_fn")
+            for e in range(gate_up_proj.shape[0]):
+                rows = x[(top_k_index == e).any(-1)]
+                if rows.shape[0]:
+                    gate, up = (rows @ gate_up_proj[e].t()).chunk(2, dim=-1)
+                    record(f"{key}.{e}.gate_proj", rows)
+                    record(f"{key}.{e}.up_proj", rows)
+                    record(f"{key}.{e}.down_proj", act(gate) * up)
+
+        return hook
+
     hooks = [
         module.register_forward_pre_hook(recorder(name))
         for name, module in model.named_modules()
         if isinstance(module, nn.Linear) and PROJECTION_WEIGHT.match(f"{name}.weight")
+    ]
+    hooks += [
+        module.register_forward_pre_hook(expert_recorder(name))
+        for name, module in model.named_modules()
+        if name.endswith(".mlp.experts")
     ]
     with torch.no_grad():
         for sample in SAMPLES:
@@ -56,14 +80,24 @@ def _reference_sums(model: Any) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     "architecture",
-    ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration"],
+    [
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3MoeForCausalLM",
+    ],
 )
 def test_statistics_are_the_inputs_of_every_projection(
     architecture: str, hf_model: HfFactory
 ) -> None:
     folder, model = hf_model(architecture)
     expected = _reference_sums(model)
-    assert any(".linear_attn." in name for name in expected)
+    if architecture.startswith("Qwen3_5"):
+        assert any(".linear_attn." in name for name in expected)
+    if "Moe" in architecture:
+        # Every expert's three projections, where some token was routed to it.
+        routed = [name for name in expected if ".mlp.experts." in name]
+        assert len(routed) >= 3 * 4 and len(routed) % 3 == 0
     got = collect_hessians(folder, SAMPLES)
     assert sorted(got) == sorted(expected)
     for name, total in expected.items():
@@ -92,15 +126,50 @@ def test_a_composite_checkpoint_is_quantized_with_its_statistics(
 def test_what_is_rounded_to_nearest_is_named_in_one_line(
     hf_model: HfFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A mixture-of-experts model's routed experts get no statistics, nor does a projection
-    whose statistics are missing: both are named."""
+    """A projection whose statistics are missing is named; routed experts are GPTQ's but
+    those no token was routed to (no statistics), which are counted per layer; the rest of
+    the experts are not named."""
     folder, _ = hf_model("Qwen3_5MoeForCausalLM")
     hessians = collect_hessians(folder, SAMPLES)
     missing = "model.layers.0.linear_attn.out_proj"
     del hessians[missing]
+    unrouted = [f"model.layers.1.mlp.experts.{e}" for e in (2, 5)]
+    for expert in unrouted:
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            hessians.pop(f"{expert}.{part}", None)
     with caplog.at_level(logging.WARNING, logger=WRITER_LOG):
         write_w4a16(folder, tmp_path / "gptq", group_size=GROUP, hessians=hessians)
     lines = [r.getMessage() for r in caplog.records if "no calibration statistics" in r.message]
     assert len(lines) == 1
-    named = set(lines[0].rpartition(": ")[2].split(", "))
-    assert named == {missing, "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+    assert set(lines[0].rpartition(": ")[2].split(", ")) == {missing}
+    lines = [r.getMessage() for r in caplog.records if "routed to some experts" in r.message]
+    assert len(lines) == 1
+    assert lines[0].rpartition(": ")[2] == "model.layers.1.mlp.experts 2 of 8"
+
+    write_w4a16(folder, tmp_path / "rtn", group_size=GROUP)
+    gptq, rtn = read_tensors(tmp_path / "gptq"), read_tensors(tmp_path / "rtn")
+    experts = [name for name in gptq if ".mlp.experts." in name and name.endswith(".qweight")]
+    assert len(experts) == 2 * 8 * 3
+    same = {name for name in experts if torch.equal(gptq[name], rtn[name])}
+    assert same == {
+        f"{e}.{p}.qweight" for e in unrouted for p in ("gate_proj", "up_proj", "down_proj")
+    }
+
+
+def test_an_expert_whose_statistics_are_zeros_is_rounded_to_nearest(
+    hf_model: HfFactory, tmp_path: Path
+) -> None:
+    """An all-zero Hessian (no input reached it) would make GPTQ zero every weight."""
+    folder, _ = hf_model("Qwen3MoeForCausalLM")
+    hessians = collect_hessians(folder, SAMPLES)
+    expert = "model.layers.0.mlp.experts.3"
+    for part in ("gate_proj", "up_proj", "down_proj"):
+        key = f"{expert}.{part}"
+        hessians[key] = torch.zeros_like(hessians[key])
+    write_w4a16(folder, tmp_path / "gptq", group_size=GROUP, hessians=hessians)
+    write_w4a16(folder, tmp_path / "rtn", group_size=GROUP)
+    gptq, rtn = read_tensors(tmp_path / "gptq"), read_tensors(tmp_path / "rtn")
+    for part in ("gate_proj", "up_proj", "down_proj"):
+        for tensor in ("qweight", "qzeros", "scales"):
+            name = f"{expert}.{part}.{tensor}"
+            assert torch.equal(gptq[name], rtn[name]), name

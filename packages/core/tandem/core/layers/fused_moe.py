@@ -123,6 +123,28 @@ class FusedMoeExperts(RoutedExperts):
             return grouped_fused_moe(x, kernel, w13, w2, topk_weights, topk_ids, self._act)
         return self._kernel(x, self.w13, self.w2, topk_weights, topk_ids, self.activation)
 
+    def routed_inputs(
+        self, x: torch.Tensor, topk_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What each expert's projections take, for calibration: the input rows of every
+        (token, chosen expert) pair grouped by expert [T k, H], how many rows each expert has
+        [E], and those rows' intermediate activations act(gate) * up [T k, I / tp], computed
+        as ``forward`` computes them (the routing weights apply after the down projection)."""
+        num_choices = topk_ids.shape[1]
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        rows = x.index_select(0, order // num_choices)
+        grouped = self._grouped
+        if grouped is not None:
+            kernel, w13, _ = grouped
+            offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64)
+            torch.cumsum(counts, 0, out=offsets[1:])
+            return rows, counts, self._act(kernel.grouped_matmul(rows, w13, offsets))
+        parts = torch.split(rows, counts.tolist())
+        gate_up = torch.cat([part @ self.w13[e].t() for e, part in enumerate(parts)])
+        return rows, counts, GATED_ACTIVATIONS[self.activation](gate_up)
+
     def pack(self, kernel: GroupedExpertKernel) -> bool:
         """Pack both projections for ``kernel``'s grouped calls, in place of the plain
         weights (the parameters then hold the packed layout, so the model's size counts

@@ -6,8 +6,14 @@ The fused layers that share an input share the statistics: q, k and v (``qkv_pro
 and up (``gate_up_proj``, a shared expert's too), and a Gated DeltaNet's qkv and z
 (``in_proj_qkvz``), b and a (``in_proj_ba``). Every layer's activations come from the float
 model (GPTQ with ``true_sequential`` re-runs each layer on its quantized predecessors'
-outputs instead; here the writer records ``true_sequential: false``). The routed experts of a
-mixture-of-experts layer get none (the writer rounds them to nearest and says so).
+outputs instead; here the writer records ``true_sequential: false``).
+
+The routed experts of a mixture-of-experts layer get theirs one by one: expert e's gate and up
+share the sum over the hidden states routed to it (a token counted once for each expert it
+chose; the routing weights scale the experts' outputs, not their inputs), its down projection
+the sum over the intermediate activations act(gate) * up it computed for them. An expert no
+calibration token was routed to gets none (the writer rounds it to nearest and says how many
+of each layer's experts did).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 
 from tandem.core import CacheConfig, EngineConfig, LLMEngine, ModelLoadConfig
 from tandem.core.executor.thread_executor import ThreadExecutor
+from tandem.core.layers.fused_moe import FusedMoeExperts
 from tandem.core.layers.quantized_linear import QuantizableLinear
 from tandem.core.llm.forward_input import ForwardInput, SamplerOutput
 from tandem.core.llm.model_runner import ModelRunner
@@ -44,6 +51,8 @@ _PARTS = {
     "mlp.shared_expert.down_proj": ("mlp.shared_expert.down_proj",),
 }
 _MODULE = re.compile(r"^layers\.(\d+)\.(" + "|".join(re.escape(m) for m in _PARTS) + r")$")
+# A layer's routed experts.
+_EXPERTS = re.compile(r"^layers\.(\d+)\.mlp\.experts$")
 
 
 def calibration_samples(model: Path, text: str, count: int, length: int) -> list[list[int]]:
@@ -60,7 +69,8 @@ def calibration_samples(model: Path, text: str, count: int, length: int) -> list
 def collect_hessians(model: Path, samples: list[list[int]]) -> dict[str, torch.Tensor]:
     """Sum of x x^T (float64 [K, K]) of each projection's inputs over every sample's tokens,
     keyed by the projection's checkpoint name without ``.weight``
-    (``model.layers.3.self_attn.q_proj``)."""
+    (``model.layers.3.self_attn.q_proj``, ``model.layers.3.mlp.experts.7.up_proj``); none
+    for a routed expert no sample's token was routed to."""
     longest = max(map(len, samples))
     engine = LLMEngine(
         EngineConfig(
@@ -75,14 +85,22 @@ def collect_hessians(model: Path, samples: list[list[int]]) -> dict[str, torch.T
         product = rows.t() @ rows
         sums[name] = sums[name] + product if name in sums else product
 
+    def accumulate_experts(layer: str, expert: int, x: torch.Tensor, hidden: torch.Tensor) -> None:
+        accumulate(f"model.layers.{layer}.mlp.experts.{expert}.gate_proj", x)
+        accumulate(f"model.layers.{layer}.mlp.experts.{expert}.down_proj", hidden)
+
     def install(worker: Worker[ForwardInput, SamplerOutput]) -> list[Callable[[], None]]:
         runner = worker.runner
         assert isinstance(runner, ModelRunner)
-        return [
-            _record_inputs(module, functools.partial(accumulate, name))
-            for name, module in runner.model.named_modules()
-            if _MODULE.match(name) and isinstance(module, QuantizableLinear)
-        ]
+        removers = []
+        for name, module in runner.model.named_modules():
+            if _MODULE.match(name) and isinstance(module, QuantizableLinear):
+                removers.append(_record_inputs(module, functools.partial(accumulate, name)))
+            experts = _EXPERTS.match(name)
+            if experts and isinstance(module, FusedMoeExperts):
+                record = functools.partial(accumulate_experts, experts.group(1))
+                removers.append(_record_expert_inputs(module, record))
+        return removers
 
     executor = engine.executor
     if not isinstance(executor, ThreadExecutor):
@@ -99,6 +117,11 @@ def collect_hessians(model: Path, samples: list[list[int]]) -> dict[str, torch.T
         engine.shutdown()
     out: dict[str, torch.Tensor] = {}
     for name, total in sums.items():
+        if name.startswith("model."):  # a routed expert's: gate and up share their input
+            out[name] = total
+            if name.endswith(".gate_proj"):
+                out[name.removesuffix("gate_proj") + "up_proj"] = total
+            continue
         match = _MODULE.match(name)
         assert match is not None
         for part in _PARTS[match.group(2)]:
@@ -123,5 +146,33 @@ def _record_inputs(
 
     def undo() -> None:
         del module.__dict__["matmul"]
+
+    return undo
+
+
+def _record_expert_inputs(
+    module: FusedMoeExperts, record: Callable[[int, torch.Tensor, torch.Tensor], None]
+) -> Callable[[], None]:
+    """Pass each expert's routed input rows and their intermediate activations to ``record``
+    (expert, rows [n, H], activations [n, I]) on every forward of ``module``, for the experts
+    that got rows; returns the undo."""
+    plain = module.forward
+
+    def forward(
+        x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        rows, counts, hidden = module.routed_inputs(x, topk_ids)
+        sizes = counts.tolist()
+        pairs = zip(torch.split(rows, sizes), torch.split(hidden, sizes), strict=True)
+        for expert, (r, h) in enumerate(pairs):
+            if r.shape[0]:
+                record(expert, r, h)
+        out: torch.Tensor = plain(x, topk_weights, topk_ids)
+        return out
+
+    module.__dict__["forward"] = forward
+
+    def undo() -> None:
+        del module.__dict__["forward"]
 
     return undo

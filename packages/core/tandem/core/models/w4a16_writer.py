@@ -11,7 +11,7 @@ format stores a zero point minus one in four bits, so an asymmetric zero point o
 with no negative weight) cannot be stored: it is raised to 1, at most one step of clipping at
 the group's top. Without calibration ``desc_act`` is false and ``g_idx`` the consecutive
 groups; with it (``tandem quantize --calibration``), GPTQ itself (``gptq_solver.py``), but for
-the modules without statistics (a mixture-of-experts model's routed experts), which are
+the modules without statistics (a routed expert no calibration token was routed to), which are
 rounded to nearest and listed in the log.
 
 A projection whose sizes the format cannot hold (inputs or outputs not a multiple of 8, inputs
@@ -227,24 +227,30 @@ def write_w4a16(
             group_size,
         )
 
-    # With calibration: the modules rounded to nearest all the same (in order, once each).
+    # With calibration: the projections rounded to nearest all the same (in order, once
+    # each), and each layer's routed experts rounded to nearest (no token was routed to them).
     uncalibrated: dict[str, None] = {}
+    unrouted: dict[str, set[str]] = {}
 
     def quantize(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        module = layer_module(name)
         if EXPERT_WEIGHT.match(name):
             if EXPERTS not in quantized:
                 return None
-            # The calibration statistics cover the projections, not the routed experts.
-            uncalibrated[layer_module(name).rsplit(".", 2)[0]] = None
-            return gptq_tensors(name, weight, group_size, sym)
-        match = PROJECTION_WEIGHT.match(name)
-        if match is None or match.group(1) not in quantized:
-            return None
+        else:
+            match = PROJECTION_WEIGHT.match(name)
+            if match is None or match.group(1) not in quantized:
+                return None
         if hessians is None:
             return gptq_tensors(name, weight, group_size, sym)
-        hessian = hessians.get(layer_module(name))
-        if hessian is None:
-            uncalibrated[layer_module(name)] = None
+        hessian = hessians.get(module)
+        # All zeros: no input ever reached it (GPTQ would zero every weight).
+        if hessian is None or not bool(torch.diagonal(hessian).any()):
+            if EXPERT_WEIGHT.match(name):
+                experts, expert, _ = module.rsplit(".", 2)
+                unrouted.setdefault(experts, set()).add(expert)
+            else:
+                uncalibrated[module] = None
             return gptq_tensors(name, weight, group_size, sym)
         codes, zeros, scales, g_idx = gptq_quantize(weight, hessian, group_size, sym, act_order)
         return packed_tensors(name, codes, zeros, scales, g_idx)
@@ -259,6 +265,15 @@ def write_w4a16(
             "of GPTQ: %s",
             len(uncalibrated),
             ", ".join(uncalibrated),
+        )
+    if hessians is not None and unrouted:
+        logger.warning(
+            "quantize: no calibration token was routed to some experts, rounded to nearest "
+            "instead of GPTQ: %s",
+            ", ".join(
+                f"{experts} {len(left)} of {layout.num_experts}"
+                for experts, left in unrouted.items()
+            ),
         )
     logger.info("quantize: wrote %s (%d weights 4-bit GPTQ, group size %d)", dst, count, group_size)
     return count
