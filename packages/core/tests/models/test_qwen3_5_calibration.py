@@ -173,3 +173,23 @@ def test_an_expert_whose_statistics_are_zeros_is_rounded_to_nearest(
         for tensor in ("qweight", "qzeros", "scales"):
             name = f"{expert}.{part}.{tensor}"
             assert torch.equal(gptq[name], rtn[name]), name
+
+
+def test_experts_too_large_to_hold_statistics_for_are_left_to_round_to_nearest(
+    hf_model: HfFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With less memory free than twice what the experts' sums take (per expert an [H, H]
+    and an [I, I] float64), the experts get none and a warning says why; every other
+    projection still gets its own. With just enough, they get theirs."""
+    folder, model = hf_model("Qwen3MoeForCausalLM")
+    config = model.config
+    moe_layers = sum(type(m).__name__.endswith("SparseMoeBlock") for m in model.modules())
+    hidden, inter = config.hidden_size, config.moe_intermediate_size
+    needed = moe_layers * config.num_experts * (hidden**2 + inter**2) * 8
+    with caplog.at_level(logging.WARNING, logger="tandem.core.models.calibration"):
+        starved = collect_hessians(folder, SAMPLES, free_bytes=lambda: 2 * needed - 1)
+    assert "the routed experts' statistics would take" in caplog.text
+    assert not [name for name in starved if ".mlp.experts." in name]
+    assert any(name.endswith(".self_attn.q_proj") for name in starved)
+    enough = collect_hessians(folder, SAMPLES, free_bytes=lambda: 2 * needed)
+    assert [name for name in enough if ".mlp.experts." in name]

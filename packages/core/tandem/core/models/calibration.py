@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -66,11 +67,25 @@ def calibration_samples(model: Path, text: str, count: int, length: int) -> list
     return samples
 
 
-def collect_hessians(model: Path, samples: list[list[int]]) -> dict[str, torch.Tensor]:
+def free_memory_bytes() -> int:
+    """Physical memory free now (what the routed experts' statistics may take half of)."""
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def expert_statistics_bytes(modules: list[FusedMoeExperts]) -> int:
+    """What the routed experts' sums take at most: per expert a [H, H] and an [I, I] float64."""
+    return sum(m.num_experts * (m.hidden_size**2 + m.local_size**2) * 8 for m in modules)
+
+
+def collect_hessians(
+    model: Path, samples: list[list[int]], free_bytes: Callable[[], int] = free_memory_bytes
+) -> dict[str, torch.Tensor]:
     """Sum of x x^T (float64 [K, K]) of each projection's inputs over every sample's tokens,
     keyed by the projection's checkpoint name without ``.weight``
     (``model.layers.3.self_attn.q_proj``, ``model.layers.3.mlp.experts.7.up_proj``); none
-    for a routed expert no sample's token was routed to."""
+    for a routed expert no sample's token was routed to, nor for any routed expert where
+    their sums would take more than half of ``free_bytes()`` (a large MoE's: Qwen3-30B-A3B's
+    take ~235 GB), which the writer then rounds to nearest."""
     longest = max(map(len, samples))
     engine = LLMEngine(
         EngineConfig(
@@ -93,11 +108,21 @@ def collect_hessians(model: Path, samples: list[list[int]]) -> dict[str, torch.T
         runner = worker.runner
         assert isinstance(runner, ModelRunner)
         removers = []
+        routed = [m for m in runner.model.modules() if isinstance(m, FusedMoeExperts)]
+        needed, free = expert_statistics_bytes(routed), free_bytes()
+        calibrate_experts = needed <= free // 2
+        if not calibrate_experts:
+            logger.warning(
+                "calibration: the routed experts' statistics would take %.1f GiB, more than "
+                "half of the %.1f GiB of memory free; their weights are rounded to nearest",
+                needed / 2**30,
+                free / 2**30,
+            )
         for name, module in runner.model.named_modules():
             if _MODULE.match(name) and isinstance(module, QuantizableLinear):
                 removers.append(_record_inputs(module, functools.partial(accumulate, name)))
             experts = _EXPERTS.match(name)
-            if experts and isinstance(module, FusedMoeExperts):
+            if calibrate_experts and experts and isinstance(module, FusedMoeExperts):
                 record = functools.partial(accumulate_experts, experts.group(1))
                 removers.append(_record_expert_inputs(module, record))
         return removers
