@@ -1,10 +1,12 @@
 """Our linear kernels (``kernels/cpu/native_linear``) against oneDNN on the same packed weights:
-the bench model's weight shapes, one shape at a time and all 33 weights of a forward pass
-in sequence (8 layers x qkv/o/gate_up/down, then the LM head), at the batch sizes given.
-The two sides run interleaved (A B A B), each figure the median of --rounds; oneDNN's
-side is what ``TANDEM_GEMM=onednn`` serves.
+the bench model's weight shapes, one shape at a time and all the weights of a forward pass
+in sequence (dense: 8 layers x qkv/o/gate_up/down, then the LM head; hybrid: the bench
+Qwen3.5's 9 Gated DeltaNet and 3 gated attention layers, each with its MLP), at the batch
+sizes given. The two sides run interleaved (A B A B), each figure the median of --rounds;
+oneDNN's side is what ``TANDEM_GEMM=onednn`` serves.
 
-    python benchmarks/linear_kernels.py [--dtype float32] [--rows 48 2048] [--rounds 6]
+    python benchmarks/linear_kernels.py [--model dense|hybrid] [--dtype float32]
+        [--rows 48 2048] [--rounds 6]
 """
 
 from __future__ import annotations
@@ -21,15 +23,35 @@ import torch
 from tandem.core.kernels.cpu.native_linear import AdoptedWeight
 from tandem.core.kernels.cpu.packed_linear import native_kernel
 
-# [out_features, in_features] of the bench model (`tandem make-demo-model --preset bench`).
-SHAPES = {
-    "qkv_proj": (2048, 1024),
-    "o_proj": (1024, 1024),
-    "gate_up_proj": (5632, 1024),
-    "down_proj": (1024, 2816),
-    "lm_head": (16384, 1024),
+# [out_features, in_features] of the bench models (`tandem make-demo-model --preset bench`,
+# and `--kind qwen3_5`: the Gated DeltaNet's in_proj_ba, 16 outputs, is left out, as our
+# kernel does not take it), and the weights of one forward pass.
+MODELS = {
+    "dense": (
+        {
+            "qkv_proj": (2048, 1024),
+            "o_proj": (1024, 1024),
+            "gate_up_proj": (5632, 1024),
+            "down_proj": (1024, 2816),
+            "lm_head": (16384, 1024),
+        },
+        [*(["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] * 8), "lm_head"],
+    ),
+    "hybrid": (
+        {
+            "in_proj_qkvz": (1536, 768),
+            "out_proj": (768, 512),
+            "qkv_proj": (2560, 768),
+            "o_proj": (768, 1024),
+            "gate_up_proj": (5120, 768),
+            "down_proj": (768, 2560),
+        },
+        [
+            *(["in_proj_qkvz", "out_proj", "gate_up_proj", "down_proj"] * 9),
+            *(["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] * 3),
+        ],
+    ),
 }
-FORWARD = [*(["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] * 8), "lm_head"]
 
 
 def _onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -68,11 +90,13 @@ def _interleaved_ms(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="dense")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--rows", type=int, nargs="+", default=[48, 2048])
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    shapes, forward = MODELS[args.model]
     kernel = native_kernel(dtype)
     if kernel is None:
         print(f"no native {args.dtype} linear kernel on this CPU: nothing to compare")
@@ -80,7 +104,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     packed: dict[str, torch.Tensor] = {}
     adopted: dict[str, AdoptedWeight] = {}
-    for name, (out_features, in_features) in SHAPES.items():
+    for name, (out_features, in_features) in shapes.items():
         weight = (torch.randn(out_features, in_features, generator=gen) * 0.02).to(dtype)
         packed[name] = torch.ops.mkldnn._reorder_linear_weight(weight, 128)
         taken = kernel.adopt(packed[name], out_features, in_features)
@@ -89,13 +113,13 @@ def main() -> int:
             return 1
         adopted[name] = taken
     print(f"{kernel.name} kernel against oneDNN, {args.dtype}, {torch.get_num_threads()} threads;")
-    print(f"ms per call (per forward for 'all 33'), median of {args.rounds} interleaved rounds")
+    print(f"ms per call (per forward for 'all N'), median of {args.rounds} interleaved rounds")
     header = f"{'rows':>5} {'weights':<14} {'oneDNN ms':>10} {'ours ms':>10}"
     print(f"{header} {'oneDNN GFLOP/s':>15} {'ours GFLOP/s':>13}")
     for rows in args.rows:
-        x = {name: torch.randn(rows, k, generator=gen).to(dtype) for name, (_, k) in SHAPES.items()}
-        cases: list[tuple[str, list[str], int]] = [(name, [name], 3) for name in SHAPES]
-        cases.append(("all 33", FORWARD, 1))
+        x = {name: torch.randn(rows, k, generator=gen).to(dtype) for name, (_, k) in shapes.items()}
+        cases: list[tuple[str, list[str], int]] = [(name, [name], 3) for name in shapes]
+        cases.append((f"all {len(forward)}", forward, 1))
         for label, names, repeats in cases:
             print(f"  {label} at {rows} rows ...", file=sys.stderr, flush=True)
             sides: dict[str, Callable[[], object]] = {
@@ -103,7 +127,7 @@ def main() -> int:
                 "ours": partial(_run_ours, names, x, adopted),
             }
             ms = _interleaved_ms(sides, args.rounds, repeats)
-            flops = sum(2 * rows * SHAPES[n][0] * SHAPES[n][1] for n in names)
+            flops = sum(2 * rows * shapes[n][0] * shapes[n][1] for n in names)
             print(
                 f"{rows:>5} {label:<14} {ms['onednn']:>10.2f} {ms['ours']:>10.2f} "
                 f"{flops / ms['onednn'] / 1e6:>15.0f} {flops / ms['ours'] / 1e6:>13.0f}"
