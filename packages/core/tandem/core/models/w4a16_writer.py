@@ -268,8 +268,8 @@ def write_w4a16(
         )
     if hessians is not None and unrouted:
         logger.warning(
-            "quantize: no calibration token was routed to some experts, rounded to nearest "
-            "instead of GPTQ: %s",
+            "quantize: no calibration token was routed to some experts (or their statistics "
+            "did not fit in memory), rounded to nearest instead of GPTQ: %s",
             ", ".join(
                 f"{experts} {len(left)} of {layout.num_experts}"
                 for experts, left in unrouted.items()
