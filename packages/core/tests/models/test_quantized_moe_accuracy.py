@@ -215,17 +215,13 @@ def hessians(moe: Path, config_for: Callable[..., object]) -> dict[str, torch.Te
     """Calibration statistics from 32 stories the float MoE tells itself (one seed each)."""
     engine = LLMEngine(config_for(moe, dtype="float32"))  # type: ignore[arg-type]
     try:
-        samples = [
-            [
-                1,
-                *engine.generate([[1]], SamplingParams(max_tokens=199, temperature=1.0, seed=seed))[
-                    0
-                ].token_ids,
-            ]
-            for seed in range(32)
-        ]
+        told = engine.generate(
+            [[1]] * 32,
+            [SamplingParams(max_tokens=199, temperature=1.0, seed=seed) for seed in range(32)],
+        )
     finally:
         engine.shutdown()
+    samples = [[1, *out.token_ids] for out in told]
     assert len({tuple(s) for s in samples}) == len(samples)
     return collect_hessians(moe, samples)
 
