@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from tandem.core.errors import ModelLoadError
 from tandem.core.kernels.reference.int4_packing import PACK
-from tandem.core.layers.quant_scheme import QuantScheme, W4A16Scheme, projection_scheme
+from tandem.core.layers.quant_scheme import EXPERTS, QuantScheme, W4A16Scheme, projection_scheme
+from tandem.core.models.qwen3_family_config import Qwen3FamilyConfig
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,18 @@ class ShardedProjection:
     projection: str
     split_inputs: int = 0
     output_sections: tuple[int, ...] = ()
+
+
+def feed_forward_shards(config: Qwen3FamilyConfig, layer: int) -> list[ShardedProjection]:
+    """The row-parallel projections of a Qwen3-family layer's feed-forward block: a dense
+    MLP's down projection, or the routed experts' and a shared expert's."""
+    if not config.moe_layers[layer]:
+        return [ShardedProjection(layer, "mlp.down_proj", split_inputs=config.intermediate_size)]
+    found = [ShardedProjection(layer, EXPERTS, split_inputs=config.moe_intermediate_size)]
+    shared = config.shared_expert_intermediate_size
+    if shared:
+        found.append(ShardedProjection(layer, "mlp.shared_expert.down_proj", split_inputs=shared))
+    return found
 
 
 def _ranks_that_fit(fits: Callable[[int], bool], ranks: int) -> str:

@@ -7,8 +7,7 @@ in the transformers model it loads), so quantized tensors there would load as ga
 from __future__ import annotations
 
 from tandem.core.errors import ModelLoadError
-from tandem.core.layers.quant_scheme import EXPERTS
-from tandem.core.models.int4_shard_check import ShardedProjection
+from tandem.core.models.int4_shard_check import ShardedProjection, feed_forward_shards
 from tandem.core.models.qwen3_family_config import LINEAR_ATTENTION, Qwen3FamilyConfig
 
 # The tensors a quantized linear layer stores beside or instead of its float weight
@@ -44,15 +43,7 @@ def sharded_projections(config: Qwen3FamilyConfig) -> list[ShardedProjection]:
             ]
         else:
             found.append(ShardedProjection(i, "self_attn.o_proj", split_inputs=attention_out))
-        if not config.moe_layers[i]:
-            found.append(
-                ShardedProjection(i, "mlp.down_proj", split_inputs=config.intermediate_size)
-            )
-            continue
-        found.append(ShardedProjection(i, EXPERTS, split_inputs=config.moe_intermediate_size))
-        shared = config.shared_expert_intermediate_size
-        if shared:
-            found.append(ShardedProjection(i, "mlp.shared_expert.down_proj", split_inputs=shared))
+        found += feed_forward_shards(config, i)
     return found
 
 

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from tandem.collectives import ProcessGroup
-from tandem.core.layers.quant_scheme import EXPERTS, QuantScheme
+from tandem.core.layers.quant_scheme import QuantScheme
 from tandem.core.layers.sparse_moe_block import SparseMoeBlock
 from tandem.core.models.decoder import DecoderForCausalLM
-from tandem.core.models.int4_shard_check import ShardedProjection
+from tandem.core.models.int4_shard_check import ShardedProjection, feed_forward_shards
 from tandem.core.models.model_config import ModelConfig
 from tandem.core.models.projection_match import DecoderLayout
 from tandem.core.models.qwen3_family_config import (
@@ -53,17 +53,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         return sparse_moe_block(config, group, config.quantization)
 
     def mlp_sharded_projections(self, layer_index: int) -> list[ShardedProjection]:
-        config = family_config(self.config)
-        if not config.moe_layers[layer_index]:
-            return super().mlp_sharded_projections(layer_index)
-        experts = config.moe_intermediate_size
-        found = [ShardedProjection(layer_index, EXPERTS, split_inputs=experts)]
-        shared = config.shared_expert_intermediate_size
-        if shared:
-            found.append(
-                ShardedProjection(layer_index, "mlp.shared_expert.down_proj", split_inputs=shared)
-            )
-        return found
+        return feed_forward_shards(family_config(self.config), layer_index)
 
 
 def sparse_moe_block(
