@@ -146,10 +146,12 @@ def _experts(
     return experts
 
 
-def _routing(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _routing(
+    seed: int = 1, tokens: int = TOKENS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(TOKENS, HIDDEN, generator=gen)
-    weights, ids = topk_softmax(torch.randn(TOKENS, EXPERTS, generator=gen), TOP_K, True)
+    x = torch.randn(tokens, HIDDEN, generator=gen)
+    weights, ids = topk_softmax(torch.randn(tokens, EXPERTS, generator=gen), TOP_K, True)
     return x, weights, ids
 
 
@@ -225,10 +227,16 @@ def test_int8_experts_compute_their_dequantized_weights_on_int8_activations(
     assert expected.abs().max().item() > 0.1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_the_cpu_int8_kernels_give_the_reference_bit_for_bit(static: bool) -> None:
-    """The native kernels over each expert's packed weight against the torch reference over
-    the plain stacked weights (the same activation kernel between them)."""
+def test_the_cpu_int8_kernels_give_the_reference_bit_for_bit(
+    static: bool, dtype: torch.dtype
+) -> None:
+    """The native grouped kernel over every expert's packed weight (one call a projection)
+    against the torch reference's per-expert steps over the plain stacked weights (the same
+    activation kernel between them): bit for bit, the int32 sums being exact and every float
+    step the reference's. Token counts from one (most experts empty) to enough rows per
+    expert for several of the kernel's row tasks (64 rows each)."""
     kernels = native_int8()
     if kernels is None:
         pytest.skip("no CPU int8 kernel here (no compiler, or TANDEM_INT8=torch)")
@@ -237,15 +245,31 @@ def test_the_cpu_int8_kernels_give_the_reference_bit_for_bit(static: bool) -> No
     packed = _experts(tensors, scheme, SingleRankGroup())
     assert packed.pack_int8(kernels) == 2
     assert packed.pack_int8(kernels) == 0  # once
-    assert packed.w13.packed is not None and len(packed.w13.packed) == EXPERTS
+    assert packed.w13.packed is not None and packed.w13.packed.experts == EXPERTS
     assert packed.w13.weight.numel() == 0  # one copy: the packed one
     assert packed.packed_bytes() >= 3 * EXPERTS * INTER * HIDDEN
     plain = _experts(tensors, scheme, SingleRankGroup())
     plain._linear = reference.moe_int8_linear  # type: ignore[assignment]
-    x, weights, ids = _routing()
-    assert torch.equal(packed(x, weights, ids), plain(x, weights, ids))
-    # Decode-sized steps too: one row for some experts.
-    assert torch.equal(packed(x[:3], weights[:3], ids[:3]), plain(x[:3], weights[:3], ids[:3]))
+    for tokens in (1, 3, TOKENS, 300):
+        x, weights, ids = _routing(tokens=tokens)
+        x = x.to(dtype)
+        assert torch.equal(packed(x, weights, ids), plain(x, weights, ids)), tokens
+
+
+def test_the_grouped_int8_kernel_refuses_offsets_that_do_not_cover_the_rows() -> None:
+    """Offsets are read by the kernel where they lie: ones out of order, or not ending at the
+    rows' count, would read or write past the rows, and are refused."""
+    kernels = native_int8()
+    if kernels is None:
+        pytest.skip("no CPU int8 kernel here (no compiler, or TANDEM_INT8=torch)")
+    experts = kernels.pack_experts(torch.ones(2, 64, HIDDEN, dtype=torch.int8))
+    scales = torch.ones(2, 64, 1)
+    rows = torch.randn(5, HIDDEN)
+    good = torch.tensor([0, 2, 5])
+    assert kernels.grouped_linear(rows, experts, good, scales, None).shape == (5, 64)
+    for bad in ([0, 2, 4], [0, 2, 6], [1, 2, 5], [0, 3, 2]):
+        with pytest.raises(ValueError, match="refused its arguments"):
+            kernels.grouped_linear(rows, experts, torch.tensor(bad), scales, None)
 
 
 GPTQ_CASES = {
@@ -319,10 +343,18 @@ def _on_ranks(build: Callable[[ProcessGroup], torch.Tensor], size: int = 2) -> l
     return [results[r] for r in range(size)]
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_int8_experts_over_two_ranks_give_one_ranks_result_bit_for_bit(static: bool) -> None:
+def test_int8_experts_over_two_ranks_give_one_ranks_result_bit_for_bit(
+    static: bool, packed: bool
+) -> None:
     """Each rank returns the whole result (no float reduce after it): the down projection's
-    rows are quantized with the scales one rank would use and the int32 sums are reduced."""
+    rows are quantized with the scales one rank would use and the int32 sums are reduced.
+    Packed for the CPU kernel, each rank's gate/up projection is one grouped call and its
+    down projection the per-expert steps that reduce between them."""
+    kernels = native_int8()
+    if packed and kernels is None:
+        pytest.skip("no CPU int8 kernel here (no compiler, or TANDEM_INT8=torch)")
     tensors = _w8a8(_float_experts(), static)
     scheme = W8A8Scheme(static=static)
     x, weights, ids = _routing()
@@ -333,6 +365,8 @@ def test_int8_experts_over_two_ranks_give_one_ranks_result_bit_for_bit(static: b
         assert not experts.partial_sums
         assert experts.w13.weight.shape == (EXPERTS, INTER, HIDDEN)  # half of 2 * INTER
         assert experts.w2.weight.shape == (EXPERTS, HIDDEN, INTER // 2)
+        if packed:
+            assert kernels is not None and experts.pack_int8(kernels) == 2
         out: torch.Tensor = experts(x, weights, ids)
         return out
 

@@ -15,7 +15,9 @@ channel, or activation order), as vLLM shards its MoE weights.
 
 Compute: the (token, choice) rows sorted by expert, each active expert's rows through the
 dense quantized kernels (``kernels/reference/quantized_moe.py``; CPU: the native int8 and
-4-bit kernels, over each expert's int8 weight packed once at load). 4-bit experts return
+4-bit kernels). int8 experts packed once at load for the CPU kernel run each projection as
+one grouped call over every expert instead (the same roundings, bit for bit; the routing's
+offsets read where they lie). 4-bit experts return
 partial sums, reduced by the block as float experts'. int8 experts keep the dense
 row-parallel contract (``QuantizableLinear.reduced_int8_matmul``): on more than one rank the
 down projection's rows are quantized with scales every rank shares and the ranks sum exact
@@ -34,9 +36,15 @@ from torch import nn
 
 from tandem.collectives import ProcessGroup, ReduceOp
 from tandem.core.kernels import handles
-from tandem.core.kernels.cpu.int8_gemm import NativeInt8, PackedInt8Weight
+from tandem.core.kernels.cpu.int8_gemm import NativeInt8, PackedInt8Experts, PackedInt8Weight
 from tandem.core.kernels.reference.int4_packing import PACK
-from tandem.core.kernels.reference.quantized_moe import combine, sort_by_expert
+from tandem.core.kernels.reference.quantized_moe import (
+    Span,
+    combine,
+    sort_by_expert,
+    sort_rows,
+    spans_of,
+)
 from tandem.core.layers.fused_moe import FusedMoeExperts, RoutedExperts
 from tandem.core.layers.int4_weights import Int4Parameters, Split
 from tandem.core.layers.quant_scheme import QuantScheme, W4A16Scheme, W8A8Scheme
@@ -76,8 +84,12 @@ class ExpertProjection(nn.Module):
         self.parts = parts
         self.split_outputs = split_outputs
         self.int4: Int4Parameters | None = None
-        # Each expert's int8 weight in the CPU int8 kernel's layout, where packed at load.
-        self.packed: list[PackedInt8Weight] | None = None
+        # Every expert's int8 weight in the CPU int8 kernel's layout, where packed at load;
+        # each expert's as a dense weight (views of it); each expert's static activation
+        # scale (the largest of its fused parts', as the reference takes it).
+        self.packed: PackedInt8Experts | None = None
+        self.packed_experts: list[PackedInt8Weight] | None = None
+        self.static_scales: torch.Tensor | None = None
         self.register_parameter("input_scale", None)
         if isinstance(scheme, W4A16Scheme):
             self.int4 = Int4Parameters(self, rows, columns, full_columns, scheme, experts)
@@ -103,7 +115,21 @@ class ExpertProjection(nn.Module):
 
     def weights(self) -> Any:
         """The int8 weights, indexed by expert: packed where they were, else the plain ones."""
-        return self.packed if self.packed is not None else self.weight
+        return self.packed_experts if self.packed_experts is not None else self.weight
+
+    def pack_int8(self, kernels: NativeInt8) -> bool:
+        """Pack every expert's int8 weight for ``kernels`` in place of the plain one; False
+        (nothing changed) for 4-bit experts or ones packed already."""
+        if self.int4 is not None or self.packed is not None:
+            return False
+        weight = self.weight
+        packed = kernels.pack_experts(weight.data)
+        self.packed = packed
+        self.packed_experts = [packed.expert(e) for e in range(packed.experts)]
+        if self.input_scale is not None:
+            self.static_scales = self.input_scale.detach().float().amax(dim=1).contiguous()
+        weight.data = weight.data.new_empty((weight.shape[0], 0, weight.shape[2]))
+        return True
 
 
 class QuantizedMoeExperts(RoutedExperts):
@@ -142,6 +168,8 @@ class QuantizedMoeExperts(RoutedExperts):
         # (expert, checkpoint projection, tensor) loaded so far.
         self._loaded: set[tuple[int, str, str]] = set()
         self._act = handles.gated_activation(activation)
+        # Set by pack_int8: the native kernels whose grouped linear serves the int8 experts.
+        self._int8: NativeInt8 | None = None
         if isinstance(scheme, W8A8Scheme):
             self._linear = handles.moe_int8_linear()
             self._quantize = handles.moe_int8_quantize()
@@ -255,21 +283,21 @@ class QuantizedMoeExperts(RoutedExperts):
                 projection.int4.finish_loading(f"{name}.{which}")
 
     def pack_int8(self, kernels: NativeInt8) -> int:
-        """Pack each expert's int8 weights for the CPU kernel, in place of the plain ones;
-        how many projections were packed (none for 4-bit experts or ones packed already)."""
-        packed = 0
-        for projection in (self.w13, self.w2):
-            if projection.int4 is not None or projection.packed is not None:
-                continue
-            weight = projection.weight
-            projection.packed = [kernels.pack(w) for w in weight.data]
-            weight.data = weight.data.new_empty((weight.shape[0], 0, weight.shape[2]))
-            packed += 1
+        """Pack each projection's int8 weights for the CPU kernel, in place of the plain ones
+        (one grouped call per projection then serves every expert); how many projections were
+        packed (none for 4-bit experts or ones packed already)."""
+        packed = sum(projection.pack_int8(kernels) for projection in (self.w13, self.w2))
+        if self.w13.packed is not None and self.w2.packed is not None:
+            self._int8 = kernels
         return packed
 
     def packed_bytes(self) -> int:
         """Bytes of the int8 weights packed for the CPU kernel (beside the parameters)."""
-        return sum(w.nbytes for projection in (self.w13, self.w2) for w in projection.packed or ())
+        return sum(
+            p.packed.nbytes + p.compensation.nbytes
+            for p in (self.w13.packed, self.w2.packed)
+            if p is not None
+        )
 
     # Compute.
 
@@ -277,6 +305,8 @@ class QuantizedMoeExperts(RoutedExperts):
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """This rank's partial sums (``partial_sums``), or the whole result."""
+        if self._int8 is not None:
+            return self._grouped_int8(self._int8, x, topk_weights, topk_ids)
         order, token, spans = sort_by_expert(topk_ids, self.num_experts)
         rows = x.index_select(0, token)
         if self.w13.int4 is not None and self.w2.int4 is not None:
@@ -296,9 +326,32 @@ class QuantizedMoeExperts(RoutedExperts):
             out = self._reduced_down(hidden, spans)
         return combine(x, out, order, token, topk_weights)
 
-    def _reduced_down(
-        self, hidden: torch.Tensor, spans: list[tuple[int, int, int]]
+    def _grouped_int8(
+        self,
+        kernels: NativeInt8,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
     ) -> torch.Tensor:
+        """The int8 experts packed for ``kernels``: each projection one grouped call over
+        every expert, bit for bit the per-expert steps (each row quantized, multiplied and
+        dequantized as there); the routing's offsets are read where they lie, except by a
+        row-parallel down projection (more than one rank), whose steps take the spans."""
+        w13, w2 = self.w13, self.w2
+        assert w13.packed is not None and w2.packed is not None
+        order, token, offsets = sort_rows(topk_ids, self.num_experts)
+        rows = x.index_select(0, token)
+        up = kernels.grouped_linear(rows, w13.packed, offsets, w13.weight_scale, w13.static_scales)
+        hidden = self._act(up)
+        if self.group.size == 1:
+            out = kernels.grouped_linear(
+                hidden, w2.packed, offsets, w2.weight_scale, w2.static_scales
+            )
+        else:
+            out = self._reduced_down(hidden, spans_of(offsets))
+        return combine(x, out, order, token, topk_weights)
+
+    def _reduced_down(self, hidden: torch.Tensor, spans: list[Span]) -> torch.Tensor:
         """The row-parallel int8 down projection, the whole result on every rank: each row
         quantized as one rank holding its every input would (static: the expert's scale;
         dynamic: the row's absmax over every rank's inputs), the exact int32 products summed

@@ -13,6 +13,7 @@ from tandem.core.kernels.cpu.avx512_linear import Avx512Linear
 from tandem.core.kernels.cpu.packed_experts import GroupedExpertKernel, PackedExperts
 from tandem.core.kernels.cpu.packed_linear import native_kernel, packing_enabled
 from tandem.core.kernels.handle import KernelHandle
+from tandem.core.kernels.reference.quantized_moe import combine, sort_rows
 
 
 def grouped_expert_kernel(dtype: torch.dtype) -> GroupedExpertKernel | None:
@@ -35,14 +36,8 @@ def grouped_fused_moe(
     act: KernelHandle[torch.Tensor],
 ) -> torch.Tensor:
     """``fused_moe`` with each projection one grouped kernel call over every expert."""
-    num_choices = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # stable: a token's experts stay in id order
-    token = order // num_choices
-    offsets = torch.zeros(w13.experts + 1, dtype=torch.int64)
-    torch.cumsum(torch.bincount(flat, minlength=w13.experts), 0, out=offsets[1:])
+    order, token, offsets = sort_rows(topk_ids, w13.experts)
     rows = x.index_select(0, token)
     hidden = act(kernel.grouped_matmul(rows, w13, offsets))
     out = kernel.grouped_matmul(hidden, w2, offsets)
-    out.mul_(topk_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype))
-    return torch.zeros_like(x).index_add_(0, token, out)
+    return combine(x, out, order, token, topk_weights)

@@ -1,7 +1,8 @@
 """The int8 linear (W8A8) on CPU (``csrc/int8_linear.cpp``): activations quantized per token
 or with a static scale, an exact int32 product with weights packed once at load, and the
 dequantize; fused into one pass for a layer's forward, or as the separate steps row-parallel
-ranks need (they sum their int32 products between the product and the dequantize).
+ranks need (they sum their int32 products between the product and the dequantize); and
+for routed experts, every expert's rows through its own weight in one grouped call.
 
 Every step gives what the torch reference (``reference/int8_linear.py``) gives, bit for bit
 (int32 sums exact; the same float32 operations in the same order), so greedy tokens never
@@ -77,15 +78,42 @@ class PackedInt8Weight:
         return self.packed.nbytes + self.compensation.nbytes
 
 
+@dataclass(frozen=True)
+class PackedInt8Experts:
+    """Every routed expert's int8 weight [E, N, K], each in the kernel's layout, back to
+    back ([E][Np/P][Kp/4][P][4], ``compensation`` [E][Np]), so one grouped call reads them
+    all; ``expert(e)`` is expert e's as a dense weight (a view, no copy)."""
+
+    packed: torch.Tensor
+    compensation: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def experts(self) -> int:
+        return int(self.packed.shape[0])
+
+    def expert(self, e: int) -> PackedInt8Weight:
+        return PackedInt8Weight(
+            self.packed[e], self.compensation[e], self.out_features, self.in_features
+        )
+
+
+def pack_int8_experts(weight: torch.Tensor, panel: int) -> PackedInt8Experts:
+    """``weight`` int8 [E, N, K] in the layout with ``panel`` columns a panel, expert after
+    expert (once per layer, at load)."""
+    e, n, k = weight.shape
+    np_, kp = -(-n // panel) * panel, -(-k // GROUP) * GROUP
+    w = torch.nn.functional.pad(weight.detach(), (0, kp - k, 0, np_ - n))
+    packed = w.view(e, np_ // panel, panel, kp // GROUP, GROUP).permute(0, 1, 3, 2, 4)
+    compensation = (w.sum(dim=2, dtype=torch.int32) * 128).contiguous()
+    return PackedInt8Experts(packed.contiguous(), compensation, n, k)
+
+
 def pack_int8_weight(weight: torch.Tensor, panel: int) -> PackedInt8Weight:
     """``weight`` int8 [N, K] in the layout with ``panel`` columns a panel (once per layer,
     at load)."""
-    n, k = weight.shape
-    np_, kp = -(-n // panel) * panel, -(-k // GROUP) * GROUP
-    w = torch.nn.functional.pad(weight.detach(), (0, kp - k, 0, np_ - n))
-    packed = w.view(np_ // panel, panel, kp // GROUP, GROUP).permute(0, 2, 1, 3).contiguous()
-    compensation = (w.sum(dim=1, dtype=torch.int32) * 128).contiguous()
-    return PackedInt8Weight(packed, compensation, n, k)
+    return pack_int8_experts(weight.unsqueeze(0), panel).expert(0)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +142,10 @@ class NativeInt8:
         self._quantize.argtypes = [_vp] * 5 + [_i64] * 3 + [_i32, _i32]
         self._dequantize = lib.tandem_int8_dequantize
         self._dequantize.argtypes = [_vp] * 3 + [_i64] + [_vp] * 2 + [_i64] * 4 + [_i32, _i32]
-        for function in (self._matmul, self._linear, self._quantize, self._dequantize):
+        self._grouped = lib.tandem_int8_grouped_linear
+        self._grouped.argtypes = [_vp] * 7 + [_i64] * 7 + [_i32, _i32]
+        functions = (self._matmul, self._linear, self._quantize, self._dequantize, self._grouped)
+        for function in functions:
             function.restype = ctypes.c_int
 
     @property
@@ -124,6 +155,10 @@ class NativeInt8:
     def pack(self, weight: torch.Tensor) -> PackedInt8Weight:
         """``weight`` int8 [N, K] in the layout this build reads."""
         return pack_int8_weight(weight, self.panel)
+
+    def pack_experts(self, weight: torch.Tensor) -> PackedInt8Experts:
+        """``weight`` int8 [E, N, K] in the layout this build reads, expert after expert."""
+        return pack_int8_experts(weight, self.panel)
 
     def _readable(self, weight: PackedInt8Weight) -> PackedInt8Weight:
         # A layout of another panel width pairs the wrong columns: refused, not misread.
@@ -167,6 +202,48 @@ class NativeInt8:
         )  # fmt: skip
         self._check(code, "linear")
         return out.to(x.dtype).view(*x.shape[:-1], weight.out_features)
+
+    def grouped_linear(
+        self,
+        x: torch.Tensor,
+        experts: PackedInt8Experts,
+        offsets: torch.Tensor,
+        weight_scales: torch.Tensor,
+        input_scales: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Rows ``offsets[e]`` to ``offsets[e + 1]`` of ``x`` [M, K] (sorted by expert)
+        through expert e's int8 weight, every expert in one call -> [M, N]: each row what
+        ``linear`` gives for it with its expert's weight, ``weight_scales`` [E, N, 1] and
+        static scale ``input_scales`` [E] (None: per token). ``offsets`` [E + 1] int64 is
+        read where it lies (no host sync); offsets out of order or not ending at M are
+        refused."""
+        if experts.packed.shape[3] != self.panel:
+            raise ValueError(
+                f"experts packed in panels of {experts.packed.shape[3]} columns; this "
+                f"{self.name} kernel reads panels of {self.panel}"
+            )
+        e, n = experts.experts, experts.out_features
+        if offsets.dtype is not torch.int64 or offsets.shape != (e + 1,):
+            raise ValueError(f"offsets must be int64 [{e + 1}]")
+        if weight_scales.shape[:2] != (e, n):
+            raise ValueError(f"weight scales must be [{e}, {n}, 1]")
+        dtype = x.dtype if x.dtype in _DTYPES else torch.float32
+        rows = _rows(x.to(dtype))
+        if rows.shape[1] != experts.in_features:
+            raise ValueError(f"rows of {rows.shape[1]} inputs for experts of {experts.in_features}")
+        out = torch.empty(rows.shape[0], n, dtype=dtype)
+        # Bound to names: a temporary's memory is freed once its pointer is read.
+        ws = weight_scales.float().reshape(e, n).contiguous()
+        fixed = input_scales.float().reshape(e).contiguous() if input_scales is not None else None
+        bounds = offsets.contiguous()
+        code = self._grouped(
+            out.data_ptr(), rows.data_ptr(), experts.packed.data_ptr(),
+            experts.compensation.data_ptr(), ws.data_ptr(), _ptr(fixed), bounds.data_ptr(), e,
+            rows.shape[0], n, experts.in_features, int(experts.packed.shape[2]) * GROUP,
+            rows.stride(0), out.stride(0), _DTYPES[dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        self._check(code, "grouped linear")
+        return out.to(x.dtype)
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor | PackedInt8Weight) -> torch.Tensor:
         """int8 codes [M, K] times a packed weight: exact int32 [M, N]."""

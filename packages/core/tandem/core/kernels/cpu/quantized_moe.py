@@ -6,8 +6,11 @@ codes). Each call is bit for bit the reference's for int8 (the library's steps a
 forms each 4-bit weight as the reference does.
 
 The experts' rows are sorted once per layer and their spans read on the host once, what the
-float reference does too; there is no grouped quantized kernel (one call over every expert)
-yet, so a decode step makes one kernel call per active expert and projection.
+float reference does too, and these steps make one kernel call per active expert and
+projection. int8 experts packed at load skip them: one grouped call per projection serves
+every expert (``NativeInt8.grouped_linear``, ``layers/quantized_moe.py``), except a
+row-parallel down projection, which reduces between these steps. 4-bit experts have no
+grouped kernel yet.
 """
 
 from __future__ import annotations

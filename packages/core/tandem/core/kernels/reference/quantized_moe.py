@@ -15,6 +15,7 @@ tensors here, a CPU kernel's per-expert packed weights there (``cpu/quantized_mo
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,23 +28,36 @@ from tandem.core.kernels.reference import int8_linear as int8_ref
 Span = tuple[int, int, int]
 
 
-def sort_by_expert(
+def sort_rows(
     topk_ids: torch.Tensor, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor, list[Span]]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The routing's (token, choice) pairs sorted by expert: the order (indices into the
-    flattened ``topk_ids``), each sorted row's token, and each active expert's rows. The
-    spans are read on the host once, as the float reference reads its counts."""
+    flattened ``topk_ids``), each sorted row's token, and where each expert's rows start
+    and end, ``offsets`` [E + 1] int64 (expert e's rows are ``offsets[e]`` to
+    ``offsets[e + 1]``), all where the routing lies: nothing is read on the host."""
     num_choices = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # stable: a token's experts stay in id order
-    token = order // num_choices
-    spans: list[Span] = []
-    start = 0
-    for expert, count in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
-        if count:
-            spans.append((expert, start, start + count))
-            start += count
-    return order, token, spans
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    torch.cumsum(torch.bincount(flat, minlength=num_experts), 0, out=offsets[1:])
+    return order, order // num_choices, offsets
+
+
+def spans_of(offsets: torch.Tensor) -> list[Span]:
+    """Each active expert's rows, read on the host from ``sort_rows``' offsets."""
+    bounds = offsets.tolist()
+    return [
+        (e, start, end) for e, (start, end) in enumerate(itertools.pairwise(bounds)) if end > start
+    ]
+
+
+def sort_by_expert(
+    topk_ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, list[Span]]:
+    """``sort_rows``, with each active expert's rows read on the host once, as the float
+    reference reads its counts."""
+    order, token, offsets = sort_rows(topk_ids, num_experts)
+    return order, token, spans_of(offsets)
 
 
 def combine(

@@ -313,6 +313,59 @@ void linear(T* out, const T* x, const Gemm& shape, const float* ws, const float*
   });
 }
 
+// Every routed expert's rows through its own packed weight in one call (the grouped
+// linear): rows [offsets[e], offsets[e + 1]) of x belong to expert e. Each row is quantized
+// as the dense linear quantizes it (per token, or with its expert's static scale), and every
+// (expert, row task, panel) triple is one work item the threads share, so a decode step's
+// few rows per expert still keep every core busy.
+template <typename T>
+void grouped_linear(T* out, const T* x, const int8_t* packed, const int32_t* comp,
+                    const float* ws, const float* fixed, const int64_t* offsets, int64_t experts,
+                    int64_t m, int64_t n, int64_t k, int64_t kp, int64_t ldx, int64_t ldo,
+                    int threads) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t np = panels * kPanel;
+  std::vector<int8_t> a(static_cast<size_t>(m * kp), as_kernel_byte(0));
+  std::vector<float> scales(static_cast<size_t>(m));
+  std::vector<int64_t> row_expert(static_cast<size_t>(m), 0);
+  // (expert, first row, end row) of every row task; items are its tasks times the panels.
+  std::vector<int64_t> tasks;
+  for (int64_t e = 0; e < experts; ++e) {
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) row_expert[r] = e;
+    for (int64_t m0 = offsets[e]; m0 < offsets[e + 1]; m0 += kRowTask) {
+      tasks.insert(tasks.end(), {e, m0, std::min(offsets[e + 1], m0 + kRowTask)});
+    }
+  }
+#pragma omp parallel for num_threads(threads) schedule(static) if (m > 1)
+  for (int64_t r = 0; r < m; ++r) {
+    int8_t* row = a.data() + r * kp;
+    const float* scale = fixed != nullptr ? fixed + row_expert[r] : nullptr;
+    scales[r] = quantize_row(x + r * ldx, k, nullptr, scale, row);
+    for (int64_t i = 0; i < k; ++i) row[i] = as_kernel_byte(row[i]);
+  }
+  const int64_t items = static_cast<int64_t>(tasks.size() / 3) * panels;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t t = 0; t < items; ++t) {
+    const int64_t* task = tasks.data() + (t / panels) * 3;
+    const int64_t e = task[0], m0 = task[1], m1 = task[2], p = t % panels;
+    const Gemm g{a.data(), packed + e * np * kp, comp + e * np, m, n, kp};
+    const float* scale_cols = ws + e * n;
+    alignas(64) int32_t tile[kRowBlock * kPanel];
+    const int64_t blocks = (m1 - m0 + kRowBlock - 1) / kRowBlock;
+    const int64_t base = (m1 - m0) / blocks, longer = (m1 - m0) % blocks;
+    const int64_t c0 = p * kPanel;
+    const int64_t cols = std::min(kPanel, n - c0);
+    for (int64_t b = 0, r0 = m0; b < blocks; ++b) {
+      const int rows = static_cast<int>(base + (b < longer ? 1 : 0));
+      block_dots(g, r0, rows, p, tile);
+      for (int r = 0; r < rows; ++r)
+        dequantize_row(tile + r * kPanel, scales[r0 + r], scale_cols + c0, nullptr,
+                       out + (r0 + r) * ldo + c0, cols);
+      r0 += rows;
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -357,6 +410,33 @@ int tandem_int8_linear(void* out, const void* x, const int8_t* packed, const int
   } else if (dtype == tandem::kBFloat16) {
     linear(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(x), g, ws, bias, fixed, k,
            ldx, ldo, threads);
+  } else {
+    return 2;
+  }
+  return 0;
+}
+
+// The grouped linear (see grouped_linear above): out [M, N] in `dtype`, rows
+// [offsets[e], offsets[e + 1]) of x [M, K] times expert e's packed weight (the experts'
+// layouts back to back: packed [E][Np/P][Kp/4][P][4], comp [E][Np]), dequantized with its
+// scales ws [E][N]; `fixed` [E]: each expert's static activation scale, or null (per
+// token). Offsets out of order or past M are refused.
+int tandem_int8_grouped_linear(void* out, const void* x, const int8_t* packed,
+                               const int32_t* comp, const float* ws, const float* fixed,
+                               const int64_t* offsets, int64_t experts, int64_t m, int64_t n,
+                               int64_t k, int64_t kp, int64_t ldx, int64_t ldo, int32_t dtype,
+                               int32_t threads) {
+  if (experts <= 0 || m < 0 || n <= 0 || k <= 0 || kp < k || kp % kGroup || ldx < k || ldo < n)
+    return 1;
+  if (offsets[0] != 0 || offsets[experts] != m) return 1;
+  for (int64_t e = 0; e < experts; ++e)
+    if (offsets[e + 1] < offsets[e]) return 1;
+  if (dtype == tandem::kFloat32) {
+    grouped_linear(static_cast<float*>(out), static_cast<const float*>(x), packed, comp, ws,
+                   fixed, offsets, experts, m, n, k, kp, ldx, ldo, threads);
+  } else if (dtype == tandem::kBFloat16) {
+    grouped_linear(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(x), packed, comp,
+                   ws, fixed, offsets, experts, m, n, k, kp, ldx, ldo, threads);
   } else {
     return 2;
   }
