@@ -13,6 +13,7 @@ from torch import nn
 from tandem.collectives import SingleRankGroup
 from tandem.core.kernels.cpu import packed_linear
 from tandem.core.kernels.cpu.packed_linear import (
+    native_kernel,
     pack_linear_weights,
     packed_bytes,
     packing_enabled,
@@ -55,6 +56,30 @@ def test_packed_layers_match_f_linear(dtype: torch.dtype, rows: int) -> None:
     # by accident: the packed path must give each row what F.linear gives it.
     picked = x[::2]
     assert torch.allclose(layer(picked).float(), got[::2].float(), rtol=0, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pad", [False, True], ids=["as-is", "padded"])
+def test_a_layer_off_the_panels_is_padded_only_where_allowed(dtype: torch.dtype, pad: bool) -> None:
+    """80 outputs: off the 64-column panels of our kernels. Allowed, the packed weight carries
+    zero rows up to the width the kernel reads and the layer still gives F.linear's 80 columns,
+    through our kernel (2-D) and oneDNN (3-D input); else it stays as it is, with oneDNN."""
+    _need_packing(dtype)
+    gen = torch.Generator().manual_seed(5)
+    layer = ReplicatedLinear(96, 80)
+    layer.weight.data = torch.randn(80, 96, generator=gen).to(dtype)
+    layer.pad_outputs = pad
+    x = torch.randn(2, 7, 96, generator=gen).to(dtype)
+    expected = F.linear(x.float(), layer.weight.float())
+    pack_linear_weights(layer, CPU, dtype)
+    kernel = native_kernel(dtype)
+    read = kernel is not None and pad  # 96 inputs, bfloat16's K multiple of 32 too
+    assert (layer.native is not None) == read
+    assert layer.padded_outputs == (48 if read else 0)
+    scale = expected.abs().max().item()
+    for got, want in [(layer(x), expected), (layer(x[0]), expected[0])]:
+        assert got.shape == want.shape and got.dtype is dtype
+        assert (got.float() - want).abs().max().item() <= TOLERANCE[dtype] * scale
 
 
 class _Tied(nn.Module):

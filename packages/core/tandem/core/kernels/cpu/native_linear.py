@@ -33,6 +33,9 @@ from tandem.core.kernels.cpu.native_build import (
 logger = logging.getLogger(__name__)
 
 _vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+# The widest output panel of any kernel here (AVX-512's 64 columns; AMX 32, AVX2 fewer): a
+# weight padded by fewer rows than this reaches a width the kernel walks, if any does.
+_WIDEST_PANEL = 64
 
 
 def load_kernel_library(
@@ -103,6 +106,14 @@ class PackedWeightKernel(ABC):
     @abstractmethod
     def readable(self, out_features: int, in_features: int) -> bool:
         """Whether the kernel walks oneDNN's layout for this shape (no padding it skips)."""
+
+    def readable_width(self, out_features: int, in_features: int) -> int | None:
+        """The fewest outputs, ``out_features`` or more, of a weight the kernel walks at
+        ``in_features`` (a layer may pad its weight with zero rows to it), or None."""
+        for width in range(out_features, out_features + _WIDEST_PANEL):
+            if self.readable(width, in_features):
+                return width
+        return None
 
     @abstractmethod
     def packed_bytes(self, out_features: int, in_features: int) -> int:

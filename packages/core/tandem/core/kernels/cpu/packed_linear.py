@@ -52,11 +52,25 @@ class PackableLinear(nn.Module):
     packed: torch.Tensor | None = None
     # The packed weight as our own kernel reads it, where one adopted it, else None.
     native: AdoptedWeight | None = None
+    # Set by the layer's owner where its output is only ever split or sliced (never viewed
+    # whole): the packed weight may then carry zero output rows up to a width our kernel
+    # reads (its panels), so a layer with a few outputs off the panels does not fall back
+    # to oneDNN; ``matmul`` returns a view of the true columns.
+    pad_outputs: bool = False
+    # Zero output rows the packed weight carries past the true ones.
+    padded_outputs: int = 0
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         packed = self.packed
         if packed is None:
             return F.linear(x, self.weight, bias)
+        out = self._packed_matmul(packed, x, bias)
+        pad = self.padded_outputs
+        return out[..., : out.shape[-1] - pad] if pad else out
+
+    def _packed_matmul(
+        self, packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         rows = x.shape[0]
         native = self.native
         if native is not None and bias is None and x.dim() == 2 and rows <= native.max_rows:
@@ -108,14 +122,11 @@ def pack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dty
         weight: nn.Parameter | None = module.weight
         if weight is None or weight.dtype is not dtype or weight.dim() != 2 or weight.numel() == 0:
             continue
-        out_features, in_features = weight.shape
-        module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _LAYOUT_BATCH_HINT)
+        _pack(module, weight, kernel)
         if owners[id(weight)] == 1:
             weight.data = torch.empty((0, weight.shape[1]), dtype=dtype, device=device)
         count += 1
-        if kernel is not None:
-            module.native = kernel.adopt(module.packed, out_features, in_features)
-            adopted += module.native is not None
+        adopted += module.native is not None
     moved = collapse_to_huge_pages(
         _memory_range(m.packed)
         for m in model.modules()
@@ -135,6 +146,25 @@ def pack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dty
             kernel.max_rows,
         )
     return count
+
+
+def _pack(module: PackableLinear, weight: torch.Tensor, kernel: PackedWeightKernel | None) -> None:
+    """Pack ``weight`` into ``module`` and let ``kernel`` adopt it where it can: padded
+    with zero output rows to the width the kernel reads where the module allows it, and
+    unpadded where the kernel still declines it (oneDNN would then compute the padding)."""
+    out_features, in_features = weight.shape
+    width = out_features
+    if kernel is not None and module.pad_outputs:
+        width = kernel.readable_width(out_features, in_features) or out_features
+    for rows in dict.fromkeys((width, out_features)):  # padded first, then as it is
+        padded = weight.detach()
+        if rows > out_features:
+            padded = torch.cat((padded, padded.new_zeros(rows - out_features, in_features)))
+        module.packed = torch.ops.mkldnn._reorder_linear_weight(padded, _LAYOUT_BATCH_HINT)
+        module.padded_outputs = rows - out_features
+        module.native = None if kernel is None else kernel.adopt(module.packed, rows, in_features)
+        if module.native is not None:
+            return
 
 
 def native_kernel(dtype: torch.dtype) -> PackedWeightKernel | None:
