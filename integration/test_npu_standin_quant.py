@@ -148,9 +148,10 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # Each scheme's quantized layers of the hybrid demo (three Gated DeltaNet layers, one gated
 # attention layer, four MLPs), by the layers the engine fuses: W8A8 quantizes every
-# projection; 4-bit leaves in_proj_b and in_proj_a float (4 outputs, under a packed word).
+# projection (b and a in in_proj_qkvz, both pairs being int8); 4-bit leaves in_proj_b and
+# in_proj_a float (4 outputs, under a packed word), in in_proj_ba apart.
 HYBRID_CASES = {
-    "w8a8": ("laid out 19 int8 and 0 4-bit weights", INT8_TP1, INT8_TP2),
+    "w8a8": ("laid out 16 int8 and 0 4-bit weights", INT8_TP1, INT8_TP2),
     "w4a16": ("laid out 0 int8 and 16 4-bit weights", ["int4_linear"], ["int4_linear"]),
 }
 

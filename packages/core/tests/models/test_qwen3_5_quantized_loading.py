@@ -83,7 +83,8 @@ def _w8a8_float_reference(monkeypatch: pytest.MonkeyPatch, gdn_float: bool) -> I
     def init(self: GatedDeltaNet, *args: Any, **kwargs: Any) -> None:
         build(self, *args, **kwargs)
         for layer in (self.in_proj_qkvz, self.in_proj_ba, self.out_proj):
-            layer.__dict__["kept_float"] = gdn_float
+            if layer is not None:  # in_proj_ba: None where in_proj_qkvz computes b and a
+                layer.__dict__["kept_float"] = gdn_float
 
     with monkeypatch.context() as patch:
         patch.setattr(loader, "pack_linear_weights", lambda *args: 0)

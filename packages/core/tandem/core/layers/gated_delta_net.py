@@ -9,6 +9,12 @@ Tensor parallelism splits the heads: rank r owns key heads ``[r Hk/tp, (r+1) Hk/
 value heads they serve, with their conv channels, z/b/a rows, A_log/dt_bias entries and state;
 ``out_proj`` is row-parallel (one all-reduce per layer).
 
+b and a are computed by ``in_proj_qkvz`` too (sections q, k, v, z, b, a) where the two
+checkpoint pairs are stored alike (``gates_fused`` says when): one matmul instead of two. On
+CPU the fused weight is padded to our kernel's panels (``PackableLinear.pad_outputs``); b and
+a alone (2 x heads outputs) fell back to oneDNN, a dispatch and a pass over the input per
+layer and step. Otherwise ``in_proj_ba`` computes them apart.
+
 Quantized checkpoints (``quant``): the two input projections and ``out_proj`` each quantized
 or float as the config says (vLLM fuses the same pairs, so a checkpoint stores each pair
 alike); conv1d, A_log, dt_bias and the norm are always float.
@@ -41,15 +47,34 @@ from tandem.core.kernels.linear_attention_metadata import (
 from tandem.core.kernels.reference.causal_conv1d import check_activation
 from tandem.core.layers.gated_rms_norm import GatedRMSNorm
 from tandem.core.layers.linear import _divide, row_parallel_projection
-from tandem.core.layers.quant_scheme import QuantScheme, projection_scheme
+from tandem.core.layers.quant_scheme import (
+    QuantScheme,
+    W4A16Scheme,
+    W8A8Scheme,
+    projection_scheme,
+)
 from tandem.core.layers.sectioned_linear import SectionedColumnParallelLinear, load_sections
 from tandem.core.layers.weights import LazyTensor, copy_checked, read_shard
 
 RECURRENT_STATE_DTYPE = torch.float32
 
-# Checkpoint tensor -> the sections it holds of in_proj_qkvz (q, k, v, z) and in_proj_ba.
+# Checkpoint tensor -> the sections it holds of in_proj_qkvz (q, k, v, z) and in_proj_ba;
+# of in_proj_qkvz (q, k, v, z, b, a) where it computes b and a too.
 QKVZ_TENSORS = {"in_proj_qkv": [0, 1, 2], "in_proj_z": [3]}
 BA_TENSORS = {"in_proj_b": [0], "in_proj_a": [1]}
+QKVZBA_TENSORS = {**QKVZ_TENSORS, "in_proj_b": [4], "in_proj_a": [5]}
+
+
+def gates_fused(quant: QuantScheme | None) -> bool:
+    """Whether ``in_proj_qkvz`` computes b and a too (else ``in_proj_ba``): where both
+    checkpoint pairs get the same scheme; not a static W8A8 one, whose fused input scale
+    would be the maximum over all four tensors' (vLLM's over each pair's), nor 4-bit in
+    activation order, where all four would have to share one ``g_idx`` (each pair must)."""
+    qkvz = projection_scheme(quant, "linear_attn.in_proj_qkv")
+    ba = projection_scheme(quant, "linear_attn.in_proj_b")
+    if isinstance(qkvz, W8A8Scheme) and qkvz.static:
+        return False
+    return qkvz == ba and not (isinstance(qkvz, W4A16Scheme) and qkvz.desc_act)
 
 
 class DepthwiseConvWeight(nn.Module):
@@ -79,7 +104,10 @@ class GatedDeltaNet(nn.Module):
         eps: float,
         group: ProcessGroup,
         quant: QuantScheme | None = None,
+        fuse_gates: bool | None = None,
     ):
+        """``fuse_gates``: whether ``in_proj_qkvz`` computes b and a too; None: where
+        ``gates_fused(quant)`` says."""
         super().__init__()
         check_activation(activation)
         if num_v_heads % num_k_heads:
@@ -96,20 +124,27 @@ class GatedDeltaNet(nn.Module):
         self.conv_kernel_size = conv_kernel_size
         key_dim = num_k_heads * k_head_dim
         value_dim = num_v_heads * v_head_dim
+        fused = gates_fused(quant) if fuse_gates is None else fuse_gates
+        qkvz_sections = [key_dim, key_dim, value_dim, value_dim]
+        gate_sections = [num_v_heads, num_v_heads]
         self.in_proj_qkvz = SectionedColumnParallelLinear(
             hidden_size,
-            [key_dim, key_dim, value_dim, value_dim],
-            QKVZ_TENSORS,
+            qkvz_sections + gate_sections if fused else qkvz_sections,
+            QKVZBA_TENSORS if fused else QKVZ_TENSORS,
             group,
             quant=projection_scheme(quant, "linear_attn.in_proj_qkv"),
         )
-        self.in_proj_ba = SectionedColumnParallelLinear(
-            hidden_size,
-            [num_v_heads, num_v_heads],
-            BA_TENSORS,
-            group,
-            quant=projection_scheme(quant, "linear_attn.in_proj_b"),
-        )
+        # Its output is only split (forward), so its packed weight may be padded.
+        self.in_proj_qkvz.pad_outputs = True
+        self.in_proj_ba: SectionedColumnParallelLinear | None = None
+        if not fused:
+            self.in_proj_ba = SectionedColumnParallelLinear(
+                hidden_size,
+                gate_sections,
+                BA_TENSORS,
+                group,
+                quant=projection_scheme(quant, "linear_attn.in_proj_b"),
+            )
         self.key_size = self.num_k_heads * k_head_dim
         self.value_size = self.num_v_heads * v_head_dim
         self.conv_channels = 2 * self.key_size + self.value_size
@@ -158,8 +193,7 @@ class GatedDeltaNet(nn.Module):
         lin = meta.linear
         if lin is None:
             raise ValueError("a linear-attention layer needs AttentionMetadata.linear")
-        mixed, z = self.in_proj_qkvz(x).split([self.conv_channels, self.value_size], dim=-1)
-        b, a = self.in_proj_ba(x).split([self.num_v_heads, self.num_v_heads], dim=-1)
+        mixed, z, b, a = self._project(x)
         mixed = self._conv(mixed, lin)
         q, k, v = torch.split(mixed, [self.key_size, self.key_size, self.value_size], dim=-1)
         num_tokens = x.shape[0]
@@ -174,6 +208,20 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(core.view(gate.shape), gate)
         result: torch.Tensor = self.out_proj(out.view(num_tokens, self.value_size))
         return result
+
+    def _project(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv input (q | k | v), z, b and a of ``x``: views of the projections."""
+        gates = [self.num_v_heads, self.num_v_heads]
+        if self.in_proj_ba is None:
+            mixed, z, b, a = self.in_proj_qkvz(x).split(
+                [self.conv_channels, self.value_size, *gates], dim=-1
+            )
+            return mixed, z, b, a
+        mixed, z = self.in_proj_qkvz(x).split([self.conv_channels, self.value_size], dim=-1)
+        b, a = self.in_proj_ba(x).split(gates, dim=-1)
+        return mixed, z, b, a
 
     def _conv(self, mixed: torch.Tensor, lin: LinearAttentionMetadata) -> torch.Tensor:
         nd = lin.num_decodes

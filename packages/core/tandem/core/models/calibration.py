@@ -3,10 +3,11 @@ the calibration tokens of its input activations x (GPTQ's Hessian up to a factor
 the float model run by Tandem itself in float32 on the calibration samples.
 
 The fused layers that share an input share the statistics: q, k and v (``qkv_proj``), gate
-and up (``gate_up_proj``, a shared expert's too), and a Gated DeltaNet's qkv and z
-(``in_proj_qkvz``), b and a (``in_proj_ba``). Every layer's activations come from the float
-model (GPTQ with ``true_sequential`` re-runs each layer on its quantized predecessors'
-outputs instead; here the writer records ``true_sequential: false``).
+and up (``gate_up_proj``, a shared expert's too), and a Gated DeltaNet's qkv, z, b and a
+(``in_proj_qkvz``; b and a in ``in_proj_ba`` where the layer keeps them apart, with the same
+sums, as it has the same input). Every layer's activations come from the float model (GPTQ
+with ``true_sequential`` re-runs each layer on its quantized predecessors' outputs instead;
+here the writer records ``true_sequential: false``).
 
 The routed experts of a mixture-of-experts layer get theirs one by one: expert e's gate and up
 share the sum over the hidden states routed to it (a token counted once for each expert it
@@ -45,7 +46,14 @@ _PARTS = {
     "self_attn.o_proj": ("self_attn.o_proj",),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.down_proj": ("mlp.down_proj",),
-    "linear_attn.in_proj_qkvz": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
+    # With b and a too where the layer fuses them (the float model calibrated always does);
+    # where it keeps ``in_proj_ba`` apart, both record the same sums (one input).
+    "linear_attn.in_proj_qkvz": (
+        "linear_attn.in_proj_qkv",
+        "linear_attn.in_proj_z",
+        "linear_attn.in_proj_b",
+        "linear_attn.in_proj_a",
+    ),
     "linear_attn.in_proj_ba": ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
     "linear_attn.out_proj": ("linear_attn.out_proj",),
     "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),

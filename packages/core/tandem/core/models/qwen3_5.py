@@ -38,7 +38,7 @@ from tandem.core.kernels.linear_attention_metadata import (
 from tandem.core.layers.attention import PagedAttention
 from tandem.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.core.layers.gated_attention import GatedAttention
-from tandem.core.layers.gated_delta_net import GatedDeltaNet
+from tandem.core.layers.gated_delta_net import GatedDeltaNet, gates_fused
 from tandem.core.layers.linear_attention_state import state_bytes_per_slot
 from tandem.core.layers.partial_rotary import PartialRotaryEmbedding
 from tandem.core.layers.quant_scheme import QuantScheme
@@ -58,7 +58,7 @@ from tandem.core.models.qwen3_family_config import (
     parse_family_config,
 )
 from tandem.core.models.qwen3_moe import sparse_moe_block
-from tandem.core.models.weight_mapping import QKV_GATE_UP, WeightMapping
+from tandem.core.models.weight_mapping import QKV_GATE_UP, FusedShard, WeightMapping
 
 # Where the text model's tensors live: under the language model of a composite checkpoint,
 # else under ``model.`` (transformers loads both into either class).
@@ -67,6 +67,20 @@ _TEXT_PREFIXES = ("model.language_model.", "model.")
 # (unless speculative decoding drafts with it).
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.")
 _SKIPPED_WITH_MTP = ("model.visual.",)
+# A Gated DeltaNet's checkpoint projections into its fused ones (``gated_delta_net.py``): b
+# and a apart in ``in_proj_ba``, or in ``in_proj_qkvz`` with q, k, v and z.
+_QKVZ: tuple[FusedShard, ...] = (
+    ("in_proj_qkv", "in_proj_qkvz", "in_proj_qkv"),
+    ("in_proj_z", "in_proj_qkvz", "in_proj_z"),
+)
+_GATES_APART: tuple[FusedShard, ...] = (
+    ("in_proj_b", "in_proj_ba", "in_proj_b"),
+    ("in_proj_a", "in_proj_ba", "in_proj_a"),
+)
+_GATES_IN_QKVZ: tuple[FusedShard, ...] = (
+    ("in_proj_b", "in_proj_qkvz", "in_proj_b"),
+    ("in_proj_a", "in_proj_qkvz", "in_proj_a"),
+)
 
 
 class Qwen3_5DecoderLayer(nn.Module):
@@ -278,19 +292,18 @@ class Qwen3_5ForCausalLM(CausalLM):
         return super().load_weights(weights)
 
     def weight_mapping(self) -> WeightMapping:
-        """``WEIGHTS``, with the head's ``mtp.*`` tensors loaded when it is served."""
+        """``WEIGHTS``, with the head's ``mtp.*`` tensors loaded when it is served, and b and
+        a loaded into ``in_proj_qkvz`` where the layers compute them there (``gates_fused``:
+        the same for every layer, which all get the model's scheme)."""
+        mapping = self.WEIGHTS
+        if gates_fused(self.config.quantization):
+            mapping = replace(mapping, fused=(*QKV_GATE_UP, *_QKVZ, *_GATES_IN_QKVZ))
         if self.mtp is None:
-            return self.WEIGHTS
-        return replace(self.WEIGHTS, unused_prefixes=_SKIPPED_WITH_MTP, unused="the vision tower")
+            return mapping
+        return replace(mapping, unused_prefixes=_SKIPPED_WITH_MTP, unused="the vision tower")
 
     WEIGHTS = WeightMapping(
-        fused=(
-            *QKV_GATE_UP,
-            ("in_proj_qkv", "in_proj_qkvz", "in_proj_qkv"),
-            ("in_proj_z", "in_proj_qkvz", "in_proj_z"),
-            ("in_proj_b", "in_proj_ba", "in_proj_b"),
-            ("in_proj_a", "in_proj_ba", "in_proj_a"),
-        ),
+        fused=(*QKV_GATE_UP, *_QKVZ, *_GATES_APART),
         prefixes=_TEXT_PREFIXES,
         unused_prefixes=_SKIPPED_PREFIXES,
         unused="the vision tower and multi-token prediction; serving text only",
