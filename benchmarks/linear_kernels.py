@@ -24,8 +24,8 @@ from tandem.core.kernels.cpu.native_linear import AdoptedWeight
 from tandem.core.kernels.cpu.packed_linear import native_kernel
 
 # [out_features, in_features] of the bench models (`tandem make-demo-model --preset bench`,
-# and `--kind qwen3_5`: the Gated DeltaNet's in_proj_ba, 16 outputs, is left out, as our
-# kernel does not take it), and the weights of one forward pass.
+# and `--kind qwen3_5`, whose Gated DeltaNet computes b and a in in_proj_qkvz: 1,552 outputs,
+# packed padded to 1,600 for our kernel's panels), and the weights of one forward pass.
 MODELS = {
     "dense": (
         {
@@ -39,7 +39,7 @@ MODELS = {
     ),
     "hybrid": (
         {
-            "in_proj_qkvz": (1536, 768),
+            "in_proj_qkvz": (1600, 768),
             "out_proj": (768, 512),
             "qkv_proj": (2560, 768),
             "o_proj": (768, 1024),
