@@ -20,7 +20,11 @@ from collections.abc import Callable
 
 import torch
 
-from tandem.core.kernels.reference.elementwise import qk_norm_rotary, rms_norm
+from tandem.core.kernels.reference.elementwise import (
+    qk_norm_rotary,
+    rms_norm,
+    rms_norm_zero_centered,
+)
 
 # Significant bits (with the implicit one) of each storage format.
 _PRECISION = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
@@ -89,14 +93,22 @@ def rms_norm_bound(
     dim: int,
     dtype: torch.dtype,
     ulps: float = 1.0,
+    zero_centered: bool = False,
 ) -> torch.Tensor:
     """Bound for ``round(w * round(h * inv))`` computed twice with scales ``inv`` off by the
     sum-of-squares seed: ``h`` the (stored) inputs, ``want`` the reference output (``ulps``
-    per rounding as ``rounded``)."""
+    per rounding as ``rounded``). ``zero_centered`` (Qwen3.5's norm): ``round(h * inv *
+    (1 + w))``, rounded once to ``dtype``; both sides round the two float32 products
+    ``h * inv`` and ``* (1 + w)`` (u each, relative), and those roundings now fall on
+    different values: 2 u per side on top of the seed, relative to the exact result."""
     hf = h.double()
     scale = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)
     normalized = hf * scale
     seed = normalized.abs() * sum_of_squares_seed(dim, dtype)
+    if zero_centered:
+        value = normalized * (1.0 + weight.double())
+        u = unit_roundoff(torch.float32)
+        return rounded(value.abs() * (sum_of_squares_seed(dim, dtype) + 4 * u), want, dtype, ulps)
     d_normalized = rounded(seed, normalized, dtype, ulps)
     return rounded(weight.double().abs() * d_normalized, want, dtype, ulps)
 
@@ -110,17 +122,23 @@ def rotary_bound(
     dim: int,
     dtype: torch.dtype,
     ulps: float = 1.0,
+    zero_centered: bool = False,
 ) -> torch.Tensor:
     """o1 = round(round(x1 c) - round(x2 s)), o2 = round(round(x2 c) + round(x1 s)), with x
-    the normalized heads (off by the RMSNorm bound) or the inputs themselves (exact);
-    ``ulps`` per rounding as ``rounded``."""
+    the normalized heads (off by the RMSNorm bound, ``zero_centered``: Qwen3.5's) or the
+    inputs themselves (exact); ``ulps`` per rounding as ``rounded``. Partial rotary (tables
+    narrower than half a head): the dims past the rotated ones are the normalized values
+    themselves, off by the norm's bound alone."""
     if weight is None:
         normed, d = x.double(), torch.zeros_like(x, dtype=torch.float64)
     else:
-        stored = rms_norm(x, weight, 1e-6)
-        normed, d = stored.double(), rms_norm_bound(x, weight, stored, dim, dtype, ulps)
-    half = dim // 2
-    x1, x2, d1, d2 = normed[..., :half], normed[..., half:], d[..., :half], d[..., half:]
+        norm = rms_norm_zero_centered if zero_centered else rms_norm
+        stored = norm(x, weight, 1e-6)
+        d = rms_norm_bound(x, weight, stored, dim, dtype, ulps, zero_centered)
+        normed = stored.double()
+    half = cos.shape[-1]
+    rot = 2 * half
+    x1, x2, d1, d2 = normed[..., :half], normed[..., half:rot], d[..., :half], d[..., half:rot]
     c, s = cos.double(), sin.double()
 
     def product(d: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -129,7 +147,8 @@ def rotary_bound(
     x1c, x2s = product(c.abs() * d1, x1 * c), product(s.abs() * d2, x2 * s)
     x2c, x1s = product(c.abs() * d2, x2 * c), product(s.abs() * d1, x1 * s)
     w = want.double()
-    return torch.cat((product(x1c + x2s, w[..., :half]), product(x2c + x1s, w[..., half:])), -1)
+    o1, o2 = product(x1c + x2s, w[..., :half]), product(x2c + x1s, w[..., half:rot])
+    return torch.cat((o1, o2, d[..., rot:]), -1)
 
 
 def check_qk_norm_rotary_in_place(
@@ -140,29 +159,48 @@ def check_qk_norm_rotary_in_place(
     heads: tuple[int, int, int],
     seed: int,
     ulps: float = 1.0,
+    zero_centered: bool = False,
+    rotary_dim: int | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Run a q/k norm + rotary ``kernel`` (the reference's signature) on q and k, views of
     one fused [tokens, (Hq + 2 Hk) D] projection (``heads``: tokens, Hq, Hk); assert that it
     wrote them in place, left v alone and kept within ``rotary_bound``. Returns the (got,
-    want) pairs of q and k."""
+    want) pairs of q and k. With ``zero_centered`` or ``rotary_dim`` (Qwen3.5's gated
+    attention: its norm, its partial rotary, weights near zero) the projection is the gated
+    one, each query head followed by its output gate ([tokens, (2 Hq + 2 Hk) D]), and the
+    gates must be left alone too."""
     tokens, q_heads, k_heads = heads
+    gated = zero_centered or rotary_dim is not None
+    rotated = dim if rotary_dim is None else rotary_dim
+    q_width = (2 if gated else 1) * q_heads * dim
     g = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(tokens, (q_heads + 2 * k_heads) * dim, generator=g).to(dtype)
-    q, k, _ = torch.split(qkv, [q_heads * dim, k_heads * dim, k_heads * dim], dim=-1)
-    q, k = q.view(tokens, q_heads, dim), k.view(tokens, k_heads, dim)
-    freqs = torch.outer(torch.arange(512).float(), torch.rand(dim // 2, generator=g))
+    qkv = torch.randn(tokens, q_width + 2 * k_heads * dim, generator=g).to(dtype)
+    q, k, _ = torch.split(qkv, [q_width, k_heads * dim, k_heads * dim], dim=-1)
+    q = q.view(tokens, q_heads, 2 * dim)[..., :dim] if gated else q.view(tokens, q_heads, dim)
+    k = k.view(tokens, k_heads, dim)
+    freqs = torch.outer(torch.arange(512).float(), torch.rand(rotated // 2, generator=g))
     cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
     positions = torch.randint(0, 512, (tokens,), generator=g)
-    weights = [(1 + 0.1 * torch.randn(dim, generator=g)).to(dtype) for _ in range(2)]
+    offset = 0.0 if zero_centered else 1.0
+    weights = [(offset + 0.1 * torch.randn(dim, generator=g)).to(dtype) for _ in range(2)]
     qw, kw = weights if with_norm else (None, None)
-    want_q, want_k = qk_norm_rotary(q.clone(), k.clone(), qw, kw, 1e-6, cos, sin, positions)
-    v_before = qkv[:, (q_heads + k_heads) * dim :].clone()
+    extra = (zero_centered, rotary_dim) if gated else ()
+    want_q, want_k = qk_norm_rotary(q.clone(), k.clone(), qw, kw, 1e-6, cos, sin, positions, *extra)
+    # Everything but q and k: v, and the gates beside the queries.
+    untouched = torch.ones(qkv.shape, dtype=torch.bool)
+    untouched[:, q_width : q_width + k_heads * dim] = False
+    if gated:
+        untouched[:, :q_width].view(tokens, q_heads, 2 * dim)[..., :dim] = False
+    else:
+        untouched[:, :q_width] = False
+    others = qkv[untouched].clone()
     inputs = q.clone(), k.clone()
-    got_q, got_k = kernel(q, k, qw, kw, 1e-6, cos, sin, positions)
+    got_q, got_k = kernel(q, k, qw, kw, 1e-6, cos, sin, positions, *extra)
     assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr(), "in place"
-    assert torch.equal(qkv[:, (q_heads + k_heads) * dim :], v_before), "v left alone"
+    assert torch.equal(qkv[untouched], others), "v (and the gates) left alone"
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     pairs = [(got_q, want_q), (got_k, want_k)]
     for x, w, (got, want) in zip(inputs, (qw, kw), pairs, strict=True):
-        within(got, want, rotary_bound(x, w, c, s, want, dim, dtype, ulps))
+        bound = rotary_bound(x, w, c, s, want, dim, dtype, ulps, zero_centered)
+        within(got, want, bound)
     return pairs

@@ -153,6 +153,41 @@ def test_qk_norm_rotary_in_place_on_a_fused_projection(
         assert all(torch.equal(got, want) for got, want in pairs)
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_norm", [True, False])
+# (head, rotated): the bench hybrid's (128, 32) and Qwen3.5's (256, 64) take the vectorized
+# kernel with AVX-512, as a whole head of 64 does; (64, 16) and (96, 32) the portable one.
+@pytest.mark.parametrize(
+    ("dim", "rotary_dim"), [(128, 32), (256, 64), (64, 64), (64, 16), (96, 32)]
+)
+def test_zero_centered_norm_and_partial_rotary_in_place_inside_the_gated_projection(
+    dtype: torch.dtype, with_norm: bool, dim: int, rotary_dim: int
+) -> None:
+    """Qwen3.5's gated attention: q read through its strides between the output gates."""
+    kernels = native_elementwise()
+    assert kernels is not None
+    pairs = check_qk_norm_rotary_in_place(
+        kernels.qk_norm_rotary, dtype, dim, with_norm, (37, 6, 2), seed=dim + rotary_dim,
+        zero_centered=True, rotary_dim=rotary_dim,
+    )  # fmt: skip
+    for got, want in pairs:
+        _mostly_identical(got, want)
+        if not with_norm:
+            # No sum involved: every product and sum rounds as torch's, the rest untouched.
+            assert torch.equal(got, want)
+
+
+@needs_native
+def test_qk_norm_rotary_refuses_tables_of_another_rotated_width() -> None:
+    kernels = native_elementwise()
+    assert kernels is not None
+    q, k = torch.zeros(3, 2, 64), torch.zeros(3, 1, 64)
+    cos = sin = torch.zeros(8, 16)
+    with pytest.raises(ValueError, match="rotary_dim / 2"):
+        kernels.qk_norm_rotary(q, k, None, None, 1e-6, cos, sin, torch.zeros(3), False, 64)
+
+
 # Where exp(-x) is clamped (x below -87.3) the kernel's SiLU is x / e^87.3 instead of -0.
 _EXP_CLAMP = 2.0**-126
 

@@ -111,6 +111,27 @@ def test_norms_activation_and_rotary_match_the_references(dtype: torch.dtype) ->
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, *HALVES])
+def test_zero_centered_norm_and_partial_rotary_match_the_reference(dtype: torch.dtype) -> None:
+    """Qwen3.5's gated attention: q between its output gates, weights offset from one, the
+    first 32 of 128 dims rotated."""
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(6, (2 * 4 + 2 * 2) * 128, generator=gen).to(dtype)
+    q = qkv[:, : 8 * 128].view(6, 4, 256)[..., :128]
+    k = qkv[:, 8 * 128 : 10 * 128].view(6, 2, 128)
+    qw, kw = ((0.1 * torch.randn(128, generator=gen)).to(dtype) for _ in "qk")
+    angles = torch.arange(40).unsqueeze(1) * 0.1 * torch.arange(1, 17).unsqueeze(0)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    positions = torch.tensor([3, 0, 39, 7, 7, 21])
+    got_q, got_k = rotary.qk_norm_rotary(q, k, qw, kw, 1e-6, cos, sin, positions, True, 32)
+    want_q, want_k = ref.qk_norm_rotary(
+        q.float(), k.float(), qw.float(), kw.float(), 1e-6, cos.float(), sin.float(),
+        positions, True, 32,
+    )  # fmt: skip
+    assert_close(got_q, want_q, dtype)
+    assert_close(got_k, want_k, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALVES])
 def test_the_routed_experts_match_the_reference(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(11)
     experts, hidden, inter, tokens, k = 6, 32, 48, 9, 2

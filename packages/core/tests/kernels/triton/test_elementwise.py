@@ -12,7 +12,8 @@ by at most d round to values within d plus one ulp of each other):
 - q/k RMSNorm + rotary: the norm's float32 sum of squares runs in another order (the seed of
   ``rms_norm_bound``), propagated through the weight, the products and the sum, one ulp per
   rounding (1.5 in bfloat16). Without the weights it is rotary alone: equal in float32 and
-  float16.
+  float16. The zero-centred norm (``zero_centered_norm_bound``) rounds once, after its two
+  float32 products; partial rotary's pass-through dims carry the norm's bound alone.
 - Gated activations: both sides take the activation in float32 from the same stored gate,
   each within 4 u32 (|act| + |gate|) of the exact value (exp, erf: an ulp or two each, the
   sum and quotient one rounding each; the |gate| term covers the absolute error of torch's
@@ -138,6 +139,26 @@ def test_qk_norm_rotary_in_place_on_a_fused_projection(
     ulps = truncation_ulps(dtype)
     heads, seed = (6, 4, 2), dim + with_norm
     pairs = check_qk_norm_rotary_in_place(kernel, dtype, dim, with_norm, heads, seed, ulps)
+    for got, want in pairs:
+        if not with_norm and dtype is not torch.bfloat16:
+            assert torch.equal(got, want)
+        elif dtype is torch.float16:
+            mostly_identical(got, want)
+
+
+@pytest.mark.parametrize("with_norm", [True, False])
+@pytest.mark.parametrize(("dim", "rotary_dim"), [(128, 32), (96, 32), (64, 64)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_centered_norm_and_partial_rotary_inside_the_gated_projection(
+    dtype: torch.dtype, dim: int, rotary_dim: int, with_norm: bool
+) -> None:
+    """Qwen3.5's gated attention: zero-centred norm, partial rotary, q strided between the
+    output gates. The pass-through dims are a third, non-power-of-two tile at (96, 32)."""
+    ulps = truncation_ulps(dtype)
+    pairs = check_qk_norm_rotary_in_place(
+        rotary.qk_norm_rotary, dtype, dim, with_norm, (6, 4, 2), dim + rotary_dim, ulps,
+        zero_centered=True, rotary_dim=rotary_dim,
+    )  # fmt: skip
     for got, want in pairs:
         if not with_norm and dtype is not torch.bfloat16:
             assert torch.equal(got, want)

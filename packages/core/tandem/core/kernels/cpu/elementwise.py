@@ -69,7 +69,7 @@ class NativeElementwise:
             lib.tandem_add_rms_norm, [_vp] * 4 + [_i64] * 5 + [_f32, _i32, _i32, _i32]
         )
         self._rotary = c_function(
-            lib.tandem_qk_norm_rotary, [_vp] * 7 + [_i64] * 7 + [_f32, _i32, _i32]
+            lib.tandem_qk_norm_rotary, [_vp] * 7 + [_i64] * 10 + [_f32, _i32, _i32, _i32]
         )
         self._silu = c_function(lib.tandem_silu_mul, [_vp] * 2 + [_i64] * 4 + [_i32, _i32])
         self._gated = c_function(
@@ -202,21 +202,32 @@ class NativeElementwise:
         cos: torch.Tensor,
         sin: torch.Tensor,
         positions: torch.Tensor,
+        zero_centered: bool = False,
+        rotary_dim: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q`` [T, Hq, D], ``k`` [T, Hk, D] normalised per head (where weights are given)
-        and rotated at ``positions`` through the [max_position, D/2] tables, in place."""
+        """``q`` [T, Hq, D], ``k`` [T, Hk, D] normalised per head (where weights are given;
+        ``zero_centered``: scaled by ``1 + weight``, Qwen3.5's) and their first ``rotary_dim``
+        (default D) rotated at ``positions`` through the [max_position, rotary_dim / 2]
+        tables, in place. Heads may lie apart (each query beside its gate): any token and
+        head strides, each head's D elements adjacent."""
         tokens, q_heads, dim = q.shape
+        rotated = dim if rotary_dim is None else rotary_dim
+        if k.shape[2] != dim or k.shape[0] != tokens:
+            raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not match")
         for t in (q, k):
-            if t.stride(2) != 1 or t.stride(1) != dim:
-                raise ValueError("q and k need contiguous [H, D] rows")
-        if cos.stride() != sin.stride() or cos.stride(1) != 1:
-            raise ValueError("the rotary tables must be alike, rows contiguous")
+            if t.stride(2) != 1:
+                raise ValueError("q and k need each head's elements adjacent")
+        if cos.stride() != sin.stride() or cos.stride(1) != 1 or 2 * cos.shape[1] != rotated:
+            raise ValueError(
+                "the rotary tables must be alike, rows contiguous, rotary_dim / 2 wide"
+            )
         index = positions if positions.dtype is torch.int64 else positions.long()
         index = index.contiguous()
         code = self._rotary(
             q.data_ptr(), k.data_ptr(), _ptr(q_weight), _ptr(k_weight), cos.data_ptr(),
-            sin.data_ptr(), index.data_ptr(), tokens, q_heads, k.shape[1], dim, q.stride(0),
-            k.stride(0), cos.stride(0), eps, _DTYPES[q.dtype], torch.get_num_threads(),
+            sin.data_ptr(), index.data_ptr(), tokens, q_heads, k.shape[1], dim, rotated,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps,
+            int(zero_centered), _DTYPES[q.dtype], torch.get_num_threads(),
         )  # fmt: skip
         self._check(code, "q/k norm and rotary")
         return q, k

@@ -83,10 +83,24 @@ def qk_norm_rotary(
     cos: torch.Tensor,
     sin: torch.Tensor,
     positions: torch.Tensor,
+    zero_centered: bool = False,
+    rotary_dim: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q/k RMSNorm per head (Qwen3; skipped without weights), then rotary at ``positions``
-    through the [max_position, D/2] tables."""
+    """q/k RMSNorm per head (Qwen3; skipped without weights; ``zero_centered``: Qwen3.5's,
+    scaled by ``1 + weight``), then rotary of the first ``rotary_dim`` dims (default all;
+    fewer with partial rotary, the rest passing through) at ``positions`` through the
+    [max_position, rotary_dim / 2] tables."""
     if q_weight is not None and k_weight is not None:
-        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+        norm = rms_norm_zero_centered if zero_centered else rms_norm
+        q, k = norm(q, q_weight, eps), norm(k, k_weight, eps)
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    return rotary(q, c, s), rotary(k, c, s)
+    if rotary_dim is None or rotary_dim == q.shape[-1]:
+        return rotary(q, c, s), rotary(k, c, s)
+    return partial_rotary(q, c, s, rotary_dim), partial_rotary(k, c, s, rotary_dim)
+
+
+def partial_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
+) -> torch.Tensor:
+    """``rotary`` of the first ``rotary_dim`` dims of ``x``, the rest as they are."""
+    return torch.cat((rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)

@@ -1,5 +1,6 @@
 // Fused elementwise kernels of the decoder layers on CPU: a residual add with the RMSNorm that
-// follows it, q/k RMSNorm with the rotary embedding (in place), the gated SiLU, and Qwen3.5's
+// follows it, q/k RMSNorm with the rotary embedding (in place; Qwen3's, or Qwen3.5's
+// zero-centred norm with partial rotary), the gated SiLU, and Qwen3.5's
 // linear-attention gates and the gated RMSNorm of its output.
 //
 // Why: done op by op in torch, a decoder layer runs about sixty small ops per step (each a
@@ -107,12 +108,16 @@ void add_rms_norm(T* out, T* residual, const T* x, const T* weight, int64_t rows
 
 // The RMSNorm of one row as norm_row stores it, as floats into `dst` (which may be `h`).
 template <typename T>
-inline void norm_row_values(const float* h, const T* weight, float* dst, int64_t dim,
-                            float eps) {
+inline void norm_row_values(const float* h, const T* weight, float* dst, int64_t dim, float eps,
+                            bool centered) {
   float sumsq = 0.f;
 #pragma omp simd reduction(+ : sumsq)
   for (int64_t i = 0; i < dim; ++i) sumsq += h[i] * h[i];
   float inv = 1.f / std::sqrt(sumsq / static_cast<float>(dim) + eps);
+  if (centered) {
+    for (int64_t i = 0; i < dim; ++i) dst[i] = stored<T>(h[i] * inv * (1.f + load<T>(weight, i)));
+    return;
+  }
   for (int64_t i = 0; i < dim; ++i) dst[i] = stored<T>(load<T>(weight, i) * stored<T>(h[i] * inv));
 }
 
@@ -129,27 +134,42 @@ inline void rotate_head(const float* h, T* x, const T* cos, const T* sin, int64_
   }
 }
 
+// The shape of a q/k norm + rotary call. Each head of `head_dim` values has its first
+// `rotary_dim` rotated (the rest, partial rotary's pass-through, only normalised); heads lie
+// at `*_head_stride` apart (2 head_dim where each query sits beside its output gate, as in
+// Qwen3.5's projection), tokens at `*_stride`. `centered`: the zero-centred norm.
+struct QkShape {
+  int64_t tokens, q_heads, k_heads, head_dim, rotary_dim;
+  int64_t q_stride, q_head_stride, k_stride, k_head_stride, table_stride;
+  float eps;
+  bool centered;
+};
+
 template <typename T>
 void qk_norm_rotary(T* q, T* k, const T* q_weight, const T* k_weight, const T* cos_table,
-                    const T* sin_table, const int64_t* positions, int64_t tokens,
-                    int64_t q_heads, int64_t k_heads, int64_t head_dim, int64_t q_stride,
-                    int64_t k_stride, int64_t table_stride, float eps, int threads) {
-  const int64_t half = head_dim / 2;
-  const int64_t heads = q_heads + k_heads;
-#pragma omp parallel for num_threads(threads_for(tokens * heads * head_dim, threads)) \
+                    const T* sin_table, const int64_t* positions, const QkShape& s,
+                    int threads) {
+  const int64_t dim = s.head_dim, rot = s.rotary_dim;
+  const int64_t heads = s.q_heads + s.k_heads;
+#pragma omp parallel for num_threads(threads_for(s.tokens * heads * dim, threads)) \
     schedule(static)
-  for (int64_t t = 0; t < tokens; ++t) {
+  for (int64_t t = 0; t < s.tokens; ++t) {
     float h[1024];
     const int64_t pos = positions[t];
-    const T* cos = cos_table + pos * table_stride;
-    const T* sin = sin_table + pos * table_stride;
+    const T* cos = cos_table + pos * s.table_stride;
+    const T* sin = sin_table + pos * s.table_stride;
     for (int64_t j = 0; j < heads; ++j) {
-      const bool is_q = j < q_heads;
-      T* x = is_q ? q + t * q_stride + j * head_dim : k + t * k_stride + (j - q_heads) * head_dim;
+      const bool is_q = j < s.q_heads;
+      T* x = is_q ? q + t * s.q_stride + j * s.q_head_stride
+                  : k + t * s.k_stride + (j - s.q_heads) * s.k_head_stride;
       const T* w = is_q ? q_weight : k_weight;
-      for (int64_t i = 0; i < head_dim; ++i) h[i] = load<T>(x, i);
-      if (w != nullptr) norm_row_values<T>(h, w, h, head_dim, eps);
-      rotate_head<T>(h, x, cos, sin, half);
+      for (int64_t i = 0; i < dim; ++i) h[i] = load<T>(x, i);
+      if (w != nullptr) {
+        norm_row_values<T>(h, w, h, dim, s.eps, s.centered);
+        // The pass-through dims, already rounded: stored as they are.
+        for (int64_t i = rot; i < dim; ++i) store<T>(x, i, h[i]);
+      }
+      rotate_head<T>(h, x, cos, sin, rot / 2);
     }
   }
 }
@@ -194,30 +214,42 @@ inline void vstore<uint16_t>(uint16_t* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
 }
 
-template <typename T, int D>
+// R: the rotated dims (D, or fewer with partial rotary), R / 2 a whole number of vectors.
+template <typename T, int D, int R>
 void qk_norm_rotary_vec(T* q, T* k, const T* q_weight, const T* k_weight, const T* cos_table,
-                        const T* sin_table, const int64_t* positions, int64_t tokens,
-                        int64_t q_heads, int64_t k_heads, int64_t q_stride, int64_t k_stride,
-                        int64_t table_stride, float eps, int threads) {
+                        const T* sin_table, const int64_t* positions, const QkShape& s,
+                        int threads) {
   constexpr int C = D / 16;
-  constexpr int HC = C / 2;
-  const int64_t heads = q_heads + k_heads;
+  constexpr int RC = R / 16;
+  constexpr int HC = RC / 2;
+  static_assert(R <= D && R % 32 == 0, "the rotated half must be whole vectors");
+  const int64_t heads = s.q_heads + s.k_heads;
+  const float eps = s.eps;
+  const bool centered = s.centered;
+  // The scale: w, or (zero-centred) 1 + w, computed in float as the reference computes it.
+  const auto scale = [centered](const T* w, int c) {
+    if (w == nullptr) return _mm512_setzero_ps();
+    const __m512 v = vload(w + 16 * c);
+    return centered ? _mm512_add_ps(_mm512_set1_ps(1.f), v) : v;
+  };
   __m512 wq[C], wk[C];
   for (int c = 0; c < C; ++c) {
-    wq[c] = q_weight != nullptr ? vload(q_weight + 16 * c) : _mm512_setzero_ps();
-    wk[c] = k_weight != nullptr ? vload(k_weight + 16 * c) : _mm512_setzero_ps();
+    wq[c] = scale(q_weight, c);
+    wk[c] = scale(k_weight, c);
   }
-#pragma omp parallel for num_threads(threads_for(tokens * heads * D, threads)) schedule(static)
-  for (int64_t t = 0; t < tokens; ++t) {
+#pragma omp parallel for num_threads(threads_for(s.tokens * heads * D, threads)) \
+    schedule(static)
+  for (int64_t t = 0; t < s.tokens; ++t) {
     const int64_t pos = positions[t];
     __m512 cv[HC], sv[HC];
     for (int c = 0; c < HC; ++c) {
-      cv[c] = vload(cos_table + pos * table_stride + 16 * c);
-      sv[c] = vload(sin_table + pos * table_stride + 16 * c);
+      cv[c] = vload(cos_table + pos * s.table_stride + 16 * c);
+      sv[c] = vload(sin_table + pos * s.table_stride + 16 * c);
     }
     for (int64_t j = 0; j < heads; ++j) {
-      const bool is_q = j < q_heads;
-      T* x = is_q ? q + t * q_stride + j * D : k + t * k_stride + (j - q_heads) * D;
+      const bool is_q = j < s.q_heads;
+      T* x = is_q ? q + t * s.q_stride + j * s.q_head_stride
+                  : k + t * s.k_stride + (j - s.q_heads) * s.k_head_stride;
       const bool norm = (is_q ? q_weight : k_weight) != nullptr;
       const __m512* w = is_q ? wq : wk;
       __m512 h[C];
@@ -228,8 +260,11 @@ void qk_norm_rotary_vec(T* q, T* k, const T* q_weight, const T* k_weight, const 
         const float sumsq = _mm512_reduce_add_ps(acc);
         const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(sumsq / static_cast<float>(D) + eps));
         for (int c = 0; c < C; ++c) {
-          h[c] = vstored<T>(_mm512_mul_ps(w[c], vstored<T>(_mm512_mul_ps(h[c], inv))));
+          // round(h inv (1 + w)) zero-centred, round(w round(h inv)) otherwise.
+          h[c] = centered ? vstored<T>(_mm512_mul_ps(_mm512_mul_ps(h[c], inv), w[c]))
+                          : vstored<T>(_mm512_mul_ps(w[c], vstored<T>(_mm512_mul_ps(h[c], inv))));
         }
+        for (int c = RC; c < C; ++c) vstore(x + 16 * c, h[c]);
       }
       for (int c = 0; c < HC; ++c) {
         const __m512 x1 = h[c], x2 = h[c + HC];
@@ -244,36 +279,37 @@ void qk_norm_rotary_vec(T* q, T* k, const T* q_weight, const T* k_weight, const 
   }
 }
 
-// The vectorized kernel for the head sizes models use; false for others.
+// The vectorized kernel for the head sizes models use (whole or a half, quarter or eighth of
+// the head rotated, as partial rotary does); false for others.
 template <typename T>
 bool qk_norm_rotary_fast(T* q, T* k, const T* q_weight, const T* k_weight, const T* cos_table,
-                         const T* sin_table, const int64_t* positions, int64_t tokens,
-                         int64_t q_heads, int64_t k_heads, int64_t head_dim, int64_t q_stride,
-                         int64_t k_stride, int64_t table_stride, float eps, int threads) {
-  switch (head_dim) {
-    case 64:
-      qk_norm_rotary_vec<T, 64>(q, k, q_weight, k_weight, cos_table, sin_table, positions,
-                                tokens, q_heads, k_heads, q_stride, k_stride, table_stride, eps,
-                                threads);
+                         const T* sin_table, const int64_t* positions, const QkShape& s,
+                         int threads) {
+  using Kernel = void (*)(T*, T*, const T*, const T*, const T*, const T*, const int64_t*,
+                          const QkShape&, int);
+  struct Variant {
+    int64_t dim, rotary;
+    Kernel run;
+  };
+  static constexpr Variant kVariants[] = {
+      {64, 64, qk_norm_rotary_vec<T, 64, 64>},     {64, 32, qk_norm_rotary_vec<T, 64, 32>},
+      {128, 128, qk_norm_rotary_vec<T, 128, 128>}, {128, 64, qk_norm_rotary_vec<T, 128, 64>},
+      {128, 32, qk_norm_rotary_vec<T, 128, 32>},   {256, 256, qk_norm_rotary_vec<T, 256, 256>},
+      {256, 128, qk_norm_rotary_vec<T, 256, 128>}, {256, 64, qk_norm_rotary_vec<T, 256, 64>},
+      {256, 32, qk_norm_rotary_vec<T, 256, 32>},
+  };
+  for (const Variant& v : kVariants) {
+    if (v.dim == s.head_dim && v.rotary == s.rotary_dim) {
+      v.run(q, k, q_weight, k_weight, cos_table, sin_table, positions, s, threads);
       return true;
-    case 128:
-      qk_norm_rotary_vec<T, 128>(q, k, q_weight, k_weight, cos_table, sin_table, positions,
-                                 tokens, q_heads, k_heads, q_stride, k_stride, table_stride, eps,
-                                 threads);
-      return true;
-    case 256:
-      qk_norm_rotary_vec<T, 256>(q, k, q_weight, k_weight, cos_table, sin_table, positions,
-                                 tokens, q_heads, k_heads, q_stride, k_stride, table_stride, eps,
-                                 threads);
-      return true;
-    default:
-      return false;
+    }
   }
+  return false;
 }
 #else
 template <typename T>
-bool qk_norm_rotary_fast(T*, T*, const T*, const T*, const T*, const T*, const int64_t*, int64_t,
-                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int) {
+bool qk_norm_rotary_fast(T*, T*, const T*, const T*, const T*, const T*, const int64_t*,
+                         const QkShape&, int) {
   return false;
 }
 #endif
@@ -422,6 +458,23 @@ void gdn_gating(float* g, T* beta, const T* a, const T* b, const T* a_log, const
   }
 }
 
+// The vectorized kernel where it has the shape, else the plain loops; 0 (ok).
+template <typename T>
+int qk_norm_rotary_call(void* q, void* k, const void* q_weight, const void* k_weight,
+                        const void* cos_table, const void* sin_table, const int64_t* positions,
+                        const QkShape& shape, int threads) {
+  auto* qt = static_cast<T*>(q);
+  auto* kt = static_cast<T*>(k);
+  const auto* qw = static_cast<const T*>(q_weight);
+  const auto* kw = static_cast<const T*>(k_weight);
+  const auto* c = static_cast<const T*>(cos_table);
+  const auto* s = static_cast<const T*>(sin_table);
+  if (!qk_norm_rotary_fast<T>(qt, kt, qw, kw, c, s, positions, shape, threads)) {
+    qk_norm_rotary<T>(qt, kt, qw, kw, c, s, positions, shape, threads);
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -448,44 +501,28 @@ int tandem_add_rms_norm(void* out, void* residual, const void* x, const void* we
   return 0;
 }
 
+// Codes: 0 ok, 1 unsupported dtype, 2 a head size over the kernel's buffer or odd, or a
+// rotated part that is odd or wider than the head.
 int tandem_qk_norm_rotary(void* q, void* k, const void* q_weight, const void* k_weight,
                           const void* cos_table, const void* sin_table, const int64_t* positions,
                           int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t head_dim,
-                          int64_t q_stride, int64_t k_stride, int64_t table_stride, float eps,
-                          int32_t dtype, int32_t threads) {
+                          int64_t rotary_dim, int64_t q_stride, int64_t q_head_stride,
+                          int64_t k_stride, int64_t k_head_stride, int64_t table_stride,
+                          float eps, int32_t centered, int32_t dtype, int32_t threads) {
   if (head_dim > 1024 || head_dim % 2 != 0) return 2;
+  if (rotary_dim <= 0 || rotary_dim > head_dim || rotary_dim % 2 != 0) return 2;
+  const QkShape shape{tokens,   q_heads,       k_heads,  head_dim,      rotary_dim,
+                      q_stride, q_head_stride, k_stride, k_head_stride, table_stride,
+                      eps,      centered != 0};
   if (dtype == 0) {
-    if (qk_norm_rotary_fast<float>(
-            static_cast<float*>(q), static_cast<float*>(k), static_cast<const float*>(q_weight),
-            static_cast<const float*>(k_weight), static_cast<const float*>(cos_table),
-            static_cast<const float*>(sin_table), positions, tokens, q_heads, k_heads, head_dim,
-            q_stride, k_stride, table_stride, eps, threads)) {
-      return 0;
-    }
-    qk_norm_rotary<float>(static_cast<float*>(q), static_cast<float*>(k),
-                          static_cast<const float*>(q_weight), static_cast<const float*>(k_weight),
-                          static_cast<const float*>(cos_table),
-                          static_cast<const float*>(sin_table), positions, tokens, q_heads,
-                          k_heads, head_dim, q_stride, k_stride, table_stride, eps, threads);
-  } else if (dtype == 1) {
-    if (qk_norm_rotary_fast<uint16_t>(
-            static_cast<uint16_t*>(q), static_cast<uint16_t*>(k),
-            static_cast<const uint16_t*>(q_weight), static_cast<const uint16_t*>(k_weight),
-            static_cast<const uint16_t*>(cos_table), static_cast<const uint16_t*>(sin_table),
-            positions, tokens, q_heads, k_heads, head_dim, q_stride, k_stride, table_stride, eps,
-            threads)) {
-      return 0;
-    }
-    qk_norm_rotary<uint16_t>(
-        static_cast<uint16_t*>(q), static_cast<uint16_t*>(k),
-        static_cast<const uint16_t*>(q_weight), static_cast<const uint16_t*>(k_weight),
-        static_cast<const uint16_t*>(cos_table), static_cast<const uint16_t*>(sin_table),
-        positions, tokens, q_heads, k_heads, head_dim, q_stride, k_stride, table_stride, eps,
-        threads);
-  } else {
-    return 1;
+    return qk_norm_rotary_call<float>(q, k, q_weight, k_weight, cos_table, sin_table, positions,
+                                      shape, threads);
   }
-  return 0;
+  if (dtype == 1) {
+    return qk_norm_rotary_call<uint16_t>(q, k, q_weight, k_weight, cos_table, sin_table,
+                                         positions, shape, threads);
+  }
+  return 1;
 }
 
 int tandem_rms_norm_gated(void* out, const void* x, const void* gate, const void* weight,
