@@ -97,7 +97,8 @@ def rotary() -> KernelHandle[torch.Tensor]:
 
 
 def qk_norm_rotary() -> KernelHandle[Pair]:
-    """Qwen3's per-head q/k RMSNorm and the rotary after it, in place (CPU and Triton)."""
+    """Qwen3's per-head q/k RMSNorm and the rotary after it, in place (CPU and Triton); or
+    Qwen3.5's zero-centred norm and partial rotary (``zero_centered``, ``rotary_dim``)."""
     native = native_elementwise_kernel("qk_norm_rotary")
     triton = triton_kernel("rotary", "qk_norm_rotary")
     npu = torch_npu_kernel("rotary", "qk_norm_rotary")

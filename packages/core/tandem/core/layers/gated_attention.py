@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tandem.collectives import ProcessGroup
+from tandem.core.kernels import handles
 from tandem.core.kernels.attention_metadata import AttentionMetadata
 from tandem.core.layers.attention import PagedAttention
 from tandem.core.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -59,6 +60,10 @@ class GatedAttention(nn.Module):
         )
         self.q_norm = ZeroCenteredRMSNorm(head_dim, eps)
         self.k_norm = ZeroCenteredRMSNorm(head_dim, eps)
+        # The q/k norms and partial rotary: one in-place pass over q (inside the query|gate
+        # columns) and k on CPU, instead of two norms, two rotaries and two copies.
+        self._qk = handles.qk_norm_rotary()
+        self._eps = eps
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, head_dim, scale=head_dim**-0.5
         )
@@ -67,17 +72,19 @@ class GatedAttention(nn.Module):
         self,
         x: torch.Tensor,
         rotary: PartialRotaryEmbedding,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        positions: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """``rotary``: the model's table, shared by every layer (indexed at ``positions``)."""
         num_tokens = x.shape[0]
         query_gate, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
         query_gate = query_gate.view(num_tokens, self.num_heads, 2 * self.head_dim)
         q, gate = query_gate.split([self.head_dim, self.head_dim], dim=-1)
-        q = rotary.rotate(self.q_norm(q), cos, sin)
-        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
-        k = rotary.rotate(k, cos, sin)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self._qk(
+            q, k, self.q_norm.weight, self.k_norm.weight, self._eps, rotary.cos, rotary.sin,
+            positions, True, rotary.rotary_dim,
+        )  # fmt: skip
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, meta) * torch.sigmoid(gate.reshape(num_tokens, -1))
         result: torch.Tensor = self.o_proj(out)

@@ -1,5 +1,7 @@
 """Rotary embedding over the first ``rotary_dim`` dims of each head (partial rotary, as
-Qwen3.5's ``partial_rotary_factor``); the rest of the head passes through unrotated.
+Qwen3.5's ``partial_rotary_factor``); the rest of the head passes through unrotated. The table
+covers the rotated dims only; ``GatedAttention`` applies it with the fused q/k norm + rotary
+kernel (``handles.qk_norm_rotary`` with ``rotary_dim``), in place.
 """
 
 from __future__ import annotations
@@ -24,10 +26,3 @@ class PartialRotaryEmbedding(RotaryEmbedding):
             raise ValueError(f"the rotary dimension ({rotary_dim}) must be even and positive")
         super().__init__(rotary_dim, max_position, theta, scaling, dtype)
         self.rotary_dim = rotary_dim
-
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` [T, H, D] with rows from ``lookup``."""
-        if x.shape[-1] == self.rotary_dim:
-            return self._kernel(x, cos, sin)
-        rotated = self._kernel(x[..., : self.rotary_dim], cos, sin)
-        return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1)

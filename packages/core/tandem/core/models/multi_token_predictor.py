@@ -50,7 +50,6 @@ class MultiTokenPredictor(nn.Module):
             [self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1
         )
         x = self.fc(joined)
-        cos, sin = rotary.lookup(positions)
-        x = self.layers[0](x, rotary, cos, sin, meta)
+        x = self.layers[0](x, rotary, positions, meta)
         out: torch.Tensor = self.norm(x)
         return out

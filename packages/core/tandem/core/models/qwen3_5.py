@@ -134,16 +134,16 @@ class Qwen3_5DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         rotary: PartialRotaryEmbedding,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        positions: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """``rotary``: the model's table, shared by every layer (indexed at ``positions``)."""
         h = self.input_layernorm(x)
         if self.linear_attn is not None:
             h = self.linear_attn(h, meta)
         else:
             assert self.self_attn is not None
-            h = self.self_attn(h, rotary, cos, sin, meta)
+            h = self.self_attn(h, rotary, positions, meta)
         # x is this layer's own input (the previous layer's output or the embedding), so the
         # fused kernel may write the residual sum into it.
         h, x = self.post_attention_layernorm.add_and_norm(h, x)
@@ -260,9 +260,8 @@ class Qwen3_5ForCausalLM(CausalLM):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.lookup(positions)
         for layer in self._decoder_layers():
-            x = layer(x, self.rotary, cos, sin, meta)
+            x = layer(x, self.rotary, positions, meta)
         out: torch.Tensor = self.norm(x)
         return out
 
