@@ -19,7 +19,7 @@ from tandem.core.kernels.cpu.elementwise import native_elementwise_kernel
 from tandem.core.kernels.cpu.int4_linear import native_int4_kernel
 from tandem.core.kernels.cpu.int8_gemm import native_int8_kernel
 from tandem.core.kernels.cpu.linear_attention import native_linear_attention_kernel
-from tandem.core.kernels.cpu.paged_attention import native_paged_attention
+from tandem.core.kernels.cpu.paged_attention import native_kv_cache_write, native_paged_attention
 from tandem.core.kernels.cpu.prefill_attention import native_prefill_attention
 from tandem.core.kernels.cpu.quantized_moe import native_moe_int4_kernel, native_moe_int8_kernel
 from tandem.core.kernels.handle import KernelHandle
@@ -108,7 +108,9 @@ def qk_norm_rotary() -> KernelHandle[Pair]:
 def write_kv_cache() -> KernelHandle[None]:
     """The step's new K/V into their cache slots, before attention reads them."""
     npu = torch_npu_kernel("attention", "write_kv_cache", HALVES)
-    return KernelHandle("write_kv_cache", attention_ref.write_kv_cache, npu=npu)
+    return KernelHandle(
+        "write_kv_cache", attention_ref.write_kv_cache, native_kv_cache_write, npu=npu
+    )
 
 
 def paged_attention_decode(head_dim: int) -> KernelHandle[torch.Tensor]:

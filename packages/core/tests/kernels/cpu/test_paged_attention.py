@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from tandem.core.kernels import handles
+from tandem.core.kernels.attention_metadata import AttentionMetadata
 from tandem.core.kernels.cpu import attention_groups, native_build
 from tandem.core.kernels.cpu import paged_attention as paged_attention_cpu
 from tandem.core.kernels.cpu import prefill_attention as prefill_attention_cpu
@@ -306,3 +308,71 @@ def test_the_builds_run_the_code_path_of_their_isa_level() -> None:
     assert NATIVE is not None and NATIVE.compiled_path == expected
     prefill = native_prefill_attention()
     assert prefill is not None and prefill.compiled_path == expected
+
+
+def _kv_step(
+    dtype: torch.dtype, tokens: int, heads: int = 2, head_dim: int = 64, blocks: int = 40
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A step's k as the attention layer hands it over (a section of one projection
+    [T, q | k | v], so its rows lie far apart), v with rows of another stride, random
+    caches and distinct random slots."""
+    gen = torch.Generator().manual_seed(tokens)
+    width = heads * head_dim
+    qkv = torch.randn(tokens, 4 * width, generator=gen).to(dtype)
+    k = qkv[:, 2 * width : 3 * width].view(tokens, heads, head_dim)
+    v = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(blocks, 16, heads, head_dim, generator=gen).to(dtype)
+    slots = torch.randperm(blocks * 16, generator=gen)[:tokens]
+    meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=0, decode=None, prefill=None)
+    return k, v, k_cache, k_cache.clone().neg_(), meta
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("tokens", "heads", "head_dim"), [(1, 2, 64), (48, 2, 64), (600, 2, 64), (600, 8, 128)]
+)
+def test_the_native_kv_cache_write_equals_the_reference(
+    dtype: torch.dtype, tokens: int, heads: int, head_dim: int
+) -> None:
+    """Row copies, so equal bit for bit, every other slot left as it was. The last shape
+    moves over the kernel's 4 MiB threshold in float32 (2 x 600 rows of 4 KiB), where the
+    copy is shared by the threads."""
+    assert NATIVE is not None
+    k, v, k_cache, v_cache, meta = _kv_step(dtype, tokens, heads, head_dim)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    attention_reference.write_kv_cache(k, v, want_k, want_v, meta)
+    NATIVE.write_kv_cache(k, v, k_cache, v_cache, meta)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@needs_native
+def test_the_native_kv_cache_write_refuses_a_slot_outside_the_cache_writing_nothing() -> None:
+    assert NATIVE is not None
+    k, v, k_cache, v_cache, meta = _kv_step(torch.float32, 5)
+    before = k_cache.clone()
+    for bad in (-1, 40 * 16):
+        meta.slot_mapping[3] = bad
+        with pytest.raises(ValueError, match="a slot outside the cache's 640"):
+            NATIVE.write_kv_cache(k, v, k_cache, v_cache, meta)
+        assert torch.equal(k_cache, before)
+
+
+@needs_native
+def test_rows_the_kernel_cannot_copy_whole_go_to_the_reference() -> None:
+    """Heads not back to back in a token's row (a transposed view): still written right."""
+    assert NATIVE is not None
+    k, v, k_cache, v_cache, meta = _kv_step(torch.float32, 7)
+    k_apart = k.transpose(1, 2).contiguous().transpose(1, 2)
+    assert k_apart.stride(1) != k_apart.shape[2]
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    attention_reference.write_kv_cache(k, v, want_k, want_v, meta)
+    NATIVE.write_kv_cache(k_apart, v, k_cache, v_cache, meta)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_kv_cache_write_handle_picks_the_native_kernel_on_cpu(dtype: torch.dtype) -> None:
+    assert NATIVE is not None
+    assert handles.write_kv_cache().choose(("cpu",), dtype) == NATIVE.write_kv_cache

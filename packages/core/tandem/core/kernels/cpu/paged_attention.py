@@ -9,10 +9,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from tandem.core.kernels.attention_metadata import AttentionMetadata
 from tandem.core.kernels.cpu.attention_library import DTYPE_CODES, AttentionLibrary
 from tandem.core.kernels.cpu.native_build import (
     CSRC,
@@ -22,6 +24,9 @@ from tandem.core.kernels.cpu.native_build import (
 )
 from tandem.core.kernels.cpu.native_build import build_library as build_native
 from tandem.core.kernels.process_once import ProcessOnce
+from tandem.core.kernels.reference.paged_attention import (
+    write_kv_cache as reference_write_kv_cache,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +61,50 @@ class NativePagedAttention(AttentionLibrary):
             ctypes.c_int32,
         ]
         self._run.restype = ctypes.c_int
+        self._write = self.lib.tandem_write_kv_cache
+        self._write.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_int32]
+        self._write.restype = ctypes.c_int
+
+    def write_kv_cache(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """The reference's ``write_kv_cache``: each token's ``k``/``v`` [T, Hkv, D] row
+        into slot ``meta.slot_mapping[t]`` of the caches [blocks, block_size, Hkv, D], read
+        in place from their rows (a section of the layer's projection: only each row's heads
+        need to lie back to back). Layouts it cannot copy as whole rows go to the reference."""
+        slots = meta.slot_mapping
+        rows_whole = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+        if (
+            not rows_whole
+            or k.shape[1:] != k_cache.shape[2:]
+            or v.shape != k.shape
+            or k.dtype != k_cache.dtype
+            or v.dtype != v_cache.dtype
+            or k_cache.stride() != v_cache.stride()
+            or not k_cache.is_contiguous()
+            or slots.dtype is not torch.int64
+            or slots.stride(0) != 1
+        ):
+            reference_write_kv_cache(k, v, k_cache, v_cache, meta)
+            return
+        num_tokens, heads, head_dim = k.shape
+        size = k.element_size()
+        code = self._write(
+            k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
+            slots.data_ptr(), num_tokens, heads * head_dim * size, k.stride(0) * size,
+            v.stride(0) * size, k_cache.stride(1) * size, k_cache.shape[0] * k_cache.shape[1],
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(
+                f"the KV cache write refused its arguments (code {code}): a slot outside the "
+                f"cache's {k_cache.shape[0] * k_cache.shape[1]}"
+            )
 
     def __call__(
         self,
@@ -126,3 +175,9 @@ def load_native_paged_attention(
 
 # The process's kernel, built and loaded on first use.
 native_paged_attention = ProcessOnce(load_native_paged_attention)
+
+
+def native_kv_cache_write(dtype: torch.dtype) -> Callable[..., None] | None:
+    """The kernel library's KV cache write (any dtype: it copies rows), where it is built."""
+    library = native_paged_attention()
+    return None if library is None else library.write_kv_cache

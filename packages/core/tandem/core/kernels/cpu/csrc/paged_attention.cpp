@@ -931,4 +931,30 @@ int tandem_paged_attention(void* out, const void* q, const void* k_cache,
   return 3;
 }
 
+// The step's new K and V rows into their cache slots: token t's row (row_bytes, its heads
+// back to back) of k and v, rows k_stride / v_stride bytes apart, to slot slots[t] of
+// caches whose slots are slot_bytes apart. Plain copies, one thread unless the step moves
+// many megabytes: a small parallel copy costs more in the team's wake-up than it saves.
+// Every slot is checked first (1 for one outside [0, num_slots)): nothing is written then.
+int tandem_write_kv_cache(void* k_cache, void* v_cache, const void* k, const void* v,
+                          const int64_t* slots, int64_t num_tokens, int64_t row_bytes,
+                          int64_t k_stride, int64_t v_stride, int64_t slot_bytes,
+                          int64_t num_slots, int32_t num_threads) {
+  if (num_tokens < 0 || row_bytes <= 0 || slot_bytes < row_bytes) return 2;
+  for (int64_t t = 0; t < num_tokens; ++t)
+    if (slots[t] < 0 || slots[t] >= num_slots) return 1;
+  char* kc = static_cast<char*>(k_cache);
+  char* vc = static_cast<char*>(v_cache);
+  const char* ks = static_cast<const char*>(k);
+  const char* vs = static_cast<const char*>(v);
+  constexpr int64_t kParallelBytes = int64_t{4} << 20;
+  const bool parallel = 2 * num_tokens * row_bytes >= kParallelBytes && num_threads > 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    std::memcpy(kc + slots[t] * slot_bytes, ks + t * k_stride, static_cast<size_t>(row_bytes));
+    std::memcpy(vc + slots[t] * slot_bytes, vs + t * v_stride, static_cast<size_t>(row_bytes));
+  }
+  return 0;
+}
+
 }  // extern "C"
