@@ -20,7 +20,7 @@ from tandem.core.kernels.cpu.packed_linear import (
     padded_rows,
 )
 from tandem.core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tandem.core.layers.linear import RowParallelLinear
+from tandem.core.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tandem.core.layers.replicated_linear import ReplicatedLinear
 from tandem.core.layers.weights import parameter_bytes
 from tandem.device.cpu import collapse_to_huge_pages
@@ -80,6 +80,28 @@ def test_a_layer_off_the_panels_is_padded_only_where_allowed(dtype: torch.dtype,
     for got, want in [(layer(x), expected), (layer(x[0]), expected[0])]:
         assert got.shape == want.shape and got.dtype is dtype
         assert (got.float() - want).abs().max().item() <= TOLERANCE[dtype] * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_layer_with_a_bias_is_never_padded(dtype: torch.dtype) -> None:
+    """oneDNN adds a bias over the packed weight's whole width: 80 outputs padded to 128
+    would meet a bias of 80. Asked to pad, such a layer stays as it is and adds its bias."""
+    _need_packing(dtype)
+    gen = torch.Generator().manual_seed(6)
+    layer = ColumnParallelLinear(96, 80, bias=True, group=SingleRankGroup())
+    layer.weight.data = torch.randn(80, 96, generator=gen).to(dtype)
+    assert layer.bias is not None
+    layer.bias.data = torch.randn(80, generator=gen).to(dtype)
+    layer.pad_outputs = True
+    x = torch.randn(7, 96, generator=gen).to(dtype)
+    expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    pack_linear_weights(layer, CPU, dtype)
+    assert layer.padded_outputs == 0
+    got = layer(x)
+    assert got.shape == expected.shape
+    assert (got.float() - expected).abs().max().item() <= TOLERANCE[
+        dtype
+    ] * expected.abs().max().item()
 
 
 class _Tied(nn.Module):

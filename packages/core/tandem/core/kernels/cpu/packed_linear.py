@@ -151,10 +151,12 @@ def pack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dty
 def _pack(module: PackableLinear, weight: torch.Tensor, kernel: PackedWeightKernel | None) -> None:
     """Pack ``weight`` into ``module`` and let ``kernel`` adopt it where it can: padded
     with zero output rows to the width the kernel reads where the module allows it, and
-    unpadded where the kernel still declines it (oneDNN would then compute the padding)."""
+    unpadded where the kernel still declines it (oneDNN would then compute the padding).
+    A layer with a bias is never padded: oneDNN adds the bias over the weight's whole
+    width, and our kernel (which takes none) hands such a layer to oneDNN anyway."""
     out_features, in_features = weight.shape
     width = out_features
-    if kernel is not None and module.pad_outputs:
+    if kernel is not None and module.pad_outputs and getattr(module, "bias", None) is None:
         width = kernel.readable_width(out_features, in_features) or out_features
     for rows in dict.fromkeys((width, out_features)):  # padded first, then as it is
         padded = weight.detach()
