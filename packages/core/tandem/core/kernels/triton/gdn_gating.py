@@ -1,7 +1,8 @@
 """Gated DeltaNet's gates in Triton (``reference/gated_delta_rule.py``, ``gdn_gating``): per
 token and value head the decay ``g = -exp(A_log) * softplus(a + dt_bias)`` in float32 and
-``beta = sigmoid(b)`` in the model dtype, from the b and a columns of the ``in_proj_ba``
-projection read in place (token strides of their own). One kernel instead of the reference's
+``beta = sigmoid(b)`` in the model dtype, from the b and a columns of the projection that
+computes them (``in_proj_qkvz``, or ``in_proj_ba`` apart) read in place (token strides of
+their own). One kernel instead of the reference's
 eight elementwise ops; a program per tile of ``ROWS`` tokens, all of a rank's heads (a few)
 in one tile row.
 
