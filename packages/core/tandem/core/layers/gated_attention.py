@@ -63,7 +63,6 @@ class GatedAttention(nn.Module):
         # The q/k norms and partial rotary: one in-place pass over q (inside the query|gate
         # columns) and k on CPU, instead of two norms, two rotaries and two copies.
         self._qk = handles.qk_norm_rotary()
-        self._eps = eps
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, head_dim, scale=head_dim**-0.5
         )
@@ -82,7 +81,7 @@ class GatedAttention(nn.Module):
         q, gate = query_gate.split([self.head_dim, self.head_dim], dim=-1)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self._qk(
-            q, k, self.q_norm.weight, self.k_norm.weight, self._eps, rotary.cos, rotary.sin,
+            q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rotary.cos, rotary.sin,
             positions, True, rotary.rotary_dim,
         )  # fmt: skip
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)

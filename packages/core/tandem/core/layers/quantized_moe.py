@@ -293,11 +293,7 @@ class QuantizedMoeExperts(RoutedExperts):
 
     def packed_bytes(self) -> int:
         """Bytes of the int8 weights packed for the CPU kernel (beside the parameters)."""
-        return sum(
-            p.packed.nbytes + p.compensation.nbytes
-            for p in (self.w13.packed, self.w2.packed)
-            if p is not None
-        )
+        return sum(p.nbytes for p in (self.w13.packed, self.w2.packed) if p is not None)
 
     # Compute.
 

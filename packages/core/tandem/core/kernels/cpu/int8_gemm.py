@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -93,10 +93,27 @@ class PackedInt8Experts:
     def experts(self) -> int:
         return int(self.packed.shape[0])
 
+    @property
+    def panel(self) -> int:
+        return int(self.packed.shape[3])
+
+    @property
+    def padded_in(self) -> int:
+        return int(self.packed.shape[2]) * GROUP
+
+    @property
+    def nbytes(self) -> int:
+        """Memory it holds (the codes and the compensation)."""
+        return self.packed.nbytes + self.compensation.nbytes
+
     def expert(self, e: int) -> PackedInt8Weight:
         return PackedInt8Weight(
             self.packed[e], self.compensation[e], self.out_features, self.in_features
         )
+
+
+# Either packed form: ``_readable`` checks the panel width both carry.
+Packed = TypeVar("Packed", PackedInt8Weight, PackedInt8Experts)
 
 
 def pack_int8_experts(weight: torch.Tensor, panel: int) -> PackedInt8Experts:
@@ -160,7 +177,7 @@ class NativeInt8:
         """``weight`` int8 [E, N, K] in the layout this build reads, expert after expert."""
         return pack_int8_experts(weight, self.panel)
 
-    def _readable(self, weight: PackedInt8Weight) -> PackedInt8Weight:
+    def _readable(self, weight: Packed) -> Packed:
         # A layout of another panel width pairs the wrong columns: refused, not misread.
         if weight.panel != self.panel:
             raise ValueError(
@@ -217,11 +234,7 @@ class NativeInt8:
         static scale ``input_scales`` [E] (None: per token). ``offsets`` [E + 1] int64 is
         read where it lies (no host sync); offsets out of order or not ending at M are
         refused."""
-        if experts.packed.shape[3] != self.panel:
-            raise ValueError(
-                f"experts packed in panels of {experts.packed.shape[3]} columns; this "
-                f"{self.name} kernel reads panels of {self.panel}"
-            )
+        experts = self._readable(experts)
         e, n = experts.experts, experts.out_features
         if offsets.dtype is not torch.int64 or offsets.shape != (e + 1,):
             raise ValueError(f"offsets must be int64 [{e + 1}]")
@@ -239,7 +252,7 @@ class NativeInt8:
         code = self._grouped(
             out.data_ptr(), rows.data_ptr(), experts.packed.data_ptr(),
             experts.compensation.data_ptr(), ws.data_ptr(), _ptr(fixed), bounds.data_ptr(), e,
-            rows.shape[0], n, experts.in_features, int(experts.packed.shape[2]) * GROUP,
+            rows.shape[0], n, experts.in_features, experts.padded_in,
             rows.stride(0), out.stride(0), _DTYPES[dtype], torch.get_num_threads(),
         )  # fmt: skip
         self._check(code, "grouped linear")

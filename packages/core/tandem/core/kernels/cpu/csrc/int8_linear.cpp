@@ -213,6 +213,22 @@ void block_dots(const Gemm& g, int64_t r0, int rows, int64_t p, int32_t* tile) {
   }
 }
 
+// Runs `epilogue(row, panel, tile, rows)` on each block of exact dots of rows [m0, m1) with
+// panel p, in blocks of even size (7 rows: 4 3, 10 rows: 4 3 3, not 4 4 2): a short block
+// pays the weight loads of a full one for fewer products.
+template <typename Epilogue>
+void row_task(const Gemm& g, int64_t m0, int64_t m1, int64_t p, Epilogue& epilogue) {
+  alignas(64) int32_t tile[kRowBlock * kPanel];
+  const int64_t blocks = (m1 - m0 + kRowBlock - 1) / kRowBlock;
+  const int64_t base = (m1 - m0) / blocks, longer = (m1 - m0) % blocks;
+  for (int64_t b = 0, r = m0; b < blocks; ++b) {
+    const int rows = static_cast<int>(base + (b < longer ? 1 : 0));
+    block_dots(g, r, rows, p, tile);
+    epilogue(r, p, tile, rows);
+    r += rows;
+  }
+}
+
 // Runs `epilogue(row, panel, tile, rows)` on every block of exact dots, the blocks spread
 // over the threads: by panel at decode sizes, by (row task, panel) at prefill sizes.
 template <typename Epilogue>
@@ -222,20 +238,8 @@ void run_gemm(const Gemm& g, int threads, Epilogue epilogue) {
   const int64_t tasks = panels * row_tasks;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t p = t % panels;
     const int64_t m0 = (t / panels) * kRowTask;
-    const int64_t m1 = std::min(g.m, m0 + kRowTask);
-    alignas(64) int32_t tile[kRowBlock * kPanel];
-    // Blocks of even size (7 rows: 4 3, 10 rows: 4 3 3, not 4 4 2): a short block pays
-    // the weight loads of a full one for fewer products.
-    const int64_t blocks = (m1 - m0 + kRowBlock - 1) / kRowBlock;
-    const int64_t base = (m1 - m0) / blocks, longer = (m1 - m0) % blocks;
-    for (int64_t b = 0, r = m0; b < blocks; ++b) {
-      const int rows = static_cast<int>(base + (b < longer ? 1 : 0));
-      block_dots(g, r, rows, p, tile);
-      epilogue(r, p, tile, rows);
-      r += rows;
-    }
+    row_task(g, m0, std::min(g.m, m0 + kRowTask), t % panels, epilogue);
   }
 }
 
@@ -291,26 +295,44 @@ void dequantize_row(const int32_t* acc, float s, const float* ws, const float* b
   }
 }
 
+// Rows [0, m) of x quantized as the kernels read them into a [m][kp] (zero padded, + 128 on
+// the VNNI path), each row's scale into scales: per token, or the static scale fixed_of(r)
+// returns (null: per token).
+template <typename T, typename FixedOf>
+void quantize_rows(const T* x, int64_t m, int64_t k, int64_t kp, int64_t ldx, FixedOf fixed_of,
+                   int8_t* a, float* scales, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (m > 1)
+  for (int64_t r = 0; r < m; ++r) {
+    int8_t* row = a + r * kp;
+    scales[r] = quantize_row(x + r * ldx, k, nullptr, fixed_of(r), row);
+    for (int64_t i = 0; i < k; ++i) row[i] = as_kernel_byte(row[i]);
+  }
+}
+
+// The epilogue that dequantizes a block of dots into out, with the weight scales ws and bias
+// (may be null) of the weight's columns.
+template <typename T>
+auto dequantize_into(T* out, int64_t ldo, int64_t n, const float* scales, const float* ws,
+                     const float* bias) {
+  return [=](int64_t r0, int64_t p, const int32_t* tile, int rows) {
+    const int64_t c0 = p * kPanel;
+    const int64_t cols = std::min(kPanel, n - c0);
+    for (int r = 0; r < rows; ++r)
+      dequantize_row(tile + r * kPanel, scales[r0 + r], ws + c0, bias ? bias + c0 : nullptr,
+                     out + (r0 + r) * ldo + c0, cols);
+  };
+}
+
 template <typename T>
 void linear(T* out, const T* x, const Gemm& shape, const float* ws, const float* bias,
             const float* fixed, int64_t k, int64_t ldx, int64_t ldo, int threads) {
   std::vector<int8_t> a(static_cast<size_t>(shape.m * shape.kp), as_kernel_byte(0));
   std::vector<float> scales(static_cast<size_t>(shape.m));
-#pragma omp parallel for num_threads(threads) schedule(static) if (shape.m > 1)
-  for (int64_t r = 0; r < shape.m; ++r) {
-    int8_t* row = a.data() + r * shape.kp;
-    scales[r] = quantize_row(x + r * ldx, k, nullptr, fixed, row);
-    for (int64_t i = 0; i < k; ++i) row[i] = as_kernel_byte(row[i]);
-  }
+  quantize_rows(x, shape.m, k, shape.kp, ldx, [fixed](int64_t) { return fixed; }, a.data(),
+                scales.data(), threads);
   Gemm g = shape;
   g.a = a.data();
-  run_gemm(g, threads, [&](int64_t r0, int64_t p, const int32_t* tile, int rows) {
-    const int64_t c0 = p * kPanel;
-    const int64_t cols = std::min(kPanel, g.n - c0);
-    for (int r = 0; r < rows; ++r)
-      dequantize_row(tile + r * kPanel, scales[r0 + r], ws + c0, bias ? bias + c0 : nullptr,
-                     out + (r0 + r) * ldo + c0, cols);
-  });
+  run_gemm(g, threads, dequantize_into(out, ldo, g.n, scales.data(), ws, bias));
 }
 
 // Every routed expert's rows through its own packed weight in one call (the grouped
@@ -336,33 +358,16 @@ void grouped_linear(T* out, const T* x, const int8_t* packed, const int32_t* com
       tasks.insert(tasks.end(), {e, m0, std::min(offsets[e + 1], m0 + kRowTask)});
     }
   }
-#pragma omp parallel for num_threads(threads) schedule(static) if (m > 1)
-  for (int64_t r = 0; r < m; ++r) {
-    int8_t* row = a.data() + r * kp;
-    const float* scale = fixed != nullptr ? fixed + row_expert[r] : nullptr;
-    scales[r] = quantize_row(x + r * ldx, k, nullptr, scale, row);
-    for (int64_t i = 0; i < k; ++i) row[i] = as_kernel_byte(row[i]);
-  }
+  const auto fixed_of = [&](int64_t r) { return fixed ? fixed + row_expert[r] : nullptr; };
+  quantize_rows(x, m, k, kp, ldx, fixed_of, a.data(), scales.data(), threads);
   const int64_t items = static_cast<int64_t>(tasks.size() / 3) * panels;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t t = 0; t < items; ++t) {
     const int64_t* task = tasks.data() + (t / panels) * 3;
-    const int64_t e = task[0], m0 = task[1], m1 = task[2], p = t % panels;
+    const int64_t e = task[0];
     const Gemm g{a.data(), packed + e * np * kp, comp + e * np, m, n, kp};
-    const float* scale_cols = ws + e * n;
-    alignas(64) int32_t tile[kRowBlock * kPanel];
-    const int64_t blocks = (m1 - m0 + kRowBlock - 1) / kRowBlock;
-    const int64_t base = (m1 - m0) / blocks, longer = (m1 - m0) % blocks;
-    const int64_t c0 = p * kPanel;
-    const int64_t cols = std::min(kPanel, n - c0);
-    for (int64_t b = 0, r0 = m0; b < blocks; ++b) {
-      const int rows = static_cast<int>(base + (b < longer ? 1 : 0));
-      block_dots(g, r0, rows, p, tile);
-      for (int r = 0; r < rows; ++r)
-        dequantize_row(tile + r * kPanel, scales[r0 + r], scale_cols + c0, nullptr,
-                       out + (r0 + r) * ldo + c0, cols);
-      r0 += rows;
-    }
+    auto epilogue = dequantize_into(out, ldo, n, scales.data(), ws + e * n, nullptr);
+    row_task(g, task[1], task[2], t % panels, epilogue);
   }
 }
 
