@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -75,25 +74,22 @@ def calibration_samples(model: Path, text: str, count: int, length: int) -> list
     return samples
 
 
-def free_memory_bytes() -> int:
-    """Physical memory free now (what the routed experts' statistics may take half of)."""
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def expert_statistics_bytes(modules: list[FusedMoeExperts]) -> int:
     """What the routed experts' sums take at most: per expert a [H, H] and an [I, I] float64."""
     return sum(m.num_experts * (m.hidden_size**2 + m.local_size**2) * 8 for m in modules)
 
 
 def collect_hessians(
-    model: Path, samples: list[list[int]], free_bytes: Callable[[], int] = free_memory_bytes
+    model: Path, samples: list[list[int]], free_bytes: Callable[[], int] | None = None
 ) -> dict[str, torch.Tensor]:
     """Sum of x x^T (float64 [K, K]) of each projection's inputs over every sample's tokens,
     keyed by the projection's checkpoint name without ``.weight``
     (``model.layers.3.self_attn.q_proj``, ``model.layers.3.mlp.experts.7.up_proj``); none
     for a routed expert no sample's token was routed to, nor for any routed expert where
-    their sums would take more than half of ``free_bytes()`` (a large MoE's: Qwen3-30B-A3B's
-    take ~235 GB), which the writer then rounds to nearest."""
+    their sums would take more than half of the memory free once the model is loaded
+    (``free_bytes()``, default: the device's, as the KV cache sizing reads it, the page cache
+    counted free; a large MoE's: Qwen3-30B-A3B's take ~235 GB), which the writer then rounds
+    to nearest."""
     longest = max(map(len, samples))
     engine = LLMEngine(
         EngineConfig(
@@ -117,7 +113,12 @@ def collect_hessians(
         assert isinstance(runner, ModelRunner)
         removers = []
         routed = [m for m in runner.model.modules() if isinstance(m, FusedMoeExperts)]
-        needed, free = expert_statistics_bytes(routed), free_bytes()
+        needed = expert_statistics_bytes(routed)
+        if free_bytes is not None:
+            free = free_bytes()
+        else:
+            assert worker.runtime is not None
+            free = worker.runtime.memory_info(worker.device).free_bytes
         calibrate_experts = needed <= free // 2
         if not calibrate_experts:
             logger.warning(
