@@ -29,6 +29,7 @@ from tandem.core.kernels import handles
 from tandem.core.kernels.cpu.grouped_moe import grouped_expert_kernel, grouped_fused_moe
 from tandem.core.kernels.cpu.packed_experts import GroupedExpertKernel, PackedExperts
 from tandem.core.kernels.reference.elementwise import GATED_ACTIVATIONS
+from tandem.core.kernels.reference.fused_moe import sort_rows, spans_of
 from tandem.core.layers.linear import _divide
 from tandem.core.layers.weights import LazyTensor, copy_checked
 
@@ -130,19 +131,16 @@ class FusedMoeExperts(RoutedExperts):
         (token, chosen expert) pair grouped by expert [T k, H], how many rows each expert has
         [E], and those rows' intermediate activations act(gate) * up [T k, I / tp], computed
         as ``forward`` computes them (the routing weights apply after the down projection)."""
-        num_choices = topk_ids.shape[1]
-        flat = topk_ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        rows = x.index_select(0, order // num_choices)
+        _, token, offsets = sort_rows(topk_ids, self.num_experts)
+        rows = x.index_select(0, token)
+        counts = offsets.diff()
         grouped = self._grouped
         if grouped is not None:
             kernel, w13, _ = grouped
-            offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64)
-            torch.cumsum(counts, 0, out=offsets[1:])
             return rows, counts, self._act(kernel.grouped_matmul(rows, w13, offsets))
-        parts = torch.split(rows, counts.tolist())
-        gate_up = torch.cat([part @ self.w13[e].t() for e, part in enumerate(parts)])
+        gate_up = rows.new_empty(rows.shape[0], self.w13.shape[1])
+        for expert, start, end in spans_of(offsets):
+            gate_up[start:end] = rows[start:end] @ self.w13[expert].t()
         return rows, counts, GATED_ACTIVATIONS[self.activation](gate_up)
 
     def pack(self, kernel: GroupedExpertKernel) -> bool:

@@ -37,14 +37,9 @@ from torch import nn
 from tandem.collectives import ProcessGroup, ReduceOp
 from tandem.core.kernels import handles
 from tandem.core.kernels.cpu.int8_gemm import NativeInt8, PackedInt8Experts, PackedInt8Weight
+from tandem.core.kernels.reference.fused_moe import Span, combine, sort_rows, spans_of
 from tandem.core.kernels.reference.int4_packing import PACK
-from tandem.core.kernels.reference.quantized_moe import (
-    Span,
-    combine,
-    sort_by_expert,
-    sort_rows,
-    spans_of,
-)
+from tandem.core.kernels.reference.quantized_moe import sort_by_expert
 from tandem.core.layers.fused_moe import FusedMoeExperts, RoutedExperts
 from tandem.core.layers.int4_weights import Int4Parameters, Split
 from tandem.core.layers.quant_scheme import QuantScheme, W4A16Scheme, W8A8Scheme

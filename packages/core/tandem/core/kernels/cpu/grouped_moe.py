@@ -13,7 +13,7 @@ from tandem.core.kernels.cpu.avx512_linear import Avx512Linear
 from tandem.core.kernels.cpu.packed_experts import GroupedExpertKernel, PackedExperts
 from tandem.core.kernels.cpu.packed_linear import native_kernel, packing_enabled
 from tandem.core.kernels.handle import KernelHandle
-from tandem.core.kernels.reference.quantized_moe import combine, sort_rows
+from tandem.core.kernels.reference.fused_moe import combine, sort_rows
 
 
 def grouped_expert_kernel(dtype: torch.dtype) -> GroupedExpertKernel | None:

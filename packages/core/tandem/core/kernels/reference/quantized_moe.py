@@ -15,7 +15,6 @@ tensors here, a CPU kernel's per-expert packed weights there (``cpu/quantized_mo
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,32 +22,7 @@ import torch
 
 from tandem.core.kernels.reference import int4_linear as int4_ref
 from tandem.core.kernels.reference import int8_linear as int8_ref
-
-# One active expert's rows of the sorted routing: (expert, first row, end row).
-Span = tuple[int, int, int]
-
-
-def sort_rows(
-    topk_ids: torch.Tensor, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The routing's (token, choice) pairs sorted by expert: the order (indices into the
-    flattened ``topk_ids``), each sorted row's token, and where each expert's rows start
-    and end, ``offsets`` [E + 1] int64 (expert e's rows are ``offsets[e]`` to
-    ``offsets[e + 1]``), all where the routing lies: nothing is read on the host."""
-    num_choices = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # stable: a token's experts stay in id order
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-    torch.cumsum(torch.bincount(flat, minlength=num_experts), 0, out=offsets[1:])
-    return order, order // num_choices, offsets
-
-
-def spans_of(offsets: torch.Tensor) -> list[Span]:
-    """Each active expert's rows, read on the host from ``sort_rows``' offsets."""
-    bounds = offsets.tolist()
-    return [
-        (e, start, end) for e, (start, end) in enumerate(itertools.pairwise(bounds)) if end > start
-    ]
+from tandem.core.kernels.reference.fused_moe import Span, sort_rows, spans_of
 
 
 def sort_by_expert(
@@ -58,21 +32,6 @@ def sort_by_expert(
     reference reads its counts."""
     order, token, offsets = sort_rows(topk_ids, num_experts)
     return order, token, spans_of(offsets)
-
-
-def combine(
-    x: torch.Tensor,
-    out: torch.Tensor,
-    order: torch.Tensor,
-    token: torch.Tensor,
-    topk_weights: torch.Tensor,
-) -> torch.Tensor:
-    """The sorted rows ``out`` scaled by their routing weights and summed back onto their
-    tokens, in expert order (the float reference's sum)."""
-    out.mul_(topk_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype))
-    return torch.zeros(x.shape[0], out.shape[1], dtype=x.dtype, device=x.device).index_add_(
-        0, token, out
-    )
 
 
 def _static(input_scales: torch.Tensor | None, expert: int) -> torch.Tensor | None:
