@@ -51,11 +51,13 @@ constexpr int64_t kChunk = 384;      // panel steps computed for every row block
 constexpr int64_t kLine = 64;        // bytes of a cache line
 constexpr int64_t kGroupRows = 512;  // rows of x passed through all panels at once
 
-// The thread's next weight bytes to prefetch, up to `end`, `lines` cache lines per step.
+// The thread's next weight bytes to prefetch, up to `end`, `lines` cache lines per step;
+// into L2 only where `l2`, else into L1 too.
 struct Prefetch {
   const char* next;
   const char* end;
   int lines;
+  bool l2 = false;
 };
 
 struct Float32 {
@@ -106,7 +108,11 @@ inline void block(float* sums, int64_t lds, typename Kind::Elem* out, int64_t ld
   }
   for (int64_t s = 0; s < steps; ++s) {
     for (int l = 0; l < fetch.lines && fetch.next < fetch.end; ++l) {
-      _mm_prefetch(fetch.next, _MM_HINT_T0);
+      if (fetch.l2) {
+        _mm_prefetch(fetch.next, _MM_HINT_T1);
+      } else {
+        _mm_prefetch(fetch.next, _MM_HINT_T0);
+      }
       fetch.next += kLine;
     }
     const char* ws = w + s * kStepBytes;
@@ -228,6 +234,14 @@ int linear(typename Kind::Elem* out, const typename Kind::Elem* x, const void* w
 // expert at once, each weight packed as above and the experts one after another: the
 // (expert, panel) pairs with rows are the work items the threads share, so a decode step's
 // dozen rows per expert still keep every core busy, with one call per projection.
+//
+// A decode step's item is a dozen rows over one panel: little compute per weight byte, so
+// the stream must not stop between items. Each thread claims its next item before it
+// computes the current one, and the current one's last chunk prefetches the next one's
+// first; chunks are of equal length so that last chunk is long enough to cover it; and the
+// prefetches go to L2 only (a chunk is 64-128 KiB, beyond L1: into L1 they evicted the lines
+// the row blocks still read). Measured on Zen 4 (2 threads, bench MoE shape, 12 layers in
+// sequence, 48 tokens, float32): 1.48-1.75 ms a layer before, 1.23-1.37 after.
 template <class Kind>
 int grouped(typename Kind::Elem* out, const typename Kind::Elem* x, const void* w,
             const int64_t* offsets, int64_t experts, int64_t M, int64_t N, int64_t K,
@@ -237,23 +251,27 @@ int grouped(typename Kind::Elem* out, const typename Kind::Elem* x, const void* 
   const int64_t steps = K / Kind::kPerStep;
   const int64_t panel_bytes = (K + Kind::kPad - 1) / Kind::kPad * Kind::kPad / Kind::kPerStep *
                               kStepBytes;
+  // Chunks of equal length, so the last one of a panel is long enough to prefetch the
+  // first one of the next item.
+  const int64_t chunks = (steps + kChunk - 1) / kChunk;
+  const int64_t chunk_steps = (steps + chunks - 1) / chunks;
   std::vector<int64_t> items;
   if (!tandem::expert_items(offsets, experts, M, panels, items)) return 1;
   const int64_t count = static_cast<int64_t>(items.size());
   const int threads =
       static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, count)));
   const char* wb = static_cast<const char*>(w);
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int64_t i = 0; i < count; ++i) {
+  tandem::claim_ahead(count, threads, [&](int64_t i, int64_t following) {
     const int64_t e = items[i] / panels;
     const int64_t p = items[i] % panels;
     const char* wp = wb + items[i] * panel_bytes;
-    const char* panel_end = wp + panel_bytes;
+    // Where the stream goes after this panel: the thread's next item, already claimed.
+    const char* after = following < 0 ? nullptr : wb + items[following] * panel_bytes;
     thread_local std::vector<float> scratch;
     for (int64_t g0 = offsets[e]; g0 < offsets[e + 1]; g0 += kGroupRows) {
       const int64_t gm = std::min(kGroupRows, offsets[e + 1] - g0);
+      const bool last_group = g0 + gm == offsets[e + 1];
       const int64_t blocks = (gm + kRows - 1) / kRows;
-      Prefetch fetch{wp, panel_end, static_cast<int>((4 + blocks - 1) / blocks)};
       typename Kind::Elem* op = out + g0 * ldo + p * kPanel;
       float* sums = reinterpret_cast<float*>(op);
       int64_t lds = ldo;
@@ -262,15 +280,26 @@ int grouped(typename Kind::Elem* out, const typename Kind::Elem* x, const void* 
         sums = scratch.data();
         lds = kPanel;
       }
-      for (int64_t s0 = 0; s0 < steps; s0 += kChunk) {
-        const int64_t n = std::min(kChunk, steps - s0);
+      for (int64_t s0 = 0; s0 < steps; s0 += chunk_steps) {
+        const int64_t n = std::min(chunk_steps, steps - s0);
         const char* wc = wp + s0 * kStepBytes;
-        fetch.next = std::max(fetch.next, wc + n * kStepBytes);
+        // While this chunk computes, the next one streams in: the panel's next chunk, or
+        // after the last one the next item's first (or this panel again for the next
+        // group of rows, from cache).
+        const char* next = wc + n * kStepBytes;
+        int64_t next_steps = std::min(chunk_steps, steps - s0 - n);
+        if (next_steps == 0) {
+          next = last_group ? after : wp;
+          next_steps = next == nullptr ? 0 : std::min(chunk_steps, steps);
+        }
+        Prefetch fetch{next, next + next_steps * kStepBytes,
+                       static_cast<int>((4 * next_steps + n * blocks - 1) / (n * blocks)),
+                       /*l2=*/true};
         chunk<Kind>(s0 == 0, s0 + n == steps, gm, sums, lds, op, ldo,
                     x + g0 * ldx + s0 * Kind::kPerStep, ldx, wc, n, fetch);
       }
     }
-  }
+  });
   return 0;
 }
 

@@ -5,6 +5,7 @@
 
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -26,6 +27,25 @@ inline bool expert_items(const int64_t* offsets, int64_t experts, int64_t M, int
     }
   }
   return true;
+}
+
+// Runs body(item, following) for items [0, count) on `threads` threads, each thread claiming
+// its next item before it starts the current one (following: that next item, or -1): the
+// current item's last chunk can prefetch the next one's weights, where OpenMP's dynamic
+// schedule hands a thread its next item only once it asks. A thread that finishes early
+// claims more, so the balance is the dynamic schedule's, within an item.
+template <class Body>
+void claim_ahead(int64_t count, int threads, Body body) {
+  std::atomic<int64_t> counter{0};
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t current = counter.fetch_add(1);
+    while (current < count) {
+      const int64_t following = counter.fetch_add(1);
+      body(current, following < count ? following : -1);
+      current = following;
+    }
+  }
 }
 
 }  // namespace tandem
