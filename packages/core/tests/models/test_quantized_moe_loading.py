@@ -13,7 +13,7 @@ equal. Then the topologies: two tensor-parallel ranks give one rank's tokens.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from tandem.core.llm.engine import LLMEngine
 from tandem.core.models import loader
 from tandem.core.models.w4a16_writer import write_w4a16
 from tandem.core.models.w8a8_writer import write_w8a8
+from tandem.device.cpu import collapse_to_huge_pages
 
 from ..conftest import HfFactory
 from ..layers.test_quantized_moe import fake_quantize
@@ -143,17 +144,27 @@ def test_the_cpu_int8_kernels_generate_what_the_reference_does(
 
     if native_int8() is None:
         pytest.skip("no CPU int8 kernel here (no compiler, or TANDEM_INT8=torch)")
+    from tandem.core.layers import int8_packing
+
     packed: list[int] = []
+    handed: list[tuple[int, int]] = []
 
     def pack(model: torch.nn.Module, device: torch.device) -> int:
         packed.append(pack_int8_weights(model, device))
         return packed[-1]
 
+    def collapse(ranges: Iterable[tuple[int, int]]) -> int:
+        handed.extend(ranges)
+        return collapse_to_huge_pages(handed)
+
     with monkeypatch.context() as patch:
         patch.setattr(loader, "pack_int8_weights", pack)
+        patch.setattr(int8_packing, "collapse_to_huge_pages", collapse)
         got = _generate(make_engine(w8a8))
-    # qkv, o of three layers, gate_up and down of the dense one, w13 and w2 of both MoE ones.
+    # qkv, o of three layers, gate_up and down of the dense one, w13 and w2 of both MoE ones;
+    # each one's codes and compensations moved onto 2 MiB pages (the logits below unchanged).
     assert packed == [3 * 2 + 2 + 2 * 2]
+    assert len(handed) == 2 * packed[0] and all(end > start for start, end in handed)
 
     def reference(self: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return int8_ref.int8_linear(x, self.weight, self.weight_scale, None, bias)

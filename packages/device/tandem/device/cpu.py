@@ -156,6 +156,12 @@ def huge_page_runs(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return runs
 
 
+def tensor_bytes(tensor: torch.Tensor) -> tuple[int, int]:
+    """Where a plain (strided, contiguous) tensor's bytes lie: [start, end)."""
+    start = tensor.data_ptr()
+    return start, start + tensor.numel() * tensor.element_size()
+
+
 def collapse_to_huge_pages(ranges: Iterable[tuple[int, int]]) -> int:
     """Move memory already written, such as weights packed at load, onto 2 MiB pages
     (Linux's MADV_COLLAPSE, 6.1 and later); returns how many bytes moved, 0 where it

@@ -20,6 +20,8 @@ by a factor (1 + 8 u_b) on the whole bound."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,7 +33,9 @@ from tandem.core.kernels.cpu.avx512_linear import Avx512Linear, avx512_linear
 from tandem.core.kernels.cpu.packed_experts import GroupedExpertKernel
 from tandem.core.kernels.cpu.packed_linear import native_kernel, packing_enabled
 from tandem.core.kernels.reference.fused_moe import fused_moe
+from tandem.core.layers import fused_moe as fused_moe_layer
 from tandem.core.layers.fused_moe import FusedMoeExperts, pack_expert_weights
+from tandem.device.cpu import collapse_to_huge_pages
 
 U = 2.0**-24
 U_BF16 = 2.0**-8
@@ -62,11 +66,14 @@ def _kernel(which: str = "avx2-float32") -> GroupedExpertKernel:
 
 @pytest.mark.parametrize("which", KERNELS)
 @pytest.mark.parametrize("rows_per_expert", [[0, 3, 0, 11, 1, 0, 6, 48], [700, 0, 5, 0]])
+# 300: one K chunk per panel; 1000: K cut into equal chunks (three of float32 steps, two of
+# bfloat16 pairs), each chunk prefetching the next.
+@pytest.mark.parametrize("k", [300, 1000])
 def test_one_call_multiplies_each_experts_rows_by_its_weight(
-    rows_per_expert: list[int], which: str
+    rows_per_expert: list[int], k: int, which: str
 ) -> None:
     kernel = _kernel(which)
-    experts, n, k = len(rows_per_expert), 192, 300
+    experts, n = len(rows_per_expert), 192
     g = torch.Generator().manual_seed(len(rows_per_expert))
     weight = (torch.randn(experts, n, k, generator=g) * 0.05).to(kernel.dtype)
     packed = kernel.pack_experts(weight)
@@ -191,3 +198,41 @@ def test_the_kernel_report_names_the_grouped_kernel_for_the_experts(which: str) 
     role = f"MoE experts {which.split('-')[1]}"
     row = next(c for c in startup.build_report().choices if c.role == role)
     assert row.kernel == f"grouped {kernel.name} kernel"
+
+
+@pytest.mark.parametrize("which", KERNELS)
+def test_packed_experts_are_moved_to_huge_pages_whole_and_compute_the_same(
+    which: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kernel = _kernel(which)
+    hidden, experts, inter = 256, 4, 128
+    g = torch.Generator().manual_seed(5)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1).to(kernel.dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) * 0.1).to(kernel.dtype)
+    x = torch.randn(40, hidden, generator=g).to(kernel.dtype)
+    weights, ids = torch.topk(torch.softmax(torch.randn(40, experts, generator=g), -1), 2, -1)
+    weights = weights.to(kernel.dtype)
+
+    def block() -> FusedMoeExperts:
+        made = FusedMoeExperts(experts, hidden, inter, "silu", SingleRankGroup())
+        made.w13.data, made.w2.data = w13.clone(), w2.clone()
+        return made
+
+    monkeypatch.setattr(fused_moe_layer, "collapse_to_huge_pages", lambda ranges: 0)
+    unmoved = block()
+    assert pack_expert_weights(unmoved, CPU, kernel.dtype) == 1
+    expected = unmoved(x, weights, ids)
+
+    handed: list[tuple[int, int]] = []
+
+    def collapse(ranges: Iterable[tuple[int, int]]) -> int:
+        handed.extend(ranges)
+        return collapse_to_huge_pages(handed)
+
+    monkeypatch.setattr(fused_moe_layer, "collapse_to_huge_pages", collapse)
+    moved = block()
+    assert pack_expert_weights(moved, CPU, kernel.dtype) == 1
+    # Both projections' packed buffers whole, and the same outputs, bit for bit.
+    size = x.element_size() * experts * 2 * inter * hidden
+    assert sorted(end - start for start, end in handed) == [size // 2, size]
+    assert torch.equal(moved(x, weights, ids), expected)
