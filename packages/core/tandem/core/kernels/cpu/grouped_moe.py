@@ -10,6 +10,7 @@ import torch
 
 from tandem.core.kernels.cpu.avx2_linear import Avx2Linear
 from tandem.core.kernels.cpu.avx512_linear import Avx512Linear
+from tandem.core.kernels.cpu.moe_routing import native_moe_routing
 from tandem.core.kernels.cpu.packed_experts import GroupedExpertKernel, PackedExperts
 from tandem.core.kernels.cpu.packed_linear import native_kernel, packing_enabled
 from tandem.core.kernels.handle import KernelHandle
@@ -35,9 +36,16 @@ def grouped_fused_moe(
     topk_ids: torch.Tensor,
     act: KernelHandle[torch.Tensor],
 ) -> torch.Tensor:
-    """``fused_moe`` with each projection one grouped kernel call over every expert."""
-    order, token, offsets = sort_rows(topk_ids, w13.experts)
+    """``fused_moe`` with each projection one grouped kernel call over every expert (and
+    the sort and the sum back native where the library is built)."""
+    routing = native_moe_routing()
+    if routing is None or not routing.handles(x.dtype):
+        order, token, offsets = sort_rows(topk_ids, w13.experts)
+        rows = x.index_select(0, token)
+        hidden = act(kernel.grouped_matmul(rows, w13, offsets))
+        out = kernel.grouped_matmul(hidden, w2, offsets)
+        return combine(x, out, order, token, topk_weights)
+    offsets, token, slot = routing.route(topk_ids, w13.experts)
     rows = x.index_select(0, token)
     hidden = act(kernel.grouped_matmul(rows, w13, offsets))
-    out = kernel.grouped_matmul(hidden, w2, offsets)
-    return combine(x, out, order, token, topk_weights)
+    return routing.combine(kernel.grouped_matmul(hidden, w2, offsets), topk_weights, slot)

@@ -32,6 +32,7 @@ from tandem.core.kernels.cpu.grouped_moe import grouped_expert_kernel
 from tandem.core.kernels.cpu.int4_linear import native_int4_linear
 from tandem.core.kernels.cpu.int8_gemm import native_int8
 from tandem.core.kernels.cpu.linear_attention import native_linear_attention
+from tandem.core.kernels.cpu.moe_routing import native_moe_routing
 from tandem.core.kernels.cpu.native_build import (
     find_cxx,
     kernel_cache_dir,
@@ -52,6 +53,7 @@ _LIBRARIES: tuple[tuple[str, Callable[[], Any]], ...] = (
     ("AVX2 linear", avx2_linear),
     ("int8 linear", native_int8),
     ("elementwise", native_elementwise),
+    ("MoE routing", native_moe_routing),
     ("decode attention", native_paged_attention),
     ("prefill attention", native_prefill_attention),
     ("int4 linear", native_int4_linear),
@@ -210,6 +212,9 @@ def build_report() -> CpuKernelReport:
         ),
         _library_choice("prefill attention", native_prefill_attention(), "torch SDPA", no_library),
         _library_choice("norms, rotary, SiLU", native_elementwise(), "torch, op by op", no_library),
+        _library_choice(
+            "MoE routing (sort, sum back)", native_moe_routing(), "torch, op by op", no_library
+        ),
         _library_choice(
             "linear attention (conv, delta rule)",
             native_linear_attention(),

@@ -1,0 +1,116 @@
+"""The routing's bookkeeping around the grouped expert GEMMs on CPU (``csrc/moe_routing.cpp``):
+the (token, choice) pairs sorted by expert, and each token's expert outputs summed back with
+its routing weights, one native pass each where torch took a handful of small ops (4-5 % of
+a served float32 step of the bench MoE model). Bit for bit what the torch reference
+(``reference/fused_moe.py``: ``sort_rows``, ``combine``) gives. Built on first use (see
+``native_build``); None where the library cannot be had (the grouped path then sorts and
+combines in torch)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from tandem.core.kernels.cpu.native_build import (
+    CSRC,
+    IsaLevel,
+    KernelBuildError,
+    build_library,
+    c_function,
+    compiled_path,
+    log_unbuilt,
+)
+from tandem.core.kernels.process_once import ProcessOnce
+
+logger = logging.getLogger(__name__)
+
+SOURCE = CSRC / "moe_routing.cpp"
+# No FMA contraction: each product rounds before it is added, as torch's mul_ and index_add_.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-ffp-contract=off")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+
+
+class NativeMoeRouting:
+    """The loaded library."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lib = ctypes.CDLL(str(path))
+        self.compiled_path = compiled_path(self.lib)
+        self._route = c_function(self.lib.tandem_moe_route, [_vp, _i64, _i64, _i64, _vp, _vp, _vp])
+        self._combine = c_function(
+            self.lib.tandem_moe_combine, [_vp] * 4 + [_i64] * 5 + [_i32, _i32]
+        )
+
+    @staticmethod
+    def handles(dtype: torch.dtype) -> bool:
+        return dtype in _DTYPES
+
+    def route(
+        self, topk_ids: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``sort_rows``' sort: each expert's rows ``offsets`` [E + 1] (int64), each sorted
+        row's token [T k], and where each pair (token t, choice j) went, ``slot[t k + j]``
+        (the inverse of ``sort_rows``' order)."""
+        ids = topk_ids.to(torch.int64).contiguous()
+        pairs = ids.numel()
+        offsets = torch.empty(num_experts + 1, dtype=torch.int64)
+        token = torch.empty(pairs, dtype=torch.int64)
+        slot = torch.empty(pairs, dtype=torch.int64)
+        code = self._route(
+            ids.data_ptr(), ids.shape[0], ids.shape[1], num_experts,
+            offsets.data_ptr(), token.data_ptr(), slot.data_ptr(),
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"a routed expert id is outside the layer's {num_experts} experts")
+        return offsets, token, slot
+
+    def combine(
+        self, rows: torch.Tensor, topk_weights: torch.Tensor, slot: torch.Tensor
+    ) -> torch.Tensor:
+        """``combine``'s sum: for each token, its sorted ``rows`` [T k, H] at its slots
+        times its routing weights [T, k], summed in expert order -> [T, H]."""
+        if rows.stride(1) != 1 or rows.dtype not in _DTYPES:
+            raise ValueError("the MoE combine takes float32 or bfloat16 rows, contiguous")
+        tokens, k = topk_weights.shape
+        if slot.shape != (tokens * k,) or rows.shape[0] != tokens * k:
+            raise ValueError("the MoE combine needs one slot and one row for every pair")
+        weights = topk_weights.to(rows.dtype).contiguous()
+        out = torch.empty(tokens, rows.shape[1], dtype=rows.dtype)
+        code = self._combine(
+            out.data_ptr(), rows.data_ptr(), weights.data_ptr(), slot.data_ptr(),
+            tokens, k, rows.shape[1], rows.stride(0), out.stride(0),
+            _DTYPES[rows.dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"the MoE combine refused its arguments ({code})")
+        return out
+
+
+def load_native_moe_routing(
+    build_dir: Path | None = None, isa: IsaLevel | None = None
+) -> NativeMoeRouting | None:
+    """Build (if needed) and load the library; None, with the reason logged, where it cannot
+    be had. ``TANDEM_MOE_ROUTING=torch`` keeps the torch ops."""
+    if os.environ.get("TANDEM_MOE_ROUTING", "").lower() == "torch":
+        logger.info("TANDEM_MOE_ROUTING=torch: routed experts are sorted and summed in torch")
+        return None
+    try:
+        return NativeMoeRouting(build_library(SOURCE, "tandem_moe_routing", FLAGS, build_dir, isa))
+    except (KernelBuildError, OSError) as exc:
+        log_unbuilt(
+            logger,
+            exc,
+            "no native MoE routing kernels (%s); routed experts are sorted and summed in torch",
+            exc,
+        )
+        return None
+
+
+# The process's library, built and loaded on first use.
+native_moe_routing = ProcessOnce(load_native_moe_routing)
