@@ -122,7 +122,9 @@ class FusedMoeExperts(RoutedExperts):
         grouped = self._grouped
         if grouped is not None:
             kernel, w13, w2 = grouped
-            return grouped_fused_moe(x, kernel, w13, w2, topk_weights, topk_ids, self._act)
+            return grouped_fused_moe(
+                x, kernel, w13, w2, topk_weights, topk_ids, self._act, self.activation
+            )
         return self._kernel(x, self.w13, self.w2, topk_weights, topk_ids, self.activation)
 
     def routed_inputs(

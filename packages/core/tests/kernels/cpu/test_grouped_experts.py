@@ -30,6 +30,7 @@ from tandem.collectives import SingleRankGroup
 from tandem.core.kernels.cpu import startup
 from tandem.core.kernels.cpu.avx2_linear import Avx2Linear, pack_experts
 from tandem.core.kernels.cpu.avx512_linear import Avx512Linear, avx512_linear
+from tandem.core.kernels.cpu.elementwise import native_elementwise
 from tandem.core.kernels.cpu.packed_experts import GroupedExpertKernel
 from tandem.core.kernels.cpu.packed_linear import native_kernel, packing_enabled
 from tandem.core.kernels.reference.fused_moe import fused_moe
@@ -236,3 +237,56 @@ def test_packed_experts_are_moved_to_huge_pages_whole_and_compute_the_same(
     size = x.element_size() * experts * 2 * inter * hidden
     assert sorted(end - start for start, end in handed) == [size // 2, size]
     assert torch.equal(moved(x, weights, ids), expected)
+
+
+@pytest.mark.parametrize("which", ["avx512-float32", "avx512-bfloat16"])
+@pytest.mark.parametrize("rows_per_expert", [[0, 3, 0, 11, 1, 0, 6, 48], [700, 0, 5, 0]])
+@pytest.mark.parametrize("k", [300, 1000])
+def test_silu_in_the_gate_up_epilogue_is_the_unfused_activation_bit_for_bit(
+    rows_per_expert: list[int], k: int, which: str
+) -> None:
+    """The fused call against the grouped product then the elementwise SiLU-and-mul kernel:
+    the same sums rounded the same way, then the same operations (both libraries built
+    without FMA contraction), so equal to the bit."""
+    kernel = _kernel(which)
+    assert isinstance(kernel, Avx512Linear)
+    act = native_elementwise()
+    if act is None:
+        pytest.skip("no native elementwise kernels here")
+    experts, inter = len(rows_per_expert), 192
+    g = torch.Generator().manual_seed(k)
+    weight = (torch.randn(experts, 2 * inter, k, generator=g) * 0.05).to(kernel.dtype)
+    packed = kernel.pack_experts(weight)
+    assert packed is not None and kernel.gates_silu(packed)
+    offsets = torch.tensor([0, *torch.tensor(rows_per_expert).cumsum(0).tolist()])
+    x = torch.randn(int(offsets[-1]), k, generator=g).to(kernel.dtype)
+    got = kernel.grouped_silu_matmul(x, packed, offsets)
+    assert got.shape == (x.shape[0], inter)
+    assert torch.equal(got, act.silu_mul(kernel.grouped_matmul(x, packed, offsets)))
+
+
+@pytest.mark.parametrize("which", ["avx512-float32", "avx512-bfloat16"])
+def test_the_block_takes_the_fused_silu_only_where_both_halves_fill_panels(
+    which: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kernel = _kernel(which)
+    assert isinstance(kernel, Avx512Linear)
+    fused: list[int] = []
+    real = Avx512Linear.grouped_silu_matmul
+
+    def spy(self: Avx512Linear, x: torch.Tensor, *args: object) -> torch.Tensor:
+        fused.append(x.shape[0])
+        return real(self, x, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Avx512Linear, "grouped_silu_matmul", spy)
+    g = torch.Generator().manual_seed(6)
+    for inter, takes_it in ((128, True), (96, False)):
+        block = FusedMoeExperts(4, 64, inter, "silu", SingleRankGroup())
+        block.w13.data = (torch.randn(4, 2 * inter, 64, generator=g) * 0.1).to(kernel.dtype)
+        block.w2.data = (torch.randn(4, 64, inter, generator=g) * 0.1).to(kernel.dtype)
+        assert pack_expert_weights(block, CPU, kernel.dtype) == 1
+        x = torch.randn(9, 64, generator=g).to(kernel.dtype)
+        weights, ids = torch.topk(torch.softmax(torch.randn(9, 4, generator=g), -1), 2, -1)
+        fused.clear()
+        block(x, weights.to(kernel.dtype), ids)
+        assert fused == ([18] if takes_it else [])

@@ -69,6 +69,7 @@ class Avx512Linear(PackedWeightKernel):
         suffix = "f32" if float32 else "bf16"
         self.bind(getattr(lib, f"tandem_avx512_linear_{suffix}"), limits=(MAX_ROWS,))
         self._grouped = bind_grouped(getattr(lib, f"tandem_avx512_grouped_linear_{suffix}"), 0)
+        self._grouped_silu = bind_grouped(getattr(lib, f"tandem_avx512_grouped_silu_{suffix}"), 0)
         # Summed in another order, each output differs by float32 roundings (~1e-6), or by
         # a bfloat16 rounding or two.
         self.tolerance = 1e-4 if float32 else 2e-2
@@ -105,6 +106,22 @@ class Avx512Linear(PackedWeightKernel):
         """Rows ``offsets[e]`` to ``offsets[e + 1]`` of ``x`` [M, K] (sorted by expert) times
         expert ``e``'s weight, every expert in one call -> [M, N] (no host sync)."""
         return grouped_call(self._grouped, self.name, self.dtype, x, experts, offsets)
+
+    def gates_silu(self, experts: PackedExperts) -> bool:
+        """Whether ``grouped_silu_matmul`` takes these gate/up weights: both halves whole
+        64-column panels."""
+        return experts.out_features % (2 * PANEL) == 0
+
+    def grouped_silu_matmul(
+        self, x: torch.Tensor, experts: PackedExperts, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """``grouped_matmul`` of the experts' gate/up weights [E, 2 I, K] with SiLU-and-mul
+        as its epilogue -> [M, I], what ``silu_mul`` of the [M, 2 I] product gives, bit for
+        bit, without that product ever written out."""
+        return grouped_call(
+            self._grouped_silu, f"{self.name} SiLU", self.dtype, x, experts, offsets,
+            out_features=experts.out_features // 2,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

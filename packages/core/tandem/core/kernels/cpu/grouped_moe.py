@@ -35,17 +35,23 @@ def grouped_fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     act: KernelHandle[torch.Tensor],
+    activation: str,
 ) -> torch.Tensor:
-    """``fused_moe`` with each projection one grouped kernel call over every expert (and
-    the sort and the sum back native where the library is built)."""
+    """``fused_moe`` with each projection one grouped kernel call over every expert (SiLU
+    in the gate/up call's epilogue where the kernel has it, and the sort and the sum back
+    native where that library is built)."""
+
+    def gate_up(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if activation == "silu" and isinstance(kernel, Avx512Linear) and kernel.gates_silu(w13):
+            return kernel.grouped_silu_matmul(rows, w13, offsets)
+        return act(kernel.grouped_matmul(rows, w13, offsets))
+
     routing = native_moe_routing()
     if routing is None or not routing.handles(x.dtype):
         order, token, offsets = sort_rows(topk_ids, w13.experts)
-        rows = x.index_select(0, token)
-        hidden = act(kernel.grouped_matmul(rows, w13, offsets))
+        hidden = gate_up(x.index_select(0, token), offsets)
         out = kernel.grouped_matmul(hidden, w2, offsets)
         return combine(x, out, order, token, topk_weights)
     offsets, token, slot = routing.route(topk_ids, w13.experts)
-    rows = x.index_select(0, token)
-    hidden = act(kernel.grouped_matmul(rows, w13, offsets))
+    hidden = gate_up(x.index_select(0, token), offsets)
     return routing.combine(kernel.grouped_matmul(hidden, w2, offsets), topk_weights, slot)

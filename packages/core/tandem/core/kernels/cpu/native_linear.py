@@ -38,6 +38,11 @@ _vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _WIDEST_PANEL = 64
 
 
+# No FMA contraction: the kernels' FMAs are intrinsics either way, and an activation fused
+# into a GEMM's epilogue then rounds as the elementwise kernel it replaces (also built so).
+LINEAR_FLAGS = (*BASE_FLAGS, "-ffp-contract=off")
+
+
 def load_kernel_library(
     what: str,
     source: Path,
@@ -63,7 +68,7 @@ def load_kernel_library(
         return None
     try:
         return ctypes.CDLL(
-            str(build_library(source, f"tandem_{source.stem}", BASE_FLAGS, build_dir, isa))
+            str(build_library(source, f"tandem_{source.stem}", LINEAR_FLAGS, build_dir, isa))
         )
     except (KernelBuildError, OSError) as exc:
         log_unbuilt(logger, exc, "no %s linear kernel (%s); its layers use oneDNN", what, exc)

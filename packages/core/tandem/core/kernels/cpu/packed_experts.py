@@ -72,16 +72,18 @@ def grouped_call(
     experts: PackedExperts,
     offsets: torch.Tensor,
     *limits: int,
+    out_features: int | None = None,
 ) -> torch.Tensor:
     """Runs a grouped kernel's C entry point (out, x, w, offsets, E, M, N, K, ldx, ldo,
-    *limits, num_threads) -> int after checking what it cannot check itself."""
+    *limits, num_threads) -> int after checking what it cannot check itself; the output
+    has ``out_features`` columns (default: the weight's N)."""
     if x.stride(1) != 1 or x.shape[1] != experts.in_features or x.dtype is not dtype:
         raise ValueError(f"the grouped kernel takes {dtype} rows of in_features, contiguous")
     if offsets.dtype is not torch.int64 or not offsets.is_contiguous():
         raise ValueError("expert offsets must be a contiguous int64 tensor")
     if offsets.shape != (experts.experts + 1,):
         raise ValueError(f"expert offsets must have {experts.experts + 1} entries")
-    out = torch.empty(x.shape[0], experts.out_features, dtype=dtype)
+    out = torch.empty(x.shape[0], out_features or experts.out_features, dtype=dtype)
     code = function(
         out.data_ptr(), x.data_ptr(), experts.packed.data_ptr(), offsets.data_ptr(),
         experts.experts, x.shape[0], experts.out_features, experts.in_features,

@@ -39,6 +39,7 @@
 #include <omp.h>
 
 #include "expert_items.h"
+#include "vec_math.h"
 
 #if defined(__AVX512F__)
 
@@ -92,6 +93,25 @@ inline void store_bf16(uint16_t* out, __m512 v) {
   std::memcpy(out, &h, sizeof(h));
 }
 #endif
+
+// A float32 sum as the dtype holds it (float32: itself; bfloat16: rounded to nearest-even,
+// as the kernels round their outputs), kept in float32; and stored as that dtype.
+template <typename Elem>
+inline float rounded(float v) {
+  if constexpr (std::is_same_v<Elem, float>) {
+    return v;
+  } else {
+    return tandem::bf16_to_float(tandem::float_to_bf16(v));
+  }
+}
+template <typename Elem>
+inline Elem stored(float v) {
+  if constexpr (std::is_same_v<Elem, float>) {
+    return v;
+  } else {
+    return tandem::float_to_bf16(v);
+  }
+}
 
 // Rows [0, MR) x 64 columns: sums (float32, row stride lds) (+)= x rows [0, MR) (row stride
 // ldx) . `steps` panel steps from w. FIRST starts the sums at zero; FINAL (bfloat16) rounds
@@ -230,6 +250,32 @@ int linear(typename Kind::Elem* out, const typename Kind::Elem* x, const void* w
   return 0;
 }
 
+// All K chunks of one panel (at wp) for gm rows of x: each chunk prefetches the next into
+// L2, the last one the first chunk at `after` (the thread's next panel; nullptr: none).
+// `round_last`: bfloat16 rounds the sums into out in the last chunk; otherwise they stay
+// float32 in `sums` (float32 always keeps them there, `out` being `sums`).
+template <class Kind>
+inline void panel_pass(const char* wp, const char* after, int64_t steps, int64_t chunk_steps,
+                       int64_t gm, float* sums, int64_t lds, typename Kind::Elem* out,
+                       int64_t ldo, const typename Kind::Elem* x, int64_t ldx, bool round_last) {
+  const int64_t blocks = (gm + kRows - 1) / kRows;
+  for (int64_t s0 = 0; s0 < steps; s0 += chunk_steps) {
+    const int64_t n = std::min(chunk_steps, steps - s0);
+    const char* wc = wp + s0 * kStepBytes;
+    const char* next = wc + n * kStepBytes;
+    int64_t next_steps = std::min(chunk_steps, steps - s0 - n);
+    if (next_steps == 0) {
+      next = after;
+      next_steps = after == nullptr ? 0 : std::min(chunk_steps, steps);
+    }
+    Prefetch fetch{next, next + next_steps * kStepBytes,
+                   static_cast<int>((4 * next_steps + n * blocks - 1) / (n * blocks)),
+                   /*l2=*/true};
+    chunk<Kind>(s0 == 0, round_last && s0 + n == steps, gm, sums, lds, out, ldo,
+                x + s0 * Kind::kPerStep, ldx, wc, n, fetch);
+  }
+}
+
 // Expert e's rows [offsets[e], offsets[e + 1]) of x times expert e's weight, for every
 // expert at once, each weight packed as above and the experts one after another: the
 // (expert, panel) pairs with rows are the work items the threads share, so a decode step's
@@ -270,8 +316,6 @@ int grouped(typename Kind::Elem* out, const typename Kind::Elem* x, const void* 
     thread_local std::vector<float> scratch;
     for (int64_t g0 = offsets[e]; g0 < offsets[e + 1]; g0 += kGroupRows) {
       const int64_t gm = std::min(kGroupRows, offsets[e + 1] - g0);
-      const bool last_group = g0 + gm == offsets[e + 1];
-      const int64_t blocks = (gm + kRows - 1) / kRows;
       typename Kind::Elem* op = out + g0 * ldo + p * kPanel;
       float* sums = reinterpret_cast<float*>(op);
       int64_t lds = ldo;
@@ -280,23 +324,78 @@ int grouped(typename Kind::Elem* out, const typename Kind::Elem* x, const void* 
         sums = scratch.data();
         lds = kPanel;
       }
-      for (int64_t s0 = 0; s0 < steps; s0 += chunk_steps) {
-        const int64_t n = std::min(chunk_steps, steps - s0);
-        const char* wc = wp + s0 * kStepBytes;
-        // While this chunk computes, the next one streams in: the panel's next chunk, or
-        // after the last one the next item's first (or this panel again for the next
-        // group of rows, from cache).
-        const char* next = wc + n * kStepBytes;
-        int64_t next_steps = std::min(chunk_steps, steps - s0 - n);
-        if (next_steps == 0) {
-          next = last_group ? after : wp;
-          next_steps = next == nullptr ? 0 : std::min(chunk_steps, steps);
+      // After the last group the stream goes on to the next item; before it, this panel
+      // again for the next group of rows, from cache.
+      const char* next = g0 + gm == offsets[e + 1] ? after : wp;
+      panel_pass<Kind>(wp, next, steps, chunk_steps, gm, sums, lds, op, ldo, x + g0 * ldx, ldx,
+                       /*round_last=*/true);
+    }
+  });
+  return 0;
+}
+
+// The gate/up projection of the routed experts with SiLU-and-mul as its epilogue: w holds
+// each expert's [2 I, K] weight (gate rows, then up rows) packed as above, and out rows get
+// silu(x . gate) * (x . up), [M, I]. An item is an expert's gate panel and the up panel 64
+// columns of it, both summed into float32 scratch that stays in L2 (never written to memory
+// as the [M, 2 I] activation an unfused step writes and reads back), then the activation.
+// The activation is elementwise.cpp's silu_mul to the bit: the sums rounded to the dtype as
+// the unfused GEMM rounds its output, the same fast_exp and operations (this library is
+// built without FMA contraction, as that one is).
+template <class Kind>
+int grouped_silu(typename Kind::Elem* out, const typename Kind::Elem* x, const void* w,
+                 const int64_t* offsets, int64_t experts, int64_t M, int64_t N, int64_t K,
+                 int64_t ldx, int64_t ldo, int32_t num_threads) {
+  using Elem = typename Kind::Elem;
+  if (experts < 1 || N <= 0 || N % (2 * kPanel) != 0 || K < 1 || K % Kind::kPerStep != 0) {
+    return 1;
+  }
+  const int64_t panels = N / kPanel;
+  const int64_t half = panels / 2;  // panels of gate (and of up) per expert
+  const int64_t steps = K / Kind::kPerStep;
+  const int64_t panel_bytes = (K + Kind::kPad - 1) / Kind::kPad * Kind::kPad / Kind::kPerStep *
+                              kStepBytes;
+  const int64_t chunks = (steps + kChunk - 1) / kChunk;
+  const int64_t chunk_steps = (steps + chunks - 1) / chunks;
+  std::vector<int64_t> items;  // expert * half + gate panel
+  if (!tandem::expert_items(offsets, experts, M, half, items)) return 1;
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int threads =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, count)));
+  const char* wb = static_cast<const char*>(w);
+  const auto panel_of = [&](int64_t item, int64_t which) {
+    return wb + ((item / half) * panels + which * half + item % half) * panel_bytes;
+  };
+  tandem::claim_ahead(count, threads, [&](int64_t i, int64_t following) {
+    const int64_t e = items[i] / half;
+    const int64_t q = items[i] % half;
+    thread_local std::vector<float> gate_up;
+    gate_up.resize(2 * kGroupRows * kPanel);
+    float* sums[2] = {gate_up.data(), gate_up.data() + kGroupRows * kPanel};
+    for (int64_t g0 = offsets[e]; g0 < offsets[e + 1]; g0 += kGroupRows) {
+      const int64_t gm = std::min(kGroupRows, offsets[e + 1] - g0);
+      const bool last_group = g0 + gm == offsets[e + 1];
+      for (int64_t which = 0; which < 2; ++which) {
+        // After the gate panel the stream goes on to the up panel, after that to the
+        // thread's next item (or this item's gate panel again for its next row group).
+        const char* after = which == 0     ? panel_of(items[i], 1)
+                            : !last_group  ? panel_of(items[i], 0)
+                            : following < 0 ? nullptr
+                                           : panel_of(items[following], 0);
+        panel_pass<Kind>(panel_of(items[i], which), after, steps, chunk_steps, gm, sums[which],
+                         kPanel, reinterpret_cast<Elem*>(sums[which]), kPanel, x + g0 * ldx,
+                         ldx, /*round_last=*/false);
+      }
+      for (int64_t r = 0; r < gm; ++r) {
+        Elem* o = out + (g0 + r) * ldo + q * kPanel;
+        const float* g = sums[0] + r * kPanel;
+        const float* u = sums[1] + r * kPanel;
+#pragma omp simd
+        for (int64_t c = 0; c < kPanel; ++c) {
+          const float gate = rounded<Elem>(g[c]);
+          const float silu = rounded<Elem>(gate / (1.f + tandem::fast_exp(-gate)));
+          o[c] = stored<Elem>(silu * rounded<Elem>(u[c]));
         }
-        Prefetch fetch{next, next + next_steps * kStepBytes,
-                       static_cast<int>((4 * next_steps + n * blocks - 1) / (n * blocks)),
-                       /*l2=*/true};
-        chunk<Kind>(s0 == 0, s0 + n == steps, gm, sums, lds, op, ldo,
-                    x + g0 * ldx + s0 * Kind::kPerStep, ldx, wc, n, fetch);
       }
     }
   });
@@ -356,6 +455,26 @@ int tandem_avx512_grouped_linear_bf16(uint16_t* out, const uint16_t* x, const vo
 #endif
 }
 
+// The gate/up projection of grouped experts with SiLU-and-mul fused (see grouped_silu): w
+// holds each expert's [N, K] weight, gate rows then up rows (N a multiple of 128); out
+// [M, N / 2]. Returns 0, or 1 for arguments it does not take.
+int tandem_avx512_grouped_silu_f32(float* out, const float* x, const void* w,
+                                   const int64_t* offsets, int64_t experts, int64_t M, int64_t N,
+                                   int64_t K, int64_t ldx, int64_t ldo, int32_t num_threads) {
+  return grouped_silu<Float32>(out, x, w, offsets, experts, M, N, K, ldx, ldo, num_threads);
+}
+
+int tandem_avx512_grouped_silu_bf16(uint16_t* out, const uint16_t* x, const void* w,
+                                    const int64_t* offsets, int64_t experts, int64_t M,
+                                    int64_t N, int64_t K, int64_t ldx, int64_t ldo,
+                                    int32_t num_threads) {
+#if defined(__AVX512BF16__)
+  return grouped_silu<BFloat16>(out, x, w, offsets, experts, M, N, K, ldx, ldo, num_threads);
+#else
+  return 1;
+#endif
+}
+
 }  // extern "C"
 
 #else  // no AVX-512 in this build's target
@@ -378,6 +497,15 @@ int tandem_avx512_grouped_linear_f32(float*, const float*, const void*, const in
 int tandem_avx512_grouped_linear_bf16(uint16_t*, const uint16_t*, const void*,
                                       const int64_t*, int64_t, int64_t, int64_t, int64_t,
                                       int64_t, int64_t, int32_t) {
+  return 1;
+}
+int tandem_avx512_grouped_silu_f32(float*, const float*, const void*, const int64_t*, int64_t,
+                                   int64_t, int64_t, int64_t, int64_t, int64_t, int32_t) {
+  return 1;
+}
+int tandem_avx512_grouped_silu_bf16(uint16_t*, const uint16_t*, const void*, const int64_t*,
+                                    int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                    int32_t) {
   return 1;
 }
 }  // extern "C"
