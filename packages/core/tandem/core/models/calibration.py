@@ -175,11 +175,14 @@ def _record_inputs(
         record(x)
         return plain(x, bias)
 
-    # An instance attribute shadows the method until it is deleted.
+    # An instance attribute shadows the method until it is deleted. A gate/up layer that
+    # fuses its activation (``silu_matmul``) is kept on the plain matmul meanwhile.
     module.__dict__["matmul"] = matmul
+    module.__dict__["silu_matmul"] = lambda x: None
 
     def undo() -> None:
         del module.__dict__["matmul"]
+        del module.__dict__["silu_matmul"]
 
     return undo
 

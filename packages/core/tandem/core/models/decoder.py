@@ -84,6 +84,8 @@ class DecoderMLP(nn.Module):
     def __init__(self, config: ModelConfig, group: ProcessGroup):
         super().__init__()
         self.act = handles.gated_activation(config.hidden_act)
+        # SiLU-and-mul in the gate/up kernel's epilogue where it has one (CPU, AVX-512).
+        self.fuses_silu = config.hidden_act == "silu"
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size,
             [config.intermediate_size] * 2,
@@ -100,7 +102,8 @@ class DecoderMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(self.act(self.gate_up_proj(x)))
+        h = self.gate_up_proj.silu_matmul(x) if self.fuses_silu else None
+        out: torch.Tensor = self.down_proj(self.act(self.gate_up_proj(x)) if h is None else h)
         return out
 
 

@@ -13,12 +13,17 @@ import torch.nn.functional as F
 
 from tandem.collectives import SingleRankGroup
 from tandem.core.kernels.cpu.avx512_linear import MAX_ROWS, Avx512Linear, avx512_linear
+from tandem.core.kernels.cpu.elementwise import native_elementwise
 from tandem.core.kernels.cpu.packed_linear import (
     native_kernel,
     pack_linear_weights,
     packing_enabled,
 )
-from tandem.core.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tandem.core.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -170,3 +175,45 @@ def test_packed_layers_use_the_kernel_only_where_it_applies(dtype: torch.dtype) 
         x = x.to(dtype)
         onednn = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
         assert torch.equal(layer(x), onednn)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 48, 600])
+@pytest.mark.parametrize("in_features", [256, 1024])
+def test_silu_in_the_epilogue_is_the_unfused_activation_bit_for_bit(
+    dtype: torch.dtype, rows: int, in_features: int
+) -> None:
+    """A gate/up layer's fused product against the plain product then the elementwise
+    SiLU-and-mul kernel: the same sums, rounded the same way, then the same operations (both
+    libraries built without FMA contraction), so equal to the bit. 600 rows: two row
+    groups; K 1024: chunks of the panels."""
+    kernel = _kernel(dtype)
+    act = native_elementwise()
+    if act is None:
+        pytest.skip("no native elementwise kernels here")
+    layer = MergedColumnParallelLinear(in_features, [320, 320], bias=False, group=SingleRankGroup())
+    layer.weight.data = _packed(640, in_features, dtype, seed=rows)[0]
+    assert pack_linear_weights(layer, CPU, dtype) == 1
+    assert layer.native is not None and layer.native.kernel is kernel
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = layer.silu_matmul(x)
+    assert got is not None and got.shape == (rows, 320)
+    assert torch.equal(got, act.silu_mul(layer(x)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_is_fused_only_where_the_kernel_reads_both_halves(dtype: torch.dtype) -> None:
+    kernel = _kernel(dtype)
+    group = SingleRankGroup()
+    fits = MergedColumnParallelLinear(256, [128, 128], bias=False, group=group)
+    off_panels = MergedColumnParallelLinear(256, [96, 96], bias=False, group=group)
+    biased = MergedColumnParallelLinear(256, [128, 128], bias=True, group=group)
+    for layer in (fits, off_panels, biased):
+        layer.weight.data = (torch.randn(layer.weight.shape) * 0.05).to(dtype)
+        assert pack_linear_weights(layer, CPU, dtype) == 1
+        assert layer.native is not None and layer.native.kernel is kernel
+    x = torch.randn(5, 256).to(dtype)
+    assert fits.silu_matmul(x) is not None
+    assert off_panels.silu_matmul(x) is None  # 96 columns a half: off the 64-column panels
+    assert biased.silu_matmul(x) is None  # the kernel adds no bias
+    assert fits.silu_matmul(torch.randn(MAX_ROWS + 1, 256).to(dtype)) is None  # oneDNN's

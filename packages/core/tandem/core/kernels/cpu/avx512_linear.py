@@ -30,8 +30,12 @@ from pathlib import Path
 
 import torch
 
-from tandem.core.kernels.cpu.native_build import CSRC, IsaLevel
-from tandem.core.kernels.cpu.native_linear import PackedWeightKernel, load_kernel_library
+from tandem.core.kernels.cpu.native_build import CSRC, IsaLevel, c_function
+from tandem.core.kernels.cpu.native_linear import (
+    AdoptedWeight,
+    PackedWeightKernel,
+    load_kernel_library,
+)
 from tandem.core.kernels.cpu.packed_experts import (
     PackedExperts,
     bind_grouped,
@@ -68,6 +72,8 @@ class Avx512Linear(PackedWeightKernel):
         self.name = "AVX-512 float32" if float32 else "AVX512-BF16"
         suffix = "f32" if float32 else "bf16"
         self.bind(getattr(lib, f"tandem_avx512_linear_{suffix}"), limits=(MAX_ROWS,))
+        self._silu = c_function(getattr(lib, f"tandem_avx512_linear_silu_{suffix}"),
+                                list(self._function.argtypes))  # fmt: skip
         self._grouped = bind_grouped(getattr(lib, f"tandem_avx512_grouped_linear_{suffix}"), 0)
         self._grouped_silu = bind_grouped(getattr(lib, f"tandem_avx512_grouped_silu_{suffix}"), 0)
         # Summed in another order, each output differs by float32 roundings (~1e-6), or by
@@ -85,6 +91,21 @@ class Avx512Linear(PackedWeightKernel):
         if self.dtype is torch.bfloat16:
             return out_features * in_features * 2
         return out_features * (-(-in_features // K_PAD) * K_PAD) * 4
+
+    def silu_matmul(self, x: torch.Tensor, weight: AdoptedWeight) -> torch.Tensor | None:
+        """The gate/up product with SiLU-and-mul as its epilogue -> [rows, out / 2], what
+        ``silu_mul`` of the plain product gives, bit for bit (``csrc/avx512_linear.cpp``,
+        ``linear_silu``); None where either half is off the 64-column panels."""
+        if weight.out_features % (2 * PANEL) != 0:
+            return None
+        out = torch.empty(x.shape[0], weight.out_features // 2, dtype=self.dtype)
+        code = self._silu(
+            out.data_ptr(), x.data_ptr(), weight.address, x.shape[0], weight.out_features,
+            weight.in_features, x.stride(0), out.stride(0), MAX_ROWS, torch.get_num_threads(),
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"the {self.name} SiLU linear kernel refused its arguments ({code})")
+        return out
 
     def pack_experts(self, weight: torch.Tensor) -> PackedExperts | None:
         """``weight`` [E, N, K] of this kernel's dtype in its grouped layout

@@ -142,6 +142,11 @@ class PackedWeightKernel(ABC):
             )
         )  # fmt: skip
 
+    def silu_matmul(self, x: torch.Tensor, weight: AdoptedWeight) -> torch.Tensor | None:
+        """silu(x G^T) * (x U^T) for a weight W = [G; U] (a gate/up projection), in one call
+        where the kernel fuses it; None here (the caller multiplies, then activates)."""
+        return None
+
     def matmul(self, x: torch.Tensor, weight: AdoptedWeight) -> torch.Tensor:
         out = torch.empty(x.shape[0], weight.out_features, dtype=self.dtype)
         code = self.run(out, x, weight)

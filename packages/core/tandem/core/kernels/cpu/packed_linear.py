@@ -68,6 +68,17 @@ class PackableLinear(nn.Module):
         pad = self.padded_outputs
         return out[..., : out.shape[-1] - pad] if pad else out
 
+    def silu_matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a gate/up layer (W = [gate; up], no bias): silu(x G^T) * (x U^T) in one call
+        of the native kernel, where it fuses the activation into its epilogue; None where it
+        does not (the caller then runs ``matmul`` and the activation)."""
+        native = self.native
+        if native is None or self.padded_outputs or getattr(self, "bias", None) is not None:
+            return None
+        if x.dim() != 2 or x.shape[0] > native.max_rows:
+            return None
+        return native.kernel.silu_matmul(x if x.stride(1) == 1 else x.contiguous(), native)
+
     def _packed_matmul(
         self, packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:

@@ -250,6 +250,24 @@ int linear(typename Kind::Elem* out, const typename Kind::Elem* x, const void* w
   return 0;
 }
 
+// out rows [0, gm) x 64 columns (row stride ldo) = silu(gate) * up of the float32 sums
+// of a gate panel and its up panel ([gm][64] each): elementwise.cpp's silu_mul to the bit,
+// the sums first rounded to the dtype as the unfused GEMM rounds its output.
+template <typename Elem>
+inline void silu_rows(Elem* out, int64_t ldo, const float* gate, const float* up, int64_t gm) {
+  for (int64_t r = 0; r < gm; ++r) {
+    Elem* o = out + r * ldo;
+    const float* g = gate + r * kPanel;
+    const float* u = up + r * kPanel;
+#pragma omp simd
+    for (int64_t c = 0; c < kPanel; ++c) {
+      const float x = rounded<Elem>(g[c]);
+      const float silu = rounded<Elem>(x / (1.f + tandem::fast_exp(-x)));
+      o[c] = stored<Elem>(silu * rounded<Elem>(u[c]));
+    }
+  }
+}
+
 // All K chunks of one panel (at wp) for gm rows of x: each chunk prefetches the next into
 // L2, the last one the first chunk at `after` (the thread's next panel; nullptr: none).
 // `round_last`: bfloat16 rounds the sums into out in the last chunk; otherwise they stay
@@ -274,6 +292,60 @@ inline void panel_pass(const char* wp, const char* after, int64_t steps, int64_t
     chunk<Kind>(s0 == 0, round_last && s0 + n == steps, gm, sums, lds, out, ldo,
                 x + s0 * Kind::kPerStep, ldx, wc, n, fetch);
   }
+}
+
+// The gate/up projection of a dense MLP with SiLU-and-mul as its epilogue: w [N, K] (gate
+// rows, then up rows, N a multiple of 128) packed as above, out [M, N / 2] = silu(x . gate)
+// * (x . up). Each thread takes a run of gate panels and, for each, the up panel N / 128
+// panels on, both summed into float32 scratch in L2, then the activation (silu_rows): the
+// [M, N] product is never written out and read back, which at prefill sizes is tens of MB.
+template <class Kind>
+int linear_silu(typename Kind::Elem* out, const typename Kind::Elem* x, const void* w,
+                int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo, int32_t max_rows,
+                int32_t num_threads) {
+  using Elem = typename Kind::Elem;
+  if (M < 1 || M > max_rows || N <= 0 || N % (2 * kPanel) != 0 || K < 1 ||
+      K % Kind::kPerStep != 0) {
+    return 1;
+  }
+  const int64_t half = N / kPanel / 2;
+  const int64_t steps = K / Kind::kPerStep;
+  const int64_t panel_bytes = (K + Kind::kPad - 1) / Kind::kPad * Kind::kPad / Kind::kPerStep *
+                              kStepBytes;
+  const int64_t chunks = (steps + kChunk - 1) / kChunk;
+  const int64_t chunk_steps = (steps + chunks - 1) / chunks;
+  const int64_t group_rows = std::min(M, kGroupRows);
+  const int threads =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, half)));
+  const char* wb = static_cast<const char*>(w);
+#pragma omp parallel num_threads(threads)
+  {
+    const int team = omp_get_num_threads();
+    const int id = omp_get_thread_num();
+    const int64_t lo = half * id / team;
+    const int64_t hi = half * (id + 1) / team;
+    thread_local std::vector<float> gate_up;
+    gate_up.resize(2 * group_rows * kPanel);
+    float* sums[2] = {gate_up.data(), gate_up.data() + group_rows * kPanel};
+    for (int64_t g0 = 0; g0 < M; g0 += group_rows) {
+      const int64_t gm = std::min(group_rows, M - g0);
+      for (int64_t q = lo; q < hi; ++q) {
+        for (int64_t which = 0; which < 2; ++which) {
+          // The thread's stream: gate q, up q, gate q + 1, ...; after its last up panel
+          // its first gate panel again for the next group of rows (none after the last).
+          const char* after = which == 0        ? wb + (half + q) * panel_bytes
+                              : q + 1 < hi      ? wb + (q + 1) * panel_bytes
+                              : g0 + gm < M     ? wb + lo * panel_bytes
+                                                : nullptr;
+          panel_pass<Kind>(wb + (which * half + q) * panel_bytes, after, steps, chunk_steps, gm,
+                           sums[which], kPanel, reinterpret_cast<Elem*>(sums[which]), kPanel,
+                           x + g0 * ldx, ldx, /*round_last=*/false);
+        }
+        silu_rows(out + g0 * ldo + q * kPanel, ldo, sums[0], sums[1], gm);
+      }
+    }
+  }
+  return 0;
 }
 
 // Expert e's rows [offsets[e], offsets[e + 1]) of x times expert e's weight, for every
@@ -386,17 +458,7 @@ int grouped_silu(typename Kind::Elem* out, const typename Kind::Elem* x, const v
                          kPanel, reinterpret_cast<Elem*>(sums[which]), kPanel, x + g0 * ldx,
                          ldx, /*round_last=*/false);
       }
-      for (int64_t r = 0; r < gm; ++r) {
-        Elem* o = out + (g0 + r) * ldo + q * kPanel;
-        const float* g = sums[0] + r * kPanel;
-        const float* u = sums[1] + r * kPanel;
-#pragma omp simd
-        for (int64_t c = 0; c < kPanel; ++c) {
-          const float gate = rounded<Elem>(g[c]);
-          const float silu = rounded<Elem>(gate / (1.f + tandem::fast_exp(-gate)));
-          o[c] = stored<Elem>(silu * rounded<Elem>(u[c]));
-        }
-      }
+      silu_rows(out + g0 * ldo + q * kPanel, ldo, sums[0], sums[1], gm);
     }
   });
   return 0;
@@ -429,6 +491,24 @@ int tandem_avx512_linear_bf16(uint16_t* out, const uint16_t* x, const void* w, i
                               int32_t max_rows, int32_t num_threads) {
 #if defined(__AVX512BF16__)
   return linear<BFloat16>(out, x, w, M, N, K, ldx, ldo, max_rows, num_threads);
+#else
+  return 1;
+#endif
+}
+
+// out [M, N / 2] = silu(x . gate) * (x . up), w [N, K] packed as above, gate rows then up
+// rows (N a multiple of 128). Returns 0, or 1 for shapes this kernel does not take.
+int tandem_avx512_linear_silu_f32(float* out, const float* x, const void* w, int64_t M,
+                                  int64_t N, int64_t K, int64_t ldx, int64_t ldo,
+                                  int32_t max_rows, int32_t num_threads) {
+  return linear_silu<Float32>(out, x, w, M, N, K, ldx, ldo, max_rows, num_threads);
+}
+
+int tandem_avx512_linear_silu_bf16(uint16_t* out, const uint16_t* x, const void* w, int64_t M,
+                                   int64_t N, int64_t K, int64_t ldx, int64_t ldo,
+                                   int32_t max_rows, int32_t num_threads) {
+#if defined(__AVX512BF16__)
+  return linear_silu<BFloat16>(out, x, w, M, N, K, ldx, ldo, max_rows, num_threads);
 #else
   return 1;
 #endif
@@ -497,6 +577,14 @@ int tandem_avx512_grouped_linear_f32(float*, const float*, const void*, const in
 int tandem_avx512_grouped_linear_bf16(uint16_t*, const uint16_t*, const void*,
                                       const int64_t*, int64_t, int64_t, int64_t, int64_t,
                                       int64_t, int64_t, int32_t) {
+  return 1;
+}
+int tandem_avx512_linear_silu_f32(float*, const float*, const void*, int64_t, int64_t, int64_t,
+                                  int64_t, int64_t, int32_t, int32_t) {
+  return 1;
+}
+int tandem_avx512_linear_silu_bf16(uint16_t*, const uint16_t*, const void*, int64_t, int64_t,
+                                   int64_t, int64_t, int64_t, int32_t, int32_t) {
   return 1;
 }
 int tandem_avx512_grouped_silu_f32(float*, const float*, const void*, const int64_t*, int64_t,
