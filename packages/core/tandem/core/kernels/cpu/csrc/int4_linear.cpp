@@ -72,6 +72,20 @@ struct Layer {
   int32_t dtype;
 };
 
+// The bytes of a grouped call's next work item (its weight codes), prefetched into L2 a
+// share at a time while the current item computes, so a thread's weight stream runs on from
+// item to item (expert_items.h); the dense call steps an empty one.
+struct Ahead {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int64_t lines = 0;  // cache lines a step
+  void step() {
+    for (int64_t l = 0; l < lines && next < end; ++l, next += 64) {
+      __builtin_prefetch(next, 0, 2);  // locality 2: prefetcht1, L2 and beyond
+    }
+  }
+};
+
 inline float scalar_at(const void* base, int64_t i, int32_t dtype) {
   return dtype == kFloat32 ? static_cast<const float*>(base)[i]
                            : bf16_to_float(static_cast<const uint16_t*>(base)[i]);
@@ -86,6 +100,14 @@ inline void row_groups(const Layer& L, int64_t row, float* s, float* z) {
     s[g] = scalar_at(L.scales, row * L.groups + g, L.dtype);
     z[g] = static_cast<float>(L.zeros[row * L.groups + g]);
   }
+}
+
+// Each word's group, padded with group 0 to the padded inputs' words, whole vectors (the
+// padding's codes are masked).
+std::vector<int32_t> word_groups(const Layer& L) {
+  std::vector<int32_t> word_group(static_cast<size_t>(L.padded / 8), 0);
+  for (int64_t w = 0; w < L.words; ++w) word_group[w] = static_cast<int32_t>(8 * w / L.group_inputs);
+  return word_group;
 }
 
 #if TANDEM_COMPILED_ISA == 2
@@ -695,88 +717,99 @@ void permute_rows_bf16(const uint16_t* x, int64_t m, int64_t ldx, const Layer& L
 constexpr int64_t kPanelBytes = 64 << 10;
 constexpr int64_t kPanelTiles = 8;
 
-// The whole product for bfloat16 activations (tandem_int4_linear's arguments). Threads take
-// panels of up to kPanelTiles tiles; a panel's weights are formed once into the buffer, then
-// each group of kDotRows activation rows (read from L2 once per panel, from L1 for each of
-// its tiles) takes its dot products with every tile, and writes whole cache lines of y.
+// Panel rows first .. first + count (at most panel_rows) for activation rows [0, m) (in the
+// dot order, xs_all) into y's rows [0, m): the weights formed once into `wrows`, then each
+// group of kDotRows rows (read from L2 once per panel, from L1 for each of its tiles) takes
+// its dot products with every tile, and writes whole cache lines of y; batches of up to
+// kDotFusedRows rows take the weights straight from the codes instead. `s` and `z` hold
+// panel_rows rows of groups; `ahead` steps once a weight row or tile.
+void bf16_panel(const Layer& L, int64_t first, int64_t count, const uint16_t* xs_all, int64_t m,
+                uint16_t* y, int64_t ldy, const uint16_t* bias, const int32_t* word_group,
+                float* s, float* z, uint16_t* wrows, Ahead& ahead) {
+  const int64_t padded = L.padded;  // a whole number of kDotBlock: kBlock is 128 here
+  for (int64_t t = 0; t < count; ++t) row_groups(L, first + t, s + t * L.groups, z + t * L.groups);
+  if (m <= kDotFusedRows) {
+    const int rows = static_cast<int>(m);
+    for (int64_t t0 = 0; t0 < count; t0 += kDotOutputs) {
+      ahead.step();
+      const int outputs = static_cast<int>(std::min<int64_t>(kDotOutputs, count - t0));
+      const float* st = s + t0 * L.groups;
+      const float* zt = z + t0 * L.groups;
+      if (outputs == kDotOutputs) {
+        fused_bf16_some<kDotOutputs>(rows, L, first + t0, xs_all, st, zt, word_group,
+                                     TileOut{y, ldy, bias, first + t0, 0});
+      } else {
+        for (int t = 0; t < outputs; ++t) {
+          fused_bf16_some<1>(rows, L, first + t0 + t, xs_all, st + t * L.groups,
+                             zt + t * L.groups, word_group,
+                             TileOut{y, ldy, bias, first + t0 + t, 0});
+        }
+      }
+    }
+    return;
+  }
+  for (int64_t t = 0; t < count; ++t) {
+    ahead.step();
+    form_row(L, L.codes + (first + t) * L.words, s + t * L.groups, z + t * L.groups, word_group,
+             wrows + t * padded);
+  }
+  // Row groups of at most kDotRows, as even as they go (8 rows: 4 + 4, not 6 + 2).
+  const int64_t row_groups_count = (m + kDotRows - 1) / kDotRows;
+  for (int64_t i = 0, r0 = 0; i < row_groups_count; ++i) {
+    const int rows = static_cast<int>((m - r0 + row_groups_count - i - 1) / (row_groups_count - i));
+    const uint16_t* xs = xs_all + r0 * padded;
+    for (int64_t t0 = 0; t0 < count; t0 += kDotOutputs) {
+      const int outputs = static_cast<int>(std::min<int64_t>(kDotOutputs, count - t0));
+      const uint16_t* wt = wrows + t0 * padded;
+      if (outputs == kDotOutputs) {
+        dot_bf16_some<kDotOutputs>(rows, wt, xs, padded, TileOut{y, ldy, bias, first + t0, r0});
+      } else {
+        for (int t = 0; t < outputs; ++t) {
+          dot_bf16_some<1>(rows, wt + t * padded, xs, padded,
+                           TileOut{y, ldy, bias, first + t0 + t, r0});
+        }
+      }
+    }
+    r0 += rows;
+  }
+}
+
+// Output rows a panel holds for a batch of m rows: one tile where the weights go straight
+// from the codes into the dot products, else as many tiles as fit kPanelBytes.
+inline int64_t bf16_panel_rows(const Layer& L, int64_t m) {
+  if (m <= kDotFusedRows) return kDotOutputs;
+  const int64_t tile_bytes = kDotOutputs * L.padded * static_cast<int64_t>(sizeof(uint16_t));
+  return std::max<int64_t>(1, std::min(kPanelTiles, kPanelBytes / tile_bytes)) * kDotOutputs;
+}
+
+// The whole product for bfloat16 activations (tandem_int4_linear's arguments): threads take
+// the panels (bf16_panel).
 void linear_bf16_dot(const Layer& L, uint16_t* y, const uint16_t* x, const uint16_t* bias,
                      int64_t m, int64_t ldx, int64_t ldy, int threads) {
-  const int64_t padded = L.padded;  // a whole number of kDotBlock: kBlock is 128 here
   // Kept from call to call: a fresh buffer of this size would be mapped (and faulted in)
   // every call.
   thread_local std::vector<uint16_t> xp;
-  if (xp.size() < static_cast<size_t>(m * padded)) xp.resize(static_cast<size_t>(m * padded));
+  if (xp.size() < static_cast<size_t>(m * L.padded)) xp.resize(static_cast<size_t>(m * L.padded));
   permute_rows_bf16(x, m, ldx, L, xp.data(), threads);
+  // Read here: inside the parallel region `xp` would name each thread's own buffer.
   const uint16_t* xs_all = xp.data();
-  const int64_t blocks = padded / kDotBlock;
-  std::vector<int32_t> word_group(static_cast<size_t>(blocks * 16), 0);
-  for (int64_t w = 0; w < L.words; ++w) {
-    word_group[w] = static_cast<int32_t>(8 * w / L.group_inputs);
-  }
-  const bool registers_only = m <= kDotFusedRows;
-  const int64_t tile_bytes = kDotOutputs * padded * static_cast<int64_t>(sizeof(uint16_t));
-  const int64_t panel_tiles =
-      registers_only ? 1 : std::max<int64_t>(1, std::min(kPanelTiles, kPanelBytes / tile_bytes));
-  const int64_t panel_rows = panel_tiles * kDotOutputs;
+  const std::vector<int32_t> word_group = word_groups(L);
+  const int64_t panel_rows = bf16_panel_rows(L, m);
   const int64_t panels = (L.n + panel_rows - 1) / panel_rows;
-  // Row groups of at most kDotRows, as even as they go (8 rows: 4 + 4, not 6 + 2).
-  const int64_t row_groups_count = (m + kDotRows - 1) / kDotRows;
 #pragma omp parallel num_threads(threads)
   {
     thread_local std::vector<uint16_t> wrows;
-    if (!registers_only && wrows.size() < static_cast<size_t>(panel_rows * padded)) {
-      wrows.resize(static_cast<size_t>(panel_rows * padded));
+    if (wrows.size() < static_cast<size_t>(panel_rows * L.padded)) {
+      wrows.resize(static_cast<size_t>(panel_rows * L.padded));
     }
     std::vector<float> s(static_cast<size_t>(panel_rows * L.groups));
     std::vector<float> z(s.size());
+    Ahead none;
 #pragma omp for schedule(static)
     for (int64_t panel = 0; panel < panels; ++panel) {
       const int64_t first = panel * panel_rows;
-      const int64_t count = std::min(panel_rows, L.n - first);
-      for (int64_t t = 0; t < count; ++t) {
-        row_groups(L, first + t, s.data() + t * L.groups, z.data() + t * L.groups);
-      }
-      if (registers_only) {
-        const int rows = static_cast<int>(m);
-        for (int64_t t0 = 0; t0 < count; t0 += kDotOutputs) {
-          const int outputs = static_cast<int>(std::min<int64_t>(kDotOutputs, count - t0));
-          const float* st = s.data() + t0 * L.groups;
-          const float* zt = z.data() + t0 * L.groups;
-          if (outputs == kDotOutputs) {
-            fused_bf16_some<kDotOutputs>(rows, L, first + t0, xs_all, st, zt, word_group.data(),
-                                         TileOut{y, ldy, bias, first + t0, 0});
-          } else {
-            for (int t = 0; t < outputs; ++t) {
-              fused_bf16_some<1>(rows, L, first + t0 + t, xs_all, st + t * L.groups,
-                                 zt + t * L.groups, word_group.data(),
-                                 TileOut{y, ldy, bias, first + t0 + t, 0});
-            }
-          }
-        }
-        continue;
-      }
-      for (int64_t t = 0; t < count; ++t) {
-        form_row(L, L.codes + (first + t) * L.words, s.data() + t * L.groups,
-                 z.data() + t * L.groups, word_group.data(), wrows.data() + t * padded);
-      }
-      for (int64_t i = 0, r0 = 0; i < row_groups_count; ++i) {
-        const int rows =
-            static_cast<int>((m - r0 + row_groups_count - i - 1) / (row_groups_count - i));
-        const uint16_t* xs = xs_all + r0 * padded;
-        for (int64_t t0 = 0; t0 < count; t0 += kDotOutputs) {
-          const int outputs = static_cast<int>(std::min<int64_t>(kDotOutputs, count - t0));
-          const uint16_t* wt = wrows.data() + t0 * padded;
-          if (outputs == kDotOutputs) {
-            dot_bf16_some<kDotOutputs>(rows, wt, xs, padded, TileOut{y, ldy, bias, first + t0, r0});
-          } else {
-            for (int t = 0; t < outputs; ++t) {
-              dot_bf16_some<1>(rows, wt + t * padded, xs, padded,
-                               TileOut{y, ldy, bias, first + t0 + t, r0});
-            }
-          }
-        }
-        r0 += rows;
-      }
+      bf16_panel(L, first, std::min(panel_rows, L.n - first), xs_all, m, y, ldy, bias,
+                 word_group.data(), s.data(), z.data(), wrows.data(), none);
     }
   }
 }
@@ -814,6 +847,80 @@ Layer make_layer(const int32_t* codes, const void* scales, const uint8_t* zeros,
                blocks * kBlock, dtype};
 }
 
+// A thread's buffers for f32_tile: a tile's dequantized rows, its scales and zero points.
+struct TileScratch {
+  std::vector<float> wrows, s, z;
+  void fit(const Layer& L) {
+    wrows.resize(static_cast<size_t>(kTileOutputs * L.padded));
+    s.resize(static_cast<size_t>(kTileOutputs * L.groups));
+    z.resize(s.size());
+  }
+};
+
+// Outputs first .. first + outputs (one tile at most) of activation rows [0, m) (permuted,
+// xp) into y's rows [0, m) (row stride ldy), plus bias (may be null), on the float32 FMAs.
+void f32_tile(const Layer& L, int64_t first, int outputs, const float* xp, int64_t m, void* y,
+              int64_t ldy, const void* bias, const int32_t* word_group, TileScratch& w) {
+  float sums[kTileOutputs * kRowsTogether];
+  // Outputs of activation rows r0 .. r0 + rows, from sums.
+  const auto write = [&](int64_t r0, int rows) {
+    for (int t = 0; t < outputs; ++t) {
+      const int64_t col = first + t;
+      const float add = bias ? scalar_at(bias, col, L.dtype) : 0.0f;
+      for (int r = 0; r < rows; ++r) {
+        const int64_t at = (r0 + r) * ldy + col;
+        const float v = sums[t * rows + r] + add;
+        if (L.dtype == kFloat32) {
+          static_cast<float*>(y)[at] = v;
+        } else {
+          static_cast<uint16_t*>(y)[at] = float_to_bf16(v);
+        }
+      }
+    }
+  };
+  float* s = w.s.data();
+  float* z = w.z.data();
+  if (fused(L, m)) {
+    for (int t = 0; t < outputs; ++t) row_groups(L, first + t, s + t * L.groups, z + t * L.groups);
+    // The tile's codes stay in L1 from one batch chunk to the next.
+    for (int64_t r0 = 0; r0 < m; r0 += kRowsTogether) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRowsTogether, m - r0));
+      const float* xs = xp + r0 * L.padded;
+      if (outputs == kTileOutputs) {
+        fused_some<kTileOutputs>(rows, L, first, xs, s, z, word_group, sums);
+      } else {
+        for (int t = 0; t < outputs; ++t) {
+          fused_some<1>(rows, L, first + t, xs, s + t * L.groups, z + t * L.groups, word_group,
+                        sums + t * rows);
+        }
+      }
+      write(r0, rows);
+    }
+    return;
+  }
+  const int64_t blocks = L.padded / kBlock;
+  for (int t = 0; t < outputs; ++t) {
+    row_groups(L, first + t, s, z);
+    const int32_t* packed = L.codes + (first + t) * L.words;
+    float* dst = w.wrows.data() + t * L.padded;
+    for (int64_t b = 0; b < blocks; ++b) {
+      dequantize_block(L, packed, s, z, word_group, b, dst + b * kBlock);
+    }
+  }
+  for (int64_t r0 = 0; r0 < m; r0 += kRowsTogether) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRowsTogether, m - r0));
+    const float* xs = xp + r0 * L.padded;
+    if (outputs == kTileOutputs) {
+      dot_some<kTileOutputs>(rows, w.wrows.data(), xs, L.padded, sums);
+    } else {
+      for (int t = 0; t < outputs; ++t) {
+        dot_some<1>(rows, w.wrows.data() + t * L.padded, xs, L.padded, sums + t * rows);
+      }
+    }
+    write(r0, rows);
+  }
+}
+
 }  // namespace
 }  // namespace tandem
 
@@ -840,80 +947,17 @@ int tandem_int4_linear(void* y, const void* x, const int32_t* codes, const void*
 #endif
   std::vector<float> xp(static_cast<size_t>(m * L.padded));
   tandem::permute_rows(x, m, ldx, L, xp.data(), threads);
-  // Each word's group, padded with group 0 to whole vectors (the padding's codes are masked).
-  const int64_t blocks = L.padded / tandem::kBlock;
-  std::vector<int32_t> word_group(static_cast<size_t>(blocks * tandem::kLanes), 0);
-  for (int64_t w = 0; w < L.words; ++w) word_group[w] = static_cast<int32_t>(8 * w / L.group_inputs);
+  const std::vector<int32_t> word_group = tandem::word_groups(L);
   const int64_t tiles = (n + tandem::kTileOutputs - 1) / tandem::kTileOutputs;
-  const bool registers_only = tandem::fused(L, m);
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> wrows(static_cast<size_t>(tandem::kTileOutputs * L.padded));
-    std::vector<float> s(static_cast<size_t>(tandem::kTileOutputs * L.groups));
-    std::vector<float> z(s.size());
-    float sums[tandem::kTileOutputs * tandem::kRowsTogether];
-    // Outputs first .. first + outputs of activation rows r0 .. r0 + rows, from sums.
-    const auto write = [&](int64_t first, int outputs, int64_t r0, int rows) {
-      for (int t = 0; t < outputs; ++t) {
-        const int64_t col = first + t;
-        const float add = bias ? tandem::scalar_at(bias, col, dtype) : 0.0f;
-        for (int r = 0; r < rows; ++r) {
-          const int64_t at = (r0 + r) * ldy + col;
-          const float v = sums[t * rows + r] + add;
-          if (dtype == tandem::kFloat32) {
-            static_cast<float*>(y)[at] = v;
-          } else {
-            static_cast<uint16_t*>(y)[at] = tandem::float_to_bf16(v);
-          }
-        }
-      }
-    };
+    tandem::TileScratch scratch;
+    scratch.fit(L);
 #pragma omp for schedule(static)
     for (int64_t tile = 0; tile < tiles; ++tile) {
       const int64_t first = tile * tandem::kTileOutputs;
       const int outputs = static_cast<int>(std::min<int64_t>(tandem::kTileOutputs, n - first));
-      if (registers_only) {
-        for (int t = 0; t < outputs; ++t) {
-          tandem::row_groups(L, first + t, s.data() + t * L.groups, z.data() + t * L.groups);
-        }
-        // The tile's codes stay in L1 from one batch chunk to the next.
-        for (int64_t r0 = 0; r0 < m; r0 += tandem::kRowsTogether) {
-          const int rows = static_cast<int>(std::min<int64_t>(tandem::kRowsTogether, m - r0));
-          const float* xs = xp.data() + r0 * L.padded;
-          if (outputs == tandem::kTileOutputs) {
-            tandem::fused_some<tandem::kTileOutputs>(rows, L, first, xs, s.data(), z.data(),
-                                                     word_group.data(), sums);
-          } else {
-            for (int t = 0; t < outputs; ++t) {
-              tandem::fused_some<1>(rows, L, first + t, xs, s.data() + t * L.groups,
-                                    z.data() + t * L.groups, word_group.data(), sums + t * rows);
-            }
-          }
-          write(first, outputs, r0, rows);
-        }
-        continue;
-      }
-      for (int t = 0; t < outputs; ++t) {
-        tandem::row_groups(L, first + t, s.data(), z.data());
-        const int32_t* packed = codes + (first + t) * L.words;
-        float* dst = wrows.data() + t * L.padded;
-        for (int64_t b = 0; b < blocks; ++b) {
-          tandem::dequantize_block(L, packed, s.data(), z.data(), word_group.data(), b,
-                                   dst + b * tandem::kBlock);
-        }
-      }
-      for (int64_t r0 = 0; r0 < m; r0 += tandem::kRowsTogether) {
-        const int rows = static_cast<int>(std::min<int64_t>(tandem::kRowsTogether, m - r0));
-        const float* xs = xp.data() + r0 * L.padded;
-        if (outputs == tandem::kTileOutputs) {
-          tandem::dot_some<tandem::kTileOutputs>(rows, wrows.data(), xs, L.padded, sums);
-        } else {
-          for (int t = 0; t < outputs; ++t) {
-            tandem::dot_some<1>(rows, wrows.data() + t * L.padded, xs, L.padded, sums + t * rows);
-          }
-        }
-        write(first, outputs, r0, rows);
-      }
+      tandem::f32_tile(L, first, outputs, xp.data(), m, y, ldy, bias, word_group.data(), scratch);
     }
   }
   return 0;
