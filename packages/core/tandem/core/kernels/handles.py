@@ -21,7 +21,11 @@ from tandem.core.kernels.cpu.int8_gemm import native_int8_kernel
 from tandem.core.kernels.cpu.linear_attention import native_linear_attention_kernel
 from tandem.core.kernels.cpu.paged_attention import native_kv_cache_write, native_paged_attention
 from tandem.core.kernels.cpu.prefill_attention import native_prefill_attention
-from tandem.core.kernels.cpu.quantized_moe import native_moe_int4_kernel, native_moe_int8_kernel
+from tandem.core.kernels.cpu.quantized_moe import (
+    native_moe_int4_grouped_kernel,
+    native_moe_int4_kernel,
+    native_moe_int8_kernel,
+)
 from tandem.core.kernels.handle import KernelHandle
 from tandem.core.kernels.npu.loading import HALVES, INT8, torch_npu_kernel
 from tandem.core.kernels.reference import causal_conv1d as conv_ref
@@ -302,3 +306,10 @@ def moe_int8_dequantize() -> KernelHandle[torch.Tensor]:
 def moe_int4_linear() -> KernelHandle[torch.Tensor]:
     """4-bit experts' rows times their weights, dequantized on the fly."""
     return KernelHandle("moe_int4_linear", qmoe_ref.moe_int4_linear, native_moe_int4_kernel())
+
+
+def moe_int4_grouped_linear() -> KernelHandle[torch.Tensor]:
+    """4-bit experts' rows times their weights, every expert in one call given the routing's
+    offsets (groups of consecutive inputs: no activation order)."""
+    native = native_moe_int4_grouped_kernel()
+    return KernelHandle("moe_int4_grouped_linear", qmoe_ref.moe_int4_grouped_linear, native)

@@ -20,6 +20,10 @@ reaches it with its inputs sorted by group at load (``layers/int4_weights.py``),
 groups cannot be sorted so (a tensor-parallel rank's uneven share) keeps ``g_idx`` and the
 reference. Built for AVX-512 (with or without AVX512-BF16), AVX2 or plain
 loops by ``TANDEM_CPU_ISA`` (``native_build``); ``TANDEM_INT4=torch`` keeps the reference.
+
+Routed experts take ``grouped_linear`` (``csrc/int4_grouped.h``): every expert's rows in one
+call, the routing's offsets read by the kernel, each expert's rows through the same tiles and
+panels a dense call on them runs (at any row count: no dequantize-then-GEMM there).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from tandem.core.kernels.cpu.native_build import (
 from tandem.core.kernels.handle import NativeChoice
 from tandem.core.kernels.process_once import ProcessOnce
 from tandem.core.kernels.reference import int4_linear as reference
+from tandem.core.kernels.reference.quantized_moe import grouped_reference
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +75,13 @@ class NativeInt4Linear:
         self._linear = c_function(lib.tandem_int4_linear, [_vp] * 6 + [_i64] * 6 + [_i32, _i32])
         self._dequantize = c_function(
             lib.tandem_int4_dequantize, [_vp] * 4 + [_i64] * 3 + [_i32, _i32]
+        )
+        # The routed experts' grouped linear (``csrc/int4_grouped.h``); None in a library
+        # built from an older source (a benchmark's baseline).
+        self._grouped = (
+            c_function(lib.tandem_int4_grouped_linear, [_vp] * 6 + [_i64] * 7 + [_i32, _i32])
+            if hasattr(lib, "tandem_int4_grouped_linear")
+            else None
         )
         # Whether bfloat16 activations take AVX512-BF16 dot products (a library built from an
         # older source, as a benchmark's baseline, has no such path and no flag).
@@ -145,6 +157,56 @@ class NativeInt4Linear:
         )  # fmt: skip
         self._check(code)
         return out.view(*x.shape[:-1], rows_out)
+
+    @property
+    def grouped(self) -> bool:
+        """Whether this library has the experts' grouped linear."""
+        return self._grouped is not None
+
+    def grouped_linear(
+        self,
+        rows: torch.Tensor,
+        offsets: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rows ``offsets[e]`` to ``offsets[e + 1]`` of ``rows`` [M, K] (sorted by expert)
+        times expert ``e``'s weight (``codes`` [E, N, K / 8], ``scales`` and ``zeros``
+        [E, N, G], each expert's as ``int4_linear`` takes them), every expert in one call ->
+        [M, N] in ``rows``' dtype. The offsets ([E + 1] int64) are read by the kernel where
+        they lie (no host sync); it refuses ones out of order or not spanning the M rows.
+        Experts the kernel does not read (groups not whole packed words) run the per-expert
+        path instead, which reads the offsets on the host."""
+        experts, n, words = codes.shape
+        if (
+            self._grouped is None
+            or rows.dtype not in _DTYPES
+            or not self.reads(codes[0], scales[0], None)
+        ):
+            return grouped_reference(self.int4_linear, rows, offsets, codes, scales, zeros)
+        if rows.dim() != 2 or rows.shape[1] != words * 8:
+            raise ValueError(f"the grouped 4-bit linear takes rows of {words * 8} inputs")
+        if offsets.dtype is not torch.int64 or offsets.shape != (experts + 1,):
+            raise ValueError(f"expert offsets must be {experts + 1} int64 entries")
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        # Bound to names: a temporary's memory is freed as soon as its pointer is read.
+        offsets_c = offsets.contiguous()
+        codes_c = codes.contiguous()
+        # The reference rounds the scales to the activations' dtype first; so must we (a
+        # no-op for a model cast to its dtype at load, as the loader casts it).
+        scales_c = scales.to(rows.dtype).contiguous()
+        zeros_c = zeros.to(torch.uint8).contiguous()
+        out = torch.empty(rows.shape[0], n, dtype=rows.dtype)
+        code = self._grouped(
+            out.data_ptr(), rows.data_ptr(), codes_c.data_ptr(), scales_c.data_ptr(),
+            zeros_c.data_ptr(), offsets_c.data_ptr(), experts, rows.shape[0], n, words * 8,
+            scales_c.shape[2], rows.stride(0), out.stride(0), _DTYPES[rows.dtype],
+            torch.get_num_threads(),
+        )  # fmt: skip
+        self._check(code)
+        return out
 
     @staticmethod
     def _check(code: int) -> None:

@@ -9,8 +9,10 @@ The experts' rows are sorted once per layer and their spans read on the host onc
 float reference does too, and these steps make one kernel call per active expert and
 projection. int8 experts packed at load skip them: one grouped call per projection serves
 every expert (``NativeInt8.grouped_linear``, ``layers/quantized_moe.py``), except a
-row-parallel down projection, which reduces between these steps. 4-bit experts have no
-grouped kernel yet.
+row-parallel down projection, which reduces between these steps. 4-bit experts whose groups
+are consecutive inputs take the 4-bit library's grouped call the same way
+(``NativeInt4Linear.grouped_linear``); experts in activation order (each its own ``g_idx``)
+keep these steps, and the reference within them.
 """
 
 from __future__ import annotations
@@ -56,5 +58,18 @@ def native_moe_int4_kernel() -> NativeChoice[torch.Tensor]:
         if kernel is None or not kernel.handles(dtype):
             return None
         return functools.partial(grouped.grouped_int4_linear, kernel.int4_linear)
+
+    return choose
+
+
+def native_moe_int4_grouped_kernel() -> NativeChoice[torch.Tensor]:
+    """The 4-bit library's grouped linear over every expert in one call, where the library
+    is built for the dtype and has it."""
+
+    def choose(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
+        kernel = native_int4_linear()
+        if kernel is None or not kernel.handles(dtype) or not kernel.grouped:
+            return None
+        return kernel.grouped_linear
 
     return choose

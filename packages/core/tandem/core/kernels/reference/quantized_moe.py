@@ -15,6 +15,7 @@ tensors here, a CPU kernel's per-expert packed weights there (``cpu/quantized_mo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -135,6 +136,19 @@ def grouped_int4_linear(
     return out
 
 
+def grouped_reference(
+    linear: Callable[..., torch.Tensor],
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    *weights: torch.Tensor,
+) -> torch.Tensor:
+    """``grouped_int4_linear`` of experts whose groups are consecutive inputs (``weights``:
+    its codes, scales and zero points), the rows given by the routing's ``offsets`` [E + 1]
+    (read on the host here: a native grouped kernel reads them where they lie)."""
+    codes, scales, zeros = weights
+    return grouped_int4_linear(linear, rows, spans_of(offsets), codes, scales, zeros, None)
+
+
 # The reference steps, each with the handle signature (rows first).
 
 
@@ -184,3 +198,7 @@ def moe_int4_linear(
     g_idx: torch.Tensor | None,
 ) -> torch.Tensor:
     return grouped_int4_linear(int4_ref.int4_linear, rows, spans, codes, scales, zeros, g_idx)
+
+
+# (rows, offsets, codes, scales, zeros): the grouped handle's signature.
+moe_int4_grouped_linear = functools.partial(grouped_reference, int4_ref.int4_linear)

@@ -924,6 +924,8 @@ void f32_tile(const Layer& L, int64_t first, int outputs, const float* xp, int64
 }  // namespace
 }  // namespace tandem
 
+#include "int4_grouped.h"
+
 extern "C" {
 
 using tandem::Layer;
