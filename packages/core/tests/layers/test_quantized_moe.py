@@ -12,6 +12,7 @@ naming the tensor or the size.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator
 
@@ -20,10 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from tandem.collectives import ProcessGroup, SingleRankGroup, create_inprocess_groups
+from tandem.core.kernels.cpu.int4_linear import native_int4_linear
 from tandem.core.kernels.cpu.int8_gemm import native_int8
 from tandem.core.kernels.reference import quantized_moe as reference
-from tandem.core.kernels.reference.fused_moe import topk_softmax
+from tandem.core.kernels.reference.fused_moe import combine, topk_softmax
 from tandem.core.kernels.reference.int4_packing import AWQ_ORDER, pack_int4, unpack_int4
+from tandem.core.layers import quantized_moe
 from tandem.core.layers.quant_scheme import AWQ_LAYOUT, QuantScheme, W4A16Scheme, W8A8Scheme
 from tandem.core.layers.quantized_moe import QuantizedMoeExperts
 from tandem.core.models.gptq_solver import quantize_gptq
@@ -318,6 +321,43 @@ def test_4bit_experts_compute_their_dequantized_weights(case: str) -> None:
     expected = _expected(x, weights, ids, dense)
     assert (got.double() - expected).abs().max().item() <= 1e-4 * expected.abs().max().item()
     assert expected.abs().max().item() > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("case", ["gptq group 32 asym", "gptq per channel", "awq group 32"])
+def test_4bit_experts_take_one_grouped_call_without_reading_the_offsets_on_the_host(
+    case: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU kernel each projection is one grouped call, given the routing's offsets
+    tensor: the spans are never read on the host (a sync on an accelerator), and each
+    expert's rows come out bit for bit as the per-expert steps' dense calls give them (the
+    same tiles at these few rows an expert, ``test_int4_grouped.py``)."""
+    kernel = native_int4_linear()
+    if kernel is None or not kernel.grouped:
+        pytest.skip("no CPU 4-bit kernel with the grouped call here")
+    tensors, scheme, _ = _four_bit(case)
+    experts = _experts(tensors, scheme, SingleRankGroup()).to(dtype)
+    a, b = experts.w13.int4, experts.w2.int4
+    assert a is not None and b is not None
+    per_expert = functools.partial(reference.grouped_int4_linear, kernel.int4_linear)
+    for tokens in (1, TOKENS):
+        x, weights, ids = _routing(tokens=tokens)
+        x, weights = x.to(dtype), weights.to(dtype)
+        order, token, spans = reference.sort_by_expert(ids, EXPERTS)
+        assert max(end - start for _, start, end in spans) <= kernel.kernel_rows[dtype]
+        rows = x.index_select(0, token)
+        hidden = experts._act(per_expert(rows, spans, a.qweight, a.scales, a.qzeros, None))
+        out = per_expert(hidden, spans, b.qweight, b.scales, b.qzeros, None)
+        want = combine(x, out, order, token, weights)
+        with monkeypatch.context() as patched:
+            patched.setattr(quantized_moe, "spans_of", _no_host_read)
+            patched.setattr(quantized_moe, "sort_by_expert", _no_host_read)
+            got = experts(x, weights, ids)
+        assert torch.equal(got, want), tokens
+
+
+def _no_host_read(*args: object) -> None:
+    raise AssertionError("the experts read the routing's offsets on the host")
 
 
 def _on_ranks(build: Callable[[ProcessGroup], torch.Tensor], size: int = 2) -> list[torch.Tensor]:

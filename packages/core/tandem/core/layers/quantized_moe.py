@@ -17,7 +17,9 @@ Compute: the (token, choice) rows sorted by expert, each active expert's rows th
 dense quantized kernels (``kernels/reference/quantized_moe.py``; CPU: the native int8 and
 4-bit kernels). int8 experts packed once at load for the CPU kernel run each projection as
 one grouped call over every expert instead (the same roundings, bit for bit; the routing's
-offsets read where they lie). 4-bit experts return
+offsets read where they lie); so do 4-bit experts whose groups are consecutive inputs (the
+CPU 4-bit library's grouped call: each expert's rows as its dense kernel runs them), while
+4-bit experts in activation order keep the per-expert steps. 4-bit experts return
 partial sums, reduced by the block as float experts'. int8 experts keep the dense
 row-parallel contract (``QuantizableLinear.reduced_int8_matmul``): on more than one rank the
 down projection's rows are quantized with scales every rank shares and the ranks sum exact
@@ -174,6 +176,7 @@ class QuantizedMoeExperts(RoutedExperts):
             self.partial_sums = group.size == 1
         else:
             self._int4_linear = handles.moe_int4_linear()
+            self._int4_grouped = handles.moe_int4_grouped_linear()
 
     # Loading.
 
@@ -298,15 +301,11 @@ class QuantizedMoeExperts(RoutedExperts):
         """This rank's partial sums (``partial_sums``), or the whole result."""
         if self._int8 is not None:
             return self._grouped_int8(self._int8, x, topk_weights, topk_ids)
+        a, b = self.w13.int4, self.w2.int4
+        if a is not None and b is not None:
+            return self._int4(a, b, x, topk_weights, topk_ids)
         order, token, spans = sort_by_expert(topk_ids, self.num_experts)
         rows = x.index_select(0, token)
-        if self.w13.int4 is not None and self.w2.int4 is not None:
-            a, b = self.w13.int4, self.w2.int4
-            hidden = self._act(
-                self._int4_linear(rows, spans, a.qweight, a.scales, a.qzeros, a.kernel_g_idx())
-            )
-            out = self._int4_linear(hidden, spans, b.qweight, b.scales, b.qzeros, b.kernel_g_idx())
-            return combine(x, out, order, token, topk_weights)
         w13, w2 = self.w13, self.w2
         hidden = self._act(
             self._linear(rows, spans, w13.weights(), w13.weight_scale, w13.input_scale)
@@ -315,6 +314,32 @@ class QuantizedMoeExperts(RoutedExperts):
             out = self._linear(hidden, spans, w2.weights(), w2.weight_scale, w2.input_scale)
         else:
             out = self._reduced_down(hidden, spans)
+        return combine(x, out, order, token, topk_weights)
+
+    def _int4(
+        self,
+        a: Int4Parameters,
+        b: Int4Parameters,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """4-bit experts (``a`` gate/up, ``b`` down). Groups of consecutive inputs: each
+        projection one grouped call over every expert, the routing's offsets read where
+        they lie (the CPU kernel; the reference reads them on the host). Activation order
+        (each expert its own ``g_idx``, which the grouped kernel does not take): the
+        per-expert steps, the spans read on the host once."""
+        a_groups, b_groups = a.kernel_g_idx(), b.kernel_g_idx()
+        if a_groups is None and b_groups is None:
+            order, token, offsets = sort_rows(topk_ids, self.num_experts)
+            rows = x.index_select(0, token)
+            hidden = self._act(self._int4_grouped(rows, offsets, a.qweight, a.scales, a.qzeros))
+            out = self._int4_grouped(hidden, offsets, b.qweight, b.scales, b.qzeros)
+            return combine(x, out, order, token, topk_weights)
+        order, token, spans = sort_by_expert(topk_ids, self.num_experts)
+        rows = x.index_select(0, token)
+        hidden = self._act(self._int4_linear(rows, spans, a.qweight, a.scales, a.qzeros, a_groups))
+        out = self._int4_linear(hidden, spans, b.qweight, b.scales, b.qzeros, b_groups)
         return combine(x, out, order, token, topk_weights)
 
     def _grouped_int8(
