@@ -124,14 +124,22 @@ def test_one_call_multiplies_each_experts_rows_by_its_weight(
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_more_than_512_rows_for_one_expert(level: str, dtype: torch.dtype) -> None:
     """A prefill's share for one expert (600 rows) beside a decode-sized one and an empty
-    one: every row through the kernel, none left out or sent to another expert."""
+    one: every row through the kernel (forced: so many rows an expert go expert by expert
+    by default, also checked), none left out or sent to another expert."""
     kernel = _kernel(level)
     rows_per_expert = [600, 0, 3]
     experts = _experts(3, 48, 256, 128, dtype, seed=11)
     offsets = _offsets(rows_per_expert)
     x = torch.randn(603, 256, generator=torch.Generator().manual_seed(11)).to(dtype)
+    per_expert = kernel.grouped_linear(x, offsets, *experts)
+    _check_against_float64(per_expert, x, experts, offsets)
+    kernel.kernel_rows[dtype] = 603
     got = kernel.grouped_linear(x, offsets, *experts)
     _check_against_float64(got, x, experts, offsets)
+    # The kernel's rows of the small expert are the dense kernel's, bit for bit.
+    codes, scales, zeros = experts
+    dense = kernel.int4_linear(x[600:], codes[2], scales[2], zeros[2], None, None)
+    assert torch.equal(got[600:], dense)
 
 
 @pytest.mark.parametrize("level", LEVELS)
