@@ -94,25 +94,6 @@ inline void store_bf16(uint16_t* out, __m512 v) {
 }
 #endif
 
-// A float32 sum as the dtype holds it (float32: itself; bfloat16: rounded to nearest-even,
-// as the kernels round their outputs), kept in float32; and stored as that dtype.
-template <typename Elem>
-inline float rounded(float v) {
-  if constexpr (std::is_same_v<Elem, float>) {
-    return v;
-  } else {
-    return tandem::bf16_to_float(tandem::float_to_bf16(v));
-  }
-}
-template <typename Elem>
-inline Elem stored(float v) {
-  if constexpr (std::is_same_v<Elem, float>) {
-    return v;
-  } else {
-    return tandem::float_to_bf16(v);
-  }
-}
-
 // Rows [0, MR) x 64 columns: sums (float32, row stride lds) (+)= x rows [0, MR) (row stride
 // ldx) . `steps` panel steps from w. FIRST starts the sums at zero; FINAL (bfloat16) rounds
 // them into out (row stride ldo) instead of keeping them.
@@ -261,9 +242,9 @@ inline void silu_rows(Elem* out, int64_t ldo, const float* gate, const float* up
     const float* u = up + r * kPanel;
 #pragma omp simd
     for (int64_t c = 0; c < kPanel; ++c) {
-      const float x = rounded<Elem>(g[c]);
-      const float silu = rounded<Elem>(x / (1.f + tandem::fast_exp(-x)));
-      o[c] = stored<Elem>(silu * rounded<Elem>(u[c]));
+      const float x = tandem::rounded<Elem>(g[c]);
+      const float silu = tandem::rounded<Elem>(x / (1.f + tandem::fast_exp(-x)));
+      tandem::store_as(o + c, silu * tandem::rounded<Elem>(u[c]));
     }
   }
 }

@@ -24,18 +24,6 @@
 
 namespace {
 
-// x rounded to T's precision (and kept in float).
-template <typename T>
-inline float round_to(float x);
-template <>
-inline float round_to<float>(float x) {
-  return x;
-}
-template <>
-inline float round_to<uint16_t>(float x) {
-  return tandem::bf16_to_float(tandem::float_to_bf16(x));
-}
-
 // y[t] = sum over the token's pairs, in ascending slot order, of w[t, j] rows[slot[t k + j]].
 template <typename T>
 void combine(T* y, const T* rows, const T* weights, const int64_t* slot, int64_t tokens,
@@ -57,11 +45,11 @@ void combine(T* y, const T* rows, const T* weights, const int64_t* slot, int64_t
         if (j == 0) {
           // 0 + p is p.
 #pragma omp simd
-          for (int64_t i = 0; i < h; ++i) acc[i] = round_to<T>(w * tandem::to_float(r[i]));
+          for (int64_t i = 0; i < h; ++i) acc[i] = tandem::rounded<T>(w * tandem::to_float(r[i]));
         } else {
 #pragma omp simd
           for (int64_t i = 0; i < h; ++i) {
-            acc[i] += round_to<T>(w * tandem::to_float(r[i]));
+            acc[i] += tandem::rounded<T>(w * tandem::to_float(r[i]));
           }
         }
       }

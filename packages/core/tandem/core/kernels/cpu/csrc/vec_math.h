@@ -49,6 +49,21 @@ inline uint16_t float_to_bf16(float f) {
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t v) { return bf16_to_float(v); }
 
+// `v` as dtype T holds it (float32: itself; bfloat16: rounded to nearest-even), kept in
+// float, for arithmetic that must round where torch's ops on T round; and stored as T.
+template <typename T>
+inline float rounded(float v);
+template <>
+inline float rounded<float>(float v) {
+  return v;
+}
+template <>
+inline float rounded<uint16_t>(float v) {
+  return bf16_to_float(float_to_bf16(v));
+}
+inline void store_as(float* p, float v) { *p = v; }
+inline void store_as(uint16_t* p, float v) { *p = float_to_bf16(v); }
+
 // exp(x) in float: x = n ln2 + r, exp(r) by a degree-6 polynomial, 2^n by exponent bits.
 // Written without calls so loops over rows vectorize; within 2 ulp of expf.
 inline float fast_exp(float x) {
