@@ -224,8 +224,9 @@ def fused_moe() -> KernelHandle[torch.Tensor]:
 
 def moe_topk_softmax() -> KernelHandle[Pair]:
     """The MoE router's softmax and top-k over its logits."""
+    triton = triton_kernel("topk_softmax", "topk_softmax")
     npu = torch_npu_kernel("fused_moe", "topk_softmax")
-    return KernelHandle("moe_topk_softmax", moe_ref.topk_softmax, npu=npu)
+    return KernelHandle("moe_topk_softmax", moe_ref.topk_softmax, triton=triton, npu=npu)
 
 
 def int8_linear() -> KernelHandle[torch.Tensor]:
