@@ -232,8 +232,8 @@ def moe_topk_softmax() -> KernelHandle[Pair]:
 def int8_linear() -> KernelHandle[torch.Tensor]:
     """A W8A8 linear: int8 weights [N, K] with per-channel scales, activations quantized per
     token (or with a given scale) inside the kernel, int32 accumulation. On CPU the native
-    kernel (AVX512-VNNI, AVX2 or plain loops) over weights packed at load, bit for bit the
-    reference; on Ascend torch_npu's ``npu_dynamic_quant`` / ``npu_quantize`` and
+    kernel (AVX512-VNNI, AVX-VNNI, AVX2 or plain loops) over weights packed at load, bit for
+    bit the reference; on Ascend torch_npu's ``npu_dynamic_quant`` / ``npu_quantize`` and
     ``npu_quant_matmul`` (float16 and bfloat16 activations, the ones its quantizers take)."""
     npu = torch_npu_kernel("int8_linear", "int8_linear", HALVES)
     return KernelHandle("int8_linear", int8_ref.int8_linear, native_int8_kernel("linear"), npu=npu)

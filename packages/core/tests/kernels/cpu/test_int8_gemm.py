@@ -1,5 +1,7 @@
 """The CPU int8 (W8A8) kernels against the torch reference, at every ISA level this machine
-runs (AVX512-VNNI, AVX2, plain loops), each built in this process.
+runs (AVX512-VNNI, AVX-VNNI, AVX2, plain loops), each built in this process, and the AVX-VNNI
+path's test build (``YMM_VNNI_TEST_DEFINE``: the same ymm ``vpdpbusd`` in AVX512-VNNI's EVEX
+encoding) on CPUs with AVX512-VNNI + AVX512-VL but no AVX-VNNI, which then run that path too.
 
 Every comparison is ``torch.equal``, bit for bit: the int32 sums are exact integers whatever
 their order, and the quantize and dequantize run the reference's float32 operations in its
@@ -17,15 +19,24 @@ import torch
 from tandem.core.kernels import handles
 from tandem.core.kernels.cpu import startup
 from tandem.core.kernels.cpu.int8_gemm import (
+    YMM_VNNI_TEST_DEFINE,
     NativeInt8,
     load_native_int8,
     native_int8,
     pack_int8_weight,
 )
-from tandem.core.kernels.cpu.native_build import ISA_LEVELS, IsaLevel, isa_levels, selected_isa
+from tandem.core.kernels.cpu.native_build import (
+    ISA_LEVELS,
+    NATIVE_ISA,
+    IsaLevel,
+    isa_levels,
+    selected_isa,
+)
 from tandem.core.kernels.reference import int8_linear as ref
 
-LEVELS = [level.name for level in isa_levels()]
+# The fixture's builds: every level, and the AVX-VNNI path's test build.
+YMM_VNNI = "ymm-vnni"
+VARIANTS = [*(level.name for level in isa_levels()), YMM_VNNI]
 # Shapes: odd N and K (off the 64-column panels and the 4-k groups), N below one panel,
 # K of one element, and a bench-model-like projection.
 SHAPES = [(1, 1), (77, 33), (130, 1001), (64, 64), (200, 260), (129, 7), (192, 1024)]
@@ -36,16 +47,39 @@ def expected_path(isa: IsaLevel) -> str:
     flags = isa.cpu_flags()
     if {"avx512_vnni", "avx512bw"} <= flags:
         return "AVX512-VNNI"
+    if "avx_vnni" in flags:
+        return "AVX-VNNI"
     return "AVX2" if "avx2" in flags else "plain loops"
 
 
-@pytest.fixture(scope="module", params=LEVELS)
+def ymm_vnni_unavailable() -> str | None:
+    """Why this CPU cannot run the AVX-VNNI path's test build, or None where it can."""
+    flags = NATIVE_ISA.cpu_flags()
+    if {"avx512_vnni", "avx512vl"} <= flags or "avx_vnni" in flags:
+        return None
+    return "the ymm vpdpbusd needs AVX512-VNNI with AVX512-VL, or AVX-VNNI; this CPU has neither"
+
+
+def load_ymm_vnni(build_dir: Path) -> NativeInt8 | None:
+    return load_native_int8(build_dir, NATIVE_ISA, (YMM_VNNI_TEST_DEFINE,))
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
 def kernels(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> NativeInt8:
-    isa = ISA_LEVELS[request.param]
-    built = load_native_int8(tmp_path_factory.mktemp(f"int8-{isa.name}"), isa)
+    build_dir = tmp_path_factory.mktemp(f"int8-{request.param}")
+    if request.param == YMM_VNNI:
+        why = ymm_vnni_unavailable()
+        if why is not None:
+            pytest.skip(why)
+        built, expected = load_ymm_vnni(build_dir), "AVX-VNNI"
+    else:
+        isa = ISA_LEVELS[request.param]
+        built, expected = load_native_int8(build_dir, isa), expected_path(isa)
     if built is None:
         pytest.skip("no C++ compiler, or TANDEM_INT8=torch")
-    assert built.compiled_path == expected_path(isa)
+    assert built.compiled_path == expected
+    # The panel each path's registers take a pass over (see the source).
+    assert built.panel == (16 if expected in ("AVX2", "AVX-VNNI") else 64)
     return built
 
 
@@ -154,6 +188,42 @@ def test_the_separate_steps_are_the_references(
         acc = kernels.matmul(q, kernels.pack(w))
         out = kernels.dequantize(acc, s, ws, bias, dtype)
         assert torch.equal(out, ref.dequantize(acc, s_ref, ws, bias, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_the_grouped_linear_is_each_experts_reference(
+    kernels: NativeInt8, dtype: torch.dtype, static: bool
+) -> None:
+    """Every expert's rows through its own packed weight in one call: each expert's rows what
+    the reference linear gives with its weight, scales and static scale. Experts of 0, 1, 6,
+    7, 13 and 70 rows: none, a decode row, full and split row blocks, a second row task."""
+    gen = torch.Generator().manual_seed(11)
+    counts = [7, 0, 1, 13, 6, 70]
+    e, n, k = len(counts), 77, 130
+    w = torch.stack([_weight(n, k, gen) for _ in range(e)])
+    ws = (torch.rand(e, n, 1, generator=gen) * 0.02).to(dtype)
+    scales = (torch.rand(e, generator=gen) * 0.1 + 0.01).to(dtype) if static else None
+    x = _activations(sum(counts), k, dtype, gen)
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int64)
+    got = kernels.grouped_linear(x, kernels.pack_experts(w), offsets, ws, scales)
+    assert got.dtype is dtype and got.shape == (x.shape[0], n)
+    for i in range(e):
+        lo, hi = int(offsets[i]), int(offsets[i + 1])
+        scale = scales[i] if scales is not None else None
+        expected = ref.int8_linear(x[lo:hi], w[i], ws[i], scale, None)
+        assert torch.equal(got[lo:hi], expected), i
+
+
+def test_the_ymm_vnni_test_build_is_cached_apart_from_the_native_one(tmp_path: Path) -> None:
+    why = ymm_vnni_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    native, ymm = load_native_int8(tmp_path, NATIVE_ISA), load_ymm_vnni(tmp_path)
+    if native is None or ymm is None:
+        pytest.skip("no C++ compiler, or TANDEM_INT8=torch")
+    assert native.path != ymm.path and ymm.compiled_path == "AVX-VNNI"
+    assert native.compiled_path == expected_path(NATIVE_ISA)
 
 
 def test_plain_weights_run_the_reference(kernels: NativeInt8) -> None:

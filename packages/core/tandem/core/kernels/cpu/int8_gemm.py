@@ -6,10 +6,11 @@ for routed experts, every expert's rows through its own weight in one grouped ca
 
 Every step gives what the torch reference (``reference/int8_linear.py``) gives, bit for bit
 (int32 sums exact; the same float32 operations in the same order), so greedy tokens never
-depend on which kernel ran. Code paths: AVX512-VNNI (``vpdpbusd``) where the CPU has it,
-AVX2 (exact int16 ``vpmaddwd``), plain loops elsewhere; ``TANDEM_CPU_ISA`` caps them as for
-the other kernels, ``TANDEM_INT8=torch`` keeps the reference (said once in the log). No
-AMX-INT8 path: none could be tested here.
+depend on which kernel ran. Code paths: AVX512-VNNI (``vpdpbusd`` on zmm) where the CPU
+has it, AVX-VNNI (``vpdpbusd`` on ymm: AVX2-class CPUs that have it, or an AVX-512 CPU capped
+at ``TANDEM_CPU_ISA=avx2`` that has it), AVX2 (exact int16 ``vpmaddwd``), plain loops
+elsewhere; ``TANDEM_CPU_ISA`` caps them as for the other kernels, ``TANDEM_INT8=torch``
+keeps the reference (said once in the log). No AMX-INT8 path: none could be tested here.
 
 Steps that receive a plain int8 weight (a layer nobody packed) run the reference, so the
 handles may pick this kernel for any CPU layer.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -46,9 +47,12 @@ SOURCE = CSRC / "int8_linear.cpp"
 # and its bias sum separately, as the reference's tensor ops do.
 FLAGS = ELEMENTWISE_FLAGS
 # The packed layout's group of consecutive k (one 32-bit lane of vpdpbusd); its panel of
-# output columns is the library's (64, or 16 on the AVX2 path); see the source.
+# output columns is the library's (64, or 16 on the AVX2 and AVX-VNNI paths); see the source.
 GROUP = 4
-PATHS = {2: "AVX512-VNNI", 1: "AVX2", 0: "plain loops"}
+PATHS = {3: "AVX-VNNI", 2: "AVX512-VNNI", 1: "AVX2", 0: "plain loops"}
+# The define that builds the AVX-VNNI path with AVX512-VNNI's EVEX encoding of the same ymm
+# instruction (AVX512-VL), for testing that path on CPUs without AVX-VNNI; see the source.
+YMM_VNNI_TEST_DEFINE = "TANDEM_INT8_YMM_VNNI"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
@@ -317,15 +321,18 @@ class NativeInt8:
 
 
 def load_native_int8(
-    build_dir: Path | None = None, isa: IsaLevel | None = None
+    build_dir: Path | None = None, isa: IsaLevel | None = None, defines: Sequence[str] = ()
 ) -> NativeInt8 | None:
     """Build (if needed) and load the kernels (for the instruction sets ``isa`` allows,
-    default ``TANDEM_CPU_ISA``'s); None, with the reason logged, where they cannot be had."""
+    default ``TANDEM_CPU_ISA``'s; ``defines``: preprocessor names of a variant, such as
+    ``YMM_VNNI_TEST_DEFINE``, which the build's name then tells apart); None, with the reason
+    logged, where they cannot be had."""
     if os.environ.get("TANDEM_INT8", "").lower() == "torch":
         logger.info("TANDEM_INT8=torch: int8 (W8A8) layers run the torch reference")
         return None
+    flags = (*FLAGS, *(f"-D{name}" for name in defines))
     try:
-        return NativeInt8(build_library(SOURCE, "tandem_int8_linear", FLAGS, build_dir, isa))
+        return NativeInt8(build_library(SOURCE, "tandem_int8_linear", flags, build_dir, isa))
     except (KernelBuildError, OSError) as exc:
         log_unbuilt(logger, exc, "no CPU int8 kernels (%s); W8A8 layers run torch", exc)
         return None

@@ -168,6 +168,7 @@ def _int8_choice() -> KernelChoice:
         return KernelChoice(role, "torch reference (torch._int_mm)", why)
     why = {
         "AVX512-VNNI": "this CPU has AVX512-VNNI (vpdpbusd)",
+        "AVX-VNNI": "AVX-VNNI without AVX-512 at this ISA level (vpdpbusd on ymm)",
         "AVX2": "no AVX512-VNNI at this ISA level; exact int16 products (vpmaddwd)",
     }.get(kernels.compiled_path, "no AVX2 at this ISA level")
     return KernelChoice(

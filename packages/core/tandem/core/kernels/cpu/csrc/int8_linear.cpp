@@ -11,14 +11,19 @@
 // columns; in each, for every group of 4 consecutive k, the 4 values of column 0, then
 // column 1, ... So one 64-byte load gives 16 columns' 4 k each: the 32-bit lanes vpdpbusd
 // multiplies against 4 activation bytes broadcast. P is 64 (four zmm of columns) except on
-// the AVX2 path, whose 16 columns a pass fill its registers: a panel of 16 is then one
-// contiguous stream. Np, Kp: N, K padded with zero weights to multiples of P and 4.
-// comp[n] = 128 * sum_k w[n, k].
+// the AVX2 and AVX-VNNI paths, whose 16 columns a pass fill their registers: a panel of 16
+// is then one contiguous stream. Np, Kp: N, K padded with zero weights to multiples of P
+// and 4. comp[n] = 128 * sum_k w[n, k].
 //
 // Code paths: AVX512-VNNI (vpdpbusd takes unsigned x signed bytes: activations go in as
-// q + 128 and comp is subtracted, exact in int32); AVX2 (vpmaddubsw would saturate the
-// int16 pair sums of u8 x s8, so weights and activations are sign-extended to int16 and
-// multiplied with vpmaddwd, exact); plain loops elsewhere.
+// q + 128 and comp is subtracted, exact in int32); AVX-VNNI (the same on ymm, for the CPUs
+// with AVX-VNNI but no AVX-512: Alder/Raptor/Arrow Lake clients, Sierra Forest); AVX2
+// (vpmaddubsw would saturate the int16 pair sums of u8 x s8, so weights and activations are
+// sign-extended to int16 and multiplied with vpmaddwd, exact); plain loops elsewhere.
+//
+// TANDEM_INT8_YMM_VNNI (a test-only define) forces the AVX-VNNI path where the compiler has
+// AVX512-VNNI + AVX512-VL instead: the same ymm vpdpbusd in its EVEX encoding (same
+// semantics, same registers), so a machine without AVX-VNNI runs and checks that path.
 
 #include <omp.h>
 
@@ -35,18 +40,26 @@ namespace {
 constexpr int64_t kGroup = 4;    // consecutive k of one 32-bit lane
 constexpr int64_t kRowTask = 64; // rows of one parallel task at prefill sizes
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(TANDEM_INT8_YMM_VNNI)
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__)) && !defined(__AVXVNNI__)
+#error "TANDEM_INT8_YMM_VNNI needs AVX512-VNNI with AVX512-VL, or AVX-VNNI"
+#endif
+#define TANDEM_INT8_PATH 3
+#elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TANDEM_INT8_PATH 2
+#elif defined(__AVXVNNI__)
+#define TANDEM_INT8_PATH 3
 #elif defined(__AVX2__)
 #define TANDEM_INT8_PATH 1
 #else
 #define TANDEM_INT8_PATH 0
 #endif
 
-constexpr int64_t kPanel = TANDEM_INT8_PATH == 1 ? 16 : 64;  // output columns of a panel
+// Output columns of a panel: 16 where a pass over them fills the 16 ymm registers.
+constexpr int64_t kPanel = TANDEM_INT8_PATH == 1 || TANDEM_INT8_PATH == 3 ? 16 : 64;
 
 struct Gemm {
-  const int8_t* a;       // activations [M][Kp], q (or q + 128 on the VNNI path), padded
+  const int8_t* a;       // activations [M][Kp], q (or q + 128 on the VNNI paths), padded
   const int8_t* packed;  // [Np/kPanel][Kp/4][kPanel][4]
   const int32_t* comp;   // [Np]
   int64_t m, n, kp;
@@ -54,7 +67,15 @@ struct Gemm {
 
 // panel_dots<MR>: the exact signed dots of rows [r0, r0 + MR) with the kPanel columns of
 // panel p, into tile[MR][kPanel].
+#if TANDEM_INT8_PATH == 2 || TANDEM_INT8_PATH == 3
+
+// Named accumulators, one set per row (TANDEM_ROW_ACC / _ZERO / _DOTS / _STORE, per path
+// below): GCC spills an array of vector accumulators to the stack on every step (an array
+// in a loop is not promoted to registers).
 #if TANDEM_INT8_PATH == 2
+
+using Vec = __m512i;
+inline Vec broadcast(int32_t lane) { return _mm512_set1_epi32(lane); }
 
 // acc += u8 x s8 dots, in asm: GCC 12 copies the accumulator around each
 // _mm512_dpbusd_epi32 (two extra moves a step) and spills the copies past 4 rows.
@@ -62,21 +83,14 @@ inline void dpbusd(__m512i& acc, __m512i u8, __m512i s8) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
 }
 
-// Named accumulators, one set per row: GCC spills an array of vector accumulators to the
-// stack on every step (an array in a loop is not promoted to registers).
 #define TANDEM_ROW_ACC(r) __m512i c##r##0, c##r##1, c##r##2, c##r##3;
 #define TANDEM_ROW_ZERO(r) \
   if constexpr (MR > r) c##r##0 = c##r##1 = c##r##2 = c##r##3 = _mm512_setzero_si512();
-#define TANDEM_ROW_STEP(r)                                  \
-  if constexpr (MR > r) {                                   \
-    int32_t lane;                                           \
-    std::memcpy(&lane, a + r * lda + q * kGroup, 4);        \
-    const __m512i av = _mm512_set1_epi32(lane);             \
-    dpbusd(c##r##0, av, w0);                            \
-    dpbusd(c##r##1, av, w1);                            \
-    dpbusd(c##r##2, av, w2);                            \
-    dpbusd(c##r##3, av, w3);                            \
-  }
+#define TANDEM_ROW_DOTS(r)   \
+  dpbusd(c##r##0, av, w0);   \
+  dpbusd(c##r##1, av, w1);   \
+  dpbusd(c##r##2, av, w2);   \
+  dpbusd(c##r##3, av, w3);
 #define TANDEM_ROW_STORE(r)                                                        \
   if constexpr (MR > r) {                                                          \
     int32_t* t = tile + r * kPanel;                                                \
@@ -86,10 +100,79 @@ inline void dpbusd(__m512i& acc, __m512i u8, __m512i s8) {
     _mm512_storeu_si512(t + 48, _mm512_sub_epi32(c##r##3, k3));                    \
   }
 #define TANDEM_ROWS(op) op(0) op(1) op(2) op(3)
+#define TANDEM_LOAD_WEIGHTS(wq)                                                      \
+  const __m512i w0 = _mm512_loadu_si512(wq), w1 = _mm512_loadu_si512(wq + 64);       \
+  const __m512i w2 = _mm512_loadu_si512(wq + 128), w3 = _mm512_loadu_si512(wq + 192);
+#define TANDEM_LOAD_COMP(comp)                                                          \
+  const __m512i k0 = _mm512_loadu_si512(comp), k1 = _mm512_loadu_si512(comp + 16);     \
+  const __m512i k2 = _mm512_loadu_si512(comp + 32), k3 = _mm512_loadu_si512(comp + 48);
+
+// Four rows of four accumulators: measured on Zen 4 (one thread, CPU time, [2048, 1024]),
+// 4 or 5 rows reach 390-430 GOP/s at M = 8 to 256, 6 rows 350-390 (torch._int_mm: 115-380).
+constexpr int kRowBlock = 4;
+
+#else  // TANDEM_INT8_PATH == 3
+
+using Vec = __m256i;
+inline Vec broadcast(int32_t lane) { return _mm256_set1_epi32(lane); }
+
+// acc += u8 x s8 dots on ymm, in asm for the reason the zmm path gives. "x": ymm0-15 only,
+// the registers the VEX form can name; the EVEX test build is held to them too, so its
+// register allocation (and spills, if any) are the real build's.
+inline void dpbusd(__m256i& acc, __m256i u8, __m256i s8) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  asm("vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u8), "x"(s8));
+#else
+  // GAS encodes the bare mnemonic as EVEX (AVX512-VNNI); {vex} asks for AVX-VNNI's form
+  // (written %{ %} in asm: bare braces there delimit assembler dialects).
+  asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u8), "x"(s8));
+#endif
+}
+
+#define TANDEM_ROW_ACC(r) __m256i c##r##0, c##r##1;
+#define TANDEM_ROW_ZERO(r) \
+  if constexpr (MR > r) c##r##0 = c##r##1 = _mm256_setzero_si256();
+#define TANDEM_ROW_DOTS(r) \
+  dpbusd(c##r##0, av, w0); \
+  dpbusd(c##r##1, av, w1);
+#define TANDEM_ROW_STORE(r)                                                   \
+  if constexpr (MR > r) {                                                     \
+    __m256i* t = reinterpret_cast<__m256i*>(tile + r * kPanel);               \
+    _mm256_storeu_si256(t, _mm256_sub_epi32(c##r##0, k0));                    \
+    _mm256_storeu_si256(t + 1, _mm256_sub_epi32(c##r##1, k1));                \
+  }
+#define TANDEM_ROWS(op) op(0) op(1) op(2) op(3) op(4) op(5)
+#define TANDEM_LOAD_WEIGHTS(wq)                                                  \
+  const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq));   \
+  const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32));
+#define TANDEM_LOAD_COMP(comp)                                                    \
+  const __m256i k0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(comp));  \
+  const __m256i k1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(comp + 8));
+
+// The panel's 16 columns are two ymm of weights (8 columns x 4 k each); a row takes two
+// accumulators and one broadcast, so 6 rows use 12 + 2 + 1 = 15 of the 16 ymm registers
+// with no spill (7 would need 17; a 32-column panel, 4 weight registers, fits only 2 rows,
+// 13 registers, and loads 3 vectors per 4 vpdpbusd against 8 per 12 here). The panel of
+// 16 is also the AVX2 path's layout. Measured with the EVEX test build on Zen 4 (one
+// thread, fused linear, interleaved): 6 rows 4-6% faster than 4 at M = 64 and 256, even at
+// M = 8 (no AVX-VNNI CPU was at hand to time the VEX build). GCC 12 leaves ymm15 unused
+// and round-trips the last accumulator through a spare register (two register moves a
+// step, no memory; checked with objdump: the intrinsic spills every accumulator instead).
+constexpr int kRowBlock = 6;
+
+#endif
+
+#define TANDEM_ROW_STEP(r)                            \
+  if constexpr (MR > r) {                             \
+    int32_t lane;                                     \
+    std::memcpy(&lane, a + r * lda + q * kGroup, 4);  \
+    const Vec av = broadcast(lane);                   \
+    TANDEM_ROW_DOTS(r)                                \
+  }
 
 template <int MR>
 void panel_dots(const Gemm& g, int64_t r0, int64_t p, int32_t* tile) {
-  static_assert(MR >= 1 && MR <= 4, "the macros above name four rows");
+  static_assert(MR >= 1 && MR <= kRowBlock, "the macros above name kRowBlock rows");
   const int64_t groups = g.kp / kGroup;
   const int8_t* w = g.packed + p * groups * kPanel * kGroup;
   const int8_t* a = g.a + r0 * g.kp;
@@ -101,21 +184,13 @@ void panel_dots(const Gemm& g, int64_t r0, int64_t p, int32_t* tile) {
     // No software prefetch: the panel is one sequential stream the hardware prefetcher
     // follows. Measured on Zen 4 (one thread, 256 MiB of [2048, 1024] weights, CPU time):
     // M = 1 at 15-16 GB/s without, 14-15 with prefetches 1 KiB ahead; M = 8 at 13 against 11.
-    const __m512i w0 = _mm512_loadu_si512(wq);
-    const __m512i w1 = _mm512_loadu_si512(wq + 64);
-    const __m512i w2 = _mm512_loadu_si512(wq + 128);
-    const __m512i w3 = _mm512_loadu_si512(wq + 192);
+    TANDEM_LOAD_WEIGHTS(wq)
     TANDEM_ROWS(TANDEM_ROW_STEP)
   }
   const int32_t* comp = g.comp + p * kPanel;
-  const __m512i k0 = _mm512_loadu_si512(comp), k1 = _mm512_loadu_si512(comp + 16);
-  const __m512i k2 = _mm512_loadu_si512(comp + 32), k3 = _mm512_loadu_si512(comp + 48);
+  TANDEM_LOAD_COMP(comp)
   TANDEM_ROWS(TANDEM_ROW_STORE)
 }
-
-// Four rows of four accumulators: measured on Zen 4 (one thread, CPU time, [2048, 1024]),
-// 4 or 5 rows reach 390-430 GOP/s at M = 8 to 256, 6 rows 350-390 (torch._int_mm: 115-380).
-constexpr int kRowBlock = 4;
 
 #elif TANDEM_INT8_PATH == 1
 
@@ -204,6 +279,10 @@ constexpr int kRowBlock = 4;
 
 void block_dots(const Gemm& g, int64_t r0, int rows, int64_t p, int32_t* tile) {
   switch (rows) {
+#if TANDEM_INT8_PATH == 3
+    case 6: return panel_dots<6>(g, r0, p, tile);
+    case 5: return panel_dots<5>(g, r0, p, tile);
+#endif
 #if TANDEM_INT8_PATH != 1
     case 4: return panel_dots<4>(g, r0, p, tile);
     case 3: return panel_dots<3>(g, r0, p, tile);
@@ -243,9 +322,9 @@ void run_gemm(const Gemm& g, int threads, Epilogue epilogue) {
   }
 }
 
-// Activations as the kernels read them: [M][Kp], zero padded, + 128 on the VNNI path.
+// Activations as the kernels read them: [M][Kp], zero padded, + 128 on the VNNI paths.
 inline int8_t as_kernel_byte(int8_t q) {
-#if TANDEM_INT8_PATH == 2
+#if TANDEM_INT8_PATH == 2 || TANDEM_INT8_PATH == 3
   return static_cast<int8_t>(static_cast<uint8_t>(q) ^ 0x80u);
 #else
   return q;
@@ -296,7 +375,7 @@ void dequantize_row(const int32_t* acc, float s, const float* ws, const float* b
 }
 
 // Rows [0, m) of x quantized as the kernels read them into a [m][kp] (zero padded, + 128 on
-// the VNNI path), each row's scale into scales: per token, or the static scale fixed_of(r)
+// the VNNI paths), each row's scale into scales: per token, or the static scale fixed_of(r)
 // returns (null: per token).
 template <typename T, typename FixedOf>
 void quantize_rows(const T* x, int64_t m, int64_t k, int64_t kp, int64_t ldx, FixedOf fixed_of,
@@ -375,7 +454,7 @@ void grouped_linear(T* out, const T* x, const int8_t* packed, const int32_t* com
 
 extern "C" {
 
-// 2: AVX512-VNNI, 1: AVX2, 0: plain loops.
+// 3: AVX-VNNI, 2: AVX512-VNNI, 1: AVX2, 0: plain loops.
 int tandem_int8_path() { return TANDEM_INT8_PATH; }
 
 // The output columns of a panel of the packed layout this build reads.
