@@ -10,7 +10,13 @@ so each side cycles through copies of its weight that together exceed the CPU's 
 (A B A B ...), each figure the median of --rounds; 'int32 product' times the int8 matmul step
 alone (ours against torch._int_mm on the same codes).
 
+``--paths`` instead times this kernel's code paths against each other, the fused linear on
+each one's own packed copies: the native build (AVX512-VNNI where the CPU has it), the
+``TANDEM_CPU_ISA=avx2`` build, and the AVX-VNNI path's test build (its ymm ``vpdpbusd`` in the
+EVEX encoding; needs AVX512-VNNI + AVX512-VL or AVX-VNNI).
+
     python benchmarks/int8_gemm.py [--rows 1 8 32 256] [--rounds 5] [--pool 256] [--threads N]
+        [--paths]
 """
 
 from __future__ import annotations
@@ -27,7 +33,14 @@ import torch
 from compare import cpu_line
 from torch import nn
 
-from tandem.core.kernels.cpu.int8_gemm import PackedInt8Weight, native_int8
+from tandem.core.kernels.cpu.int8_gemm import (
+    YMM_VNNI_TEST_DEFINE,
+    NativeInt8,
+    PackedInt8Weight,
+    load_native_int8,
+    native_int8,
+)
+from tandem.core.kernels.cpu.native_build import ISA_LEVELS, NATIVE_ISA
 from tandem.core.kernels.cpu.packed_linear import PackableLinear, pack_linear_weights
 from tandem.core.kernels.reference import int8_linear as ref
 from tandem.core.layers.int8_packing import pack_int8_weights
@@ -136,15 +149,62 @@ def _row(label: str, rows: int, ms: dict[str, float], sides: list[Side]) -> str:
     return " | ".join(cells)
 
 
+def _path_builds() -> dict[str, NativeInt8]:
+    """The kernel's builds ``--paths`` compares, by the code path each reports."""
+    builds = (
+        load_native_int8(None, NATIVE_ISA),
+        load_native_int8(None, ISA_LEVELS["avx2"]),
+        load_native_int8(None, NATIVE_ISA, (YMM_VNNI_TEST_DEFINE,)),
+    )
+    return {kernels.compiled_path: kernels for kernels in builds if kernels is not None}
+
+
+def _path_side(kernels: NativeInt8, n: int, k: int, pool_mib: int) -> Side:
+    """Copies of one [n, k] weight packed for ``kernels``, each called with its fused linear."""
+    gen = torch.Generator().manual_seed(n + k)
+    weight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    scale = torch.rand(n, 1, generator=gen) * 0.01
+    count = _copies(n * k, pool_mib)
+    weights = [kernels.pack(weight.clone()) for _ in range(count)]
+
+    def sweep(x: torch.Tensor) -> None:
+        for packed in weights:
+            kernels.linear(x, packed, scale, None, None)
+
+    return Side(kernels.compiled_path, n * k, sweep, count)
+
+
+def compare_paths(rows: list[int], rounds: int, pool_mib: int) -> int:
+    builds = _path_builds()
+    print(cpu_line())
+    print(f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}; ", end="")
+    print(f"{torch.get_num_threads()} threads; paths: {', '.join(builds)}")
+    print(f"fused linear, ms per call and GB/s of weight bytes read, median of {rounds} rounds")
+    for label, (n, k) in SHAPES.items():
+        sides = [_path_side(kernels, n, k, pool_mib) for kernels in builds.values()]
+        print(f"\n{label} [{n}, {k}]")
+        print(f"{'':<18} | " + " | ".join(f"{s.name:^15}" for s in sides))
+        print(f"{'rows':>4} {'':<13} | " + " | ".join(f"{'ms':>8} {'GB/s':>6}" for _ in sides))
+        for m in rows:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            inputs = {side.name: x for side in sides}
+            print(_row("linear", m, _interleaved(sides, inputs, rounds), sides))
+    print(f"\nload average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--pool", type=int, default=256, help="MiB of weight copies per side")
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
+    parser.add_argument("--paths", action="store_true", help="this kernel's code paths instead")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.paths:
+        return compare_paths(args.rows, args.rounds, args.pool)
     kernels = native_int8()
     if kernels is None:
         print("no CPU int8 kernel here (no compiler, or TANDEM_INT8=torch): nothing to compare")
