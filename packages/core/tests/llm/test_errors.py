@@ -68,6 +68,18 @@ def test_missing_folder(make_engine: Callable[..., LLMEngine], tmp_path: Path) -
         make_engine(tmp_path / "nowhere")
 
 
+@pytest.mark.parametrize("damage", ["garbage", "cut short"])
+def test_an_unreadable_weight_file_is_named_with_what_to_do(
+    demo_dir: Path, tmp_path: Path, make_engine: Callable[..., LLMEngine], damage: str
+) -> None:
+    folder = _copy_model(demo_dir, tmp_path / "m")
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(b"not a checkpoint" if damage == "garbage" else data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors is not a readable safetensors"):
+        make_engine(folder)
+
+
 def test_missing_tensor_is_named(
     demo_dir: Path, tmp_path: Path, make_engine: Callable[..., LLMEngine]
 ) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
@@ -104,11 +104,20 @@ def weight_files(folder: Path) -> list[Path]:
 def iter_checkpoint(files: list[Path], desc: str) -> Iterator[tuple[str, LazyTensor]]:
     """Yield every tensor of the checkpoint as a lazy slice, with a progress bar."""
     with ExitStack() as stack:
-        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+        handles = [stack.enter_context(_open_checkpoint(f)) for f in files]
         names = [(h, n) for h in handles for n in h.keys()]  # noqa: SIM118 - safe_open handles are not dicts
         # disable=None: a bar on terminals, silence in logs and test output.
         for handle, name in tqdm(names, desc=desc, unit="tensor", leave=False, disable=None):
             yield name, handle.get_slice(name)
+
+
+def _open_checkpoint(file: Path) -> Any:
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise ModelLoadError(
+            f"{file} is not a readable safetensors file ({exc}): download or save it again"
+        ) from None
 
 
 class Loadable(Protocol):
