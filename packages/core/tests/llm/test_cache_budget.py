@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from tandem.core.errors import ConfigError, ModelLoadError
 from tandem.core.llm.sampling_params import SamplingParams
 
 from ..conftest import EngineFactory
@@ -34,3 +37,21 @@ def test_the_cache_holds_what_max_seqs_of_max_model_len_can_use(
 def test_an_explicit_block_count_is_kept(demo_dir: Path, make_engine: EngineFactory) -> None:
     engine = make_engine(demo_dir, num_blocks=500, max_seqs_per_batch=3, max_model_len=40)
     assert engine.block_manager.num_blocks == 500
+
+
+def test_a_state_cache_too_small_for_a_snapshot_is_refused_before_the_weights_load(
+    hybrid_dir: Path, tmp_path: Path, make_engine: EngineFactory
+) -> None:
+    """The refusal comes before any weight is read: here the weights are not even readable,
+    and the error names --state-cache-mb, not them (a size that holds one gets to them)."""
+    broken = tmp_path / "hybrid"
+    broken.mkdir()
+    for item in hybrid_dir.iterdir():
+        if item.suffix == ".safetensors":
+            (broken / item.name).write_bytes(b"not a checkpoint")
+        else:
+            (broken / item.name).symlink_to(item)
+    with pytest.raises(ConfigError, match=r"--state-cache-mb 1e-06 holds no state snapshot"):
+        make_engine(broken, state_cache_mb=1e-6)
+    with pytest.raises(ModelLoadError, match="not a readable safetensors file"):
+        make_engine(broken, state_cache_mb=1.0)

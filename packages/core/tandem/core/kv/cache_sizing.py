@@ -136,13 +136,19 @@ def _snapshot_rows(config: CacheConfig, slots: int, affordable: int, row_bytes: 
     if not config.enable_prefix_cache:
         return 0
     if config.state_cache_mb is not None:
-        rows = int(config.state_cache_mb * MIB) // row_bytes
-        if rows == 0 and config.state_cache_mb > 0:
-            need = -(-row_bytes // MIB)
-            raise ConfigError(
-                f"--state-cache-mb {config.state_cache_mb:g} holds no state snapshot: one takes "
-                f"{row_bytes} bytes; give it at least {need}, or 0 to serve this hybrid model "
-                "without prefix caching"
-            )
-        return rows
+        check_state_cache_mb(config, row_bytes)
+        return int(config.state_cache_mb * MIB) // row_bytes
     return max(0, min(max(2 * slots, MIN_SNAPSHOTS), affordable - slots))
+
+
+def check_state_cache_mb(config: CacheConfig, row_bytes: int) -> None:
+    """Refuses a ``--state-cache-mb`` above 0 that holds no state snapshot of ``row_bytes``
+    (0 turns a hybrid model's prefix caching off, and says so)."""
+    given = config.state_cache_mb
+    if given is None or given <= 0 or int(given * MIB) // row_bytes > 0:
+        return
+    need = -(-row_bytes // MIB)
+    raise ConfigError(
+        f"--state-cache-mb {given:g} holds no state snapshot: one takes {row_bytes} bytes; "
+        f"give it at least {need}, or 0 to serve this hybrid model without prefix caching"
+    )

@@ -14,7 +14,7 @@ from tandem.core.kernels.attention_metadata import AttentionMetadata
 from tandem.core.kernels.cpu.packed_linear import packed_bytes
 from tandem.core.kernels.device_copy import to_device_once
 from tandem.core.kv.block_pool import NULL_BLOCK
-from tandem.core.kv.cache_sizing import CacheSize
+from tandem.core.kv.cache_sizing import CacheSize, check_state_cache_mb
 from tandem.core.kv.kv_cache import (
     BlockDemand,
     SequenceLimits,
@@ -37,7 +37,7 @@ from tandem.core.llm.prompt_logprobs import score_prompt
 from tandem.core.llm.sampler import Sampler
 from tandem.core.models.causal_lm import CausalLM
 from tandem.core.models.config_json import load_model_config
-from tandem.core.models.loader import load_model, resolve_dtype
+from tandem.core.models.loader import load_model, resolve_dtype, state_slot_bytes_before_load
 from tandem.core.models.model_config import ModelConfig
 from tandem.core.models.registry import model_class
 from tandem.core.worker.lane_stager import LaneStager, Staged
@@ -350,6 +350,12 @@ class LLMRunnerFactory:
         spec = config.speculative
         if spec is not None and spec.drafts_with_head:
             model_config = replace(model_config, serve_mtp=True)
+        if model_config.has_linear_attention and config.cache.enable_prefix_cache:
+            # A --state-cache-mb too small for one snapshot is refused before the weights load
+            # (minutes for a large checkpoint), not after.
+            row_bytes = state_slot_bytes_before_load(model_config, context.group, dtype)
+            if row_bytes:
+                check_state_cache_mb(config.cache, row_bytes)
         model = load_model(
             Path(config.model.model), model_config, context.group, dtype, context.torch_device
         )

@@ -19,6 +19,7 @@ from tandem.core.errors import ModelLoadError
 from tandem.core.kernels.cpu.packed_linear import pack_linear_weights
 from tandem.core.layers.fused_moe import pack_expert_weights
 from tandem.core.layers.int8_packing import pack_int8_weights
+from tandem.core.layers.linear_attention_state import state_bytes_per_slot
 from tandem.core.layers.npu_packing import pack_npu_quantized_weights
 from tandem.core.layers.quantized_linear import QuantizableLinear
 from tandem.core.layers.quantized_moe import QuantizedMoeExperts
@@ -161,6 +162,20 @@ def load_model(
 ) -> CausalLM:
     """The model the engine serves: dense, MoE or hybrid (linear-attention) decoders."""
     return _load(model_class(config.architecture), folder, config, group, dtype, device)
+
+
+def state_slot_bytes_before_load(
+    config: ModelConfig, group: ProcessGroup, dtype: torch.dtype
+) -> int | None:
+    """What one sequence's linear-attention state takes on this rank, from the model built on
+    the meta device (no storage, no weights read); None where the config does not build (the
+    load then says why)."""
+    try:
+        with torch.device("meta"):
+            model = model_class(config.architecture)(config, group, dtype)
+    except ValueError:
+        return None
+    return state_bytes_per_slot(model.linear_attention_layers(), dtype)
 
 
 def _load(
