@@ -350,12 +350,13 @@ class LLMRunnerFactory:
         spec = config.speculative
         if spec is not None and spec.drafts_with_head:
             model_config = replace(model_config, serve_mtp=True)
-        if model_config.has_linear_attention and config.cache.enable_prefix_cache:
+        cache = config.cache
+        if model_config.has_linear_attention and cache.enable_prefix_cache and cache.state_cache_mb:
             # A --state-cache-mb too small for one snapshot is refused before the weights load
             # (minutes for a large checkpoint), not after.
             row_bytes = state_slot_bytes_before_load(model_config, context.group, dtype)
             if row_bytes:
-                check_state_cache_mb(config.cache, row_bytes)
+                check_state_cache_mb(cache, row_bytes)
         model = load_model(
             Path(config.model.model), model_config, context.group, dtype, context.torch_device
         )
