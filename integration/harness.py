@@ -135,7 +135,7 @@ def generate_token_ids(
                          stderr=subprocess.PIPE, text=True)
         for node in nodes
     ]  # fmt: skip
-    outputs = [p.communicate(timeout=240) for p in procs]
+    outputs = finish_all(procs, timeout_s=240)
     for p, (_, err) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
     records = [json.loads(line) for line in outputs[0][0].splitlines()]
@@ -146,6 +146,26 @@ def generate_token_ids(
         [err for _, err in outputs],
         [r["num_cached_tokens"] for r in records],
     )
+
+
+def finish_all(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[tuple[str, str]]:
+    """Each process's (stdout, stderr) once all have exited. Past ``timeout_s`` in all they
+    are killed and the failure carries every one's last log lines: a hang under load must
+    say where each process was, not only that time ran out."""
+    deadline = time.monotonic() + timeout_s
+    outputs: list[tuple[str, str]] = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=max(deadline - time.monotonic(), 0.1)))
+        except subprocess.TimeoutExpired:
+            for q in procs[len(outputs) :]:
+                q.kill()
+            outputs += [q.communicate() for q in procs[len(outputs) :]]
+            tails = [f"process {i}: {err[-3000:]}" for i, (_, err) in enumerate(outputs)]
+            raise AssertionError(
+                f"not done within {timeout_s:.0f} s; their last log lines:\n" + "\n".join(tails)
+            ) from None
+    return outputs
 
 
 def write_plugin_distribution(root: Path, module: str, source: str, entry_points: str) -> Path:
