@@ -15,13 +15,18 @@ import torch.nn.functional as F
 
 from tandem.collectives import SingleRankGroup
 from tandem.core.kernels.cpu.avx2_linear import MAX_ROWS, Avx2Linear, avx2_linear
+from tandem.core.kernels.cpu.elementwise import native_elementwise
 from tandem.core.kernels.cpu.native_build import selected_isa
 from tandem.core.kernels.cpu.packed_linear import (
     native_kernel,
     pack_linear_weights,
     packing_enabled,
 )
-from tandem.core.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tandem.core.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 
 CPU = torch.device("cpu")
 
@@ -148,6 +153,67 @@ def test_packed_layers_use_the_kernel_only_where_it_applies() -> None:
     for layer, x in ((plain, torch.randn(MAX_ROWS + 1, 256)), (biased, torch.randn(4, 256))):
         onednn = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
         assert torch.equal(layer(x), onednn)
+
+
+# 640 x 1000: 64-column panels, K across chunks; 192 x 128: oneDNN's 16-column ones on AVX2
+# CPUs (halves of six), 64-column ones where it packs for AVX-512 (TANDEM_CPU_ISA=avx2 on an
+# AVX-512 CPU: halves off the panels, not fused). Rows across the register blocks and up to
+# the fused call's 128-row groups.
+@pytest.mark.parametrize(("halves", "in_features"), [(320, 1000), (96, 128)])
+@pytest.mark.parametrize("rows", [1, 7, 48, 128])
+def test_silu_in_the_epilogue_is_the_unfused_activation_bit_for_bit(
+    halves: int, in_features: int, rows: int
+) -> None:
+    """A gate/up layer's fused product against the plain product then the elementwise
+    SiLU-and-mul kernel: the same sums in the same order, then the same operations (both
+    libraries built without FMA contraction), so equal to the bit."""
+    _kernel()
+    act = native_elementwise()
+    if act is None:
+        pytest.skip("no native elementwise kernels here")
+    layer = MergedColumnParallelLinear(
+        in_features, [halves, halves], bias=False, group=SingleRankGroup()
+    )
+    layer.weight.data = _packed(2 * halves, in_features, seed=rows)[0]
+    assert pack_linear_weights(layer, CPU, torch.float32) == 1
+    assert layer.native is not None and isinstance(layer.native.kernel, Avx2Linear)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1))
+    got = layer.silu_matmul(x)
+    if halves % layer.native.kernel.panel != 0:
+        assert got is None
+        return
+    assert got is not None and got.shape == (rows, halves)
+    assert torch.equal(got, act.silu_mul(layer(x)))
+
+
+def test_the_fused_silu_covers_every_group_of_rows() -> None:
+    """Past 128 rows (a kernel taking more than serving hands it) the fused call sums the
+    rows a group at a time: 300 rows are three."""
+    kernel = _kernel().taking_rows(300)
+    act = native_elementwise()
+    if act is None:
+        pytest.skip("no native elementwise kernels here")
+    _, packed = _packed(256, 200, seed=3)
+    adopted = kernel.adopt(packed, 256, 200)
+    assert adopted is not None
+    x = torch.randn(300, 200, generator=torch.Generator().manual_seed(2))
+    got = adopted.kernel.silu_matmul(x, adopted)
+    assert got is not None and torch.equal(got, act.silu_mul(adopted.matmul(x)))
+
+
+def test_silu_is_fused_only_where_the_kernel_reads_both_halves() -> None:
+    _kernel()
+    group = SingleRankGroup()
+    fits = MergedColumnParallelLinear(256, [128, 128], bias=False, group=group)
+    biased = MergedColumnParallelLinear(256, [128, 128], bias=True, group=group)
+    for layer in (fits, biased):
+        layer.weight.data = torch.randn(layer.weight.shape) * 0.05
+        assert pack_linear_weights(layer, CPU, torch.float32) == 1
+        assert layer.native is not None and isinstance(layer.native.kernel, Avx2Linear)
+    x = torch.randn(5, 256)
+    assert fits.silu_matmul(x) is not None
+    assert biased.silu_matmul(x) is None  # the kernel adds no bias
+    assert fits.silu_matmul(torch.randn(MAX_ROWS + 1, 256)) is None  # oneDNN's
 
 
 def test_the_kernel_exists_exactly_where_the_isa_level_has_avx2() -> None:

@@ -239,25 +239,30 @@ def test_packed_experts_are_moved_to_huge_pages_whole_and_compute_the_same(
     assert torch.equal(moved(x, weights, ids), expected)
 
 
-@pytest.mark.parametrize("which", ["avx512-float32", "avx512-bfloat16"])
+@pytest.mark.parametrize("which", KERNELS)
 @pytest.mark.parametrize("rows_per_expert", [[0, 3, 0, 11, 1, 0, 6, 48], [700, 0, 5, 0]])
 @pytest.mark.parametrize("k", [300, 1000])
+# 48: AVX2 packs N = 96 in 16-column panels (AVX-512 does not pack it).
+@pytest.mark.parametrize("inter", [192, 48])
 def test_silu_in_the_gate_up_epilogue_is_the_unfused_activation_bit_for_bit(
-    rows_per_expert: list[int], k: int, which: str
+    rows_per_expert: list[int], k: int, which: str, inter: int
 ) -> None:
     """The fused call against the grouped product then the elementwise SiLU-and-mul kernel:
     the same sums rounded the same way, then the same operations (both libraries built
-    without FMA contraction), so equal to the bit."""
+    without FMA contraction), so equal to the bit. 700 rows: several row groups of an
+    expert (128 a group on AVX2, 512 on AVX-512)."""
     kernel = _kernel(which)
-    assert isinstance(kernel, Avx512Linear)
     act = native_elementwise()
     if act is None:
         pytest.skip("no native elementwise kernels here")
-    experts, inter = len(rows_per_expert), 192
+    if inter == 48 and not isinstance(kernel, Avx2Linear):
+        pytest.skip("only the AVX2 kernel packs 16-column panels")
+    experts = len(rows_per_expert)
     g = torch.Generator().manual_seed(k)
     weight = (torch.randn(experts, 2 * inter, k, generator=g) * 0.05).to(kernel.dtype)
     packed = kernel.pack_experts(weight)
     assert packed is not None and kernel.gates_silu(packed)
+    assert packed.panel == (16 if inter == 48 else 64)
     offsets = torch.tensor([0, *torch.tensor(rows_per_expert).cumsum(0).tolist()])
     x = torch.randn(int(offsets[-1]), k, generator=g).to(kernel.dtype)
     got = kernel.grouped_silu_matmul(x, packed, offsets)
@@ -265,22 +270,25 @@ def test_silu_in_the_gate_up_epilogue_is_the_unfused_activation_bit_for_bit(
     assert torch.equal(got, act.silu_mul(kernel.grouped_matmul(x, packed, offsets)))
 
 
-@pytest.mark.parametrize("which", ["avx512-float32", "avx512-bfloat16"])
+@pytest.mark.parametrize("which", KERNELS)
 def test_the_block_takes_the_fused_silu_only_where_both_halves_fill_panels(
     which: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kernel = _kernel(which)
-    assert isinstance(kernel, Avx512Linear)
     fused: list[int] = []
-    real = Avx512Linear.grouped_silu_matmul
+    real = type(kernel).grouped_silu_matmul
 
-    def spy(self: Avx512Linear, x: torch.Tensor, *args: object) -> torch.Tensor:
+    def spy(self: GroupedExpertKernel, x: torch.Tensor, *args: object) -> torch.Tensor:
         fused.append(x.shape[0])
         return real(self, x, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Avx512Linear, "grouped_silu_matmul", spy)
+    monkeypatch.setattr(type(kernel), "grouped_silu_matmul", spy)
     g = torch.Generator().manual_seed(6)
-    for inter, takes_it in ((128, True), (96, False)):
+    # 96 columns a half: off the 64-column panels (N = 192 is packed in them on AVX2 too).
+    cases = [(128, True), (96, False)]
+    if isinstance(kernel, Avx2Linear):
+        cases.append((48, True))  # N = 96 packed in 16-column panels: halves of three
+    for inter, takes_it in cases:
         block = FusedMoeExperts(4, 64, inter, "silu", SingleRankGroup())
         block.w13.data = (torch.randn(4, 2 * inter, 64, generator=g) * 0.1).to(kernel.dtype)
         block.w2.data = (torch.randn(4, 64, inter, generator=g) * 0.1).to(kernel.dtype)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.core.kernels.cpu.native_build import CSRC, IsaLevel
+from tandem.core.kernels.cpu.native_build import CSRC, IsaLevel, c_function
 from tandem.core.kernels.cpu.native_linear import (
     AdoptedWeight,
     PackedWeightKernel,
@@ -69,7 +69,9 @@ class Avx2Linear(PackedWeightKernel):
         self.max_rows = max_rows
         self._lib = lib
         self.bind(lib.tandem_avx2_linear_f32, limits=(max_rows, panel))
+        self._silu = c_function(lib.tandem_avx2_linear_silu_f32, list(self._function.argtypes))
         self._grouped = bind_grouped(lib.tandem_avx2_grouped_linear_f32, limits=1)
+        self._grouped_silu = bind_grouped(lib.tandem_avx2_grouped_silu_f32, limits=1)
         self._others = (
             [Avx2Linear(lib, p, max_rows) for p in PANELS if p != panel]
             if panel == PANELS[0]
@@ -88,6 +90,25 @@ class Avx2Linear(PackedWeightKernel):
     def packed_bytes(self, out_features: int, in_features: int) -> int:
         return out_features * (-(-in_features // K_PAD) * K_PAD) * 4
 
+    def silu_matmul(self, x: torch.Tensor, weight: AdoptedWeight) -> torch.Tensor | None:
+        """The gate/up product with SiLU-and-mul as its epilogue -> [rows, out / 2], what
+        ``silu_mul`` of the plain product gives, bit for bit (``csrc/avx2_linear.cpp``,
+        ``linear_silu``); None where either half is off the panels of the kernel that
+        adopted the weight."""
+        kernel = weight.kernel
+        assert isinstance(kernel, Avx2Linear)
+        if weight.out_features % (2 * kernel.panel) != 0:
+            return None
+        out = torch.empty(x.shape[0], weight.out_features // 2, dtype=self.dtype)
+        code = kernel._silu(
+            out.data_ptr(), x.data_ptr(), weight.address, x.shape[0], weight.out_features,
+            weight.in_features, x.stride(0), out.stride(0), *kernel._limits,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"the {self.name} SiLU linear kernel refused its arguments ({code})")
+        return out
+
     def pack_experts(self, weight: torch.Tensor) -> PackedExperts | None:
         return pack_experts(weight)
 
@@ -99,6 +120,22 @@ class Avx2Linear(PackedWeightKernel):
         [E + 1], read by the kernel where it lies (no host sync)."""
         return grouped_call(self._grouped, self.name, self.dtype, x, experts, offsets,
                             experts.panel)  # fmt: skip
+
+    def gates_silu(self, experts: PackedExperts) -> bool:
+        """Whether ``grouped_silu_matmul`` takes these gate/up weights: both halves whole
+        panels."""
+        return experts.out_features % (2 * experts.panel) == 0
+
+    def grouped_silu_matmul(
+        self, x: torch.Tensor, experts: PackedExperts, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """``grouped_matmul`` of the experts' gate/up weights [E, 2 I, K] with SiLU-and-mul
+        as its epilogue -> [M, I], what ``silu_mul`` of the [M, 2 I] product gives, bit for
+        bit."""
+        return grouped_call(
+            self._grouped_silu, f"{self.name} SiLU", self.dtype, x, experts, offsets,
+            experts.panel, out_features=experts.out_features // 2,
+        )  # fmt: skip
 
     def adopt(
         self, packed: torch.Tensor, out_features: int, in_features: int

@@ -38,11 +38,11 @@ def grouped_fused_moe(
     activation: str,
 ) -> torch.Tensor:
     """``fused_moe`` with each projection one grouped kernel call over every expert (SiLU
-    in the gate/up call's epilogue where the kernel has it, and the sort and the sum back
-    native where that library is built)."""
+    in the gate/up call's epilogue where the weights fill the kernel's panels, and the sort
+    and the sum back native where that library is built)."""
 
     def gate_up(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        if activation == "silu" and isinstance(kernel, Avx512Linear) and kernel.gates_silu(w13):
+        if activation == "silu" and kernel.gates_silu(w13):
             return kernel.grouped_silu_matmul(rows, w13, offsets)
         return act(kernel.grouped_matmul(rows, w13, offsets))
 

@@ -47,6 +47,15 @@ class GroupedExpertKernel(Protocol):
         """Rows ``offsets[e]`` to ``offsets[e + 1]`` of ``x`` [M, K] times expert ``e``'s
         weight, every expert in one call -> [M, N]."""
 
+    def gates_silu(self, experts: PackedExperts) -> bool:
+        """Whether ``grouped_silu_matmul`` takes these gate/up weights [E, 2 I, K]."""
+
+    def grouped_silu_matmul(
+        self, x: torch.Tensor, experts: PackedExperts, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """``grouped_matmul`` of gate/up weights with SiLU-and-mul as its epilogue -> [M, I],
+        what ``silu_mul`` of the [M, 2 I] product gives, bit for bit."""
+
 
 def pack_panels(weight: torch.Tensor, panel: int) -> PackedExperts:
     """``weight`` [E, N, K] (N a multiple of ``panel``) in the module docstring's layout for

@@ -183,6 +183,33 @@ int linear(float* out, const float* x, const float* w, int64_t M, int64_t N, int
   return 0;
 }
 
+// The sums (row stride lds, started at zero) of rows [0, gm) of x with one panel (at wp),
+// in K chunks of equal length: while a chunk computes, the next one streams into L2, after
+// the last one the panel at `after` (the thread's next; nullptr: none). Equal chunks, so
+// the last one of a panel is long enough to prefetch the first one of the next. A chunk is
+// panel / 16 x `blocks` register-block passes of n / 8 prefetch turns each.
+inline void panel_sums(const float* wp, const float* after, int64_t K, int64_t panel,
+                       int64_t gm, float* sums, int64_t lds, const float* x, int64_t ldx) {
+  const int64_t chunks = (K + kChunk - 1) / kChunk;
+  const int64_t chunk_steps = (K + chunks - 1) / chunks;
+  const int64_t blocks = (gm + kRows - 1) / kRows;
+  for (int64_t s0 = 0; s0 < K; s0 += chunk_steps) {
+    const int64_t n = std::min(chunk_steps, K - s0);
+    const float* wc = wp + s0 * panel;
+    const float* next = wc + n * panel;
+    int64_t next_steps = std::min(chunk_steps, K - s0 - n);
+    if (next_steps == 0) {
+      next = after;
+      next_steps = after == nullptr ? 0 : std::min(chunk_steps, K);
+    }
+    const char* from = reinterpret_cast<const char*>(next);
+    Prefetch fetch{from, from + next_steps * panel * sizeof(float),
+                   static_cast<int>((8 * next_steps + blocks * n - 1) / (blocks * n)),
+                   /*l2=*/true};
+    chunk(s0 == 0, gm, sums, lds, x + s0, ldx, wc, panel, n, fetch);
+  }
+}
+
 // Expert e's rows [offsets[e], offsets[e + 1]) of x times expert e's weight, for every
 // expert at once: the (expert, panel) pairs with rows are the work items the threads share,
 // so a step's few rows per expert still keep every core busy, with one call per projection.
@@ -199,10 +226,6 @@ int grouped(float* out, const float* x, const float* w, const int64_t* offsets,
   const int64_t panels = N / panel;
   const int64_t panel_floats = (K + kPad - 1) / kPad * kPad * panel;
   const int64_t expert_floats = panels * panel_floats;
-  // Chunks of equal length, so the last one of a panel is long enough to prefetch the
-  // first one of the next item.
-  const int64_t chunks = (K + kChunk - 1) / kChunk;
-  const int64_t chunk_steps = (K + chunks - 1) / chunks;
   std::vector<int64_t> items;
   if (!tandem::expert_items(offsets, experts, M, panels, items)) return 1;
   const int64_t count = static_cast<int64_t>(items.size());
@@ -215,32 +238,106 @@ int grouped(float* out, const float* x, const float* w, const int64_t* offsets,
     const int64_t e = items[i] / panels;
     const int64_t p = items[i] % panels;
     const float* wp = panel_of(items[i]);
-    // Where the stream goes after this panel: the thread's next item, already claimed.
+    // Where the stream goes after this panel: the thread's next item, already claimed (or
+    // this panel again for the next group of rows, from cache).
     const float* after = following < 0 ? nullptr : panel_of(items[following]);
     for (int64_t g0 = offsets[e]; g0 < offsets[e + 1]; g0 += kGroupRows) {
       const int64_t gm = std::min(kGroupRows, offsets[e + 1] - g0);
-      const bool last_group = g0 + gm == offsets[e + 1];
-      const int64_t blocks = (gm + kRows - 1) / kRows;
-      float* op = out + g0 * ldo + p * panel;
-      for (int64_t s0 = 0; s0 < K; s0 += chunk_steps) {
-        const int64_t n = std::min(chunk_steps, K - s0);
-        const float* wc = wp + s0 * panel;
-        // While this chunk computes, the next one streams in: the panel's next chunk, or
-        // after the last one the next item's first (or this panel again for the next
-        // group of rows, from cache). A chunk is panel / 16 x `blocks` register-block
-        // passes of n / 8 prefetch turns each.
-        const float* next = wc + n * panel;
-        int64_t next_steps = std::min(chunk_steps, K - s0 - n);
-        if (next_steps == 0) {
-          next = last_group ? after : wp;
-          next_steps = next == nullptr ? 0 : std::min(chunk_steps, K);
-        }
-        const char* from = reinterpret_cast<const char*>(next);
-        Prefetch fetch{from, from + next_steps * panel * sizeof(float),
-                       static_cast<int>((8 * next_steps + blocks * n - 1) / (blocks * n)),
-                       /*l2=*/true};
-        chunk(s0 == 0, gm, op, ldo, x + g0 * ldx + s0, ldx, wc, panel, n, fetch);
+      panel_sums(wp, g0 + gm == offsets[e + 1] ? after : wp, K, panel, gm,
+                 out + g0 * ldo + p * panel, ldo, x + g0 * ldx, ldx);
+    }
+  });
+  return 0;
+}
+
+// Rows of x a fused gate/up call sums at once: the gate and up sums of a panel for them,
+// 2 x 128 x 64 floats, are 64 KiB of scratch, in L2 on every AVX2 CPU.
+constexpr int64_t kSiluRows = 128;
+
+// The gate/up projection of a dense MLP with SiLU-and-mul as its epilogue: w [N, K] (gate
+// rows, then up rows, each half whole panels) packed as above, out [M, N / 2] =
+// silu(x . gate) * (x . up). Each thread takes a run of gate panels and, for each, the up
+// panel N / 2 columns on, both summed into scratch, then the activation (silu_rows, in
+// vec_math.h): the [M, N] product is never written out and read back.
+int linear_silu(float* out, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
+                int64_t ldx, int64_t ldo, int32_t max_rows, int32_t panel, int32_t num_threads) {
+  if (M < 1 || M > max_rows || N <= 0 || (panel != 16 && panel != 64) || N % (2 * panel) != 0 ||
+      K < 1) {
+    return 1;
+  }
+  const int64_t half = N / panel / 2;
+  const int64_t panel_floats = (K + kPad - 1) / kPad * kPad * panel;
+  const int64_t group_rows = std::min(M, kSiluRows);
+  const int threads =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, half)));
+#pragma omp parallel num_threads(threads)
+  {
+    const int team = omp_get_num_threads();
+    const int id = omp_get_thread_num();
+    const int64_t lo = half * id / team;
+    const int64_t hi = half * (id + 1) / team;
+    thread_local std::vector<float> scratch;
+    scratch.resize(2 * kSiluRows * panel);
+    float* gate = scratch.data();
+    float* up = gate + kSiluRows * panel;
+    for (int64_t g0 = 0; g0 < M; g0 += group_rows) {
+      const int64_t gm = std::min(group_rows, M - g0);
+      const float* xg = x + g0 * ldx;
+      for (int64_t q = lo; q < hi; ++q) {
+        const float* gate_w = w + q * panel_floats;
+        const float* up_w = w + (half + q) * panel_floats;
+        // The thread's stream: gate q, up q, gate q + 1, ...; after its last up panel its
+        // first gate panel again for the next group of rows (none after the last).
+        const float* after = q + 1 < hi      ? w + (q + 1) * panel_floats
+                             : g0 + gm < M ? w + lo * panel_floats
+                                           : nullptr;
+        panel_sums(gate_w, up_w, K, panel, gm, gate, panel, xg, ldx);
+        panel_sums(up_w, after, K, panel, gm, up, panel, xg, ldx);
+        tandem::silu_rows(out + g0 * ldo + q * panel, ldo, gate, up, gm, panel);
       }
+    }
+  }
+  return 0;
+}
+
+// The gate/up projection of grouped experts with SiLU-and-mul as its epilogue: each
+// expert's weight [N, K] (gate rows, then up rows) packed as above, out [M, N / 2]. An item
+// is an expert's gate panel and the up panel N / 2 columns on (claimed ahead, as `grouped`
+// does), summed for the expert's rows into scratch, then activated (silu_rows).
+int grouped_silu(float* out, const float* x, const float* w, const int64_t* offsets,
+                 int64_t experts, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo,
+                 int32_t panel, int32_t num_threads) {
+  if (experts < 1 || N <= 0 || (panel != 16 && panel != 64) || N % (2 * panel) != 0 || K < 1) {
+    return 1;
+  }
+  const int64_t half = N / panel / 2;
+  const int64_t panel_floats = (K + kPad - 1) / kPad * kPad * panel;
+  const int64_t expert_floats = 2 * half * panel_floats;
+  std::vector<int64_t> items;
+  if (!tandem::expert_items(offsets, experts, M, half, items)) return 1;
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int threads =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, count)));
+  const auto gate_of = [&](int64_t item) {
+    return w + item / half * expert_floats + item % half * panel_floats;
+  };
+  tandem::claim_ahead(count, threads, [&](int64_t i, int64_t following) {
+    thread_local std::vector<float> scratch;
+    scratch.resize(2 * kSiluRows * panel);
+    float* gate = scratch.data();
+    float* up = gate + kSiluRows * panel;
+    const int64_t e = items[i] / half;
+    const int64_t q = items[i] % half;
+    const float* gate_w = gate_of(items[i]);
+    const float* up_w = gate_w + half * panel_floats;
+    const float* after = following < 0 ? nullptr : gate_of(items[following]);
+    for (int64_t g0 = offsets[e]; g0 < offsets[e + 1]; g0 += kSiluRows) {
+      const int64_t gm = std::min(kSiluRows, offsets[e + 1] - g0);
+      const float* xg = x + g0 * ldx;
+      panel_sums(gate_w, up_w, K, panel, gm, gate, panel, xg, ldx);
+      panel_sums(up_w, g0 + gm == offsets[e + 1] ? after : gate_w, K, panel, gm, up, panel, xg,
+                 ldx);
+      tandem::silu_rows(out + g0 * ldo + q * panel, ldo, gate, up, gm, panel);
     }
   });
   return 0;
@@ -251,6 +348,25 @@ int grouped(float* out, const float* x, const float* w, const int64_t* offsets,
 extern "C" {
 
 int tandem_avx2_built() { return 1; }
+
+// out [M, N / 2] (row stride ldo) = silu(x . gate) * (x . up), w [N, K] packed as above with
+// the gate rows first; returns 0, or 1 for arguments the kernel does not take (as
+// tandem_avx2_linear_f32, and halves off whole panels).
+int tandem_avx2_linear_silu_f32(float* out, const float* x, const void* w, int64_t M,
+                                int64_t N, int64_t K, int64_t ldx, int64_t ldo,
+                                int32_t max_rows, int32_t panel, int32_t num_threads) {
+  return linear_silu(out, x, static_cast<const float*>(w), M, N, K, ldx, ldo, max_rows, panel,
+                     num_threads);
+}
+
+// The grouped gate/up projection with SiLU-and-mul fused (grouped_silu): out [M, N / 2].
+int tandem_avx2_grouped_silu_f32(float* out, const float* x, const void* w,
+                                 const int64_t* offsets, int64_t experts, int64_t M, int64_t N,
+                                 int64_t K, int64_t ldx, int64_t ldo, int32_t panel,
+                                 int32_t num_threads) {
+  return grouped_silu(out, x, static_cast<const float*>(w), offsets, experts, M, N, K, ldx, ldo,
+                      panel, num_threads);
+}
 
 // Grouped experts: out rows [offsets[e], offsets[e + 1]) = x rows of the same range times
 // expert e's weight [N, K], the experts' weights packed one after another, each as above
@@ -286,6 +402,15 @@ int tandem_avx2_grouped_linear_f32(float*, const float*, const void*, const int6
 }
 int tandem_avx2_linear_f32(float*, const float*, const void*, int64_t, int64_t, int64_t,
                            int64_t, int64_t, int32_t, int32_t, int32_t) {
+  return 1;
+}
+int tandem_avx2_linear_silu_f32(float*, const float*, const void*, int64_t, int64_t, int64_t,
+                                int64_t, int64_t, int32_t, int32_t, int32_t) {
+  return 1;
+}
+int tandem_avx2_grouped_silu_f32(float*, const float*, const void*, const int64_t*, int64_t,
+                                 int64_t, int64_t, int64_t, int64_t, int64_t, int32_t,
+                                 int32_t) {
   return 1;
 }
 }  // extern "C"

@@ -231,24 +231,6 @@ int linear(typename Kind::Elem* out, const typename Kind::Elem* x, const void* w
   return 0;
 }
 
-// out rows [0, gm) x 64 columns (row stride ldo) = silu(gate) * up of the float32 sums
-// of a gate panel and its up panel ([gm][64] each): elementwise.cpp's silu_mul to the bit,
-// the sums first rounded to the dtype as the unfused GEMM rounds its output.
-template <typename Elem>
-inline void silu_rows(Elem* out, int64_t ldo, const float* gate, const float* up, int64_t gm) {
-  for (int64_t r = 0; r < gm; ++r) {
-    Elem* o = out + r * ldo;
-    const float* g = gate + r * kPanel;
-    const float* u = up + r * kPanel;
-#pragma omp simd
-    for (int64_t c = 0; c < kPanel; ++c) {
-      const float x = tandem::rounded<Elem>(g[c]);
-      const float silu = tandem::rounded<Elem>(x / (1.f + tandem::fast_exp(-x)));
-      tandem::store_as(o + c, silu * tandem::rounded<Elem>(u[c]));
-    }
-  }
-}
-
 // All K chunks of one panel (at wp) for gm rows of x: each chunk prefetches the next into
 // L2, the last one the first chunk at `after` (the thread's next panel; nullptr: none).
 // `round_last`: bfloat16 rounds the sums into out in the last chunk; otherwise they stay
@@ -278,8 +260,9 @@ inline void panel_pass(const char* wp, const char* after, int64_t steps, int64_t
 // The gate/up projection of a dense MLP with SiLU-and-mul as its epilogue: w [N, K] (gate
 // rows, then up rows, N a multiple of 128) packed as above, out [M, N / 2] = silu(x . gate)
 // * (x . up). Each thread takes a run of gate panels and, for each, the up panel N / 128
-// panels on, both summed into float32 scratch in L2, then the activation (silu_rows): the
-// [M, N] product is never written out and read back, which at prefill sizes is tens of MB.
+// panels on, both summed into float32 scratch in L2, then the activation (silu_rows, in
+// vec_math.h): the [M, N] product is never written out and read back, which at prefill
+// sizes is tens of MB.
 template <class Kind>
 int linear_silu(typename Kind::Elem* out, const typename Kind::Elem* x, const void* w,
                 int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo, int32_t max_rows,
@@ -322,7 +305,7 @@ int linear_silu(typename Kind::Elem* out, const typename Kind::Elem* x, const vo
                            sums[which], kPanel, reinterpret_cast<Elem*>(sums[which]), kPanel,
                            x + g0 * ldx, ldx, /*round_last=*/false);
         }
-        silu_rows(out + g0 * ldo + q * kPanel, ldo, sums[0], sums[1], gm);
+        tandem::silu_rows(out + g0 * ldo + q * kPanel, ldo, sums[0], sums[1], gm, kPanel);
       }
     }
   }
@@ -439,7 +422,7 @@ int grouped_silu(typename Kind::Elem* out, const typename Kind::Elem* x, const v
                          kPanel, reinterpret_cast<Elem*>(sums[which]), kPanel, x + g0 * ldx,
                          ldx, /*round_last=*/false);
       }
-      silu_rows(out + g0 * ldo + q * kPanel, ldo, sums[0], sums[1], gm);
+      tandem::silu_rows(out + g0 * ldo + q * kPanel, ldo, sums[0], sums[1], gm, kPanel);
     }
   });
   return 0;

@@ -84,6 +84,27 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// out rows [0, rows) x `width` columns (row stride ldo) = silu(gate) * up of the float32 sums
+// of a gate panel and its up panel ([rows][width] each), the epilogue of the linear kernels'
+// fused gate/up products: elementwise.cpp's silu_mul to the bit (the same operations, both
+// built without FMA contraction), the sums first rounded to the dtype as the unfused GEMM
+// rounds its output.
+template <typename Elem>
+inline void silu_rows(Elem* out, int64_t ldo, const float* gate, const float* up, int64_t rows,
+                      int64_t width) {
+  for (int64_t r = 0; r < rows; ++r) {
+    Elem* o = out + r * ldo;
+    const float* g = gate + r * width;
+    const float* u = up + r * width;
+#pragma omp simd
+    for (int64_t c = 0; c < width; ++c) {
+      const float x = rounded<Elem>(g[c]);
+      const float silu = rounded<Elem>(x / (1.f + fast_exp(-x)));
+      store_as(o + c, silu * rounded<Elem>(u[c]));
+    }
+  }
+}
+
 // Widen `n` elements of a row (float32 or bfloat16) into `dst`, times `scale`.
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n, float scale) {
