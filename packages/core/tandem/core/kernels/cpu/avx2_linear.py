@@ -11,6 +11,11 @@ keeps one copy: oneDNN's AVX2 layout is [N/P][Kp][P], P = 64 for most shapes and
 some; each weight is adopted, with its panel width, only after the kernel's product with it
 matched oneDNN's on a probe batch (``native_linear.PackedWeightKernel.adopt``).
 
+Gate/up projections whose halves fill whole panels run SiLU-and-mul in the same call
+(``silu_matmul``, and ``grouped_silu_matmul`` for routed experts): the [rows, 2 I] product is
+summed into scratch a panel pair at a time and activated there, never written out and read
+back, equal to the bit to the elementwise kernel on the unfused product.
+
 float32 only, where the CPU has AVX2 and FMA and not AVX-512 (which has its own kernel);
 ``TANDEM_GEMM=onednn`` keeps oneDNN at every batch size (said once in the log).
 """
