@@ -9,9 +9,13 @@ back, a sum with a single nonzero term). Only the sums differ. With S = sum_k |x
 a float32 sum of K products and a bias, in any order, FMA or not, is within
 gamma_{K+1} S of the exact value, gamma_j = j u / (1 - j u), u = 2^-24 (Higham, Accuracy and
 Stability, sec. 3.1); both the kernel and the reference are, so they differ by at most
-2 gamma_{K+1} S. A bfloat16 output is that float32 sum rounded once (half an ulp, 2^-9
-relative) on each side: |kernel - reference| <= 2 gamma_{K+1} S + 2^-8 (|ref| + 2 gamma_{K+1}
-S). A nibble out of place or a zero point off by one moves a weight by a whole step, far
+2 gamma_{K+1} S. A bfloat16 output is that float32 sum rounded once on each side, to
+nearest: half an ulp, within u_b = 2^-8 of the rounded value (8-bit significands; an earlier
+version of this bound took 2^-9 and so counted one side's rounding only, which held while
+the kernel's float32 sums fell on the reference's side of every rounding midpoint, and
+failed once the dot path summed in another order: 41 rows, a sum 1e-7 from a midpoint,
+rounded one ulp apart). So |kernel - reference| <= 2 gamma_{K+1} S + 2 u_b (|ref| + 2
+gamma_{K+1} S). A nibble out of place or a zero point off by one moves a weight by a whole step, far
 outside that (checked below).
 
 bfloat16 activations on AVX512-BF16 CPUs take VDPBF16PS dot products on bfloat16 weights
@@ -88,7 +92,8 @@ def _bound(
     flushes = x.double().abs().reshape(-1, k).sum(-1, keepdim=True) + w.double().abs().sum(-1)
     bound = 2 * gamma * s + 2 * TINY * (flushes + 2 * k)
     if ref.dtype is torch.bfloat16:
-        bound = bound + 2.0**-8 * (ref.double().reshape(bound.shape).abs() + bound)
+        # Both sides round once, each within 2^-8 of its result (module docstring).
+        bound = bound + 2 * 2.0**-8 * (ref.double().reshape(bound.shape).abs() + bound)
     return bound
 
 
