@@ -140,7 +140,7 @@ int grouped_linear(const Layer& L, void* y, const void* x, const int64_t* offset
       z.resize(s.size());
       bf16_panel(le, first, outputs, xs, rows, reinterpret_cast<uint16_t*>(ye), ldy, nullptr,
                  word_group.data(), s.data(), z.data(),
-                 wrows.fit(static_cast<size_t>(panel_rows * L.padded)), ahead);
+                 wrows.fit(static_cast<size_t>(bf16_panel_elems(L))), ahead);
       return;
     }
 #endif

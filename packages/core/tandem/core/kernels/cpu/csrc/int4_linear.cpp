@@ -25,9 +25,9 @@
 // the whole float weight for a GEMM library to take.
 //
 // bfloat16 activations on a CPU with AVX512-BF16 take another path (its section below):
-// bfloat16 weights formed once per panel of output rows and VDPBF16PS dot products, 32
-// products an instruction, twice the FMAs' 16; the Python side hands it batches of up to
-// BF16_DOT_ROWS rows.
+// bfloat16 weights formed once per panel of output rows and VDPBF16PS outer products (dot
+// products straight from the codes for 1 to 3 rows), 32 products an instruction, twice the
+// FMAs' 16; the Python side hands it batches of up to BF16_DOT_ROWS rows.
 
 #include <omp.h>
 
@@ -79,6 +79,9 @@ struct Ahead {
   const char* next = nullptr;
   const char* end = nullptr;
   int64_t lines = 0;  // cache lines a step
+  // Whether the rows past the panel are this thread's next ones (the dense call's static
+  // schedule), so a panel's last strip may prefetch them (bf16_panel).
+  bool rows_follow = false;
   void step() {
     for (int64_t l = 0; l < lines && next < end; ++l, next += 64) {
       __builtin_prefetch(next, 0, 2);  // locality 2: prefetcht1, L2 and beyond
@@ -383,12 +386,11 @@ inline void dequantize_row(const Layer& L, const int32_t* row, const float* s, c
 // this path's order once per call as bfloat16 (exactly: they are bfloat16 already), each
 // weight is formed once per call as bfloat16 (the value the float32 path forms and rounds:
 // the reference's, bit for bit) into a panel buffer, and VDPBF16PS takes 32 products an
-// instruction from there, in register tiles of kDotOutputs weight rows times kDotRows
-// activation rows (16 accumulators; each weight vector loaded serves four rows and each
-// activation vector four outputs). Batches of up to kDotFusedRows rows take the weights
-// from the codes straight into the dot products instead. The 16 sums of a tile are folded
-// into one vector (lane 4 r + t), the bias added and rounded there, and each row's four
-// outputs stored at once.
+// instruction from there, as outer products (the section at the end of this one). Batches
+// of up to kDotFusedRows rows take the weights from the codes straight into dot-product
+// tiles of kDotOutputs weight rows instead (each weight vector serves every row, each
+// activation vector four outputs); the sums of a tile are folded into one vector (lane
+// 4 r + t), the bias added and rounded there, and each row's four outputs stored at once.
 //
 // The order of a block of 128 inputs (16 words, four vectors of 32 bfloat16): 16-bit lane l
 // of vector s holds input 8 (l / 2) + s + 4 (l % 2): the low half of word w is 16-bit lane
@@ -398,7 +400,8 @@ inline void dequantize_row(const Layer& L, const int32_t* row, const float* s, c
 // picks the same weight): three shifts and four lookups for 128 weights. Groups smaller than
 // a block (or not whole blocks) form each lane's weight as the float32 path does.
 //
-// Measured (AMD Zen 4 EPYC, 2 vCPUs, host otherwise idle: load average 1.4-1.8 with the
+// Measured with buffered dot tiles (4 weight rows x 4 activation rows, before the outer
+// products; AMD Zen 4 EPYC, 2 vCPUs, host otherwise idle: load average 1.4-1.8 with the
 // benchmark itself; benchmarks/int4_gemm.py --baseline, medians of 5 interleaved rounds; ms,
 // this path / the float32 path with dequantize-then-GEMM above 32 rows / dense bfloat16
 // F.linear), one thread:
@@ -421,19 +424,18 @@ inline void dequantize_row(const Layer& L, const int32_t* row, const float* s, c
 // together are 6% ahead on one thread and level on two; above, dequantize-then-GEMM is
 // level with it (256 rows: within 3% either way) and needs no activation copy.
 // kDotFusedRows = 3: unbuffered took 0.110 ms at M = 3 against 0.131 buffered, buffered
-// 0.124 at M = 4 against 0.149 unbuffered (N = 1536, K = 1024, codes in cache). kDotRows
-// = 4: 6 rows a tile (24 accumulators) was level at 32 and 256 rows and slower at 8
-// (6 + 2); 8 weight rows x 3 or 6 x 4 spilled registers (a third slower). Panels of 8
-// tiles: 2% over 1 tile at 48 to 256 rows (whole cache lines of y written; 16 tiles level).
+// 0.124 at M = 4 against 0.149 unbuffered (N = 1536, K = 1024, codes in cache); the outer
+// products at M = 4 are level with the dot tiles they replaced (80 us against 80, the
+// section at the end).
 //
 // Rounding: products of two bfloat16 are exact in float32; VDPBF16PS adds them into float32
 // lanes rounding to nearest-even, whatever MXCSR says, with denormal inputs and results
 // read and written as zero (the test file says why the float32 bound still holds).
 
 constexpr int64_t kDotBlock = 128;
-// A register tile: kDotOutputs weight rows times up to kDotRows activation rows.
+// A register tile of the unbuffered path: kDotOutputs weight rows times up to
+// kDotFusedRows activation rows.
 constexpr int kDotOutputs = 4;
-constexpr int kDotRows = 4;
 // Batches up to this many rows skip the weight buffer.
 constexpr int kDotFusedRows = 3;
 
@@ -564,30 +566,6 @@ inline void store_tile(const __m512 (&acc)[T][R], const TileOut& o) {
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
-// T buffered weight rows (`w`, `padded` apart) times R activation rows (`x`, likewise).
-template <int T, int R>
-inline void dot_bf16_tile(const uint16_t* w, const uint16_t* x, int64_t padded,
-                          const TileOut& o) {
-  __m512 acc[T][R];
-  for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < padded; k += 32) {
-    __m512i wv[T];
-    for (int t = 0; t < T; ++t) {
-      wv[t] = _mm512_loadu_si512(w + t * padded + k);
-      // Kept in a register: left alone, GCC 12 loads it again for every row below 4 rows
-      // (12 loads for 12 dot products at R = 3: the loads set the pace, M = 3 took 0.17 ms
-      // to M = 4's 0.125), while at 4 rows and more the barrier costs it a third.
-      if constexpr (R < 4) __asm__("" : "+v"(wv[t]));
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xv = as_bh(_mm512_loadu_si512(x + r * padded + k));
-      for (int t = 0; t < T; ++t) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], as_bh(wv[t]), xv);
-    }
-  }
-  store_tile<T, R>(acc, o);
-}
-
 // The same products with the weights straight from the codes (rows first .. first + T),
 // never stored: `s` and `z` hold each row's groups, `L.groups` apart. Groups of whole
 // blocks (K a whole number of blocks then) go group by group, the T tables in registers;
@@ -659,16 +637,6 @@ inline void form_row(const Layer& L, const int32_t* row, const float* s, const f
   }
 }
 
-// `rows` (1 .. R) activation rows: the tile of that many.
-template <int T, int R = kDotRows>
-inline void dot_bf16_some(int rows, const uint16_t* w, const uint16_t* x, int64_t padded,
-                          const TileOut& o) {
-  if constexpr (R > 1) {
-    if (rows < R) return dot_bf16_some<T, R - 1>(rows, w, x, padded, o);
-  }
-  dot_bf16_tile<T, R>(w, x, padded, o);
-}
-
 template <int T, int R = kDotFusedRows>
 inline void fused_bf16_some(int rows, const Layer& L, int64_t first, const uint16_t* x,
                             const float* s, const float* z, const int32_t* word_group,
@@ -712,20 +680,200 @@ void permute_rows_bf16(const uint16_t* x, int64_t m, int64_t ldx, const Layer& L
   }
 }
 
-// Bytes of bfloat16 weights a panel buffers (kept in L2 while every activation row group
-// passes through the panel), and the most tiles a panel holds.
-constexpr int64_t kPanelBytes = 64 << 10;
-constexpr int64_t kPanelTiles = 8;
+// ---- Batches past kDotFusedRows: outer products on an interleaved panel ----
+//
+// The dot tiles above sum each output along K in 16 lanes and fold the lanes at the end;
+// buffered (4 weight rows x 4 activation rows, 16 accumulators, 4 + 4 vector loads for 16
+// VDPBF16PS a step) they ran at 95-130 GFLOP/s a thread on the experts' K = 512-640, where
+// the float bfloat16 kernel (avx512_linear.cpp: outer products on weights oneDNN packed)
+// reached twice that. Here batches past kDotFusedRows take outer products instead. A panel
+// of kOuterColumns output rows is formed once, in strips of 16 rows, each strip laid out
+// (interleave_strip) so that one 128-bit broadcast of an activation row's four input pairs
+// meets four weight vectors holding 16 outputs' same four pairs (4 outputs x 4 pairs a
+// vector): kOuterRows activation rows x 4 accumulators, four weight loads and one broadcast
+// a row for 4 kOuterRows VDPBF16PS. Each output's float32 sum runs over the pairs p = u
+// (mod 4) in lane u, in order, and the four lanes are added ((u0 + u2) + (u1 + u3)) at the
+// end: the same order whatever the row block, strip or panel the output falls in, so a
+// grouped call's sums are a dense call's on the same rows. Rounded to bfloat16 with the
+// bias as the dot tiles round.
+//
+// Measured (this Zen 4, one thread, N = 1280, K = 512, groups of 128, codes in L2; us a
+// call, dot tiles -> outer products): M = 4 80 -> 80, 12 155-186 -> 128, 48 495-660 ->
+// 343-350, 96 900-1190 -> 630-650 (209 GFLOP/s of compute a thread; the panel's forming
+// costs some 31 us a call, five rows' products). kOuterRows 4, 6 and 8 were within the
+// noise of each other (8 spills: 32 accumulators); 6 fills 29 of the 32 registers. Strips
+// formed straight from the codes (form_strip_tables) took the forming from 46 to 31 us
+// against form_row then a transpose. Panels of 16, 32 or 64 rows: level. Two threads,
+// codes from memory (benchmarks/int4_gemm.py, medians of 5 rounds, two runs of each side
+// interleaved; ms, dot tiles -> outer products; qkv 2048 x 1024, gate_up 5632 x 1024,
+// down 1024 x 2816):
+//   M      qkv                          gate_up                      down
+//   4      0.181, 0.209 -> 0.175, 0.212  0.462, 0.545 -> 0.419, 0.412  0.250, 0.293 -> 0.188, 0.234
+//   16     0.409, 0.426 -> 0.294, 0.339  1.093, 1.094 -> 0.744, 0.785  0.593, 0.662 -> 0.354, 0.385
+//   48     1.064, 1.047 -> 0.589, 0.695  2.739, 2.818 -> 1.608, 1.673  1.587, 1.679 -> 0.761, 0.798
+//   128    2.508, 2.752 -> 1.419, 1.627  6.999, 7.321 -> 3.816, 3.934  3.982, 4.427 -> 1.817, 1.861
+// The bench MoE model's experts (benchmarks/quantized_moe_experts.py, grouped ms a layer):
+// 48 tokens 1.144, 1.065 -> 1.030, 1.021; 512 tokens 8.641, 8.761 -> 6.140, 5.717.
 
-// Panel rows first .. first + count (at most panel_rows) for activation rows [0, m) (in the
-// dot order, xs_all) into y's rows [0, m): the weights formed once into `wrows`, then each
-// group of kDotRows rows (read from L2 once per panel, from L1 for each of its tiles) takes
-// its dot products with every tile, and writes whole cache lines of y; batches of up to
-// kDotFusedRows rows take the weights straight from the codes instead. `s` and `z` hold
-// panel_rows rows of groups; `ahead` steps once a weight row or tile.
+// Output rows of a panel: four strips of 16.
+constexpr int64_t kOuterColumns = 64;
+// Activation rows of a register block: kOuterRows x 4 accumulators, four weights and a
+// broadcast, 29 of the 32 zmm registers.
+constexpr int kOuterRows = 6;
+
+// The 128-bit lanes of four vectors transposed: lane t of q[c] is lane c of r[t].
+inline void quarters(const __m512i (&r)[4], __m512i (&q)[4]) {
+  const __m512i lo01 = _mm512_shuffle_i32x4(r[0], r[1], _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512i lo23 = _mm512_shuffle_i32x4(r[2], r[3], _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512i hi01 = _mm512_shuffle_i32x4(r[0], r[1], _MM_SHUFFLE(3, 2, 3, 2));
+  const __m512i hi23 = _mm512_shuffle_i32x4(r[2], r[3], _MM_SHUFFLE(3, 2, 3, 2));
+  q[0] = _mm512_shuffle_i32x4(lo01, lo23, _MM_SHUFFLE(2, 0, 2, 0));
+  q[1] = _mm512_shuffle_i32x4(lo01, lo23, _MM_SHUFFLE(3, 1, 3, 1));
+  q[2] = _mm512_shuffle_i32x4(hi01, hi23, _MM_SHUFFLE(2, 0, 2, 0));
+  q[3] = _mm512_shuffle_i32x4(hi01, hi23, _MM_SHUFFLE(3, 1, 3, 1));
+}
+
+// A strip's 16 formed rows (`strip`, `padded` apart, the dot order; `rows` of them, zero
+// past) into the strip's part of the panel, 16 padded elements: for each step of 16 pairs
+// (one 32-bfloat16 vector of a formed row) and each quarter c of it, four vectors j, 128-bit
+// lane t of vector j holding row 4 t + j's pairs 4 c .. 4 c + 3. So a quarter's four vectors
+// take one 128-bit broadcast of an activation row's same four pairs, and lane 4 t + j of the
+// folded sums (four lanes a row) is output 4 t + j: the outputs in order. Two 128-bit
+// shuffles a vector.
+inline void interleave_strip(const uint16_t* strip, int rows, int64_t padded, uint16_t* dst) {
+  for (int64_t k = 0; k < padded; k += 32) {
+    for (int j = 0; j < 4; ++j) {
+      __m512i r[4];
+      for (int t = 0; t < 4; ++t) {
+        r[t] = 4 * t + j < rows ? _mm512_loadu_si512(strip + (4 * t + j) * padded + k)
+                                : _mm512_setzero_si512();
+      }
+      __m512i quarter[4];
+      quarters(r, quarter);
+      uint16_t* out = dst + 16 * k + 32 * j;  // 16 k = 4 quarters x 4 vectors x 32 elements
+      for (int c = 0; c < 4; ++c) _mm512_storeu_si512(out + 128 * c, quarter[c]);
+    }
+  }
+}
+
+// The same interleaved strip (rows `first` .. `first` + `rows`, rows <= 16) formed
+// straight from the codes where groups are whole blocks: the codes of rows j, 4 + j, 8 + j,
+// 12 + j put in the strip's order with the same 128-bit shuffles (four words of one row a
+// 128-bit lane, eight weights a word: two shuffles serve 16 weight vectors), then each
+// 16-bit lane's nibble, plus 16 times its 128-bit lane, looked up by VPERMT2W in the four
+// rows' tables of the group (dot_table's 16 weights each). No strip stored and read back.
+// Rows past `rows` read zero codes and a zero table. `ahead` steps once a group and row
+// set (4 a group).
+inline void form_strip_tables(const Layer& L, int64_t first, int rows, const float* s,
+                              const float* z, uint16_t* dst, Ahead& ahead) {
+  const int64_t per_group = L.group_inputs / kDotBlock;
+  const __m512i low = _mm512_set1_epi16(kNibble);
+  // 16 t in the 16-bit lanes of 128-bit lane t.
+  const __m512i offset = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(16), _mm_setzero_si128())),
+      _mm256_set_m128i(_mm_set1_epi16(48), _mm_set1_epi16(32)), 1);
+  for (int64_t g = 0; g < L.groups; ++g) {
+    for (int j = 0; j < 4; ++j) {
+      ahead.step();
+      __m256i half[4];
+      for (int t = 0; t < 4; ++t) {
+        const int row = 4 * t + j;
+        half[t] = row < rows ? _mm512_castsi512_si256(dot_table(L, s[row * L.groups + g],
+                                                                z[row * L.groups + g]))
+                             : _mm256_setzero_si256();
+      }
+      const __m512i table_a = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
+      const __m512i table_b = _mm512_inserti64x4(_mm512_castsi256_si512(half[2]), half[3], 1);
+      for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+        __m512i r[4];
+        for (int t = 0; t < 4; ++t) {
+          const int row = 4 * t + j;
+          r[t] = row < rows ? _mm512_loadu_si512(L.codes + (first + row) * L.words + 16 * b)
+                            : _mm512_setzero_si512();
+        }
+        __m512i quarter[4];
+        quarters(r, quarter);
+        for (int i = 0; i < 4; ++i) {
+          // Step 4 b + i: vector i of block b (its inputs 8 w + i, 8 w + i + 4).
+          uint16_t* out = dst + 16 * (b * kDotBlock + 32 * i) + 32 * j;
+          for (int c = 0; c < 4; ++c) {
+            // (nibble & 15) | 16 t: 0xEA is (A & B) | C.
+            const __m512i index = _mm512_ternarylogic_epi32(
+                _mm512_srli_epi16(quarter[c], 4 * i), low, offset, 0xEA);
+            _mm512_storeu_si512(out + 128 * c,
+                                _mm512_permutex2var_epi16(table_a, index, table_b));
+          }
+        }
+      }
+    }
+  }
+}
+
+// Elements a thread's panel buffer holds for this layer: the interleaved panel and a strip
+// of 16 formed rows.
+inline int64_t bf16_panel_elems(const Layer& L) { return (kOuterColumns + 16) * L.padded; }
+
+// The 16 outputs of each of MR activation rows (`x`, `padded` apart, the dot order) through
+// an interleaved strip (interleave_strip) into y's rows r0 .. r0 + MR, columns first ..
+// first + columns (columns <= 16), plus the bias.
+template <int MR>
+inline void outer_block(const uint16_t* packed, const uint16_t* x, int64_t padded,
+                        int64_t columns, const TileOut& o) {
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < padded; k += 32) {
+    for (int c = 0; c < 4; ++c) {
+      const uint16_t* wp = packed + 16 * k + 128 * c;
+      __m512i w[4];
+      for (int j = 0; j < 4; ++j) w[j] = _mm512_loadu_si512(wp + 32 * j);
+      for (int r = 0; r < MR; ++r) {
+        // Pairs 4 c .. 4 c + 3 of this step of row r, in every 128-bit lane.
+        const __m512bh a = as_bh(_mm512_broadcast_i32x4(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + r * padded + k + 8 * c))));
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], as_bh(w[j]), a);
+      }
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << columns) - 1u);
+  __m512 add = _mm512_setzero_ps();
+  if (o.bias) {
+    const __m256i b = _mm256_maskz_loadu_epi16(mask, o.bias + o.first);
+    add = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+  }
+  for (int r = 0; r < MR; ++r) {
+    // Lane 4 t + u of acc[r][j]: output 4 t + j's sum over pairs = u (mod 4); the four
+    // phases summed, output 4 t + j lands in lane 4 t + j.
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][0], acc[r][1]),
+                                    _mm512_unpackhi_ps(acc[r][0], acc[r][1]));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][2], acc[r][3]),
+                                    _mm512_unpackhi_ps(acc[r][2], acc[r][3]));
+    const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+    const __m512 sums = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                      _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+    _mm256_mask_storeu_epi16(o.y + (o.r0 + r) * o.ldy + o.first, mask,
+                             to_bf16_bits(_mm512_add_ps(sums, add)));
+  }
+}
+
+template <int MR = kOuterRows>
+inline void outer_some(int rows, const uint16_t* packed, const uint16_t* x, int64_t padded,
+                       int64_t columns, const TileOut& o) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return outer_some<MR - 1>(rows, packed, x, padded, columns, o);
+  }
+  outer_block<MR>(packed, x, padded, columns, o);
+}
+
+// Panel rows first .. first + count (at most bf16_panel_rows) for activation rows [0, m)
+// (in the dot order, xs_all) into y's rows [0, m). Batches of up to kDotFusedRows rows take
+// the weights straight from the codes into dot-product tiles; larger ones form the panel
+// interleaved into `buffer` (bf16_panel_elems) and pass every row block of at most
+// kOuterRows rows through it (the panel stays in L1 or L2 meanwhile). `s` and `z` hold
+// count rows of groups; `ahead` steps once a weight row or tile.
 void bf16_panel(const Layer& L, int64_t first, int64_t count, const uint16_t* xs_all, int64_t m,
                 uint16_t* y, int64_t ldy, const uint16_t* bias, const int32_t* word_group,
-                float* s, float* z, uint16_t* wrows, Ahead& ahead) {
+                float* s, float* z, uint16_t* buffer, Ahead& ahead) {
   const int64_t padded = L.padded;  // a whole number of kDotBlock: kBlock is 128 here
   for (int64_t t = 0; t < count; ++t) row_groups(L, first + t, s + t * L.groups, z + t * L.groups);
   if (m <= kDotFusedRows) {
@@ -748,38 +896,57 @@ void bf16_panel(const Layer& L, int64_t first, int64_t count, const uint16_t* xs
     }
     return;
   }
-  for (int64_t t = 0; t < count; ++t) {
-    ahead.step();
-    form_row(L, L.codes + (first + t) * L.words, s + t * L.groups, z + t * L.groups, word_group,
-             wrows + t * padded);
-  }
-  // Row groups of at most kDotRows, as even as they go (8 rows: 4 + 4, not 6 + 2).
-  const int64_t row_groups_count = (m + kDotRows - 1) / kDotRows;
-  for (int64_t i = 0, r0 = 0; i < row_groups_count; ++i) {
-    const int rows = static_cast<int>((m - r0 + row_groups_count - i - 1) / (row_groups_count - i));
-    const uint16_t* xs = xs_all + r0 * padded;
-    for (int64_t t0 = 0; t0 < count; t0 += kDotOutputs) {
-      const int outputs = static_cast<int>(std::min<int64_t>(kDotOutputs, count - t0));
-      const uint16_t* wt = wrows + t0 * padded;
-      if (outputs == kDotOutputs) {
-        dot_bf16_some<kDotOutputs>(rows, wt, xs, padded, TileOut{y, ldy, bias, first + t0, r0});
-      } else {
-        for (int t = 0; t < outputs; ++t) {
-          dot_bf16_some<1>(rows, wt + t * padded, xs, padded,
-                           TileOut{y, ldy, bias, first + t0 + t, r0});
-        }
+  uint16_t* packed = buffer;
+  uint16_t* strip = buffer + kOuterColumns * padded;
+  for (int v = 0; v < kOuterColumns / 16; ++v) {
+    const int rows = static_cast<int>(std::min<int64_t>(16, count - 16 * v));
+    if (rows <= 0) break;
+    if (L.group_inputs % kDotBlock == 0) {
+      for (int t = 0; t < rows; ++t) ahead.step();
+      // The next strip's codes, into L2 a share at a time while this one forms: 16 rows
+      // read side by side are more streams than the hardware prefetcher follows (4 rows
+      // from memory, two threads, qkv 2048 x 1024: 0.29-0.34 ms without, 0.19-0.20 with
+      // the whole strip prefetched at once; down 1024 x 2816: 0.29, 0.30 at once, 0.24,
+      // 0.21 spread, against the dot tiles' 0.26, 0.36).
+      const int64_t next = first + 16 * (v + 1);
+      Ahead strip_ahead;
+      if (next < (ahead.rows_follow ? L.n : first + count)) {
+        strip_ahead.next = reinterpret_cast<const char*>(L.codes + next * L.words);
+        strip_ahead.end =
+            reinterpret_cast<const char*>(L.codes + std::min(L.n, next + 16) * L.words);
+        // Spread over the strip's group-and-row-set steps.
+        const int64_t steps = 4 * L.groups;
+        strip_ahead.lines = ((strip_ahead.end - strip_ahead.next) / 64 + steps - 1) / steps;
       }
+      form_strip_tables(L, first + 16 * v, rows, s + 16 * v * L.groups, z + 16 * v * L.groups,
+                        packed + 16 * v * padded, strip_ahead);
+      continue;
+    }
+    for (int t = 0; t < rows; ++t) {
+      ahead.step();
+      const int64_t row = 16 * v + t;
+      form_row(L, L.codes + (first + row) * L.words, s + row * L.groups, z + row * L.groups,
+               word_group, strip + t * padded);
+    }
+    interleave_strip(strip, rows, padded, packed + 16 * v * padded);
+  }
+  // Row blocks of at most kOuterRows, as even as they go (8 rows: 4 + 4, not 6 + 2).
+  const int64_t blocks = (m + kOuterRows - 1) / kOuterRows;
+  for (int64_t i = 0, r0 = 0; i < blocks; ++i) {
+    const int rows = static_cast<int>((m - r0 + blocks - i - 1) / (blocks - i));
+    for (int64_t v = 0; 16 * v < count; ++v) {
+      outer_some(rows, packed + 16 * v * padded, xs_all + r0 * padded, padded,
+                 std::min<int64_t>(16, count - 16 * v), TileOut{y, ldy, bias, first + 16 * v, r0});
     }
     r0 += rows;
   }
 }
 
 // Output rows a panel holds for a batch of m rows: one tile where the weights go straight
-// from the codes into the dot products, else as many tiles as fit kPanelBytes.
+// from the codes into the dot products, else one outer-product panel.
 inline int64_t bf16_panel_rows(const Layer& L, int64_t m) {
-  if (m <= kDotFusedRows) return kDotOutputs;
-  const int64_t tile_bytes = kDotOutputs * L.padded * static_cast<int64_t>(sizeof(uint16_t));
-  return std::max<int64_t>(1, std::min(kPanelTiles, kPanelBytes / tile_bytes)) * kDotOutputs;
+  (void)L;
+  return m <= kDotFusedRows ? kDotOutputs : kOuterColumns;
 }
 
 // The whole product for bfloat16 activations (tandem_int4_linear's arguments): threads take
@@ -799,12 +966,13 @@ void linear_bf16_dot(const Layer& L, uint16_t* y, const uint16_t* x, const uint1
 #pragma omp parallel num_threads(threads)
   {
     thread_local std::vector<uint16_t> wrows;
-    if (wrows.size() < static_cast<size_t>(panel_rows * L.padded)) {
-      wrows.resize(static_cast<size_t>(panel_rows * L.padded));
+    if (wrows.size() < static_cast<size_t>(bf16_panel_elems(L))) {
+      wrows.resize(static_cast<size_t>(bf16_panel_elems(L)));
     }
     std::vector<float> s(static_cast<size_t>(panel_rows * L.groups));
     std::vector<float> z(s.size());
     Ahead none;
+    none.rows_follow = true;
 #pragma omp for schedule(static)
     for (int64_t panel = 0; panel < panels; ++panel) {
       const int64_t first = panel * panel_rows;
