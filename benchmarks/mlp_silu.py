@@ -1,7 +1,7 @@
 """A dense MLP's gate/up projection and its SiLU-and-mul on CPU: the packed product then the
 elementwise kernel (two calls, the [rows, 2 I] product written out and read back) against
 the product with the activation in its epilogue (``PackableLinear.silu_matmul``: one call,
-AVX-512), at the row counts given, interleaved (A B A B), each figure the median of
+AVX-512 or AVX2), at the row counts given, interleaved (A B A B), each figure the median of
 --rounds. Each round runs --layers layers of distinct weights one after the other, as a
 forward pass does, so the weights come from memory as they do in serving. Shapes: the bench
 dense model's (hidden 1024, intermediate 2816) or the bench hybrid's (768, 2560).
