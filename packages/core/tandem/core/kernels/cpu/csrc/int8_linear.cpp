@@ -293,8 +293,8 @@ void block_dots(const Gemm& g, int64_t r0, int rows, int64_t p, int32_t* tile) {
 }
 
 // Runs `epilogue(row, panel, tile, rows)` on each block of exact dots of rows [m0, m1) with
-// panel p, in blocks of even size (7 rows: 4 3, 10 rows: 4 3 3, not 4 4 2): a short block
-// pays the weight loads of a full one for fewer products.
+// panel p, in blocks of even size (with blocks of 4 rows, 7 rows: 4 3, 10 rows: 4 3 3, not
+// 4 4 2): a short block pays the weight loads of a full one for fewer products.
 template <typename Epilogue>
 void row_task(const Gemm& g, int64_t m0, int64_t m1, int64_t p, Epilogue& epilogue) {
   alignas(64) int32_t tile[kRowBlock * kPanel];
