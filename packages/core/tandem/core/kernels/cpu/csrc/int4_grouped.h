@@ -79,8 +79,9 @@ int grouped_linear(const Layer& L, void* y, const void* x, const int64_t* offset
 #ifdef TANDEM_INT4_BF16_DOT
   // Fixed across items (an item is an expert and a panel), so the panel of the batches
   // that buffer their weights; a batch that does not runs the panel's tiles one by one.
+  // Sized as for one thread: the experts already give the threads items to share.
   const int64_t panel_rows =
-      Dot ? bf16_panel_rows(L, kDotFusedRows + 1) : kGroupedTiles * kTileOutputs;
+      Dot ? bf16_panel_rows(L, kDotFusedRows + 1, 1) : kGroupedTiles * kTileOutputs;
 #else
   const int64_t panel_rows = kGroupedTiles * kTileOutputs;
 #endif

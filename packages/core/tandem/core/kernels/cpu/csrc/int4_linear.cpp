@@ -79,8 +79,9 @@ struct Ahead {
   const char* next = nullptr;
   const char* end = nullptr;
   int64_t lines = 0;  // cache lines a step
-  // Whether the rows past the panel are this thread's next ones (the dense call's static
-  // schedule), so a panel's last strip may prefetch them (bf16_panel).
+  // Whether the rows past the panel are most likely this thread's next ones (the dense
+  // call's static schedule; at the end of a thread's run they are the next thread's, and
+  // that prefetch is wasted), so a panel's last strip may prefetch them (bf16_panel).
   bool rows_follow = false;
   void step() {
     for (int64_t l = 0; l < lines && next < end; ++l, next += 64) {
@@ -759,7 +760,7 @@ inline void interleave_strip(const uint16_t* strip, int rows, int64_t padded, ui
 // The same interleaved strip (rows `first` .. `first` + `rows`, rows <= 16) formed
 // straight from the codes where groups are whole blocks: the codes of rows j, 4 + j, 8 + j,
 // 12 + j put in the strip's order with the same 128-bit shuffles (four words of one row a
-// 128-bit lane, eight weights a word: two shuffles serve 16 weight vectors), then each
+// 128-bit lane, eight weights a word: eight shuffles for every 16 weight vectors), then each
 // 16-bit lane's nibble, plus 16 times its 128-bit lane, looked up by VPERMT2W in the four
 // rows' tables of the group (dot_table's 16 weights each). No strip stored and read back.
 // Rows past `rows` read zero codes and a zero table. `ahead` steps once a group and row
@@ -869,8 +870,8 @@ inline void outer_some(int rows, const uint16_t* packed, const uint16_t* x, int6
 // (in the dot order, xs_all) into y's rows [0, m). Batches of up to kDotFusedRows rows take
 // the weights straight from the codes into dot-product tiles; larger ones form the panel
 // interleaved into `buffer` (bf16_panel_elems) and pass every row block of at most
-// kOuterRows rows through it (the panel stays in L1 or L2 meanwhile). `s` and `z` hold
-// count rows of groups; `ahead` steps once a weight row or tile.
+// kOuterRows rows through it (the panel stays in L2 meanwhile: bf16_panel_rows). `s` and
+// `z` hold count rows of groups; `ahead` steps once a weight row or tile.
 void bf16_panel(const Layer& L, int64_t first, int64_t count, const uint16_t* xs_all, int64_t m,
                 uint16_t* y, int64_t ldy, const uint16_t* bias, const int32_t* word_group,
                 float* s, float* z, uint16_t* buffer, Ahead& ahead) {
@@ -942,11 +943,26 @@ void bf16_panel(const Layer& L, int64_t first, int64_t count, const uint16_t* xs
   }
 }
 
+// Bytes of bfloat16 weights an outer-product panel holds at most: every row block passes
+// over the whole panel, which must stay in L2 meanwhile (half the L2 of every CPU with
+// AVX512-BF16: 1 MiB on Zen 4 and 5 and Cooper Lake, 2 MiB on Sapphire Rapids).
+constexpr int64_t kOuterPanelBytes = 512 << 10;
+
 // Output rows a panel holds for a batch of m rows: one tile where the weights go straight
-// from the codes into the dot products, else one outer-product panel.
-inline int64_t bf16_panel_rows(const Layer& L, int64_t m) {
-  (void)L;
-  return m <= kDotFusedRows ? kDotOutputs : kOuterColumns;
+// from the codes into the dot products, else an outer-product panel of four strips, or of
+// two or one where four would leave fewer than four panels a thread (`threads`: those that
+// share the panels; a 1024-output layer is 16 panels of 64) or hold more than
+// kOuterPanelBytes (64 rows pass it above K = 4096). Panels of 16, 32 and 64 rows were
+// level on one thread (above), and an output's sum does not depend on its panel.
+inline int64_t bf16_panel_rows(const Layer& L, int64_t m, int threads) {
+  if (m <= kDotFusedRows) return kDotOutputs;
+  int64_t rows = kOuterColumns;
+  while (rows > 16 && (L.n < 4 * threads * rows ||
+                       rows * L.padded * static_cast<int64_t>(sizeof(uint16_t)) >
+                           kOuterPanelBytes)) {
+    rows /= 2;
+  }
+  return rows;
 }
 
 // The whole product for bfloat16 activations (tandem_int4_linear's arguments): threads take
@@ -961,7 +977,7 @@ void linear_bf16_dot(const Layer& L, uint16_t* y, const uint16_t* x, const uint1
   // Read here: inside the parallel region `xp` would name each thread's own buffer.
   const uint16_t* xs_all = xp.data();
   const std::vector<int32_t> word_group = word_groups(L);
-  const int64_t panel_rows = bf16_panel_rows(L, m);
+  const int64_t panel_rows = bf16_panel_rows(L, m, threads);
   const int64_t panels = (L.n + panel_rows - 1) / panel_rows;
 #pragma omp parallel num_threads(threads)
   {
