@@ -29,28 +29,11 @@ namespace {
 using tandem::bf16_to_float;
 using tandem::fast_exp;
 using tandem::float_to_bf16;
-
-// A value as torch stores it in the tensor's dtype: rounded to bfloat16, or left as is.
-template <typename T>
-inline float stored(float x);
-template <>
-inline float stored<float>(float x) { return x; }
-template <>
-inline float stored<uint16_t>(float x) { return bf16_to_float(float_to_bf16(x)); }
-
-template <typename T>
-inline float load(const T* p, int64_t i);
-template <>
-inline float load<float>(const float* p, int64_t i) { return p[i]; }
-template <>
-inline float load<uint16_t>(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
-
-template <typename T>
-inline void store(T* p, int64_t i, float x);
-template <>
-inline void store<float>(float* p, int64_t i, float x) { p[i] = x; }
-template <>
-inline void store<uint16_t>(uint16_t* p, int64_t i, float x) { p[i] = float_to_bf16(x); }
+// A value as torch stores it in the tensor's dtype (rounded to bfloat16, or left as is), read
+// as float, and stored in the dtype.
+using tandem::rounded;
+using tandem::store_as;
+using tandem::to_float;
 
 // Parallel regions cost tens of microseconds on a busy host: only worth it for inputs big
 // enough to pay for them. Norms and rotary do little per element (a decode step's rows stay
@@ -73,12 +56,12 @@ inline void norm_row(const float* h, const T* weight, T* out, int64_t dim, float
   for (int64_t i = 0; i < dim; ++i) sumsq += h[i] * h[i];
   float inv = 1.f / std::sqrt(sumsq / static_cast<float>(dim) + eps);
   if (centered) {
-    for (int64_t i = 0; i < dim; ++i) store<T>(out, i, h[i] * inv * (1.f + load<T>(weight, i)));
+    for (int64_t i = 0; i < dim; ++i) store_as(out + i, h[i] * inv * (1.f + to_float(weight[i])));
     return;
   }
   for (int64_t i = 0; i < dim; ++i) {
-    float normalized = stored<T>(h[i] * inv);
-    store<T>(out, i, load<T>(weight, i) * normalized);
+    float normalized = rounded<T>(h[i] * inv);
+    store_as(out + i, to_float(weight[i]) * normalized);
   }
 }
 
@@ -95,12 +78,12 @@ void add_rms_norm(T* out, T* residual, const T* x, const T* weight, int64_t rows
       // add would store it; the norm reads the stored value.
       T* rr = residual + r * residual_stride;
       for (int64_t i = 0; i < dim; ++i) {
-        float sum = stored<T>(load<T>(xr, i) + load<T>(rr, i));
-        store<T>(rr, i, sum);
+        float sum = rounded<T>(to_float(xr[i]) + to_float(rr[i]));
+        store_as(rr + i, sum);
         h[i] = sum;
       }
     } else {
-      for (int64_t i = 0; i < dim; ++i) h[i] = load<T>(xr, i);
+      for (int64_t i = 0; i < dim; ++i) h[i] = to_float(xr[i]);
     }
     norm_row<T>(h, weight, out + r * out_stride, dim, eps, centered);
   }
@@ -115,10 +98,12 @@ inline void norm_row_values(const float* h, const T* weight, float* dst, int64_t
   for (int64_t i = 0; i < dim; ++i) sumsq += h[i] * h[i];
   float inv = 1.f / std::sqrt(sumsq / static_cast<float>(dim) + eps);
   if (centered) {
-    for (int64_t i = 0; i < dim; ++i) dst[i] = stored<T>(h[i] * inv * (1.f + load<T>(weight, i)));
+    for (int64_t i = 0; i < dim; ++i) dst[i] = rounded<T>(h[i] * inv * (1.f + to_float(weight[i])));
     return;
   }
-  for (int64_t i = 0; i < dim; ++i) dst[i] = stored<T>(load<T>(weight, i) * stored<T>(h[i] * inv));
+  for (int64_t i = 0; i < dim; ++i) {
+    dst[i] = rounded<T>(to_float(weight[i]) * rounded<T>(h[i] * inv));
+  }
 }
 
 // Rotate-half rotary of one head of D values `h` at table row `pos` (cos/sin [*, D/2]) into
@@ -128,9 +113,9 @@ template <typename T>
 inline void rotate_head(const float* h, T* x, const T* cos, const T* sin, int64_t half) {
   for (int64_t i = 0; i < half; ++i) {
     float x1 = h[i], x2 = h[i + half];
-    float c = load<T>(cos, i), s = load<T>(sin, i);
-    store<T>(x, i, stored<T>(x1 * c) - stored<T>(x2 * s));
-    store<T>(x, i + half, stored<T>(x2 * c) + stored<T>(x1 * s));
+    float c = to_float(cos[i]), s = to_float(sin[i]);
+    store_as(x + i, rounded<T>(x1 * c) - rounded<T>(x2 * s));
+    store_as(x + i + half, rounded<T>(x2 * c) + rounded<T>(x1 * s));
   }
 }
 
@@ -163,11 +148,11 @@ void qk_norm_rotary(T* q, T* k, const T* q_weight, const T* k_weight, const T* c
       T* x = is_q ? q + t * s.q_stride + j * s.q_head_stride
                   : k + t * s.k_stride + (j - s.q_heads) * s.k_head_stride;
       const T* w = is_q ? q_weight : k_weight;
-      for (int64_t i = 0; i < dim; ++i) h[i] = load<T>(x, i);
+      for (int64_t i = 0; i < dim; ++i) h[i] = to_float(x[i]);
       if (w != nullptr) {
         norm_row_values<T>(h, w, h, dim, s.eps, s.centered);
         // The pass-through dims, already rounded: stored as they are.
-        for (int64_t i = rot; i < dim; ++i) store<T>(x, i, h[i]);
+        for (int64_t i = rot; i < dim; ++i) store_as(x + i, h[i]);
       }
       rotate_head<T>(h, x, cos, sin, rot / 2);
     }
@@ -325,9 +310,9 @@ void silu_mul(T* out, const T* gate_up, int64_t rows, int64_t inter, int64_t in_
     T* o = out + r * out_stride;
 #pragma omp simd
     for (int64_t i = 0; i < inter; ++i) {
-      float x = load<T>(g, i);
-      float silu = stored<T>(x / (1.f + fast_exp(-x)));
-      store<T>(o, i, silu * load<T>(u, i));
+      float x = to_float(g[i]);
+      float silu = rounded<T>(x / (1.f + fast_exp(-x)));
+      store_as(o + i, silu * to_float(u[i]));
     }
   }
 }
@@ -354,15 +339,15 @@ void rms_norm_gated(T* out, const T* x, const T* gate, const T* weight, int64_t 
     float sumsq = 0.f;
 #pragma omp simd reduction(+ : sumsq)
     for (int64_t i = 0; i < dim; ++i) {
-      const float h = load<T>(xr, i);
+      const float h = to_float(xr[i]);
       sumsq += h * h;
     }
     const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(dim) + eps);
 #pragma omp simd
     for (int64_t i = 0; i < dim; ++i) {
-      const float weighted = stored<T>(load<T>(weight, i) * stored<T>(load<T>(xr, i) * inv));
-      const float g = load<T>(gr, i);
-      store<T>(o, i, weighted * (g / (1.f + fast_exp(-g))));
+      const float weighted = rounded<T>(to_float(weight[i]) * rounded<T>(to_float(xr[i]) * inv));
+      const float g = to_float(gr[i]);
+      store_as(o + i, weighted * (g / (1.f + fast_exp(-g))));
     }
   }
 }
@@ -427,8 +412,8 @@ void gdn_gating(float* g, T* beta, const T* a, const T* b, const T* a_log, const
   float decay[kMaxGatingHeads];
   float bias[kMaxGatingHeads];
   for (int64_t j = 0; j < heads; ++j) {
-    decay[j] = -std::exp(load<T>(a_log, j));
-    bias[j] = load<T>(dt_bias, j);
+    decay[j] = -std::exp(to_float(a_log[j]));
+    bias[j] = to_float(dt_bias[j]);
   }
   const int64_t total = tokens * heads;
   const int64_t blocks = (total + kGatingBlock - 1) / kGatingBlock;
@@ -440,8 +425,8 @@ void gdn_gating(float* g, T* beta, const T* a, const T* b, const T* a_log, const
     float xa[kGatingBlock], xb[kGatingBlock], scale[kGatingBlock];
     int64_t t = first / heads, j = first % heads;
     for (int64_t i = 0; i < n; ++i) {
-      xa[i] = load<T>(a, t * a_stride + j) + bias[j];
-      xb[i] = load<T>(b, t * b_stride + j);
+      xa[i] = to_float(a[t * a_stride + j]) + bias[j];
+      xb[i] = to_float(b[t * b_stride + j]);
       scale[i] = decay[j];
       if (++j == heads) {
         j = 0;
@@ -453,7 +438,7 @@ void gdn_gating(float* g, T* beta, const T* a, const T* b, const T* a_log, const
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
       gb[i] = scale[i] * softplus(xa[i]);
-      store<T>(betab, i, 1.f / (1.f + fast_exp(-xb[i])));
+      store_as(betab + i, 1.f / (1.f + fast_exp(-xb[i])));
     }
   }
 }

@@ -40,17 +40,6 @@ using namespace tandem;
 constexpr int64_t kMaxDim = 256;
 constexpr float kNormEps = 1e-6f;
 
-template <typename T>
-inline T round_to(float v);
-template <>
-inline float round_to<float>(float v) {
-  return v;
-}
-template <>
-inline uint16_t round_to<uint16_t>(float v) {
-  return float_to_bf16(v);
-}
-
 // x * rsqrt(sum(x^2) + eps) * scale, as the reference's l2norm (times the q scale).
 template <typename T>
 inline void l2_normalised(const T* src, float* dst, int64_t n, float scale) {
@@ -160,8 +149,7 @@ void conv_update(T* out, const T* x, const T* weight, T* states, const int64_t* 
         }
         acc += to_float(xb[c]) * to_float(wc[K - 1]);
         // Rounded to the input dtype before SiLU, as the reference's conv output is.
-        const float y = to_float(round_to<T>(acc));
-        ob[c] = round_to<T>(silu(y));
+        store_as(ob + c, silu(rounded<T>(acc)));
         for (int64_t t = 0; t + 1 < K - 1; ++t) sc[t] = zero ? T(0) : sc[t + 1];
         sc[K - 2] = xb[c];
       }
@@ -216,7 +204,7 @@ void conv_prefill(T* out, const T* x, const T* weight, T* states, const int64_t*
 #pragma omp simd
       for (int64_t c = 0; c < C; ++c) {
         // Rounded to the input dtype before SiLU, as the reference's conv output is.
-        ob[c] = round_to<T>(silu(to_float(round_to<T>(acc[c]))));
+        store_as(ob + c, silu(rounded<T>(acc[c])));
       }
     }
     // The implicit barrier above: every token has read the old states.
