@@ -98,16 +98,14 @@ class Avx2Linear(PackedWeightKernel):
     def silu_matmul(self, x: torch.Tensor, weight: AdoptedWeight) -> torch.Tensor | None:
         """The gate/up product with SiLU-and-mul as its epilogue -> [rows, out / 2], what
         ``silu_mul`` of the plain product gives, bit for bit (``csrc/avx2_linear.cpp``,
-        ``linear_silu``); None where either half is off the panels of the kernel that
-        adopted the weight."""
-        kernel = weight.kernel
-        assert isinstance(kernel, Avx2Linear)
-        if weight.out_features % (2 * kernel.panel) != 0:
+        ``linear_silu``); None where either half is off this kernel's panels (the weight is
+        the one this kernel, of its panel width, adopted)."""
+        if weight.out_features % (2 * self.panel) != 0:
             return None
         out = torch.empty(x.shape[0], weight.out_features // 2, dtype=self.dtype)
-        code = kernel._silu(
+        code = self._silu(
             out.data_ptr(), x.data_ptr(), weight.address, x.shape[0], weight.out_features,
-            weight.in_features, x.stride(0), out.stride(0), *kernel._limits,
+            weight.in_features, x.stride(0), out.stride(0), *self._limits,
             torch.get_num_threads(),
         )  # fmt: skip
         if code != 0:
