@@ -153,6 +153,7 @@ def _path_builds() -> dict[str, NativeInt8]:
     """The kernel's builds ``--paths`` compares, by the code path each reports."""
     builds = (
         load_native_int8(None, NATIVE_ISA),
+        load_native_int8(None, NATIVE_ISA, amx=False),
         load_native_int8(None, ISA_LEVELS["avx2"]),
         load_native_int8(None, NATIVE_ISA, (YMM_VNNI_TEST_DEFINE,)),
     )

@@ -1,7 +1,9 @@
 """The CPU int8 (W8A8) kernels against the torch reference, at every ISA level this machine
-runs (AVX512-VNNI, AVX-VNNI, AVX2, plain loops), each built in this process, and the AVX-VNNI
-path's test build (``YMM_VNNI_TEST_DEFINE``: the same ymm ``vpdpbusd`` in AVX512-VNNI's EVEX
-encoding) on CPUs with AVX512-VNNI + AVX512-VL but no AVX-VNNI, which then run that path too.
+runs (AMX-INT8, AVX512-VNNI, AVX-VNNI, AVX2, plain loops), each built in this process; the
+vector path beside AMX on AMX CPUs; the AVX-VNNI path's test build (``YMM_VNNI_TEST_DEFINE``:
+the same ymm ``vpdpbusd`` in AVX512-VNNI's EVEX encoding) on CPUs with AVX512-VNNI +
+AVX512-VL but no AVX-VNNI, which then run that path too; and the AMX path's test build with
+emulated tiles (``AMX_EMULATION_DEFINE``) on every CPU.
 
 Every comparison is ``torch.equal``, bit for bit: the int32 sums are exact integers whatever
 their order, and the quantize and dequantize run the reference's float32 operations in its
@@ -19,6 +21,7 @@ import torch
 from tandem.core.kernels import handles
 from tandem.core.kernels.cpu import startup
 from tandem.core.kernels.cpu.int8_gemm import (
+    AMX_EMULATION_DEFINE,
     YMM_VNNI_TEST_DEFINE,
     NativeInt8,
     load_native_int8,
@@ -29,22 +32,30 @@ from tandem.core.kernels.cpu.native_build import (
     ISA_LEVELS,
     NATIVE_ISA,
     IsaLevel,
+    amx_tiles_granted,
     isa_levels,
     selected_isa,
 )
 from tandem.core.kernels.reference import int8_linear as ref
 
-# The fixture's builds: every level, and the AVX-VNNI path's test build.
-YMM_VNNI = "ymm-vnni"
-VARIANTS = [*(level.name for level in isa_levels()), YMM_VNNI]
+# The fixture's builds: every level, the vector path where the native one is AMX, and the
+# AVX-VNNI and AMX paths' test builds.
+YMM_VNNI, AMX_EMULATED, NATIVE_VECTOR = "ymm-vnni", "amx-emulated", "native-no-amx"
+VARIANTS = [*(level.name for level in isa_levels()), NATIVE_VECTOR, YMM_VNNI, AMX_EMULATED]
+# The panel each path's registers or tiles take a pass over (see the source).
+PANELS = {"AMX-INT8": 32, "AVX512-VNNI": 64, "AVX-VNNI": 16, "AVX2": 16, "plain loops": 64}
 # Shapes: odd N and K (off the 64-column panels and the 4-k groups), N below one panel,
 # K of one element, and a bench-model-like projection.
 SHAPES = [(1, 1), (77, 33), (130, 1001), (64, 64), (200, 260), (129, 7), (192, 1024)]
-ROWS = [1, 2, 5, 6, 7, 13, 64, 65, 300]
+# Rows: the row blocks of every path, and AMX's tiles of 16 (17: a second tile of one row; 33,
+# 48: a block of 32 and the rest).
+ROWS = [1, 2, 5, 6, 7, 13, 17, 33, 48, 64, 65, 300]
 
 
-def expected_path(isa: IsaLevel) -> str:
+def expected_path(isa: IsaLevel, amx: bool = True) -> str:
     flags = isa.cpu_flags()
+    if amx and {"amx_int8", "amx_tile"} <= flags and amx_tiles_granted():
+        return "AMX-INT8"
     if {"avx512_vnni", "avx512bw"} <= flags:
         return "AVX512-VNNI"
     if "avx_vnni" in flags:
@@ -72,14 +83,22 @@ def kernels(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         if why is not None:
             pytest.skip(why)
         built, expected = load_ymm_vnni(build_dir), "AVX-VNNI"
+    elif request.param == AMX_EMULATED:
+        built = load_native_int8(build_dir, NATIVE_ISA, (AMX_EMULATION_DEFINE,))
+        expected = "AMX-INT8"
+    elif request.param == NATIVE_VECTOR:
+        if expected_path(NATIVE_ISA) != "AMX-INT8":
+            pytest.skip("the native build is already the vector path (no AMX-INT8 here)")
+        built, expected = load_native_int8(build_dir, amx=False), expected_path(NATIVE_ISA, False)
     else:
         isa = ISA_LEVELS[request.param]
         built, expected = load_native_int8(build_dir, isa), expected_path(isa)
     if built is None:
         pytest.skip("no C++ compiler, or TANDEM_INT8=torch")
     assert built.compiled_path == expected
-    # The panel each path's registers take a pass over (see the source).
-    assert built.panel == (16 if expected in ("AVX2", "AVX-VNNI") else 64)
+    assert built.emulated == (request.param == AMX_EMULATED)
+    assert built.panel == PANELS[expected]
+    assert built.k_align == (64 if expected == "AMX-INT8" else 4)
     return built
 
 
@@ -123,9 +142,19 @@ def test_products_of_strided_codes(kernels: NativeInt8) -> None:
 
 def test_a_weight_packed_for_another_panel_width_is_refused(kernels: NativeInt8) -> None:
     w = torch.randint(-128, 128, (40, 8), dtype=torch.int8, generator=torch.Generator())
-    other = pack_int8_weight(w, 16 if kernels.panel == 64 else 64)
+    other = pack_int8_weight(w, 16 if kernels.panel == 64 else 64, kernels.k_align)
     with pytest.raises(ValueError, match="panels of"):
         kernels.matmul(torch.zeros(1, 8, dtype=torch.int8), other)
+
+
+def test_a_weight_padded_to_another_k_multiple_is_refused(kernels: NativeInt8) -> None:
+    """AMX reads K in tile rows of 64: a weight padded only to the 4-k groups would have its
+    last tile row read past the weight."""
+    if kernels.k_align == 4:
+        pytest.skip("this path reads K in groups of 4, which every packing pads to")
+    w = torch.randint(-128, 128, (40, 8), dtype=torch.int8, generator=torch.Generator())
+    with pytest.raises(ValueError, match="K padded to a multiple of 64"):
+        kernels.matmul(torch.zeros(1, 8, dtype=torch.int8), pack_int8_weight(w, kernels.panel))
 
 
 def _activations(m: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -197,9 +226,10 @@ def test_the_grouped_linear_is_each_experts_reference(
 ) -> None:
     """Every expert's rows through its own packed weight in one call: each expert's rows what
     the reference linear gives with its weight, scales and static scale. Experts of 0, 1, 6,
-    7, 13 and 70 rows: none, a decode row, full and split row blocks, a second row task."""
+    7, 13, 70 and 20 rows: none, a decode row, full and split row blocks, a second row task,
+    and last a block whose second AMX tile reads rows past the end."""
     gen = torch.Generator().manual_seed(11)
-    counts = [7, 0, 1, 13, 6, 70]
+    counts = [7, 0, 1, 13, 6, 70, 20]
     e, n, k = len(counts), 77, 130
     w = torch.stack([_weight(n, k, gen) for _ in range(e)])
     ws = (torch.rand(e, n, 1, generator=gen) * 0.02).to(dtype)

@@ -6,11 +6,15 @@ for routed experts, every expert's rows through its own weight in one grouped ca
 
 Every step gives what the torch reference (``reference/int8_linear.py``) gives, bit for bit
 (int32 sums exact; the same float32 operations in the same order), so greedy tokens never
-depend on which kernel ran. Code paths: AVX512-VNNI (``vpdpbusd`` on zmm) where the CPU
-has it, AVX-VNNI (``vpdpbusd`` on ymm: AVX2-class CPUs that have it, or an AVX-512 CPU capped
+depend on which kernel ran. Code paths: AMX-INT8 (``tdpbssd`` on tiles) where the CPU has it
+and Linux grants the tile state, AVX512-VNNI (``vpdpbusd`` on zmm) where the CPU has it,
+AVX-VNNI (``vpdpbusd`` on ymm: AVX2-class CPUs that have it, or an AVX-512 CPU capped
 at ``TANDEM_CPU_ISA=avx2`` that has it), AVX2 (exact int16 ``vpmaddwd``), plain loops
 elsewhere; ``TANDEM_CPU_ISA`` caps them as for the other kernels, ``TANDEM_INT8=torch``
-keeps the reference (said once in the log). No AMX-INT8 path: none could be tested here.
+keeps the reference (said once in the log). The AMX path has a test build whose tile
+instructions are software following Intel's documented semantics (``AMX_EMULATION_DEFINE``,
+``csrc/amx_tiles.h``), so every CPU runs and checks that path's code; no AMX machine has
+timed it yet.
 
 Steps that receive a plain int8 weight (a layer nobody packed) run the reference, so the
 handles may pick this kernel for any CPU layer.
@@ -33,8 +37,10 @@ from tandem.core.kernels.cpu.native_build import (
     CSRC,
     IsaLevel,
     KernelBuildError,
+    amx_tiles_granted,
     build_library,
     log_unbuilt,
+    selected_isa,
 )
 from tandem.core.kernels.handle import NativeChoice
 from tandem.core.kernels.process_once import ProcessOnce
@@ -47,9 +53,15 @@ SOURCE = CSRC / "int8_linear.cpp"
 # and its bias sum separately, as the reference's tensor ops do.
 FLAGS = ELEMENTWISE_FLAGS
 # The packed layout's group of consecutive k (one 32-bit lane of vpdpbusd); its panel of
-# output columns is the library's (64, or 16 on the AVX2 and AVX-VNNI paths); see the source.
+# output columns is the library's (64; 16 on the AVX2 and AVX-VNNI paths, 32 on AMX), and so
+# is the multiple its K is padded to (a group; 64 on AMX, an A tile's row); see the source.
 GROUP = 4
-PATHS = {3: "AVX-VNNI", 2: "AVX512-VNNI", 1: "AVX2", 0: "plain loops"}
+PATHS = {4: "AMX-INT8", 3: "AVX-VNNI", 2: "AVX512-VNNI", 1: "AVX2", 0: "plain loops"}
+# The define that builds the AMX-INT8 path (chosen by ``load_native_int8`` where it can run),
+# and the one that builds it with emulated tiles, for testing that path on any CPU.
+AMX_DEFINE = "TANDEM_INT8_AMX"
+AMX_EMULATION_DEFINE = "TANDEM_AMX_EMULATE"
+_AMX_FLAGS = frozenset({"amx_tile", "amx_int8"})
 # The define that builds the AVX-VNNI path with AVX512-VNNI's EVEX encoding of the same ymm
 # instruction (AVX512-VL), for testing that path on CPUs without AVX-VNNI; see the source.
 YMM_VNNI_TEST_DEFINE = "TANDEM_INT8_YMM_VNNI"
@@ -61,7 +73,7 @@ _vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 class PackedInt8Weight:
     """An int8 weight [out_features, in_features] in the kernel's layout
     [Np/P][Kp/4][P][4] (P = ``panel``; zero padded), with ``compensation`` [Np] int32 =
-    128 * each column's sum (the VNNI path takes activations as q + 128)."""
+    128 * each column's sum (the VNNI paths take activations as q + 128)."""
 
     packed: torch.Tensor
     compensation: torch.Tensor
@@ -120,21 +132,21 @@ class PackedInt8Experts:
 Packed = TypeVar("Packed", PackedInt8Weight, PackedInt8Experts)
 
 
-def pack_int8_experts(weight: torch.Tensor, panel: int) -> PackedInt8Experts:
-    """``weight`` int8 [E, N, K] in the layout with ``panel`` columns a panel, expert after
-    expert (once per layer, at load)."""
+def pack_int8_experts(weight: torch.Tensor, panel: int, k_align: int = GROUP) -> PackedInt8Experts:
+    """``weight`` int8 [E, N, K] in the layout with ``panel`` columns a panel and K padded to
+    a multiple of ``k_align``, expert after expert (once per layer, at load)."""
     e, n, k = weight.shape
-    np_, kp = -(-n // panel) * panel, -(-k // GROUP) * GROUP
+    np_, kp = -(-n // panel) * panel, -(-k // k_align) * k_align
     w = torch.nn.functional.pad(weight.detach(), (0, kp - k, 0, np_ - n))
     packed = w.view(e, np_ // panel, panel, kp // GROUP, GROUP).permute(0, 1, 3, 2, 4)
     compensation = (w.sum(dim=2, dtype=torch.int32) * 128).contiguous()
     return PackedInt8Experts(packed.contiguous(), compensation, n, k)
 
 
-def pack_int8_weight(weight: torch.Tensor, panel: int) -> PackedInt8Weight:
-    """``weight`` int8 [N, K] in the layout with ``panel`` columns a panel (once per layer,
-    at load)."""
-    return pack_int8_experts(weight.unsqueeze(0), panel).expert(0)
+def pack_int8_weight(weight: torch.Tensor, panel: int, k_align: int = GROUP) -> PackedInt8Weight:
+    """``weight`` int8 [N, K] in the layout with ``panel`` columns a panel and K padded to a
+    multiple of ``k_align`` (once per layer, at load)."""
+    return pack_int8_experts(weight.unsqueeze(0), panel, k_align).expert(0)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -155,6 +167,8 @@ class NativeInt8:
         self.path = path
         self.compiled_path = PATHS[int(lib.tandem_int8_path())]
         self.panel = int(lib.tandem_int8_panel())
+        self.k_align = int(lib.tandem_int8_k_align())
+        self.emulated = int(lib.tandem_int8_amx_emulated()) == 1
         self._matmul = lib.tandem_int8_matmul
         self._matmul.argtypes = [_vp] * 4 + [_i64] * 6 + [_i32]
         self._linear = lib.tandem_int8_linear
@@ -171,15 +185,15 @@ class NativeInt8:
 
     @property
     def name(self) -> str:
-        return f"int8 {self.compiled_path}"
+        return f"int8 {self.compiled_path}{' (emulated tiles)' if self.emulated else ''}"
 
     def pack(self, weight: torch.Tensor) -> PackedInt8Weight:
         """``weight`` int8 [N, K] in the layout this build reads."""
-        return pack_int8_weight(weight, self.panel)
+        return pack_int8_weight(weight, self.panel, self.k_align)
 
     def pack_experts(self, weight: torch.Tensor) -> PackedInt8Experts:
         """``weight`` int8 [E, N, K] in the layout this build reads, expert after expert."""
-        return pack_int8_experts(weight, self.panel)
+        return pack_int8_experts(weight, self.panel, self.k_align)
 
     def _readable(self, weight: Packed) -> Packed:
         # A layout of another panel width pairs the wrong columns: refused, not misread.
@@ -187,6 +201,11 @@ class NativeInt8:
             raise ValueError(
                 f"a weight packed in panels of {weight.panel} columns; this {self.name} "
                 f"kernel reads panels of {self.panel}"
+            )
+        if weight.padded_in % self.k_align:
+            raise ValueError(
+                f"a weight packed with K padded to {weight.padded_in}; this {self.name} "
+                f"kernel reads K padded to a multiple of {self.k_align}"
             )
         return weight
 
@@ -321,20 +340,50 @@ class NativeInt8:
 
 
 def load_native_int8(
-    build_dir: Path | None = None, isa: IsaLevel | None = None, defines: Sequence[str] = ()
+    build_dir: Path | None = None,
+    isa: IsaLevel | None = None,
+    defines: Sequence[str] = (),
+    amx: bool = True,
 ) -> NativeInt8 | None:
     """Build (if needed) and load the kernels (for the instruction sets ``isa`` allows,
     default ``TANDEM_CPU_ISA``'s; ``defines``: preprocessor names of a variant, such as
     ``YMM_VNNI_TEST_DEFINE``, which the build's name then tells apart); None, with the reason
-    logged, where they cannot be had."""
+    logged, where they cannot be had. Without ``defines``, the AMX-INT8 path where the CPU
+    has it and Linux grants the tile state (``amx``: whether to look), else the best other."""
     if os.environ.get("TANDEM_INT8", "").lower() == "torch":
         logger.info("TANDEM_INT8=torch: int8 (W8A8) layers run the torch reference")
         return None
+    if amx and not defines:
+        on_tiles = _load_amx(build_dir, isa)
+        if on_tiles is not None:
+            return on_tiles
     flags = (*FLAGS, *(f"-D{name}" for name in defines))
     try:
         return NativeInt8(build_library(SOURCE, "tandem_int8_linear", flags, build_dir, isa))
     except (KernelBuildError, OSError) as exc:
         log_unbuilt(logger, exc, "no CPU int8 kernels (%s); W8A8 layers run torch", exc)
+        return None
+
+
+def _load_amx(build_dir: Path | None, isa: IsaLevel | None) -> NativeInt8 | None:
+    """The AMX-INT8 build, or None (the reason logged where the CPU has AMX-INT8)."""
+    try:
+        level = isa or selected_isa()
+    except KernelBuildError:
+        return None  # the plain build reports the bad level
+    if not level.cpu_flags() >= _AMX_FLAGS:
+        return None
+    if not amx_tiles_granted():
+        logger.warning(
+            "the CPU has AMX-INT8 but Linux did not grant this process the tile state "
+            "(arch_prctl ARCH_REQ_XCOMP_PERM); int8 layers use the vector path"
+        )
+        return None
+    flags = (*FLAGS, f"-D{AMX_DEFINE}")
+    try:
+        return NativeInt8(build_library(SOURCE, "tandem_int8_linear", flags, build_dir, isa))
+    except (KernelBuildError, OSError) as exc:
+        log_unbuilt(logger, exc, "no AMX-INT8 build (%s); int8 layers use the vector path", exc)
         return None
 
 

@@ -138,6 +138,20 @@ def selected_isa() -> IsaLevel:
     return level if _X86 else NATIVE_ISA
 
 
+# arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): x86-64 Linux's syscall number, the
+# request and the AMX tile data's state component (asm/prctl.h, asm/unistd_64.h).
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
+
+
+def amx_tiles_granted() -> bool:
+    """Whether Linux grants this process the AMX tile state. Asking is what grants it (for
+    every thread of the process); without it the first tile instruction kills the process."""
+    if platform.machine() != "x86_64" or platform.system() != "Linux":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return int(libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)) == 0
+
+
 def find_cxx() -> str | None:
     for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
         if name and shutil.which(name):

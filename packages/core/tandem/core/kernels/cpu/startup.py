@@ -59,7 +59,8 @@ _LIBRARIES: tuple[tuple[str, Callable[[], Any]], ...] = (
     ("int4 linear", native_int4_linear),
     ("linear attention", native_linear_attention),
 )
-_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni",
+             "amx_tile", "amx_bf16", "amx_int8")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,7 @@ def _int8_choice() -> KernelChoice:
         why = "no library (TANDEM_INT8=torch, no compiler, or a failed build; see the log)"
         return KernelChoice(role, "torch reference (torch._int_mm)", why)
     why = {
+        "AMX-INT8": "this CPU has AMX-INT8 and Linux granted the tile state (tdpbssd)",
         "AVX512-VNNI": "this CPU has AVX512-VNNI (vpdpbusd)",
         "AVX-VNNI": "AVX-VNNI without AVX-512 at this ISA level (vpdpbusd on ymm)",
         "AVX2": "no AVX512-VNNI at this ISA level; exact int16 products (vpmaddwd)",

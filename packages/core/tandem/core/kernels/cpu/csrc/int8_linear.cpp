@@ -12,10 +12,13 @@
 // column 1, ... So one 64-byte load gives 16 columns' 4 k each: the 32-bit lanes vpdpbusd
 // multiplies against 4 activation bytes broadcast. P is 64 (four zmm of columns) except on
 // the AVX2 and AVX-VNNI paths, whose 16 columns a pass fill their registers: a panel of 16
-// is then one contiguous stream. Np, Kp: N, K padded with zero weights to multiples of P
-// and 4. comp[n] = 128 * sum_k w[n, k].
+// is then one contiguous stream; and on AMX, 32: two B tiles, each 16 rows (64 k) of one
+// 16-column half of the panel's 128-byte rows. Np, Kp: N, K padded with zero weights to
+// multiples of P and 4 (of 64 on AMX: whole A tile rows). comp[n] = 128 * sum_k w[n, k].
 //
-// Code paths: AVX512-VNNI (vpdpbusd takes unsigned x signed bytes: activations go in as
+// Code paths: AMX-INT8 (TANDEM_INT8_AMX, which the Python side defines where the CPU has
+// AMX-INT8 and Linux grants the tile state: tdpbssd, signed x signed, no compensation);
+// AVX512-VNNI (vpdpbusd takes unsigned x signed bytes: activations go in as
 // q + 128 and comp is subtracted, exact in int32); AVX-VNNI (the same on ymm, for the CPUs
 // with AVX-VNNI but no AVX-512: Alder/Raptor/Arrow Lake clients, Sierra Forest); AVX2
 // (vpmaddubsw would saturate the int16 pair sums of u8 x s8, so weights and activations are
@@ -24,6 +27,8 @@
 // TANDEM_INT8_YMM_VNNI (a test-only define) forces the AVX-VNNI path where the compiler has
 // AVX512-VNNI + AVX512-VL instead: the same ymm vpdpbusd in its EVEX encoding (same
 // semantics, same registers), so a machine without AVX-VNNI runs and checks that path.
+// TANDEM_AMX_EMULATE (test-only too) builds the AMX path on tiles emulated in software as
+// Intel documents the instructions (amx_tiles.h), so every machine runs and checks it.
 
 #include <omp.h>
 
@@ -34,13 +39,18 @@
 #include <vector>
 
 #include "vec_math.h"
+#if defined(TANDEM_INT8_AMX) || defined(TANDEM_AMX_EMULATE)
+#include "amx_tiles.h"
+#endif
 
 namespace {
 
 constexpr int64_t kGroup = 4;    // consecutive k of one 32-bit lane
 constexpr int64_t kRowTask = 64; // rows of one parallel task at prefill sizes
 
-#if defined(TANDEM_INT8_YMM_VNNI)
+#if defined(TANDEM_INT8_AMX) || defined(TANDEM_AMX_EMULATE)
+#define TANDEM_INT8_PATH 4
+#elif defined(TANDEM_INT8_YMM_VNNI)
 #if !(defined(__AVX512VNNI__) && defined(__AVX512VL__)) && !defined(__AVXVNNI__)
 #error "TANDEM_INT8_YMM_VNNI needs AVX512-VNNI with AVX512-VL, or AVX-VNNI"
 #endif
@@ -55,8 +65,15 @@ constexpr int64_t kRowTask = 64; // rows of one parallel task at prefill sizes
 #define TANDEM_INT8_PATH 0
 #endif
 
-// Output columns of a panel: 16 where a pass over them fills the 16 ymm registers.
-constexpr int64_t kPanel = TANDEM_INT8_PATH == 1 || TANDEM_INT8_PATH == 3 ? 16 : 64;
+// Output columns of a panel: 16 where a pass over them fills the 16 ymm registers, 32 (two
+// B tiles) on AMX.
+constexpr int64_t kPanel = TANDEM_INT8_PATH == 1 || TANDEM_INT8_PATH == 3 ? 16
+                           : TANDEM_INT8_PATH == 4                        ? 32
+                                                                          : 64;
+// K is padded to a multiple of this: one A tile row (64 k) on AMX, a group elsewhere.
+constexpr int64_t kKAlign = TANDEM_INT8_PATH == 4 ? 64 : kGroup;
+// Rows of zeros past the activations' last row: an AMX A tile reads 16 rows from any start.
+constexpr int64_t kSlackRows = TANDEM_INT8_PATH == 4 ? 16 : 0;
 
 struct Gemm {
   const int8_t* a;       // activations [M][Kp], q (or q + 128 on the VNNI paths), padded
@@ -252,6 +269,56 @@ void panel_dots(const Gemm& g, int64_t r0, int64_t p, int32_t* tile) {
 
 constexpr int kRowBlock = 2;
 
+#elif TANDEM_INT8_PATH == 4
+
+// AMX-INT8 (TDPBSSD: signed x signed bytes, so activations go in as they are and no
+// compensation is subtracted). Tiles 4, 5: two A tiles of 16 rows x 64 k, read straight
+// from the activations (row stride Kp); 6, 7: the panel's two 16-column B tiles, 16 groups
+// of 4 k each, which the packed layout holds as 128-byte rows (the panel's 32 columns x 4
+// k), so B tile j starts 64 j bytes in, stride 128; 0-3: the C tiles, 16 x 16 int32.
+// A block of 32 rows and 32 columns does 4 TDPBSSD per 4 tile loads.
+constexpr int kRowBlock = 32;
+constexpr int64_t kTileK = 64;
+
+// The tiles are configured for each block and released after it: oneDNN's AMX kernels run
+// on these threads too, with configurations of their own.
+template <bool TwoRowTiles>
+void amx_block(const Gemm& g, int64_t r0, int64_t p, int32_t* tile) {
+  const tandem::amx::TileConfig cfg = tandem::amx::uniform_config(8, 16, 64);
+  TANDEM_TILE_LOADCONFIG(&cfg);
+  const int64_t steps = g.kp / kTileK;
+  const int8_t* w = g.packed + p * (g.kp / kGroup) * kPanel * kGroup;
+  const int8_t* a = g.a + r0 * g.kp;
+  TANDEM_TILE_ZERO(0);
+  TANDEM_TILE_ZERO(1);
+  if constexpr (TwoRowTiles) {
+    TANDEM_TILE_ZERO(2);
+    TANDEM_TILE_ZERO(3);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    const int8_t* b = w + s * (kTileK / kGroup) * kPanel * kGroup;
+    TANDEM_TILE_LOADD(6, b, kPanel * kGroup);
+    TANDEM_TILE_LOADD(7, b + 16 * kGroup, kPanel * kGroup);
+    TANDEM_TILE_LOADD(4, a + s * kTileK, g.kp);
+    TANDEM_TILE_DPBSSD(0, 4, 6);
+    TANDEM_TILE_DPBSSD(1, 4, 7);
+    if constexpr (TwoRowTiles) {
+      TANDEM_TILE_LOADD(5, a + 16 * g.kp + s * kTileK, g.kp);
+      TANDEM_TILE_DPBSSD(2, 5, 6);
+      TANDEM_TILE_DPBSSD(3, 5, 7);
+    }
+  }
+  // tile[32][kPanel]: C tile (i, j) holds rows 16 i.., columns 16 j..
+  constexpr int64_t ldt = kPanel * sizeof(int32_t);
+  TANDEM_TILE_STORED(0, tile, ldt);
+  TANDEM_TILE_STORED(1, tile + 16, ldt);
+  if constexpr (TwoRowTiles) {
+    TANDEM_TILE_STORED(2, tile + 16 * kPanel, ldt);
+    TANDEM_TILE_STORED(3, tile + 16 * kPanel + 16, ldt);
+  }
+  TANDEM_TILE_RELEASE();
+}
+
 #else
 
 template <int MR>
@@ -278,6 +345,11 @@ constexpr int kRowBlock = 4;
 #endif
 
 void block_dots(const Gemm& g, int64_t r0, int rows, int64_t p, int32_t* tile) {
+#if TANDEM_INT8_PATH == 4
+  // Rows past `rows` come out of the tiles too (zeros, or the next rows' dots); the
+  // epilogue reads only the block's own.
+  return rows > 16 ? amx_block<true>(g, r0, p, tile) : amx_block<false>(g, r0, p, tile);
+#else
   switch (rows) {
 #if TANDEM_INT8_PATH == 3
     case 6: return panel_dots<6>(g, r0, p, tile);
@@ -290,18 +362,23 @@ void block_dots(const Gemm& g, int64_t r0, int rows, int64_t p, int32_t* tile) {
     case 2: return panel_dots<2>(g, r0, p, tile);
     default: return panel_dots<1>(g, r0, p, tile);
   }
+#endif
 }
 
 // Runs `epilogue(row, panel, tile, rows)` on each block of exact dots of rows [m0, m1) with
 // panel p, in blocks of even size (with blocks of 4 rows, 7 rows: 4 3, 10 rows: 4 3 3, not
-// 4 4 2): a short block pays the weight loads of a full one for fewer products.
+// 4 4 2): a short block pays the weight loads of a full one for fewer products. On AMX a
+// block costs whole 16-row tiles, so blocks are full ones and the rest (48 rows: 32 16, not
+// 24 24, which would load four A tiles instead of three).
 template <typename Epilogue>
 void row_task(const Gemm& g, int64_t m0, int64_t m1, int64_t p, Epilogue& epilogue) {
   alignas(64) int32_t tile[kRowBlock * kPanel];
   const int64_t blocks = (m1 - m0 + kRowBlock - 1) / kRowBlock;
   const int64_t base = (m1 - m0) / blocks, longer = (m1 - m0) % blocks;
   for (int64_t b = 0, r = m0; b < blocks; ++b) {
-    const int rows = static_cast<int>(base + (b < longer ? 1 : 0));
+    const int rows = TANDEM_INT8_PATH == 4
+                         ? static_cast<int>(std::min<int64_t>(kRowBlock, m1 - r))
+                         : static_cast<int>(base + (b < longer ? 1 : 0));
     block_dots(g, r, rows, p, tile);
     epilogue(r, p, tile, rows);
     r += rows;
@@ -405,7 +482,8 @@ auto dequantize_into(T* out, int64_t ldo, int64_t n, const float* scales, const 
 template <typename T>
 void linear(T* out, const T* x, const Gemm& shape, const float* ws, const float* bias,
             const float* fixed, int64_t k, int64_t ldx, int64_t ldo, int threads) {
-  std::vector<int8_t> a(static_cast<size_t>(shape.m * shape.kp), as_kernel_byte(0));
+  std::vector<int8_t> a(static_cast<size_t>((shape.m + kSlackRows) * shape.kp),
+                         as_kernel_byte(0));
   std::vector<float> scales(static_cast<size_t>(shape.m));
   quantize_rows(x, shape.m, k, shape.kp, ldx, [fixed](int64_t) { return fixed; }, a.data(),
                 scales.data(), threads);
@@ -426,7 +504,7 @@ void grouped_linear(T* out, const T* x, const int8_t* packed, const int32_t* com
                     int threads) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t np = panels * kPanel;
-  std::vector<int8_t> a(static_cast<size_t>(m * kp), as_kernel_byte(0));
+  std::vector<int8_t> a(static_cast<size_t>((m + kSlackRows) * kp), as_kernel_byte(0));
   std::vector<float> scales(static_cast<size_t>(m));
   std::vector<int64_t> row_expert(static_cast<size_t>(m), 0);
   // (expert, first row, end row) of every row task; items are its tasks times the panels.
@@ -460,13 +538,53 @@ int tandem_int8_path() { return TANDEM_INT8_PATH; }
 // The output columns of a panel of the packed layout this build reads.
 int tandem_int8_panel() { return static_cast<int>(kPanel); }
 
+// The multiple of which the packed layout's K (Kp) must be.
+int tandem_int8_k_align() { return static_cast<int>(kKAlign); }
+
+// 1 where the tile instructions are the software emulation (a test build).
+int tandem_int8_amx_emulated() {
+#if defined(TANDEM_AMX_EMULATE)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+#if defined(TANDEM_AMX_EMULATE)
+// One TDPBSSD of the emulation, for testing the emulation itself: tiles 0 (c: `rows` x
+// `c_colsb`), 1 (a: `rows` x `a_colsb`) and 2 (b: `b_rows` x `c_colsb`), each loaded from
+// rows packed back to back, c += a . b, c stored back; `whole` receives all 16 x 64 bytes of
+// tile 0 afterwards, the rows and columns past its shape included.
+int tandem_amx_emulated_dpbssd(int32_t* c, const int8_t* a, const int8_t* b, int32_t rows,
+                               int32_t a_colsb, int32_t c_colsb, int32_t b_rows, uint8_t* whole) {
+  tandem::amx::TileConfig cfg{};
+  cfg.palette_id = 1;
+  cfg.rows[0] = static_cast<uint8_t>(rows);
+  cfg.colsb[0] = static_cast<uint16_t>(c_colsb);
+  cfg.rows[1] = static_cast<uint8_t>(rows);
+  cfg.colsb[1] = static_cast<uint16_t>(a_colsb);
+  cfg.rows[2] = static_cast<uint8_t>(b_rows);
+  cfg.colsb[2] = static_cast<uint16_t>(c_colsb);
+  TANDEM_TILE_LOADCONFIG(&cfg);
+  TANDEM_TILE_LOADD(0, c, c_colsb);
+  TANDEM_TILE_LOADD(1, a, a_colsb);
+  TANDEM_TILE_LOADD(2, b, c_colsb);
+  TANDEM_TILE_DPBSSD(0, 1, 2);
+  TANDEM_TILE_STORED(0, c, c_colsb);
+  const auto& data = tandem::amx::emulated::state().tiles[0].data;
+  std::memcpy(whole, data, sizeof(data));
+  TANDEM_TILE_RELEASE();
+  return 0;
+}
+#endif
+
 // out int32 [M, N] (row stride ldo) = a int8 [M, K] (row stride lda) times the packed
 // weight, exact.
 int tandem_int8_matmul(int32_t* out, const int8_t* a, const int8_t* packed, const int32_t* comp,
                        int64_t m, int64_t n, int64_t k, int64_t kp, int64_t lda, int64_t ldo,
                        int32_t threads) {
-  if (m < 0 || n <= 0 || k <= 0 || kp < k || kp % kGroup || lda < k || ldo < n) return 1;
-  std::vector<int8_t> buf(static_cast<size_t>(m * kp), as_kernel_byte(0));
+  if (m < 0 || n <= 0 || k <= 0 || kp < k || kp % kKAlign || lda < k || ldo < n) return 1;
+  std::vector<int8_t> buf(static_cast<size_t>((m + kSlackRows) * kp), as_kernel_byte(0));
   for (int64_t r = 0; r < m; ++r)
     for (int64_t i = 0; i < k; ++i) buf[r * kp + i] = as_kernel_byte(a[r * lda + i]);
   Gemm g{buf.data(), packed, comp, m, n, kp};
@@ -486,7 +604,7 @@ int tandem_int8_linear(void* out, const void* x, const int8_t* packed, const int
                        const float* ws, const float* bias, const float* fixed, int64_t m,
                        int64_t n, int64_t k, int64_t kp, int64_t ldx, int64_t ldo, int32_t dtype,
                        int32_t threads) {
-  if (m < 0 || n <= 0 || k <= 0 || kp < k || kp % kGroup || ldx < k || ldo < n) return 1;
+  if (m < 0 || n <= 0 || k <= 0 || kp < k || kp % kKAlign || ldx < k || ldo < n) return 1;
   Gemm g{nullptr, packed, comp, m, n, kp};
   if (dtype == tandem::kFloat32) {
     linear(static_cast<float*>(out), static_cast<const float*>(x), g, ws, bias, fixed, k, ldx,
@@ -510,7 +628,7 @@ int tandem_int8_grouped_linear(void* out, const void* x, const int8_t* packed,
                                const int64_t* offsets, int64_t experts, int64_t m, int64_t n,
                                int64_t k, int64_t kp, int64_t ldx, int64_t ldo, int32_t dtype,
                                int32_t threads) {
-  if (experts <= 0 || m < 0 || n <= 0 || k <= 0 || kp < k || kp % kGroup || ldx < k || ldo < n)
+  if (experts <= 0 || m < 0 || n <= 0 || k <= 0 || kp < k || kp % kKAlign || ldx < k || ldo < n)
     return 1;
   if (offsets[0] != 0 || offsets[experts] != m) return 1;
   for (int64_t e = 0; e < experts; ++e)

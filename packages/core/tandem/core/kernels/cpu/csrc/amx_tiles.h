@@ -1,0 +1,206 @@
+// The AMX tile operations the int8 kernel uses (LDTILECFG, TILELOADD, TILESTORED, TILEZERO,
+// TDPBSSD, TILERELEASE), as the hardware's instructions or, where a test build defines
+// TANDEM_AMX_EMULATE, as software that follows Intel's documented semantics.
+//
+// Why an emulation: AMX-INT8 exists only on Intel Xeon (Sapphire Rapids on), and the kernel
+// that uses it must not reach users untested. The emulated build runs the kernel's own code
+// (tile shapes, strides, layouts, row blocks, the epilogue) on any CPU, so a wrong stride or
+// a tile read past its rows fails a test here. What it cannot check is the hardware itself.
+//
+// The rules, transcribed from the Intel SDM (LDTILECFG, TILELOADD, TILESTORED, TILEZERO,
+// TDPBSSD, TILERELEASE) and the intrinsics guide, not from this kernel's needs:
+// - LDTILECFG reads 64 bytes: byte 0 palette, byte 1 start_row, 2-15 reserved (zero),
+//   16 + 2t tile t's bytes per row (colsb, uint16), 32-47 reserved, 48 + t tile t's rows,
+//   56-63 reserved. Palette 0 is the INIT state (tiles unconfigured); the only other legal
+//   palette is 1: 8 tiles of at most 16 rows x 64 bytes. A tile's rows and colsb are both
+//   zero (unused) or both set. Anything else is a #GP.
+// - Every other tile instruction is a #UD while the tiles are not configured (INIT).
+// - TILELOADD / TILESTORED move `rows` rows of `colsb` bytes, row r at base + r * stride;
+//   a load zeroes the rest of each row and the rows past `rows`.
+// - TDPBSSD(c, a, b): for m < c.rows, k < a.colsb / 4, n < c.colsb / 4,
+//   c.dword[m][n] += sum_i sx(a.byte[m][4k + i]) * sx(b.byte[k][4n + i]), i < 4, each
+//   addition in 32-bit two's complement (it wraps). #UD unless c.rows == a.rows,
+//   c.colsb == b.colsb and a.colsb / 4 == b.rows (and the tiles are configured).
+// - TILERELEASE returns the tiles to INIT.
+// A fault here prints what the hardware would have raised and aborts, as the instruction's
+// exception would end the process.
+//
+// Linux grants the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); without it
+// the first tile instruction kills the process. The Python side asks before it loads a real
+// build (native_build.amx_tiles_granted).
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace tandem::amx {
+
+// The 64-byte LDTILECFG operand.
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved0[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
+
+// Palette 1 with tiles [0, tiles) of `rows` x `colsb`, the others unused.
+inline TileConfig uniform_config(int tiles, int rows, int colsb) {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < tiles; ++t) {
+    cfg.colsb[t] = static_cast<uint16_t>(colsb);
+    cfg.rows[t] = static_cast<uint8_t>(rows);
+  }
+  return cfg;
+}
+
+}  // namespace tandem::amx
+
+#if defined(TANDEM_AMX_EMULATE)
+
+#include <cstdio>
+#include <cstdlib>
+
+namespace tandem::amx::emulated {
+
+constexpr int kTiles = 8, kMaxRows = 16, kMaxColsb = 64;
+
+struct Tile {
+  int rows = 0, colsb = 0;
+  uint8_t data[kMaxRows][kMaxColsb];
+};
+
+struct State {
+  bool configured = false;
+  Tile tiles[kTiles];
+};
+
+// The tile registers are per thread, as the hardware's are.
+inline State& state() {
+  thread_local State s;
+  return s;
+}
+
+[[noreturn]] inline void fault(const char* exception, const char* why) {
+  std::fprintf(stderr, "emulated AMX: %s: %s\n", exception, why);
+  std::fflush(stderr);
+  std::abort();
+}
+
+inline Tile& tile(int t) {
+  State& s = state();
+  if (!s.configured) fault("#UD", "a tile instruction while the tiles are not configured");
+  if (t < 0 || t >= kTiles) fault("#UD", "no such tile register");
+  return s.tiles[t];
+}
+
+inline void load_config(const void* memory) {
+  uint8_t raw[64];
+  std::memcpy(raw, memory, 64);
+  State& s = state();
+  if (raw[0] == 0) {
+    s = State{};
+    return;
+  }
+  if (raw[0] != 1) fault("#GP", "palette other than 0 or 1");
+  for (int i = 2; i < 16; ++i)
+    if (raw[i] != 0) fault("#GP", "reserved bytes 2-15 not zero");
+  for (int i = 32; i < 48; ++i)
+    if (raw[i] != 0) fault("#GP", "tiles past palette 1's 8 (or bytes 32-47) set");
+  for (int i = 56; i < 64; ++i)
+    if (raw[i] != 0) fault("#GP", "tiles past palette 1's 8 (or bytes 56-63) set");
+  if (raw[1] != 0) fault("#GP", "start_row not zero (only a restarted load sets it)");
+  for (int t = 0; t < kTiles; ++t) {
+    uint16_t colsb;
+    std::memcpy(&colsb, raw + 16 + 2 * t, 2);
+    const int rows = raw[48 + t];
+    if (rows > kMaxRows || colsb > kMaxColsb) fault("#GP", "a tile larger than 16 x 64 bytes");
+    if ((rows == 0) != (colsb == 0)) fault("#GP", "a tile with rows but no columns, or back");
+    s.tiles[t].rows = rows;
+    s.tiles[t].colsb = colsb;
+    // The data a configuration leaves is not relied on: poison it, so a kernel that reads a
+    // tile it never wrote fails here.
+    std::memset(s.tiles[t].data, 0xA5, sizeof(s.tiles[t].data));
+  }
+  s.configured = true;
+}
+
+inline void zero_rest(Tile& d, int from_row) {
+  for (int r = 0; r < kMaxRows; ++r) {
+    const int keep = r < from_row ? d.colsb : 0;
+    std::memset(d.data[r] + keep, 0, kMaxColsb - keep);
+  }
+}
+
+inline void load(int t, const void* base, int64_t stride) {
+  Tile& d = tile(t);
+  const auto* p = static_cast<const uint8_t*>(base);
+  for (int r = 0; r < d.rows; ++r) std::memcpy(d.data[r], p + r * stride, d.colsb);
+  zero_rest(d, d.rows);
+}
+
+inline void store(int t, void* base, int64_t stride) {
+  Tile& d = tile(t);
+  auto* p = static_cast<uint8_t*>(base);
+  for (int r = 0; r < d.rows; ++r) std::memcpy(p + r * stride, d.data[r], d.colsb);
+}
+
+inline void zero(int t) {
+  Tile& d = tile(t);
+  std::memset(d.data, 0, sizeof(d.data));
+}
+
+inline void dpbssd(int c, int a, int b) {
+  Tile& dst = tile(c);
+  const Tile& x = tile(a);
+  const Tile& y = tile(b);
+  if (dst.rows != x.rows || dst.colsb != y.colsb || x.colsb / 4 != y.rows)
+    fault("#UD", "TDPBSSD's tile shapes do not match");
+  for (int m = 0; m < dst.rows; ++m) {
+    for (int n = 0; n < dst.colsb / 4; ++n) {
+      uint32_t acc;
+      std::memcpy(&acc, dst.data[m] + 4 * n, 4);
+      for (int k = 0; k < x.colsb / 4; ++k) {
+        for (int i = 0; i < 4; ++i) {
+          const int32_t p = static_cast<int32_t>(static_cast<int8_t>(x.data[m][4 * k + i])) *
+                            static_cast<int32_t>(static_cast<int8_t>(y.data[k][4 * n + i]));
+          acc += static_cast<uint32_t>(p);  // two's complement: wraps
+        }
+      }
+      std::memcpy(dst.data[m] + 4 * n, &acc, 4);
+    }
+  }
+  zero_rest(dst, dst.rows);
+}
+
+inline void release() { state() = State{}; }
+
+}  // namespace tandem::amx::emulated
+
+#define TANDEM_TILE_LOADCONFIG(cfg) ::tandem::amx::emulated::load_config(cfg)
+#define TANDEM_TILE_LOADD(t, base, stride) ::tandem::amx::emulated::load(t, base, stride)
+#define TANDEM_TILE_STORED(t, base, stride) ::tandem::amx::emulated::store(t, base, stride)
+#define TANDEM_TILE_ZERO(t) ::tandem::amx::emulated::zero(t)
+#define TANDEM_TILE_DPBSSD(c, a, b) ::tandem::amx::emulated::dpbssd(c, a, b)
+#define TANDEM_TILE_RELEASE() ::tandem::amx::emulated::release()
+
+#else
+
+#include <immintrin.h>
+
+#if !(defined(__AMX_TILE__) && defined(__AMX_INT8__))
+#error "amx_tiles.h needs AMX-TILE and AMX-INT8 (or TANDEM_AMX_EMULATE)"
+#endif
+
+// The intrinsics take the tile numbers as constants, hence macros.
+#define TANDEM_TILE_LOADCONFIG(cfg) _tile_loadconfig(cfg)
+#define TANDEM_TILE_LOADD(t, base, stride) _tile_loadd(t, base, stride)
+#define TANDEM_TILE_STORED(t, base, stride) _tile_stored(t, base, stride)
+#define TANDEM_TILE_ZERO(t) _tile_zero(t)
+#define TANDEM_TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
+#define TANDEM_TILE_RELEASE() _tile_release()
+
+#endif

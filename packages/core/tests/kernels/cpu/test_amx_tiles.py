@@ -1,0 +1,105 @@
+"""The AMX tile emulation (``csrc/amx_tiles.h``) against the rules it transcribes from Intel's
+SDM, through the int8 library's emulated build: TDPBSSD's signed products summed into 32-bit
+lanes that wrap, the tile's rows and bytes past its shape zeroed, and the faults (#UD for
+tiles whose shapes do not multiply, #GP for a configuration past palette 1's limits) ending
+the process as the hardware's exceptions would. The int8 kernel's own tests run its AMX path
+on this emulation (``test_int8_gemm.py``); these make sure the emulation is the instruction.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.core.kernels.cpu.int8_gemm import AMX_EMULATION_DEFINE, load_native_int8
+from tandem.core.kernels.cpu.native_build import NATIVE_ISA
+
+_i32, _vp = ctypes.c_int32, ctypes.c_void_p
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    built = load_native_int8(tmp_path_factory.mktemp("amx-emulated"), NATIVE_ISA,
+                             (AMX_EMULATION_DEFINE,))  # fmt: skip
+    if built is None:
+        pytest.skip("no C++ compiler, or TANDEM_INT8=torch")
+    return built.path
+
+
+def dpbssd(
+    path: Path, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, b_rows: int | None = None
+) -> torch.Tensor:
+    """c += a . b on emulated tiles 0, 1, 2 (c int32 [rows, n], a int8 [rows, 4k], b int8
+    [k, 4n]); returns the whole 16 x 64-byte register of c afterwards, as int32 [16, 16]."""
+    fn = ctypes.CDLL(str(path)).tandem_amx_emulated_dpbssd
+    fn.argtypes = [_vp] * 3 + [_i32] * 4 + [_vp]
+    whole = torch.empty(16, 16, dtype=torch.int32)
+    rows, a_colsb, c_colsb = a.shape[0], a.shape[1], c.shape[1] * 4
+    fn(c.data_ptr(), a.data_ptr(), b.data_ptr(), rows, a_colsb, c_colsb,
+       b.shape[0] if b_rows is None else b_rows, whole.data_ptr())  # fmt: skip
+    return whole
+
+
+def reference(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The SDM's DPBD in exact integers, then the 32-bit lane's wrap."""
+    k, n = b.shape[0], b.shape[1] // 4
+    a4 = a.long().view(a.shape[0], k, 4)
+    b4 = b.long().view(k, n, 4)
+    exact = c.long() + torch.einsum("mki,kni->mn", a4, b4)
+    wrapped = (exact + 2**31) % 2**32 - 2**31
+    return wrapped.to(torch.int32)
+
+
+def test_products_are_signed_bytes_summed_in_wrapping_lanes(library: Path) -> None:
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-128, 128, (5, 64), dtype=torch.int8, generator=gen)
+    b = torch.randint(-128, 128, (16, 40), dtype=torch.int8, generator=gen)
+    a[0], b[:, :4] = -128, -128  # (-128)^2 64 times: 2^20, from the most negative bytes
+    c = torch.randint(-(2**31), 2**31 - 1, (5, 10), dtype=torch.int32, generator=gen)
+    c[1] = 2**31 - 1  # past the top: wraps to negative
+    expected = reference(c, a, b)
+    assert (c.long() + (reference(torch.zeros_like(c), a, b)).long()).max() > 2**31 - 1
+    whole = dpbssd(library, c, a, b)
+    assert torch.equal(c, expected)
+    assert torch.equal(whole[:5, :10], expected)
+
+
+def test_rows_and_bytes_past_the_tiles_shape_are_zero(library: Path) -> None:
+    """After a load and a TDPBSSD the register reads zero past the tile's rows and bytes."""
+    a = torch.ones(3, 8, dtype=torch.int8)
+    b = torch.ones(2, 12, dtype=torch.int8)
+    c = torch.zeros(3, 3, dtype=torch.int32)
+    whole = dpbssd(library, c, a, b)
+    assert torch.equal(whole[:3, :3], torch.full((3, 3), 8, dtype=torch.int32))
+    assert int(whole[:3, 3:].abs().sum()) == 0 and int(whole[3:].abs().sum()) == 0
+
+
+def _run_fault(library: Path, rows: int, b_rows: int) -> subprocess.CompletedProcess[str]:
+    script = (
+        "import ctypes, sys\n"
+        "fn = ctypes.CDLL(sys.argv[1]).tandem_amx_emulated_dpbssd\n"
+        "fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int32] * 4 + [ctypes.c_void_p]\n"
+        "buf = ctypes.create_string_buffer(8192)\n"
+        "p = ctypes.addressof(buf)\n"
+        f"fn(p, p, p, {rows}, 64, 64, {b_rows}, p)\n"
+        "print('returned')\n"
+    )
+    return subprocess.run([sys.executable, "-c", script, str(library)], capture_output=True,
+                          text=True, timeout=60, check=False)  # fmt: skip
+
+
+def test_tiles_whose_shapes_do_not_multiply_are_an_invalid_opcode(library: Path) -> None:
+    done = _run_fault(library, rows=4, b_rows=15)  # a has 64 / 4 = 16 k groups
+    assert done.returncode != 0 and "returned" not in done.stdout
+    assert "emulated AMX: #UD: TDPBSSD's tile shapes do not match" in done.stderr
+
+
+def test_a_configuration_past_16_rows_is_a_general_protection_fault(library: Path) -> None:
+    done = _run_fault(library, rows=17, b_rows=16)
+    assert done.returncode != 0 and "returned" not in done.stdout
+    assert "emulated AMX: #GP: a tile larger than 16 x 64 bytes" in done.stderr
