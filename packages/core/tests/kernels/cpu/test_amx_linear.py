@@ -1,15 +1,26 @@
 """The AMX kernel reads oneDNN's packed bfloat16 weights and gives oneDNN's products at decode
 batch sizes; it adopts only weights it was checked on, and packed layers route through it
-only where it applies (bfloat16, at most MAX_ROWS rows, no bias)."""
+only where it applies (bfloat16, at most MAX_ROWS rows, no bias). On AMX CPUs only, except
+its test build on emulated tiles, which every CPU runs on weights laid out as oneDNN lays
+them out for AMX (the last tests; on AMX CPUs one checks that layout against oneDNN's)."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tandem.collectives import SingleRankGroup
-from tandem.core.kernels.cpu.amx_linear import MAX_ROWS, AmxLinear, amx_linear
+from tandem.core.kernels.cpu.amx_linear import (
+    MAX_ROWS,
+    AmxLinear,
+    amx_linear,
+    load_amx_linear,
+    pack_amx_layout,
+)
+from tandem.core.kernels.cpu.native_linear import AdoptedWeight
 from tandem.core.kernels.cpu.packed_linear import pack_linear_weights, packing_enabled
 from tandem.core.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -124,3 +135,59 @@ def test_float32_layers_are_not_adopted_by_the_amx_kernel() -> None:
     assert pack_linear_weights(layer, CPU, torch.float32) == 1
     assert layer.packed is not None
     assert layer.native is None or not isinstance(layer.native.kernel, AmxLinear)
+
+
+# --- The kernel on emulated tiles (csrc/amx_tiles.h): every CPU runs its walk of the layout.
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory: pytest.TempPathFactory) -> AmxLinear:
+    kernel = load_amx_linear(tmp_path_factory.mktemp("amx-emulated"), emulated=True)
+    if kernel is None:
+        pytest.skip("no C++ compiler")
+    assert kernel.emulated
+    return kernel
+
+
+def _laid_out(kernel: AmxLinear, weight: torch.Tensor) -> AdoptedWeight:
+    """``weight`` in the layout the source documents, as the kernel would adopt it."""
+    packed = pack_amx_layout(weight)
+    assert packed.data_ptr() % 64 == 0
+    return AdoptedWeight(kernel, packed, weight.shape[0], weight.shape[1], packed.data_ptr())
+
+
+@pytest.mark.parametrize("shape", [(32, 32), (96, 160), (256, 512)])
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 48, 64])
+def test_the_emulated_kernel_computes_the_product(
+    emulated: AmxLinear, shape: tuple[int, int], rows: int
+) -> None:
+    """Every pass (two x tiles, then one) and partial-tile store, on one to four tiles of
+    rows. Bound: as for oneDNN's kernel above, one bfloat16 rounding of each output (2^-8
+    relative to the largest) plus float32 sums of at most 512 exact products in another order,
+    far below it."""
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    got = _laid_out(emulated, weight).matmul(x)
+    exact = x.float() @ weight.float().T
+    assert got.dtype is torch.bfloat16 and got.shape == (rows, out_features)
+    assert (got.float() - exact).abs().max().item() <= 8e-3 * exact.abs().max().item()
+
+
+def test_the_emulated_kernel_reads_strided_rows(emulated: AmxLinear) -> None:
+    weight = (torch.randn(64, 96) * 0.05).bfloat16()
+    x = torch.randn(20, 200).bfloat16()[:, 50:146]  # rows 200 elements apart
+    exact = x.float() @ weight.float().T
+    got = _laid_out(emulated, weight).matmul(x)
+    assert (got.float() - exact).abs().max().item() <= 8e-3 * exact.abs().max().item()
+
+
+def test_the_documented_layout_is_onednns() -> None:
+    """Where oneDNN packs for AMX, its buffer holds the bytes ``pack_amx_layout`` writes: the
+    emulated kernel's tests then cover the layout the real kernel reads."""
+    kernel = _kernel()
+    weight, packed = _packed(96, 160, seed=4)
+    assert kernel.adopt(packed, 96, 160) is not None
+    raw = ctypes.string_at(int(torch.ops.mkldnn.data_ptr(packed)), 96 * 160 * 2)
+    assert raw == pack_amx_layout(weight).numpy().tobytes()

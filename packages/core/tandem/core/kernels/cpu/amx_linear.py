@@ -9,7 +9,9 @@ layout; each weight is adopted only after the kernel's product with it matched o
 probe batch (``native_linear.PackedWeightKernel.adopt``).
 
 Only where the CPU has AMX-BF16 and Linux grants the tile state; ``TANDEM_GEMM=onednn``
-keeps oneDNN at every batch size (said once in the log).
+keeps oneDNN at every batch size (said once in the log). A test build
+(``AMX_EMULATION_DEFINE``) runs the kernel on tiles emulated as Intel documents them, on any
+CPU, for weights laid out as the source says (``pack_amx_layout``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ _REQUIRED_FLAGS = frozenset({"amx_bf16", "amx_tile", "avx512_bf16"})
 # Rows of the probe batch: two full tiles and a partial third, so both passes of the kernel
 # and its partial-row stores are checked against oneDNN.
 _PROBE_ROWS = 37
+# The define of the test build whose tiles are emulated (csrc/amx_tiles.h).
+AMX_EMULATION_DEFINE = "TANDEM_AMX_EMULATE"
 
 
 class AmxLinear(PackedWeightKernel):
@@ -48,6 +52,7 @@ class AmxLinear(PackedWeightKernel):
             raise OSError("the compiler did not target AMX-BF16 for this CPU")
         if int(lib.tandem_amx_request()) != 0:
             raise OSError("Linux did not grant the AMX tile state (arch_prctl)")
+        self.emulated = int(lib.tandem_amx_emulated()) == 1
         self.bind(lib.tandem_amx_linear)
 
     def readable(self, out_features: int, in_features: int) -> bool:
@@ -58,10 +63,24 @@ class AmxLinear(PackedWeightKernel):
         return out_features * in_features * 2
 
 
-def load_amx_linear(build_dir: Path | None = None, isa: IsaLevel | None = None) -> AmxLinear | None:
+def pack_amx_layout(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` bfloat16 [N, K] (multiples of 32) in the layout the kernel reads, the one
+    oneDNN packs for AMX: [N / 32][K / 32][16 k-pairs][32 n][2 k]."""
+    n, k = weight.shape
+    blocks = weight.reshape(n // 32, 32, k // 32, 16, 2)  # [N/32][32 n][K/32][16][2]
+    return blocks.permute(0, 2, 3, 1, 4).contiguous()
+
+
+def load_amx_linear(
+    build_dir: Path | None = None, isa: IsaLevel | None = None, emulated: bool = False
+) -> AmxLinear | None:
     """Build (if needed) and load the kernel; None where this CPU or process cannot run it
-    (the reason logged)."""
-    lib = load_kernel_library("AMX", SOURCE, _REQUIRED_FLAGS, build_dir, isa)
+    (the reason logged). ``emulated``: the test build on emulated tiles, on any CPU."""
+    if emulated:
+        lib = load_kernel_library("AMX (emulated)", SOURCE, frozenset(), build_dir, isa,
+                                  (AMX_EMULATION_DEFINE,))  # fmt: skip
+    else:
+        lib = load_kernel_library("AMX", SOURCE, _REQUIRED_FLAGS, build_dir, isa)
     if lib is None:
         return None
     try:

@@ -16,6 +16,7 @@ import ctypes
 import logging
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,10 +50,12 @@ def load_kernel_library(
     required_flags: frozenset[str],
     build_dir: Path | None = None,
     isa: IsaLevel | None = None,
+    defines: Sequence[str] = (),
 ) -> ctypes.CDLL | None:
     """Build (if needed) and load the library of a linear kernel; None where this CPU or
     process cannot have it, the reason logged. ``TANDEM_GEMM=onednn`` (the A side of an A/B)
-    keeps oneDNN at every batch size."""
+    keeps oneDNN at every batch size. ``defines``: preprocessor names of a test build, which
+    its cache name tells apart."""
     if os.environ.get("TANDEM_GEMM", "").lower() == "onednn":
         logger.info("TANDEM_GEMM=onednn: no %s linear kernel, oneDNN at every batch size", what)
         return None
@@ -66,9 +69,10 @@ def load_kernel_library(
             " ".join(sorted(missing)),
         )
         return None
+    flags = (*LINEAR_FLAGS, *(f"-D{name}" for name in defines))
     try:
         return ctypes.CDLL(
-            str(build_library(source, f"tandem_{source.stem}", LINEAR_FLAGS, build_dir, isa))
+            str(build_library(source, f"tandem_{source.stem}", flags, build_dir, isa))
         )
     except (KernelBuildError, OSError) as exc:
         log_unbuilt(logger, exc, "no %s linear kernel (%s); its layers use oneDNN", what, exc)

@@ -18,39 +18,33 @@
 // oneDNN's), the result rounded to nearest-even bfloat16 as oneDNN rounds it.
 //
 // Plain C entry points; pointers with row strides (elements).
-
-#include <immintrin.h>
+//
+// TANDEM_AMX_EMULATE (a test-only define) builds the kernel on tiles emulated in software as
+// Intel documents the instructions (amx_tiles.h), and its x packing and bfloat16 stores in
+// plain C++, so any CPU runs and checks the kernel's walk of the layout.
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#if (defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)) || \
+    defined(TANDEM_AMX_EMULATE)
+
+#include "amx_tiles.h"
+#include "vec_math.h"
 
 namespace {
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 // Every tile 16 rows of 64 bytes: A (x) 16 rows x 32 bf16, B (weight) 16 k-pairs x 16 n x 2,
 // C 16 x 16 float32. Short M tiles are zero-padded in the packed x instead of reconfigured.
 inline void configure_tiles() {
-  TileConfig cfg{};
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
+  const tandem::amx::TileConfig cfg = tandem::amx::uniform_config(8, 16, 64);
+  TANDEM_TILE_LOADCONFIG(&cfg);
 }
 
 constexpr int64_t kBlock = 1024;     // elements of one packed 32 x 32 block
@@ -60,9 +54,34 @@ constexpr int64_t kBStride = 128;    // bytes between the rows of a B tile withi
 // rows [0, valid) of a 16 x 16 float32 tile, rounded to bfloat16, into out (row stride ldo).
 inline void store_rows(uint16_t* out, int64_t ldo, const float* c, int64_t valid) {
   for (int64_t m = 0; m < valid; ++m) {
+#if defined(TANDEM_AMX_EMULATE)
+    // VCVTNEPS2BF16's rounding: nearest even, denormal inputs read as zero.
+    for (int n = 0; n < 16; ++n) {
+      uint32_t bits;
+      std::memcpy(&bits, c + m * 16 + n, 4);
+      if ((bits & 0x7f800000u) == 0) bits &= 0x80000000u;
+      float v;
+      std::memcpy(&v, &bits, 4);
+      out[m * ldo + n] = tandem::float_to_bf16(v);
+    }
+#else
     const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(c + m * 16));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * ldo), reinterpret_cast<const __m256i&>(b));
+#endif
   }
+}
+
+// One 32-element row of x (64 bytes) into the packed x, or zeros where row is null.
+inline void pack_row(uint16_t* dst, const uint16_t* row) {
+#if defined(TANDEM_AMX_EMULATE)
+  if (row != nullptr) {
+    std::memcpy(dst, row, 64);
+  } else {
+    std::memset(dst, 0, 64);
+  }
+#else
+  _mm512_store_si512(dst, row != nullptr ? _mm512_loadu_si512(row) : _mm512_setzero_si512());
+#endif
 }
 
 // Two x tiles against one 32-column unit over all of K: C0..C3. `fetch`: the first pass
@@ -70,10 +89,10 @@ inline void store_rows(uint16_t* out, int64_t ldo, const float* c, int64_t valid
 // find it in L2).
 inline void pass_2x2(const uint16_t* xp, int64_t x_step, const uint16_t* w, int64_t steps,
                      uint16_t* out, int64_t ldo, int64_t rows_hi, bool fetch) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  TANDEM_TILE_ZERO(0);
+  TANDEM_TILE_ZERO(1);
+  TANDEM_TILE_ZERO(2);
+  TANDEM_TILE_ZERO(3);
   for (int64_t s = 0; s < steps; ++s) {
     const uint16_t* b = w + s * kBlock;
     if (fetch) {
@@ -81,47 +100,47 @@ inline void pass_2x2(const uint16_t* xp, int64_t x_step, const uint16_t* w, int6
       for (int line = 0; line < 2 * kBlock; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     }
     const uint16_t* a = xp + s * x_step;
-    _tile_loadd(6, b, kBStride);
-    _tile_loadd(7, b + 32, kBStride);
-    _tile_loadd(4, a, 64);
-    _tile_loadd(5, a + kTile, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    TANDEM_TILE_LOADD(6, b, kBStride);
+    TANDEM_TILE_LOADD(7, b + 32, kBStride);
+    TANDEM_TILE_LOADD(4, a, 64);
+    TANDEM_TILE_LOADD(5, a + kTile, 64);
+    TANDEM_TILE_DPBF16PS(0, 4, 6);
+    TANDEM_TILE_DPBF16PS(1, 4, 7);
+    TANDEM_TILE_DPBF16PS(2, 5, 6);
+    TANDEM_TILE_DPBF16PS(3, 5, 7);
   }
   alignas(64) float c[256];
-  _tile_stored(0, c, 64);
+  TANDEM_TILE_STORED(0, c, 64);
   store_rows(out, ldo, c, 16);
-  _tile_stored(1, c, 64);
+  TANDEM_TILE_STORED(1, c, 64);
   store_rows(out + 16, ldo, c, 16);
-  _tile_stored(2, c, 64);
+  TANDEM_TILE_STORED(2, c, 64);
   store_rows(out + 16 * ldo, ldo, c, rows_hi);
-  _tile_stored(3, c, 64);
+  TANDEM_TILE_STORED(3, c, 64);
   store_rows(out + 16 * ldo + 16, ldo, c, rows_hi);
 }
 
 // One x tile against one unit: C0, C1; `fetch` as for pass_2x2.
 inline void pass_1x2(const uint16_t* xp, int64_t x_step, const uint16_t* w, int64_t steps,
                      uint16_t* out, int64_t ldo, int64_t rows, bool fetch) {
-  _tile_zero(0);
-  _tile_zero(1);
+  TANDEM_TILE_ZERO(0);
+  TANDEM_TILE_ZERO(1);
   for (int64_t s = 0; s < steps; ++s) {
     const uint16_t* b = w + s * kBlock;
     if (fetch) {
       const char* ahead = reinterpret_cast<const char*>(b + kBlock);
       for (int line = 0; line < 2 * kBlock; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     }
-    _tile_loadd(6, b, kBStride);
-    _tile_loadd(7, b + 32, kBStride);
-    _tile_loadd(4, xp + s * x_step, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
+    TANDEM_TILE_LOADD(6, b, kBStride);
+    TANDEM_TILE_LOADD(7, b + 32, kBStride);
+    TANDEM_TILE_LOADD(4, xp + s * x_step, 64);
+    TANDEM_TILE_DPBF16PS(0, 4, 6);
+    TANDEM_TILE_DPBF16PS(1, 4, 7);
   }
   alignas(64) float c[256];
-  _tile_stored(0, c, 64);
+  TANDEM_TILE_STORED(0, c, 64);
   store_rows(out, ldo, c, rows);
-  _tile_stored(1, c, 64);
+  TANDEM_TILE_STORED(1, c, 64);
   store_rows(out + 16, ldo, c, rows);
 }
 
@@ -132,10 +151,22 @@ extern "C" {
 // Asks Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
 // 0 when granted. Without it the first tile instruction kills the process.
 int tandem_amx_request() {
+#if defined(TANDEM_AMX_EMULATE)
+  return 0;  // no tile state to ask for
+#else
   return static_cast<int>(syscall(SYS_arch_prctl, 0x1023, 18)) == 0 ? 0 : 1;
+#endif
 }
 
 int tandem_amx_built() { return 1; }
+
+int tandem_amx_emulated() {
+#if defined(TANDEM_AMX_EMULATE)
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 // out[m, n] (row stride ldo) = sum_k x[m, k] (row stride ldx) w[n, k], w packed as above.
 // Returns 0, or 1 for shapes this kernel does not take (M outside 1..64, N or K not a
@@ -161,13 +192,9 @@ int tandem_amx_linear(void* out, const void* x, const void* w, int64_t M, int64_
   {
 #pragma omp for
     for (int64_t s = 0; s < steps; ++s) {
-      for (int64_t m = 0; m < M; ++m) {
-        _mm512_store_si512(xp + s * x_step + (m / 16) * kTile + (m % 16) * 32,
-                           _mm512_loadu_si512(xs + m * ldx + s * 32));
-      }
-      for (int64_t m = M; m < x_tiles * 16; ++m) {
-        _mm512_store_si512(xp + s * x_step + (m / 16) * kTile + (m % 16) * 32,
-                           _mm512_setzero_si512());
+      for (int64_t m = 0; m < x_tiles * 16; ++m) {
+        pack_row(xp + s * x_step + (m / 16) * kTile + (m % 16) * 32,
+                 m < M ? xs + m * ldx + s * 32 : nullptr);
       }
     }
     configure_tiles();
@@ -188,7 +215,7 @@ int tandem_amx_linear(void* out, const void* x, const void* w, int64_t M, int64_
                  std::min<int64_t>(16, M - t * 16), t == 0);
       }
     }
-    _tile_release();
+    TANDEM_TILE_RELEASE();
   }
   return 0;
 }
@@ -200,6 +227,7 @@ int tandem_amx_linear(void* out, const void* x, const void* w, int64_t M, int64_
 extern "C" {
 int tandem_amx_request() { return 1; }
 int tandem_amx_built() { return 0; }
+int tandem_amx_emulated() { return 0; }
 int tandem_amx_linear(void*, const void*, const void*, int64_t, int64_t, int64_t, int64_t,
                       int64_t, int32_t) {
   return 1;

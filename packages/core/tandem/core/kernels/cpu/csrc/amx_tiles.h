@@ -1,9 +1,10 @@
-// The AMX tile operations the int8 kernel uses (LDTILECFG, TILELOADD, TILESTORED, TILEZERO,
-// TDPBSSD, TILERELEASE), as the hardware's instructions or, where a test build defines
-// TANDEM_AMX_EMULATE, as software that follows Intel's documented semantics.
+// The AMX tile operations the int8 and bfloat16 kernels use (LDTILECFG, TILELOADD,
+// TILESTORED, TILEZERO, TDPBSSD, TDPBF16PS, TILERELEASE), as the hardware's instructions or,
+// where a test build defines TANDEM_AMX_EMULATE, as software that follows Intel's documented
+// semantics.
 //
-// Why an emulation: AMX-INT8 exists only on Intel Xeon (Sapphire Rapids on), and the kernel
-// that uses it must not reach users untested. The emulated build runs the kernel's own code
+// Why an emulation: AMX exists only on Intel Xeon (Sapphire Rapids on), and the kernels
+// that use it must not reach users untested. The emulated build runs the kernel's own code
 // (tile shapes, strides, layouts, row blocks, the epilogue) on any CPU, so a wrong stride or
 // a tile read past its rows fails a test here. What it cannot check is the hardware itself.
 //
@@ -21,6 +22,13 @@
 //   c.dword[m][n] += sum_i sx(a.byte[m][4k + i]) * sx(b.byte[k][4n + i]), i < 4, each
 //   addition in 32-bit two's complement (it wraps). #UD unless c.rows == a.rows,
 //   c.colsb == b.colsb and a.colsb / 4 == b.rows (and the tiles are configured).
+// - TDPBF16PS(c, a, b): the same shapes and checks, on pairs of bfloat16. Per row m, two
+//   float32 sums per column n start at zero: over k in order, even += fp32(a.bf16[m][2k]) *
+//   fp32(b.bf16[k][2n]) and odd += the same of elements 2k + 1 and 2n + 1 (fused
+//   multiply-adds); then c.fp32[m][n] += (even + odd). Every operation rounds to nearest
+//   even with denormal inputs read as zero and denormal results written as zero (DAZ, FTZ:
+//   the instruction ignores MXCSR). Products of two bfloat16 are exact in float32, so each
+//   fused multiply-add rounds only its sum.
 // - TILERELEASE returns the tiles to INIT.
 // A fault here prints what the hardware would have raised and aborts, as the instruction's
 // exception would end the process.
@@ -153,12 +161,15 @@ inline void zero(int t) {
   std::memset(d.data, 0, sizeof(d.data));
 }
 
+inline void check_shapes(const Tile& dst, const Tile& x, const Tile& y, const char* what) {
+  if (dst.rows != x.rows || dst.colsb != y.colsb || x.colsb / 4 != y.rows) fault("#UD", what);
+}
+
 inline void dpbssd(int c, int a, int b) {
   Tile& dst = tile(c);
   const Tile& x = tile(a);
   const Tile& y = tile(b);
-  if (dst.rows != x.rows || dst.colsb != y.colsb || x.colsb / 4 != y.rows)
-    fault("#UD", "TDPBSSD's tile shapes do not match");
+  check_shapes(dst, x, y, "TDPBSSD's tile shapes do not match");
   for (int m = 0; m < dst.rows; ++m) {
     for (int n = 0; n < dst.colsb / 4; ++n) {
       uint32_t acc;
@@ -176,6 +187,45 @@ inline void dpbssd(int c, int a, int b) {
   zero_rest(dst, dst.rows);
 }
 
+// A float32 whose denormals (and a bfloat16 widened to one) read as signed zero.
+inline float flushed(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  if ((bits & 0x7f800000u) == 0) bits &= 0x80000000u;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
+inline float bf16_at(const uint8_t* row, int i) {
+  uint16_t h;
+  std::memcpy(&h, row + 2 * i, 2);
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return flushed(v);
+}
+
+inline void dpbf16ps(int c, int a, int b) {
+  Tile& dst = tile(c);
+  const Tile& x = tile(a);
+  const Tile& y = tile(b);
+  check_shapes(dst, x, y, "TDPBF16PS's tile shapes do not match");
+  for (int m = 0; m < dst.rows; ++m) {
+    for (int n = 0; n < dst.colsb / 4; ++n) {
+      float even = 0.0f, odd = 0.0f;
+      for (int k = 0; k < x.colsb / 4; ++k) {
+        even = flushed(even + bf16_at(x.data[m], 2 * k) * bf16_at(y.data[k], 2 * n));
+        odd = flushed(odd + bf16_at(x.data[m], 2 * k + 1) * bf16_at(y.data[k], 2 * n + 1));
+      }
+      float acc;
+      std::memcpy(&acc, dst.data[m] + 4 * n, 4);
+      acc = flushed(flushed(acc) + flushed(even + odd));
+      std::memcpy(dst.data[m] + 4 * n, &acc, 4);
+    }
+  }
+  zero_rest(dst, dst.rows);
+}
+
 inline void release() { state() = State{}; }
 
 }  // namespace tandem::amx::emulated
@@ -185,22 +235,29 @@ inline void release() { state() = State{}; }
 #define TANDEM_TILE_STORED(t, base, stride) ::tandem::amx::emulated::store(t, base, stride)
 #define TANDEM_TILE_ZERO(t) ::tandem::amx::emulated::zero(t)
 #define TANDEM_TILE_DPBSSD(c, a, b) ::tandem::amx::emulated::dpbssd(c, a, b)
+#define TANDEM_TILE_DPBF16PS(c, a, b) ::tandem::amx::emulated::dpbf16ps(c, a, b)
 #define TANDEM_TILE_RELEASE() ::tandem::amx::emulated::release()
 
 #else
 
 #include <immintrin.h>
 
-#if !(defined(__AMX_TILE__) && defined(__AMX_INT8__))
-#error "amx_tiles.h needs AMX-TILE and AMX-INT8 (or TANDEM_AMX_EMULATE)"
+#if !defined(__AMX_TILE__)
+#error "amx_tiles.h needs AMX-TILE (or TANDEM_AMX_EMULATE)"
 #endif
 
-// The intrinsics take the tile numbers as constants, hence macros.
+// The intrinsics take the tile numbers as constants, hence macros; each dot product only
+// where the build targets its extension (a kernel naming one it lacks fails to compile).
 #define TANDEM_TILE_LOADCONFIG(cfg) _tile_loadconfig(cfg)
 #define TANDEM_TILE_LOADD(t, base, stride) _tile_loadd(t, base, stride)
 #define TANDEM_TILE_STORED(t, base, stride) _tile_stored(t, base, stride)
 #define TANDEM_TILE_ZERO(t) _tile_zero(t)
-#define TANDEM_TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
 #define TANDEM_TILE_RELEASE() _tile_release()
+#if defined(__AMX_INT8__)
+#define TANDEM_TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
+#endif
+#if defined(__AMX_BF16__)
+#define TANDEM_TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
+#endif
 
 #endif
