@@ -1,6 +1,7 @@
 """The AMX tile emulation (``csrc/amx_tiles.h``) against the rules it transcribes from Intel's
-SDM, through the int8 library's emulated build: TDPBSSD's signed products summed into 32-bit
-lanes that wrap, the tile's rows and bytes past its shape zeroed, and the faults (#UD for
+SDM, through the int8 and bfloat16 libraries' emulated builds: TDPBSSD's signed products
+summed into 32-bit lanes that wrap; TDPBF16PS's even and odd sums, denormals read as zero and
+flushed; the tile's rows and bytes past its shape zeroed, and the faults (#UD for
 tiles whose shapes do not multiply, #GP for a configuration past palette 1's limits) ending
 the process as the hardware's exceptions would. The int8 kernel's own tests run its AMX path
 on this emulation (``test_int8_gemm.py``); these make sure the emulation is the instruction.
@@ -16,8 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandem.core.kernels.cpu import amx_linear
 from tandem.core.kernels.cpu.int8_gemm import AMX_EMULATION_DEFINE, load_native_int8
 from tandem.core.kernels.cpu.native_build import NATIVE_ISA
+from tandem.core.kernels.cpu.native_linear import load_kernel_library
 
 _i32, _vp = ctypes.c_int32, ctypes.c_void_p
 
@@ -103,3 +106,61 @@ def test_a_configuration_past_16_rows_is_a_general_protection_fault(library: Pat
     done = _run_fault(library, rows=17, b_rows=16)
     assert done.returncode != 0 and "returned" not in done.stdout
     assert "emulated AMX: #GP: a tile larger than 16 x 64 bytes" in done.stderr
+
+
+# --- TDPBF16PS, through the AMX bfloat16 kernel's emulated build.
+
+
+@pytest.fixture(scope="module")
+def bf16_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    lib = load_kernel_library("AMX (emulated)", amx_linear.SOURCE, frozenset(),
+                              tmp_path_factory.mktemp("amx-bf16-emulated"), None,
+                              (amx_linear.AMX_EMULATION_DEFINE,))  # fmt: skip
+    if lib is None:
+        pytest.skip("no C++ compiler")
+    assert lib.tandem_amx_emulated() == 1
+    return lib
+
+
+def dpbf16ps(lib: ctypes.CDLL, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """c (float32 [rows, n]) += a (bfloat16 [rows, 2k]) . b (bfloat16 [k, 2n]), in place."""
+    fn = lib.tandem_amx_emulated_dpbf16ps
+    fn.argtypes = [_vp] * 3 + [_i32] * 4
+    fn(c.data_ptr(), a.data_ptr(), b.data_ptr(), a.shape[0], a.shape[1] * 2, c.shape[1] * 4,
+       b.shape[0])  # fmt: skip
+
+
+def test_even_and_odd_pairs_sum_apart_then_once_into_the_accumulator(
+    bf16_library: ctypes.CDLL,
+) -> None:
+    """The SDM's order: per column, the even elements' products in one float32 sum and the
+    odd ones' in another, over k, then their sum added to c. Even: 2^24 + 1 rounds back to
+    2^24 (a tie, to even); odd: 1 + 1 = 2; c = 2^24 + 2. Pair by pair in one sum (2^24, +1,
+    +1, +1) every 1 would round away: 2^24."""
+    a = torch.tensor([[2.0**12, 1.0, 1.0, 1.0]]).bfloat16()  # k pairs (2^12, 1), (1, 1)
+    b = torch.tensor([[2.0**12, 1.0], [1.0, 1.0]]).bfloat16()  # one column, pairs per k
+    c = torch.zeros(1, 1)
+    dpbf16ps(bf16_library, c, a, b)
+    assert c.item() == 2.0**24 + 2
+
+
+def test_denormal_inputs_read_as_zero_and_denormal_sums_are_flushed(
+    bf16_library: ctypes.CDLL,
+) -> None:
+    tiny = torch.tensor([2.0**-130]).bfloat16()  # a bfloat16 denormal (below 2^-126)
+    assert tiny.item() != 0.0
+    a = torch.cat([tiny, torch.tensor([2.0**-70]).bfloat16()]).reshape(1, 2)
+    b = torch.tensor([[2.0**100, 2.0**-70]]).bfloat16()
+    c = torch.zeros(1, 1)
+    # Even: a denormal times 2^100 (2^-30 if it were read) is zero; odd: 2^-140, denormal.
+    dpbf16ps(bf16_library, c, a, b)
+    assert c.item() == 0.0
+
+
+def test_a_denormal_sum_of_normal_products_is_flushed(bf16_library: ctypes.CDLL) -> None:
+    """Even 1.5 x 2^-126 and odd -2^-126, each normal; their sum 2^-127 is denormal: 0."""
+    a = torch.tensor([[1.5 * 2.0**-63, -(2.0**-63)]]).bfloat16()
+    b = torch.tensor([[2.0**-63, 2.0**-63]]).bfloat16()
+    c = torch.zeros(1, 1)
+    dpbf16ps(bf16_library, c, a, b)
+    assert c.item() == 0.0
