@@ -169,26 +169,12 @@ int tandem_amx_emulated() {
 }
 
 #if defined(TANDEM_AMX_EMULATE)
-// One TDPBF16PS of the emulation, for testing the emulation itself: tiles 0 (c: `rows` x
-// `c_colsb` bytes of float32), 1 (a: `rows` x `a_colsb` bytes of bfloat16 pairs) and 2 (b:
-// `b_rows` x `c_colsb`), each loaded from rows packed back to back, c += a . b, c stored.
+// One TDPBF16PS of the emulation (float32 c += bfloat16 pairs a . b; amx_tiles.h's
+// probe), for its tests.
 int tandem_amx_emulated_dpbf16ps(float* c, const uint16_t* a, const uint16_t* b, int32_t rows,
                                  int32_t a_colsb, int32_t c_colsb, int32_t b_rows) {
-  tandem::amx::TileConfig cfg{};
-  cfg.palette_id = 1;
-  cfg.rows[0] = static_cast<uint8_t>(rows);
-  cfg.colsb[0] = static_cast<uint16_t>(c_colsb);
-  cfg.rows[1] = static_cast<uint8_t>(rows);
-  cfg.colsb[1] = static_cast<uint16_t>(a_colsb);
-  cfg.rows[2] = static_cast<uint8_t>(b_rows);
-  cfg.colsb[2] = static_cast<uint16_t>(c_colsb);
-  TANDEM_TILE_LOADCONFIG(&cfg);
-  TANDEM_TILE_LOADD(0, c, c_colsb);
-  TANDEM_TILE_LOADD(1, a, a_colsb);
-  TANDEM_TILE_LOADD(2, b, c_colsb);
-  TANDEM_TILE_DPBF16PS(0, 1, 2);
-  TANDEM_TILE_STORED(0, c, c_colsb);
-  TANDEM_TILE_RELEASE();
+  tandem::amx::emulated::probe(tandem::amx::emulated::dpbf16ps, c, a, b, rows, a_colsb,
+                               c_colsb, b_rows, nullptr);
   return 0;
 }
 #endif

@@ -228,6 +228,30 @@ inline void dpbf16ps(int c, int a, int b) {
 
 inline void release() { state() = State{}; }
 
+// One dot-product instruction `dp` on tiles 0 (c: `rows` x `c_colsb`), 1 (a: `rows` x
+// `a_colsb`) and 2 (b: `b_rows` x `c_colsb`), each loaded from rows packed back to back, c
+// stored back; `whole` (if not null) receives all 16 x 64 bytes of tile 0 afterwards, the
+// rows and columns past its shape included. What the emulation's own tests call.
+inline void probe(void (*dp)(int, int, int), void* c, const void* a, const void* b, int rows,
+                  int a_colsb, int c_colsb, int b_rows, void* whole) {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  cfg.rows[0] = static_cast<uint8_t>(rows);
+  cfg.colsb[0] = static_cast<uint16_t>(c_colsb);
+  cfg.rows[1] = static_cast<uint8_t>(rows);
+  cfg.colsb[1] = static_cast<uint16_t>(a_colsb);
+  cfg.rows[2] = static_cast<uint8_t>(b_rows);
+  cfg.colsb[2] = static_cast<uint16_t>(c_colsb);
+  load_config(&cfg);
+  load(0, c, c_colsb);
+  load(1, a, a_colsb);
+  load(2, b, c_colsb);
+  dp(0, 1, 2);
+  store(0, c, c_colsb);
+  if (whole != nullptr) std::memcpy(whole, state().tiles[0].data, sizeof(Tile::data));
+  release();
+}
+
 }  // namespace tandem::amx::emulated
 
 #define TANDEM_TILE_LOADCONFIG(cfg) ::tandem::amx::emulated::load_config(cfg)

@@ -551,29 +551,11 @@ int tandem_int8_amx_emulated() {
 }
 
 #if defined(TANDEM_AMX_EMULATE)
-// One TDPBSSD of the emulation, for testing the emulation itself: tiles 0 (c: `rows` x
-// `c_colsb`), 1 (a: `rows` x `a_colsb`) and 2 (b: `b_rows` x `c_colsb`), each loaded from
-// rows packed back to back, c += a . b, c stored back; `whole` receives all 16 x 64 bytes of
-// tile 0 afterwards, the rows and columns past its shape included.
+// One TDPBSSD of the emulation (int8 c += a . b; amx_tiles.h's probe), for its tests.
 int tandem_amx_emulated_dpbssd(int32_t* c, const int8_t* a, const int8_t* b, int32_t rows,
                                int32_t a_colsb, int32_t c_colsb, int32_t b_rows, uint8_t* whole) {
-  tandem::amx::TileConfig cfg{};
-  cfg.palette_id = 1;
-  cfg.rows[0] = static_cast<uint8_t>(rows);
-  cfg.colsb[0] = static_cast<uint16_t>(c_colsb);
-  cfg.rows[1] = static_cast<uint8_t>(rows);
-  cfg.colsb[1] = static_cast<uint16_t>(a_colsb);
-  cfg.rows[2] = static_cast<uint8_t>(b_rows);
-  cfg.colsb[2] = static_cast<uint16_t>(c_colsb);
-  TANDEM_TILE_LOADCONFIG(&cfg);
-  TANDEM_TILE_LOADD(0, c, c_colsb);
-  TANDEM_TILE_LOADD(1, a, a_colsb);
-  TANDEM_TILE_LOADD(2, b, c_colsb);
-  TANDEM_TILE_DPBSSD(0, 1, 2);
-  TANDEM_TILE_STORED(0, c, c_colsb);
-  const auto& data = tandem::amx::emulated::state().tiles[0].data;
-  std::memcpy(whole, data, sizeof(data));
-  TANDEM_TILE_RELEASE();
+  tandem::amx::emulated::probe(tandem::amx::emulated::dpbssd, c, a, b, rows, a_colsb, c_colsb,
+                               b_rows, whole);
   return 0;
 }
 #endif
