@@ -280,12 +280,11 @@ constexpr int kRowBlock = 2;
 constexpr int kRowBlock = 32;
 constexpr int64_t kTileK = 64;
 
-// The tiles are configured for each block and released after it: oneDNN's AMX kernels run
-// on these threads too, with configurations of their own.
+// The tiles of a thread, configured when a parallel region of the GEMM starts and released
+// when it ends (TileScope): oneDNN's AMX kernels run on these threads too, with
+// configurations of their own, but never inside our regions.
 template <bool TwoRowTiles>
 void amx_block(const Gemm& g, int64_t r0, int64_t p, int32_t* tile) {
-  const tandem::amx::TileConfig cfg = tandem::amx::uniform_config(8, 16, 64);
-  TANDEM_TILE_LOADCONFIG(&cfg);
   const int64_t steps = g.kp / kTileK;
   const int8_t* w = g.packed + p * (g.kp / kGroup) * kPanel * kGroup;
   const int8_t* a = g.a + r0 * g.kp;
@@ -316,7 +315,6 @@ void amx_block(const Gemm& g, int64_t r0, int64_t p, int32_t* tile) {
     TANDEM_TILE_STORED(2, tile + 16 * kPanel, ldt);
     TANDEM_TILE_STORED(3, tile + 16 * kPanel + 16, ldt);
   }
-  TANDEM_TILE_RELEASE();
 }
 
 #else
@@ -385,6 +383,21 @@ void row_task(const Gemm& g, int64_t m0, int64_t m1, int64_t p, Epilogue& epilog
   }
 }
 
+// A thread's tiles for the life of one parallel region of a GEMM (AMX: 8 tiles of 16 rows x
+// 64 bytes, released at the end); nothing on the other paths. Declared first thing inside
+// each `omp parallel`.
+struct TileScope {
+#if TANDEM_INT8_PATH == 4
+  TileScope() {
+    const tandem::amx::TileConfig cfg = tandem::amx::uniform_config(8, 16, 64);
+    TANDEM_TILE_LOADCONFIG(&cfg);
+  }
+  ~TileScope() { TANDEM_TILE_RELEASE(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+#endif
+};
+
 // Runs `epilogue(row, panel, tile, rows)` on every block of exact dots, the blocks spread
 // over the threads: by panel at decode sizes, by (row task, panel) at prefill sizes.
 template <typename Epilogue>
@@ -392,10 +405,14 @@ void run_gemm(const Gemm& g, int threads, Epilogue epilogue) {
   const int64_t panels = (g.n + kPanel - 1) / kPanel;
   const int64_t row_tasks = (g.m + kRowTask - 1) / kRowTask;
   const int64_t tasks = panels * row_tasks;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t m0 = (t / panels) * kRowTask;
-    row_task(g, m0, std::min(g.m, m0 + kRowTask), t % panels, epilogue);
+#pragma omp parallel num_threads(threads)
+  {
+    [[maybe_unused]] const TileScope tiles;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t m0 = (t / panels) * kRowTask;
+      row_task(g, m0, std::min(g.m, m0 + kRowTask), t % panels, epilogue);
+    }
   }
 }
 
@@ -518,13 +535,17 @@ void grouped_linear(T* out, const T* x, const int8_t* packed, const int32_t* com
   const auto fixed_of = [&](int64_t r) { return fixed ? fixed + row_expert[r] : nullptr; };
   quantize_rows(x, m, k, kp, ldx, fixed_of, a.data(), scales.data(), threads);
   const int64_t items = static_cast<int64_t>(tasks.size() / 3) * panels;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int64_t t = 0; t < items; ++t) {
-    const int64_t* task = tasks.data() + (t / panels) * 3;
-    const int64_t e = task[0];
-    const Gemm g{a.data(), packed + e * np * kp, comp + e * np, m, n, kp};
-    auto epilogue = dequantize_into(out, ldo, n, scales.data(), ws + e * n, nullptr);
-    row_task(g, task[1], task[2], t % panels, epilogue);
+#pragma omp parallel num_threads(threads)
+  {
+    [[maybe_unused]] const TileScope tiles;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < items; ++t) {
+      const int64_t* task = tasks.data() + (t / panels) * 3;
+      const int64_t e = task[0];
+      const Gemm g{a.data(), packed + e * np * kp, comp + e * np, m, n, kp};
+      auto epilogue = dequantize_into(out, ldo, n, scales.data(), ws + e * n, nullptr);
+      row_task(g, task[1], task[2], t % panels, epilogue);
+    }
   }
 }
 
