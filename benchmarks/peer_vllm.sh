@@ -79,31 +79,12 @@ serve_peer() {
     --max-model-len "${PEER_MAX_MODEL_LEN:-1024}" --host 127.0.0.1 --port "$port" "$@"
 }
 
-check_peer() {
-  local dir=$1 port=8197 dtype pid started body
-  for dtype in float32 bfloat16; do
-    "$0" serve "$dir" "$dtype" "$port" >"/tmp/peer-vllm-$dtype.log" 2>&1 &
-    pid=$!
-    started=$(date +%s)
-    until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
-      if ! kill -0 "$pid" 2>/dev/null || [ $(($(date +%s) - started)) -gt 600 ]; then
-        echo "the peer did not come up in $dtype; see /tmp/peer-vllm-$dtype.log" >&2
-        kill "$pid" 2>/dev/null || true
-        return 1
-      fi
-      sleep 2
-    done
-    body=$(curl -sf "http://127.0.0.1:$port/v1/completions" -H 'content-type: application/json' \
-      -d "{\"model\": \"$(basename "$dir")\", \"prompt\": \"the engine serves\", \"max_tokens\": 8, \"temperature\": 0}")
-    echo "$dtype: up in $(($(date +%s) - started)) s; completion: $body"
-    kill -INT "$pid"
-    wait "$pid" || true
-  done
-}
+# shellcheck source=benchmarks/peer_check.sh
+. "$(dirname "$0")/peer_check.sh"
 
 case "${1:-}" in
   install) install_peer ;;
   serve) shift; serve_peer "$@" ;;
-  check) shift; check_peer "$@" ;;
+  check) check_served vllm "${2:?usage: check DIR}" 8197 ;;
   *) sed -n '2,9p' "$0"; exit 2 ;;
 esac
