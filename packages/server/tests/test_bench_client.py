@@ -43,6 +43,17 @@ def test_sse_payloads_do_not_depend_on_where_the_socket_cuts() -> None:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+async def _send(session: aiohttp.ClientSession, port: int, output_len: int) -> RequestResult:
+    return await send_completion(
+        session,
+        f"http://127.0.0.1:{port}/v1/completions",
+        model="m",
+        request=BenchRequest(prompt_token_ids=[5, 6, 7], output_len=output_len),
+        ignore_eos=True,
+        headers={},
+    )
+
+
 async def _run_against(handler: Handler) -> tuple[RequestResult, dict[str, object]]:
     seen: dict[str, object] = {}
 
@@ -59,14 +70,7 @@ async def _run_against(handler: Handler) -> tuple[RequestResult, dict[str, objec
     port = runner.addresses[0][1]
     try:
         async with aiohttp.ClientSession() as session:
-            result = await send_completion(
-                session,
-                f"http://127.0.0.1:{port}/v1/completions",
-                model="m",
-                request=BenchRequest(prompt_token_ids=[5, 6, 7], output_len=2),
-                ignore_eos=True,
-                headers={},
-            )
+            result = await _send(session, port, output_len=2)
     finally:
         await runner.cleanup()
     return result, seen
@@ -119,3 +123,56 @@ def test_failures_come_back_as_errors_not_exceptions() -> None:
     assert not failed.success and failed.error == "the engine failed"
     short, _ = asyncio.run(_run_against(_cut_short))
     assert not short.success and "without usage" in short.error
+
+
+async def _on_dropped_keepalive() -> tuple[list[RequestResult], list[int]]:
+    """Two requests, one after the other, against a server that answers one request per
+    connection and closes a connection when a second request arrives on it, without an
+    answer: the connection a pooled client reuses is one the server has dropped."""
+    arrivals: list[int] = []
+    answer = (
+        b'data: {"choices": [{"text": "a"}]}\n\n'
+        b'data: {"choices": [], "usage": {"completion_tokens": 1, "prompt_tokens": 3}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connection = len({*arrivals})
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.lower().split(b"\r\n")
+                    if line.startswith(b"content-length:")
+                )
+                await reader.readexactly(length)
+                arrivals.append(connection)
+                if arrivals.count(connection) > 1:
+                    return
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                    b"Keep-Alive: timeout=5\r\nContent-Length: %d\r\n\r\n" % len(answer) + answer
+                )
+                await writer.drain()
+        except asyncio.IncompleteReadError:
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    results = []
+    async with server, aiohttp.ClientSession() as session:
+        for _ in range(2):
+            results.append(await _send(session, port, output_len=1))
+    return results, arrivals
+
+
+def test_a_request_on_a_connection_the_server_dropped_is_sent_again() -> None:
+    results, arrivals = asyncio.run(_on_dropped_keepalive())
+    assert [r.error for r in results] == ["", ""]
+    assert all(r.success and r.output_tokens == 1 for r in results)
+    # The second request reached the first connection, which the server dropped, and was
+    # answered on a second one.
+    assert arrivals == [0, 0, 1]

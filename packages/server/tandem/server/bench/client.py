@@ -41,6 +41,13 @@ class RequestResult:
 # token's text would not say which id it was. 0: no alternatives, the sampled tokens only.
 TOKEN_ID_FIELDS = {"logprobs": 0, "return_tokens_as_token_ids": True}
 
+# How a request fails that never reached a server: sent on a kept-alive connection the
+# server had already closed. llama.cpp's llama-server closes the connection after each
+# streamed response while its headers say keep-alive, and under load the next request can
+# take that connection from the pool before its close arrives. Such a request is sent
+# again, once, on a new connection; its times still count from the first try.
+STALE_CONNECTION_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
 
 async def sse_data(pieces: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
     """The ``data:`` payloads of a server-sent event stream, from the pieces the socket
@@ -83,7 +90,7 @@ async def send_completion(
     start = time.perf_counter()
     last = start
     try:
-        async with session.post(url, json=body, headers=headers) as response:
+        async with await _post(session, url, body, headers) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
                 return result
@@ -116,6 +123,17 @@ async def send_completion(
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result
+
+
+async def _post(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> aiohttp.ClientResponse:
+    """The response's headers, the request sent again once where the connection it went
+    out on turned out closed before any answer (see STALE_CONNECTION_ERRORS)."""
+    try:
+        return await session.post(url, json=body, headers=headers)
+    except STALE_CONNECTION_ERRORS:
+        return await session.post(url, json=body, headers=headers)
 
 
 def _with_token_ids(ids: list[int], choices: list[dict[str, Any]]) -> list[int] | None:
