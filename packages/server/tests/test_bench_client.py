@@ -125,10 +125,10 @@ def test_failures_come_back_as_errors_not_exceptions() -> None:
     assert not short.success and "without usage" in short.error
 
 
-async def _on_dropped_keepalive() -> tuple[list[RequestResult], list[int]]:
-    """Two requests, one after the other, against a server that answers one request per
-    connection and closes a connection when a second request arrives on it, without an
-    answer: the connection a pooled client reuses is one the server has dropped."""
+async def _on_dropped_keepalive(first: int = 1) -> tuple[list[RequestResult], list[int]]:
+    """``first`` requests at once, then one more, against a server that answers one request
+    per connection and closes a connection when a second request arrives on it, without an
+    answer: every connection a pooled client reuses is one the server has dropped."""
     arrivals: list[int] = []
     answer = (
         b'data: {"choices": [{"text": "a"}]}\n\n'
@@ -136,8 +136,11 @@ async def _on_dropped_keepalive() -> tuple[list[RequestResult], list[int]]:
         b"data: [DONE]\n\n"
     )
 
+    opened: list[int] = []
+
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connection = len({*arrivals})
+        connection = len(opened)
+        opened.append(connection)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -164,8 +167,8 @@ async def _on_dropped_keepalive() -> tuple[list[RequestResult], list[int]]:
     port = server.sockets[0].getsockname()[1]
     results = []
     async with server, aiohttp.ClientSession() as session:
-        for _ in range(2):
-            results.append(await _send(session, port, output_len=1))
+        results += await asyncio.gather(*(_send(session, port, 1) for _ in range(first)))
+        results.append(await _send(session, port, output_len=1))
     return results, arrivals
 
 
@@ -176,3 +179,11 @@ def test_a_request_on_a_connection_the_server_dropped_is_sent_again() -> None:
     # The second request reached the first connection, which the server dropped, and was
     # answered on a second one.
     assert arrivals == [0, 0, 1]
+
+
+def test_a_resent_request_does_not_take_another_dropped_connection() -> None:
+    """Three connections pooled, all dropped: the request sent again goes out on a new one
+    (not the next pooled one), so one resend is enough however many the pool holds."""
+    results, arrivals = asyncio.run(_on_dropped_keepalive(first=3))
+    assert [r.error for r in results] == ["", "", "", ""]
+    assert len(arrivals) == 5 and arrivals[-1] == 3  # one reused, then a fourth connection

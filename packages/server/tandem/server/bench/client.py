@@ -9,6 +9,7 @@ against 3.9 s), CPU a server under test would otherwise lose to its own benchmar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterable, AsyncIterator
@@ -44,8 +45,9 @@ TOKEN_ID_FIELDS = {"logprobs": 0, "return_tokens_as_token_ids": True}
 # How a request fails that never reached a server: sent on a kept-alive connection the
 # server had already closed. llama.cpp's llama-server closes the connection after each
 # streamed response while its headers say keep-alive, and under load the next request can
-# take that connection from the pool before its close arrives. Such a request is sent
-# again, once, on a new connection; its times still count from the first try.
+# take that connection from the pool before its close arrives (the pool may hold several).
+# Such a request is sent again, once, on a connection of its own that nobody can have
+# closed yet; its times still count from the first try.
 STALE_CONNECTION_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
@@ -90,7 +92,7 @@ async def send_completion(
     start = time.perf_counter()
     last = start
     try:
-        async with await _post(session, url, body, headers) as response:
+        async with _posted(session, url, body, headers) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
                 return result
@@ -125,15 +127,23 @@ async def send_completion(
     return result
 
 
-async def _post(
+@contextlib.asynccontextmanager
+async def _posted(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]
-) -> aiohttp.ClientResponse:
-    """The response's headers, the request sent again once where the connection it went
-    out on turned out closed before any answer (see STALE_CONNECTION_ERRORS)."""
+) -> AsyncIterator[aiohttp.ClientResponse]:
+    """The response, the request sent again once on a new connection where the pooled one
+    it went out on turned out closed before any answer (see STALE_CONNECTION_ERRORS)."""
     try:
-        return await session.post(url, json=body, headers=headers)
+        response = await session.post(url, json=body, headers=headers)
     except STALE_CONNECTION_ERRORS:
-        return await session.post(url, json=body, headers=headers)
+        async with (
+            aiohttp.ClientSession(timeout=session.timeout) as fresh,
+            fresh.post(url, json=body, headers=headers) as response,
+        ):
+            yield response
+        return
+    async with response:
+        yield response
 
 
 def _with_token_ids(ids: list[int], choices: list[dict[str, Any]]) -> list[int] | None:
