@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from tandem.core.kernels.cpu import amx_linear
-from tandem.core.kernels.cpu.int8_gemm import AMX_EMULATION_DEFINE, load_native_int8
-from tandem.core.kernels.cpu.native_build import NATIVE_ISA
+from tandem.core.kernels.cpu.int8_gemm import load_native_int8
+from tandem.core.kernels.cpu.native_build import AMX_EMULATION_DEFINE, NATIVE_ISA
 from tandem.core.kernels.cpu.native_linear import load_kernel_library
 
 _i32, _vp = ctypes.c_int32, ctypes.c_void_p
@@ -115,7 +115,7 @@ def test_a_configuration_past_16_rows_is_a_general_protection_fault(library: Pat
 def bf16_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     lib = load_kernel_library("AMX (emulated)", amx_linear.SOURCE, frozenset(),
                               tmp_path_factory.mktemp("amx-bf16-emulated"), None,
-                              (amx_linear.AMX_EMULATION_DEFINE,))  # fmt: skip
+                              (AMX_EMULATION_DEFINE,))  # fmt: skip
     if lib is None:
         pytest.skip("no C++ compiler")
     assert lib.tandem_amx_emulated() == 1

@@ -21,7 +21,6 @@ import torch
 from tandem.core.kernels import handles
 from tandem.core.kernels.cpu import startup
 from tandem.core.kernels.cpu.int8_gemm import (
-    AMX_EMULATION_DEFINE,
     YMM_VNNI_TEST_DEFINE,
     NativeInt8,
     load_native_int8,
@@ -29,6 +28,7 @@ from tandem.core.kernels.cpu.int8_gemm import (
     pack_int8_weight,
 )
 from tandem.core.kernels.cpu.native_build import (
+    AMX_EMULATION_DEFINE,
     ISA_LEVELS,
     NATIVE_ISA,
     IsaLevel,

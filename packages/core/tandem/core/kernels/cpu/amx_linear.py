@@ -22,7 +22,12 @@ from pathlib import Path
 
 import torch
 
-from tandem.core.kernels.cpu.native_build import CSRC, IsaLevel
+from tandem.core.kernels.cpu.native_build import (
+    AMX_EMULATION_DEFINE,
+    CSRC,
+    IsaLevel,
+    amx_tiles_granted,
+)
 from tandem.core.kernels.cpu.native_linear import PackedWeightKernel, load_kernel_library
 from tandem.core.kernels.process_once import ProcessOnce
 
@@ -35,8 +40,6 @@ _REQUIRED_FLAGS = frozenset({"amx_bf16", "amx_tile", "avx512_bf16"})
 # Rows of the probe batch: two full tiles and a partial third, so both passes of the kernel
 # and its partial-row stores are checked against oneDNN.
 _PROBE_ROWS = 37
-# The define of the test build whose tiles are emulated (csrc/amx_tiles.h).
-AMX_EMULATION_DEFINE = "TANDEM_AMX_EMULATE"
 
 
 class AmxLinear(PackedWeightKernel):
@@ -50,9 +53,9 @@ class AmxLinear(PackedWeightKernel):
     def __init__(self, lib: ctypes.CDLL) -> None:
         if int(lib.tandem_amx_built()) != 1:
             raise OSError("the compiler did not target AMX-BF16 for this CPU")
-        if int(lib.tandem_amx_request()) != 0:
-            raise OSError("Linux did not grant the AMX tile state (arch_prctl)")
         self.emulated = int(lib.tandem_amx_emulated()) == 1
+        if not self.emulated and not amx_tiles_granted():
+            raise OSError("Linux did not grant the AMX tile state (arch_prctl)")
         self.bind(lib.tandem_amx_linear)
 
     def readable(self, out_features: int, in_features: int) -> bool:

@@ -57,10 +57,9 @@ FLAGS = ELEMENTWISE_FLAGS
 # is the multiple its K is padded to (a group; 64 on AMX, an A tile's row); see the source.
 GROUP = 4
 PATHS = {4: "AMX-INT8", 3: "AVX-VNNI", 2: "AVX512-VNNI", 1: "AVX2", 0: "plain loops"}
-# The define that builds the AMX-INT8 path (chosen by ``load_native_int8`` where it can run),
-# and the one that builds it with emulated tiles, for testing that path on any CPU.
+# The define that builds the AMX-INT8 path (chosen by ``load_native_int8`` where it can run;
+# native_build.AMX_EMULATION_DEFINE builds it on emulated tiles, for tests on any CPU).
 AMX_DEFINE = "TANDEM_INT8_AMX"
-AMX_EMULATION_DEFINE = "TANDEM_AMX_EMULATE"
 _AMX_FLAGS = frozenset({"amx_tile", "amx_int8"})
 # The define that builds the AVX-VNNI path with AVX512-VNNI's EVEX encoding of the same ymm
 # instruction (AVX512-VL), for testing that path on CPUs without AVX-VNNI; see the source.
@@ -168,7 +167,7 @@ class NativeInt8:
         self.compiled_path = PATHS[int(lib.tandem_int8_path())]
         self.panel = int(lib.tandem_int8_panel())
         self.k_align = int(lib.tandem_int8_k_align())
-        self.emulated = int(lib.tandem_int8_amx_emulated()) == 1
+        self.emulated = int(lib.tandem_amx_emulated()) == 1
         self._matmul = lib.tandem_int8_matmul
         self._matmul.argtypes = [_vp] * 4 + [_i64] * 6 + [_i32]
         self._linear = lib.tandem_int8_linear

@@ -138,6 +138,9 @@ def selected_isa() -> IsaLevel:
     return level if _X86 else NATIVE_ISA
 
 
+# The define of the AMX kernels' test builds, whose tile instructions are emulated in
+# software as Intel documents them (csrc/amx_tiles.h), so any CPU runs their code.
+AMX_EMULATION_DEFINE = "TANDEM_AMX_EMULATE"
 # arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): x86-64 Linux's syscall number, the
 # request and the AMX tile data's state component (asm/prctl.h, asm/unistd_64.h).
 _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18

@@ -29,8 +29,6 @@
 #include <vector>
 
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #if (defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)) || \
     defined(TANDEM_AMX_EMULATE)
@@ -148,36 +146,9 @@ inline void pass_1x2(const uint16_t* xp, int64_t x_step, const uint16_t* w, int6
 
 extern "C" {
 
-// Asks Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
-// 0 when granted. Without it the first tile instruction kills the process.
-int tandem_amx_request() {
-#if defined(TANDEM_AMX_EMULATE)
-  return 0;  // no tile state to ask for
-#else
-  return static_cast<int>(syscall(SYS_arch_prctl, 0x1023, 18)) == 0 ? 0 : 1;
-#endif
-}
-
+// The tile state is asked of Linux by the Python side before the kernel is used
+// (native_build.amx_tiles_granted); tandem_amx_emulated() comes with amx_tiles.h.
 int tandem_amx_built() { return 1; }
-
-int tandem_amx_emulated() {
-#if defined(TANDEM_AMX_EMULATE)
-  return 1;
-#else
-  return 0;
-#endif
-}
-
-#if defined(TANDEM_AMX_EMULATE)
-// One TDPBF16PS of the emulation (float32 c += bfloat16 pairs a . b; amx_tiles.h's
-// probe), for its tests.
-int tandem_amx_emulated_dpbf16ps(float* c, const uint16_t* a, const uint16_t* b, int32_t rows,
-                                 int32_t a_colsb, int32_t c_colsb, int32_t b_rows) {
-  tandem::amx::emulated::probe(tandem::amx::emulated::dpbf16ps, c, a, b, rows, a_colsb,
-                               c_colsb, b_rows, nullptr);
-  return 0;
-}
-#endif
 
 // out[m, n] (row stride ldo) = sum_k x[m, k] (row stride ldx) w[n, k], w packed as above.
 // Returns 0, or 1 for shapes this kernel does not take (M outside 1..64, N or K not a
@@ -236,7 +207,6 @@ int tandem_amx_linear(void* out, const void* x, const void* w, int64_t M, int64_
 #else  // no AMX in this build's target
 
 extern "C" {
-int tandem_amx_request() { return 1; }
 int tandem_amx_built() { return 0; }
 int tandem_amx_emulated() { return 0; }
 int tandem_amx_linear(void*, const void*, const void*, int64_t, int64_t, int64_t, int64_t,

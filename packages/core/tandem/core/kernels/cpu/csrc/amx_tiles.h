@@ -34,8 +34,11 @@
 // exception would end the process.
 //
 // Linux grants the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); without it
-// the first tile instruction kills the process. The Python side asks before it loads a real
+// the first tile instruction kills the process. The Python side asks before it uses a real
 // build (native_build.amx_tiles_granted).
+//
+// Every library that includes this header exports tandem_amx_emulated() (1 in a test build)
+// and, in a test build, one probe per dot product for the emulation's own tests.
 
 #pragma once
 
@@ -262,6 +265,28 @@ inline void probe(void (*dp)(int, int, int), void* c, const void* a, const void*
 #define TANDEM_TILE_DPBF16PS(c, a, b) ::tandem::amx::emulated::dpbf16ps(c, a, b)
 #define TANDEM_TILE_RELEASE() ::tandem::amx::emulated::release()
 
+extern "C" {
+
+int tandem_amx_emulated() { return 1; }
+
+// One TDPBSSD (int8 c += a . b) and one TDPBF16PS (float32 c += bfloat16 pairs a . b) of the
+// emulation, through probe() above.
+int tandem_amx_emulated_dpbssd(int32_t* c, const int8_t* a, const int8_t* b, int32_t rows,
+                               int32_t a_colsb, int32_t c_colsb, int32_t b_rows, uint8_t* whole) {
+  tandem::amx::emulated::probe(tandem::amx::emulated::dpbssd, c, a, b, rows, a_colsb, c_colsb,
+                               b_rows, whole);
+  return 0;
+}
+
+int tandem_amx_emulated_dpbf16ps(float* c, const uint16_t* a, const uint16_t* b, int32_t rows,
+                                 int32_t a_colsb, int32_t c_colsb, int32_t b_rows) {
+  tandem::amx::emulated::probe(tandem::amx::emulated::dpbf16ps, c, a, b, rows, a_colsb,
+                               c_colsb, b_rows, nullptr);
+  return 0;
+}
+
+}  // extern "C"
+
 #else
 
 #include <immintrin.h>
@@ -283,5 +308,7 @@ inline void probe(void (*dp)(int, int, int), void* c, const void* a, const void*
 #if defined(__AMX_BF16__)
 #define TANDEM_TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
 #endif
+
+extern "C" int tandem_amx_emulated() { return 0; }
 
 #endif

@@ -562,23 +562,9 @@ int tandem_int8_panel() { return static_cast<int>(kPanel); }
 // The multiple of which the packed layout's K (Kp) must be.
 int tandem_int8_k_align() { return static_cast<int>(kKAlign); }
 
-// 1 where the tile instructions are the software emulation (a test build).
-int tandem_int8_amx_emulated() {
-#if defined(TANDEM_AMX_EMULATE)
-  return 1;
-#else
-  return 0;
-#endif
-}
-
-#if defined(TANDEM_AMX_EMULATE)
-// One TDPBSSD of the emulation (int8 c += a . b; amx_tiles.h's probe), for its tests.
-int tandem_amx_emulated_dpbssd(int32_t* c, const int8_t* a, const int8_t* b, int32_t rows,
-                               int32_t a_colsb, int32_t c_colsb, int32_t b_rows, uint8_t* whole) {
-  tandem::amx::emulated::probe(tandem::amx::emulated::dpbssd, c, a, b, rows, a_colsb, c_colsb,
-                               b_rows, whole);
-  return 0;
-}
+#if TANDEM_INT8_PATH != 4
+// No tiles in this build; the AMX builds export it with amx_tiles.h.
+int tandem_amx_emulated() { return 0; }
 #endif
 
 // out int32 [M, N] (row stride ldo) = a int8 [M, K] (row stride lda) times the packed
