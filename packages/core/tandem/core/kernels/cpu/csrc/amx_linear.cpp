@@ -95,7 +95,7 @@ inline void pass_2x2(const uint16_t* xp, int64_t x_step, const uint16_t* w, int6
     const uint16_t* b = w + s * kBlock;
     if (fetch) {
       const char* ahead = reinterpret_cast<const char*>(b + kBlock);
-      for (int line = 0; line < 2 * kBlock; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      for (int line = 0; line < 2 * kBlock; line += 64) __builtin_prefetch(ahead + line, 0, 3);
     }
     const uint16_t* a = xp + s * x_step;
     TANDEM_TILE_LOADD(6, b, kBStride);
@@ -127,7 +127,7 @@ inline void pass_1x2(const uint16_t* xp, int64_t x_step, const uint16_t* w, int6
     const uint16_t* b = w + s * kBlock;
     if (fetch) {
       const char* ahead = reinterpret_cast<const char*>(b + kBlock);
-      for (int line = 0; line < 2 * kBlock; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      for (int line = 0; line < 2 * kBlock; line += 64) __builtin_prefetch(ahead + line, 0, 3);
     }
     TANDEM_TILE_LOADD(6, b, kBStride);
     TANDEM_TILE_LOADD(7, b + 32, kBStride);
