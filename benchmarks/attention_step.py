@@ -295,7 +295,7 @@ def prefill_breakdown(
         model, _ = build_model(dtype, args.seed)
         pack_linear_weights(model, torch.device("cpu"), dtype)
         runner = ModelRunner(model, torch.device("cpu"), dtype, seed=0, samples=False)
-        runner.init_kv_cache(CacheSize(num_blocks), args.block_size)
+        runner.init_kv_cache(CacheSize(num_blocks), args.block_size, prefault=True)
         paths = [("torch SDPA", "sdpa"), ("native kernel", "native")]
         if dtype in flash_prefill_dtypes():
             paths.append(("native + flash", "serving"))
@@ -420,7 +420,7 @@ def main() -> None:
             if weights == "packed":
                 pack_linear_weights(model, torch.device("cpu"), dtype)
             runner = ModelRunner(model, torch.device("cpu"), dtype, seed=0, samples=False)
-            runner.init_kv_cache(CacheSize(num_blocks), args.block_size)
+            runner.init_kv_cache(CacheSize(num_blocks), args.block_size, prefault=True)
             with torch.no_grad():
                 for k_cache, v_cache in runner.kv_caches:
                     k_cache.normal_()

@@ -361,7 +361,7 @@ def capture_kernel_calls(
     decode_blocks = sizes.decode_batch * -(-(sizes.context + sizes.context // 8 + 1) // 16)
     prefill_blocks = sizes.prefill_seqs * -(-sizes.prefill_len // 16)
     slots = max(sizes.decode_batch, sizes.prefill_seqs) + 1
-    runner.init_kv_cache(CacheSize(1 + decode_blocks + prefill_blocks, slots), 16)
+    runner.init_kv_cache(CacheSize(1 + decode_blocks + prefill_blocks, slots), 16, prefault=False)
     steps = [
         ("decode", decode_input(sizes.decode_batch, sizes.context, config.vocab_size, 1, 0)),
         ("prefill", prefill_input(sizes.prefill_seqs, sizes.prefill_len, config.vocab_size,

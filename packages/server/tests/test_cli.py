@@ -207,6 +207,17 @@ def test_serve_without_a_model_serves_the_bundled_one() -> None:
     assert engine_config_from_args(args).model.model == str(stories260k_folder())
 
 
+def test_a_server_prefaults_its_kv_cache_and_generate_does_not() -> None:
+    parser = build_parser()
+    assert engine_config_from_args(parser.parse_args(["serve"])).cache.prefault_kv_cache
+    lazy = parser.parse_args(["serve", "--no-prefault-kv-cache"])
+    assert engine_config_from_args(lazy).cache.prefault_kv_cache is False
+    offline = parser.parse_args(["generate", "--prompt", "x"])
+    assert engine_config_from_args(offline).cache.prefault_kv_cache is False
+    told = parser.parse_args(["generate", "--prompt", "x", "--prefault-kv-cache"])
+    assert engine_config_from_args(told).cache.prefault_kv_cache is True
+
+
 def test_bench_serve_refuses_a_negative_shared_prefix(capsys: pytest.CaptureFixture[str]) -> None:
     serve = ["bench", "serve", "--base-url", "http://127.0.0.1:1"]
     assert build_parser().parse_args(serve).shared_prefix_len == 0

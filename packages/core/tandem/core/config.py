@@ -30,6 +30,9 @@ class CacheConfig:
     # A snapshot at the end of a prefill chunk at least this many tokens past the last one
     # (--state-snapshot-interval; 0: only at the other places, see llm/scheduler.py).
     state_snapshot_interval: int = 512
+    # CPU: back the KV cache's pages with memory at start-up (--[no-]prefault-kv-cache), not
+    # at their first write inside a step (kv/kv_cache.py, prefault_host_cache).
+    prefault_kv_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

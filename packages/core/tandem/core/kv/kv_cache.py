@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import time
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +13,7 @@ import torch
 from tandem.core.config import CacheConfig
 from tandem.core.errors import ConfigError
 from tandem.device import Device, MemoryInfo
-from tandem.device.cpu import advise_huge_pages
+from tandem.device.cpu import advise_huge_pages, populate_pages
 
 logger = logging.getLogger(__name__)
 
@@ -170,18 +171,23 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
+    prefault: bool,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (keys, values), each [num_blocks + 1, block_size, kv_heads, head_dim].
 
     Block 0 is the null block that padded block tables point at. Everything starts zeroed:
     attention copies whole blocks, masked slots included, and a masked slot holding NaN
-    from uninitialised memory would still poison the output (0 * NaN).
+    from uninitialised memory would still poison the output (0 * NaN). ``prefault`` (CPU):
+    back every page with memory before returning (see ``prefault_host_cache``); otherwise
+    pages are backed as attention first writes them.
     """
     shape = (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim)
     if device.type == "cpu":
         slab = zeroed_host_tensor(shape, dtype)
         if not advise_huge_pages(slab):
             logger.debug("the KV cache stays on 4 KiB pages (no madvise here)")
+        if prefault:
+            prefault_host_cache(slab)
     else:
         slab = torch.zeros(shape, dtype=dtype, device=device)
     return [(slab[i, 0], slab[i, 1]) for i in range(num_layers)]
@@ -203,6 +209,39 @@ def copy_rows(
     for first, second in pools:
         first.index_copy_(0, dst, first.index_select(0, src))
         second.index_copy_(0, dst, second.index_select(0, src))
+
+
+def prefault_host_cache(slab: torch.Tensor) -> None:
+    """Back the host KV cache's pages now, before serving, as vLLM's CPU build does by
+    zero-filling its pool at start-up. Left to first use, the pages are backed inside steps:
+    the pool hands out never-used blocks first (so that finished prefixes stay cached), so
+    every block's first write faults until the pool has been used once, and on a cloud
+    guest that measured 11-13 % of the bench workload's output rate
+    (``benchmarks/results/2026-12-06-kv-prefault-zen4``). It also fails at start-up, not
+    mid-serving, where the memory is not there."""
+    total = slab.numel() * slab.element_size()
+    began = time.monotonic()
+    next_report = began + 5.0
+
+    def report(done: int, total: int) -> None:
+        nonlocal next_report
+        if time.monotonic() >= next_report and done < total:
+            logger.info("KV cache: %.2f of %.2f GiB backed", done / GIB, total / GIB)
+            next_report = time.monotonic() + 5.0
+
+    try:
+        populate_pages(slab, report)
+    except MemoryError as exc:
+        raise ConfigError(
+            f"the KV cache's {total / GIB:.2f} GiB could not be backed with memory ({exc}): "
+            "lower --cpu-memory-gb or --max-memory-utilization, or pass --num-blocks"
+        ) from exc
+    logger.info(
+        "KV cache: its %.2f GiB backed with memory in %.1f s before serving "
+        "(--no-prefault-kv-cache leaves that to the first requests)",
+        total / GIB,
+        time.monotonic() - began,
+    )
 
 
 def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

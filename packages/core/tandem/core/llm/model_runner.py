@@ -98,7 +98,7 @@ class ModelRunner:
     def block_demand(self, block_size: int) -> BlockDemand | None:
         return None if self._limits is None else self._limits.block_demand(block_size)
 
-    def init_kv_cache(self, size: CacheSize, block_size: int) -> None:
+    def init_kv_cache(self, size: CacheSize, block_size: int, prefault: bool) -> None:
         layers = self.model.attention_layers()
         if layers:
             first = layers[0]
@@ -110,6 +110,7 @@ class ModelRunner:
                 head_dim=first.head_dim,
                 dtype=self.dtype,
                 device=self.device,
+                prefault=prefault,
             )
         for layer, (k, v) in zip(layers, self.kv_caches, strict=True):
             layer.bind_cache(k, v)

@@ -77,7 +77,7 @@ class RecModelRunner:
     def block_demand(self, block_size: int) -> BlockDemand | None:
         return None if self._limits is None else self._limits.block_demand(block_size)
 
-    def init_kv_cache(self, size: CacheSize, block_size: int) -> None:
+    def init_kv_cache(self, size: CacheSize, block_size: int, prefault: bool) -> None:
         heads, head_dim = self.model.cross_heads()
         self.block_size = block_size
         caches = allocate_kv_cache(
@@ -88,6 +88,7 @@ class RecModelRunner:
             head_dim=head_dim,
             dtype=self.dtype,
             device=self.device,
+            prefault=prefault,
         )
         self.k_caches = [k for k, _ in caches]
         self.v_caches = [v for _, v in caches]

@@ -62,8 +62,9 @@ class StepRunner(Protocol[StepT, OutT_co]):
         once (the cache is sized no larger); None: as many as memory allows."""
         ...
 
-    def init_kv_cache(self, size: CacheSize, block_size: int) -> None:
-        """Allocate ``size.num_blocks`` KV blocks and ``size.num_state_slots`` state slots."""
+    def init_kv_cache(self, size: CacheSize, block_size: int, prefault: bool) -> None:
+        """Allocate ``size.num_blocks`` KV blocks and ``size.num_state_slots`` state slots;
+        ``prefault``: back a host cache's pages with memory now, not at first write."""
         ...
 
     def stage(self, step: StepT, stager: LaneStager) -> tuple[StepT, Staged | None]:

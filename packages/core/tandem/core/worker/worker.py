@@ -154,7 +154,7 @@ class Worker(Generic[StepT, OutT]):
     def init_kv_cache(self, size: CacheSize) -> None:
         block_size = self.config.cache.block_size
         runner = self.runner
-        runner.init_kv_cache(size, block_size)
+        runner.init_kv_cache(size, block_size, prefault=self.config.cache.prefault_kv_cache)
         self.memory = MemoryFootprint(
             runner.weight_bytes(),
             kv_cache_bytes=size.num_blocks * runner.block_bytes(block_size),

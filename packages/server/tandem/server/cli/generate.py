@@ -84,7 +84,10 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
         help="with --json: each prompt token's logprob (the first has none) and the N most likely",
     )
     add_engine_args(p)
-    p.set_defaults(func=run)
+    # A server comes to use its whole KV pool (never-used blocks go first) and backs it at
+    # start-up so requests do not; a batch of prompts uses only what it needs, so generate
+    # leaves the pages to their first use.
+    p.set_defaults(func=run, prefault_kv_cache=False)
 
 
 def _logprobs_record(position: TokenLogprobs) -> dict[str, Any]:
