@@ -6,6 +6,7 @@ import ctypes
 import ctypes.util
 import errno
 import logging
+import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -195,7 +196,8 @@ def collapse_to_huge_pages(ranges: Iterable[tuple[int, int]]) -> int:
 
 
 _MADV_POPULATE_WRITE = 23
-_SMALL_PAGE = 4096
+# The base page (4 KiB on x86, up to 64 KiB on arm64): madvise wants its starts aligned.
+_SMALL_PAGE = mmap.PAGESIZE
 # Pages are populated in steps this large, so a multi-GiB pool reports its progress.
 _POPULATE_STEP = 256 << 20
 
