@@ -209,12 +209,9 @@ def populate_pages(
     its first writes would (Linux's MADV_POPULATE_WRITE, 5.14 and later; before that, one
     write per page of the byte already there). ``progress(done, total)`` follows in bytes.
 
-    For a big tensor whose pages would otherwise be first touched inside requests, like the
-    KV cache: on a virtual machine the host backs a guest page at its first touch, measured
-    at 2.5-6.5 ms a MiB on this project's 2-core cloud guests (0.1 where the guest had used
-    the memory before), and a step that writes KV into fresh blocks pays that until the
-    whole pool has been used once. Where the memory is not there, this fails now
-    (MemoryError) instead of the process being killed mid-serving.
+    For a big tensor whose pages would otherwise be first touched on a hot path (the KV
+    cache: kv/kv_cache.py's prefault_host_cache says what that costs). Where the memory is
+    not there, this fails now (MemoryError) instead of the process being killed later.
     """
     if tensor.device.type != "cpu" or tensor.numel() == 0:
         return

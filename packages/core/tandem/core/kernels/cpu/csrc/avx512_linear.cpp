@@ -73,6 +73,15 @@ struct Prefetch {
 // plain loads and 65 us after the same under PREFETCHNTA).
 constexpr int64_t kNtaSteps = 8;
 
+// How a chunk pass prefetches: with one row block every weight line is read once, so the
+// stream goes non-temporal, kNtaSteps ahead; otherwise `lines` a step of the chunk at
+// `next`, into L2 only where `l2`.
+inline Prefetch plan_prefetch(const char* next, const char* end, int64_t blocks, int lines,
+                              bool l2) {
+  return blocks == 1 ? Prefetch{next, end, 0, l2, /*nta=*/true}
+                     : Prefetch{next, end, lines, l2, /*nta=*/false};
+}
+
 struct Float32 {
   using Elem = float;
   static constexpr int64_t kPerStep = 1;  // k values one panel step holds per column
@@ -228,8 +237,8 @@ int linear(typename Kind::Elem* out, const typename Kind::Elem* x, const void* w
     for (int64_t g0 = 0; g0 < M; g0 += group_rows) {
       const int64_t gm = std::min(group_rows, M - g0);
       const typename Kind::Elem* xg = x + g0 * ldx;
-      Prefetch fetch{wb + lo * panel_bytes, stream_end, blocks == 1 ? 0 : lines};
-      fetch.nta = blocks == 1;
+      Prefetch fetch = plan_prefetch(wb + lo * panel_bytes, stream_end, blocks, lines,
+                                     /*l2=*/false);
       for (int64_t p = lo; p < hi; ++p) {
         typename Kind::Elem* op = out + g0 * ldo + p * kPanel;
         float* sums = reinterpret_cast<float*>(op);
@@ -271,11 +280,9 @@ inline void panel_pass(const char* wp, const char* after, int64_t steps, int64_t
       next = after;
       next_steps = after == nullptr ? 0 : std::min(chunk_steps, steps);
     }
-    Prefetch fetch{next, next + next_steps * kStepBytes,
-                   blocks == 1 ? 0
-                               : static_cast<int>((4 * next_steps + n * blocks - 1) /
-                                                  (n * blocks)),
-                   /*l2=*/true, /*nta=*/blocks == 1};
+    Prefetch fetch = plan_prefetch(
+        next, next + next_steps * kStepBytes, blocks,
+        static_cast<int>((4 * next_steps + n * blocks - 1) / (n * blocks)), /*l2=*/true);
     chunk<Kind>(s0 == 0, round_last && s0 + n == steps, gm, sums, lds, out, ldo,
                 x + s0 * Kind::kPerStep, ldx, wc, n, fetch);
   }
