@@ -7,10 +7,14 @@ head, the helpers' small heads and the bench model's 64 x 64 ones, float32 and b
 slots it was not given stay untouched; the registry hands it to the layer on CPU.
 
 Error bound, per output or state entry: every quantity is a chain of +, -, x, / and sqrt on
-float32 values (the norms of q and k: Dk + 5 operations; the decay; S^T k: Dk; delta: 2;
-the update: 2; S^T q: Dk), so to first order it is within gamma_n = n u / (1 - n u) of
-exact times the same expression evaluated on absolute values (Higham, ch. 3), with n = 3 Dk
-+ 16 for an output and 2 Dk + 16 for a state entry (u = 2^-24). The absolute expression:
+float32 values. The kernel evaluates delta = beta (v - e^g S^T k), the state e^g S + k
+delta^T and the output e^g S^T q + (k^T q) delta (the same value as (e^g S + k delta^T)^T q):
+the norms of q and k: Dk + 5 operations; the decay; S^T k, S^T q and k^T q: Dk each, in
+any order of summation; delta: 3; the update: 2; the output's sum: 2. An output's longest
+chain is then 3 Dk + 11 and a state entry's 2 Dk + 11, so to first order each is within
+gamma_n = n u / (1 - n u) of exact times the same expression evaluated on absolute values
+(Higham, ch. 3), with n = 3 Dk + 16 for an output and 2 Dk + 16 for a state entry
+(u = 2^-24), the rest of n for exp's few ulps. The absolute expression:
 A_S = e^g |S| + |k| (|v| + |k|^T e^g |S|) beta, A_o = |q|^T A_S with q and k the normalised
 vectors. bfloat16 outputs are rounded once more, to nearest: one ulp of the output covers it.
 

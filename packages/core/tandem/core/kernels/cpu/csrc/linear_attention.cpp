@@ -19,8 +19,9 @@
 // over (select, decay, update, matmuls, copy back), a dozen MiB per layer at a 48-sequence
 // decode step, where this reads 16 KiB per head from memory and does the rest in L1.
 //
-// Arithmetic in float32, each state row a vector over Dv the compiler vectorizes for the
-// target; outputs rounded to the output dtype once. Built by
+// Arithmetic in float32, 32 columns of the state at a time in vectors the compiler makes for
+// the target (``delta_columns``: both products from one read of the state, then the update);
+// outputs rounded to the output dtype once. Built by
 // tandem.core.kernels.cpu.gated_delta_rule with the system C++ compiler and -march=native;
 // called through ctypes. Padding entries may share the null slot 0, whose contents nothing
 // reads: their writes race there and only there.
@@ -40,48 +41,87 @@ using namespace tandem;
 constexpr int64_t kMaxDim = 256;
 constexpr float kNormEps = 1e-6f;
 
+// a * b + c, fused where the CPU has FMA (one rounding), two operations where it has not.
+inline float madd(float a, float b, float c) {
+#if defined(__FMA__)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// sum(a[i] b[i]) in kLanes partial sums, then those summed: a reduction the compiler
+// vectorizes without reassociating. Any order is within the same gamma_n bound.
+constexpr int64_t kLanes = 16;
+inline float dot(const float* a, const float* b, int64_t n) {
+  float part[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) part[l] = madd(a[i + l], b[i + l], part[l]);
+  }
+  for (int64_t l = 0; i < n; ++i, ++l) part[l] = madd(a[i], b[i], part[l]);
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += part[l];
+  return sum;
+}
+
 // x * rsqrt(sum(x^2) + eps) * scale, as the reference's l2norm (times the q scale).
 template <typename T>
 inline void l2_normalised(const T* src, float* dst, int64_t n, float scale) {
-  float ss = 0.0f;
-  for (int64_t i = 0; i < n; ++i) {
-    dst[i] = to_float(src[i]);
-    ss += dst[i] * dst[i];
-  }
-  const float r = 1.0f / std::sqrt(ss + kNormEps);
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+  const float r = 1.0f / std::sqrt(dot(dst, dst, n) + kNormEps);
   for (int64_t i = 0; i < n; ++i) dst[i] = dst[i] * r * scale;
 }
+
+// Columns [j0, j0 + W) of one token's step on the state s [Dk, Dv]. A column's update
+// involves that column only, so the state is read once for both products, then read and
+// written once for the update, with W columns' sums held in registers:
+//
+//   S^T k and S^T q (before the decay);  delta = beta (v - e^g S^T k);
+//   o = e^g S^T q + (k^T q) delta  (= (e^g S + k delta^T)^T q);  S <- e^g S + k delta^T.
+template <int64_t W, typename T>
+inline void delta_columns(float* o, const T* v_row, const float* kf, const float* qf,
+                          float kq, float decay, float bt, float* s, int64_t Dk, int64_t Dv,
+                          int64_t j0) {
+  float sk[W] = {}, sq[W] = {}, delta[W];
+  for (int64_t i = 0; i < Dk; ++i) {
+    const float* row = s + i * Dv + j0;
+    const float ki = kf[i], qi = qf[i];
+    for (int64_t c = 0; c < W; ++c) {
+      sk[c] = madd(ki, row[c], sk[c]);
+      sq[c] = madd(qi, row[c], sq[c]);
+    }
+  }
+  for (int64_t c = 0; c < W; ++c) {
+    delta[c] = (to_float(v_row[j0 + c]) - decay * sk[c]) * bt;
+    o[j0 + c] = madd(kq, delta[c], decay * sq[c]);
+  }
+  for (int64_t i = 0; i < Dk; ++i) {
+    float* row = s + i * Dv + j0;
+    const float ki = kf[i];
+    for (int64_t c = 0; c < W; ++c) row[c] = madd(ki, delta[c], row[c] * decay);
+  }
+}
+
+// Columns per pass: two AVX-512 vectors (four AVX2 ones), so that each product has two
+// independent chains of sums in flight.
+constexpr int64_t kColumns = 32;
 
 // One token's delta-rule step for value head h on the state s [Dk, Dv] (updated in place),
 // its output row written to o_out.
 template <typename T>
 inline void delta_token(T* o_out, const T* q_row, const T* k_row, const T* v_row, float g,
                         float bt, float* s, int64_t Dk, int64_t Dv, float q_scale) {
-  float qf[kMaxDim], kf[kMaxDim], pred[kMaxDim], delta[kMaxDim], o[kMaxDim];
+  float qf[kMaxDim], kf[kMaxDim], o[kMaxDim];
   l2_normalised(q_row, qf, Dk, q_scale);
   l2_normalised(k_row, kf, Dk, 1.0f);
   const float decay = std::exp(g);
-  for (int64_t j = 0; j < Dv; ++j) pred[j] = 0.0f;
-  for (int64_t i = 0; i < Dk; ++i) {
-    float* row = s + i * Dv;
-    const float ki = kf[i];
-    for (int64_t j = 0; j < Dv; ++j) {
-      row[j] *= decay;
-      pred[j] += ki * row[j];
-    }
+  const float kq = dot(kf, qf, Dk);
+  int64_t j = 0;
+  for (; j + kColumns <= Dv; j += kColumns) {
+    delta_columns<kColumns>(o, v_row, kf, qf, kq, decay, bt, s, Dk, Dv, j);
   }
-  for (int64_t j = 0; j < Dv; ++j) {
-    delta[j] = (to_float(v_row[j]) - pred[j]) * bt;
-    o[j] = 0.0f;
-  }
-  for (int64_t i = 0; i < Dk; ++i) {
-    float* row = s + i * Dv;
-    const float ki = kf[i], qi = qf[i];
-    for (int64_t j = 0; j < Dv; ++j) {
-      row[j] += ki * delta[j];
-      o[j] += qi * row[j];
-    }
-  }
+  for (; j < Dv; ++j) delta_columns<1>(o, v_row, kf, qf, kq, decay, bt, s, Dk, Dv, j);
   store_row<T>(o, o_out, Dv, 1.0f);
 }
 
