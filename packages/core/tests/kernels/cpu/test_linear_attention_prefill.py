@@ -79,12 +79,14 @@ def test_delta_prefill_equals_the_decode_step_position_by_position(
     assert torch.equal(states, want_states)
 
 
+# 4 taps: the decode step's compiled-for kernel size; 3: its run-time one.
+@pytest.mark.parametrize("taps", [3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_prefill_equals_the_decode_step_position_by_position(
-    kernel: NativeLinearAttention, dtype: torch.dtype
+    kernel: NativeLinearAttention, dtype: torch.dtype, taps: int
 ) -> None:
     gen = torch.Generator().manual_seed(6)
-    channels, taps = 96, 4
+    channels = 96
     x = torch.randn(sum(LENS), channels + 8, generator=gen).to(dtype)[:, 3 : 3 + channels]
     weight = torch.randn(channels, taps, generator=gen).to(dtype)
     states = _poisoned(torch.randn(ROWS, channels, taps - 1, generator=gen).to(dtype))

@@ -166,7 +166,29 @@ void recurrent(T* out, const T* q, const T* k, const T* v, const float* g, const
 // step uses the same function so that both give a token the same output).
 inline float silu(float y) { return y / (1.0f + fast_exp(-y)); }
 
-// Runs as in ``recurrent``, each channel's K - 1 kept inputs shifted token by token.
+// One token of one run: each channel's K taps over its K - 1 kept inputs and the new one,
+// the kept inputs shifted by one. KT > 0: the tap count known at compile time, so that the
+// loop over channels vectorizes (the state's and the taps' interleaved rows included); KT ==
+// 0: ``K`` at run time. The same sums, in the same order, either way.
+template <int64_t KT, typename T>
+inline void conv_token(T* ob, const T* xb, const T* weight, T* state, int64_t C,
+                       int64_t K_runtime) {
+  const int64_t K = KT > 0 ? KT : K_runtime;
+  for (int64_t c = 0; c < C; ++c) {
+    T* sc = state + c * (K - 1);
+    const T* wc = weight + c * K;
+    float acc = 0.0f;
+    for (int64_t t = 0; t < K - 1; ++t) acc += to_float(sc[t]) * to_float(wc[t]);
+    acc += to_float(xb[c]) * to_float(wc[K - 1]);
+    // Rounded to the input dtype before SiLU, as the reference's conv output is.
+    store_as(ob + c, silu(rounded<T>(acc)));
+    for (int64_t t = 0; t + 1 < K - 1; ++t) sc[t] = sc[t + 1];
+    sc[K - 2] = xb[c];
+  }
+}
+
+// Runs as in ``recurrent``, each channel's K - 1 kept inputs shifted token by token (a run
+// without an initial state starts from zeros).
 template <typename T>
 void conv_update(T* out, const T* x, const T* weight, T* states, const int64_t* slots,
                  const uint8_t* has_initial, const int64_t* starts, const int64_t* keep,
@@ -174,26 +196,17 @@ void conv_update(T* out, const T* x, const T* weight, T* states, const int64_t* 
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t r = 0; r < R; ++r) {
     T* state = states + slots[r] * C * (K - 1);
-    bool zero = has_initial != nullptr && has_initial[r] == 0;
+    if (has_initial != nullptr && has_initial[r] == 0) {
+      std::memset(state, 0, sizeof(T) * C * (K - 1));  // all-zero bits: 0.0 in both dtypes
+    }
     const int64_t first = starts == nullptr ? r : starts[r];
     const int64_t end = starts == nullptr ? r + 1 : starts[r + 1];
     for (int64_t b = first; b < end; ++b) {
-      const T* xb = x + b * x_stride;
-      T* ob = out + b * C;
-      for (int64_t c = 0; c < C; ++c) {
-        T* sc = state + c * (K - 1);
-        const T* wc = weight + c * K;
-        float acc = 0.0f;
-        for (int64_t t = 0; t < K - 1; ++t) {
-          acc += (zero ? 0.0f : to_float(sc[t])) * to_float(wc[t]);
-        }
-        acc += to_float(xb[c]) * to_float(wc[K - 1]);
-        // Rounded to the input dtype before SiLU, as the reference's conv output is.
-        store_as(ob + c, silu(rounded<T>(acc)));
-        for (int64_t t = 0; t + 1 < K - 1; ++t) sc[t] = zero ? T(0) : sc[t + 1];
-        sc[K - 2] = xb[c];
+      if (K == 4) {  // Qwen3.5's and Qwen3-Next's kernel size
+        conv_token<4>(out + b * C, x + b * x_stride, weight, state, C, K);
+      } else {
+        conv_token<0>(out + b * C, x + b * x_stride, weight, state, C, K);
       }
-      zero = false;
       if (keep != nullptr && keep[b] >= 0) {
         std::memcpy(states + keep[b] * C * (K - 1), state, sizeof(T) * C * (K - 1));
       }
