@@ -119,7 +119,10 @@ def test_family_demo_models_are_written_and_served(
     folder = tmp_path / kind
     made = tandem("make-demo-model", "--kind", kind, str(folder))
     assert made.returncode == 0, made.stderr
-    assert json.loads((folder / "config.json").read_text())["architectures"] == [architecture]
+    written = json.loads((folder / "config.json").read_text())
+    assert written["architectures"] == [architecture]
+    # As the released Qwen3.5 checkpoints: peers that read it keep the state in float32 too.
+    assert written.get("mamba_ssm_dtype") == ("float32" if kind == "qwen3_5" else None)
     result = tandem("generate", "--model", str(folder), "--prompt", "hello world", "--json",
                     "--max-tokens", "5", "--ignore-eos", "--max-tokens-per-batch", "4",
                     "--num-blocks", "64")  # fmt: skip

@@ -5,6 +5,7 @@ another."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -49,6 +50,24 @@ def test_a_bare_qwen3_5_config_takes_the_transformers_defaults() -> None:
         assert ours == theirs
     assert config.gated_attention and config.zero_centered_norm and config.qk_norm
     assert config.moe_layers == (False,) * 8 and config.num_experts == 0
+
+
+@pytest.mark.parametrize(
+    ("asked", "warned"), [(None, False), ("float32", False), ("bfloat16", True)]
+)
+def test_a_recurrent_state_dtype_other_than_float32_is_named_in_a_warning(
+    asked: str | None, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    raw: dict[str, Any] = {"architectures": ["Qwen3_5ForCausalLM"], "num_hidden_layers": 4}
+    if asked is not None:
+        raw["mamba_ssm_dtype"] = asked
+    with caplog.at_level(logging.WARNING, logger="tandem.core.models.qwen3_family_config"):
+        _parse(raw)
+    named = [r.getMessage() for r in caplog.records if "mamba_ssm_dtype" in r.getMessage()]
+    assert named == (
+        ["the config asks for a bfloat16 recurrent state (mamba_ssm_dtype); the Gated DeltaNet "
+         "layers keep theirs in float32"] if warned else []
+    )  # fmt: skip
 
 
 def test_full_attention_interval_and_explicit_partial_rotary() -> None:

@@ -190,6 +190,10 @@ def _qwen3_5_config(spec: Qwen3_5DemoSpec, tokens: DemoTokens) -> dict[str, Any]
         "linear_key_head_dim": spec.linear_key_head_dim,
         "linear_value_head_dim": spec.linear_value_head_dim,
         "linear_conv_kernel_dim": spec.conv_kernel_size,
+        # As the released Qwen3.5 checkpoints say: a server that reads it (vLLM) then keeps the
+        # recurrent state in float32, as Tandem does; without it vLLM keeps it in the model's
+        # dtype, and a benchmark would compare unlike work.
+        "mamba_ssm_dtype": "float32",
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": 10000000.0,
