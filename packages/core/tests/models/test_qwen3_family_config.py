@@ -1,6 +1,7 @@
 """The family configs parse as transformers reads them: its class defaults for missing fields,
-the nested text config of composite checkpoints, the MoE layer pattern; the dense path keeps
-its ModelConfig; the engine serves all five architectures and names them when refusing
+the nested text config of composite checkpoints, the MoE layer pattern; a recurrent state
+dtype other than the float32 Tandem keeps is named in a warning; the dense path keeps its
+ModelConfig; the engine serves all five architectures and names them when refusing
 another."""
 
 from __future__ import annotations
