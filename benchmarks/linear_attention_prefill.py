@@ -17,7 +17,10 @@ from collections.abc import Callable
 
 import torch
 
-from tandem.core.kernels.cpu.linear_attention import native_linear_attention
+from tandem.core.kernels.cpu.linear_attention import (
+    NativeLinearAttention,
+    native_linear_attention,
+)
 from tandem.core.kernels.linear_attention_metadata import build_linear_attention_metadata
 from tandem.core.kernels.reference.causal_conv1d import (
     causal_conv1d_prefill,
@@ -34,23 +37,35 @@ DECODES = 48
 EVICT_BYTES = 64 << 20
 
 
-def cases(lens: list[int]) -> dict[str, Callable[[], torch.Tensor]]:
+def layer_inputs(n: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """One layer's inputs for ``n`` tokens: q, k, v, g, beta, the conv input and its taps."""
+    dt = torch.bfloat16
+    q, k = (torch.randn(n, 4, 64, generator=gen).to(dt) for _ in range(2))
+    v = torch.randn(n, 8, 64, generator=gen).to(dt)
+    g, beta = -torch.rand(n, 8, generator=gen), torch.rand(n, 8, generator=gen).to(dt)
+    x = torch.randn(n, 1024, generator=gen).to(dt)
+    taps = torch.randn(1024, 4, generator=gen).to(dt)
+    return q, k, v, g, beta, x, taps
+
+
+def native_kernels() -> NativeLinearAttention:
     kernel = native_linear_attention()
     if kernel is None:
         raise SystemExit("no native linear-attention kernels here (no compiler?)")
-    n, dt, gen = sum(lens), torch.bfloat16, torch.Generator().manual_seed(0)
+    return kernel
+
+
+def cases(lens: list[int]) -> dict[str, Callable[[], torch.Tensor]]:
+    kernel = native_kernels()
+    gen = torch.Generator().manual_seed(0)
     query_lens = torch.tensor(lens)
     meta = build_linear_attention_metadata(
         query_lens, query_lens, torch.arange(1, len(lens) + 1), num_decodes=0,
         conv_kernel_size=4, device=torch.device("cpu"),
     )  # fmt: skip
-    q, k = (torch.randn(n, 4, 64, generator=gen).to(dt) for _ in range(2))
-    v = torch.randn(n, 8, 64, generator=gen).to(dt)
-    g, beta = -torch.rand(n, 8, generator=gen), torch.rand(n, 8, generator=gen).to(dt)
+    q, k, v, g, beta, x, taps = layer_inputs(sum(lens), gen)
     states = torch.zeros(len(lens) + 1, 8, 64, 64)
-    x = torch.randn(n, 1024, generator=gen).to(dt)
-    taps = torch.randn(1024, 4, generator=gen).to(dt)
-    conv_states = torch.zeros(len(lens) + 1, 1024, 3, dtype=dt)
+    conv_states = torch.zeros(len(lens) + 1, 1024, 3, dtype=x.dtype)
     return {
         "delta torch": lambda: chunk_gated_delta_rule(q, k, v, g, beta, states, meta),
         "delta native": lambda: kernel.recurrent_prefill(q, k, v, g, beta, states, meta),
@@ -61,21 +76,15 @@ def cases(lens: list[int]) -> dict[str, Callable[[], torch.Tensor]]:
 
 def decode_cases() -> dict[str, Callable[[], torch.Tensor]]:
     """One decode step of ``DECODES`` sequences whose slots are every third of the pool."""
-    kernel = native_linear_attention()
-    if kernel is None:
-        raise SystemExit("no native linear-attention kernels here (no compiler?)")
-    n, dt, gen = DECODES, torch.bfloat16, torch.Generator().manual_seed(1)
+    kernel = native_kernels()
+    n, gen = DECODES, torch.Generator().manual_seed(1)
     meta = build_linear_attention_metadata(
         torch.ones(n, dtype=torch.long), torch.full((n,), 300), torch.arange(1, n + 1) * 3,
         num_decodes=n, conv_kernel_size=4, device=torch.device("cpu"),
     )  # fmt: skip
-    q, k = (torch.randn(n, 4, 64, generator=gen).to(dt) for _ in range(2))
-    v = torch.randn(n, 8, 64, generator=gen).to(dt)
-    g, beta = -torch.rand(n, 8, generator=gen), torch.rand(n, 8, generator=gen).to(dt)
+    q, k, v, g, beta, x, taps = layer_inputs(n, gen)
     states = torch.randn(3 * n + 1, 8, 64, 64, generator=gen) * 0.01
-    x = torch.randn(n, 1024, generator=gen).to(dt)
-    taps = torch.randn(1024, 4, generator=gen).to(dt)
-    conv_states = torch.randn(3 * n + 1, 1024, 3, generator=gen).to(dt)
+    conv_states = torch.randn(3 * n + 1, 1024, 3, generator=gen).to(x.dtype)
     return {
         "delta torch": lambda: recurrent_gated_delta_rule(q, k, v, g, beta, states, meta),
         "delta native": lambda: kernel.recurrent(q, k, v, g, beta, states, meta),
