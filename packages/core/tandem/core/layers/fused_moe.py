@@ -7,9 +7,9 @@ caller all-reduces once.
 
 Compute: the ``fused_moe`` kernel (``kernels/handles.py``). On CPUs where a grouped kernel
 serves the model's dtype (``pack_expert_weights``: the AVX2 float32 kernel, the AVX-512
-float32 and AVX512-BF16 ones), the experts' weights are packed once at load and each
-projection is one grouped call for every active expert (``kernels/cpu/grouped_moe.py``);
-the plain weights are then dropped: one copy of the model.
+float32 and AVX512-BF16 ones, the AMX bfloat16 one), the experts' weights are packed once at
+load and each projection is one grouped call for every active expert
+(``kernels/cpu/grouped_moe.py``); the plain weights are then dropped: one copy of the model.
 
 Checkpoints name experts either one by one (``experts.{e}.gate_proj.weight``, ``up_proj``,
 ``down_proj``: Qwen3-MoE releases, and what transformers 5 writes) or fused
@@ -198,8 +198,8 @@ class FusedMoeExperts(RoutedExperts):
 
 def pack_expert_weights(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
     """Pack the routed experts of a loaded CPU model for the grouped kernel of the one that
-    serves its dense layers in ``dtype`` (AVX2 float32, AVX-512 float32, AVX512-BF16; not
-    the AMX kernel, whose bfloat16 experts stay on oneDNN); returns how many blocks."""
+    serves its dense layers in ``dtype`` (AVX2 float32, AVX-512 float32, AVX512-BF16, AMX
+    bfloat16); returns how many blocks."""
     kernel = grouped_expert_kernel(dtype) if device.type == "cpu" else None
     if kernel is None:
         return 0

@@ -1,7 +1,9 @@
-"""The grouped expert kernels (AVX2 float32, AVX-512 float32, AVX512-BF16): one call per
-projection for every active expert, against float64, and the MoE block on them against the
-per-expert torch path (float32) or float64 (bfloat16); offsets they cannot trust are
-refused. Each is skipped where this CPU or ISA level does not serve its dtype with it.
+"""The grouped expert kernels (AVX2 float32, AVX-512 float32, AVX512-BF16, AMX bfloat16):
+one call per projection for every active expert, against float64, and the MoE block on them
+against the per-expert torch path (float32) or float64 (bfloat16); offsets they cannot trust
+are refused. Each is skipped where this CPU or ISA level does not serve its dtype with it,
+except the AMX kernel's test build on emulated tiles ("amx-emulated"), which every CPU runs
+where the kernel is called directly.
 
 Tolerance, per element: a float32 dot product over K terms is within gamma_K times the sum
 of |a_k b_k| of exact (Higham, sec. 3.1) in any order. Through the block: the gate/up
@@ -21,6 +23,7 @@ by a factor (1 + 8 u_b) on the whole bound."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import cache
 
 import pytest
 import torch
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 
 from tandem.collectives import SingleRankGroup
 from tandem.core.kernels.cpu import startup
+from tandem.core.kernels.cpu.amx_linear import AmxLinear, load_amx_linear
 from tandem.core.kernels.cpu.avx2_linear import Avx2Linear, pack_experts
 from tandem.core.kernels.cpu.avx512_linear import Avx512Linear, avx512_linear
 from tandem.core.kernels.cpu.elementwise import native_elementwise
@@ -41,15 +45,28 @@ from tandem.device.cpu import collapse_to_huge_pages
 U = 2.0**-24
 U_BF16 = 2.0**-8
 CPU = torch.device("cpu")
-KERNELS = ["avx2-float32", "avx512-float32", "avx512-bfloat16"]
+KERNELS = ["avx2-float32", "avx512-float32", "avx512-bfloat16", "amx-bfloat16", "amx-emulated"]
+# The kernels the engine may pack experts for (not the emulated test build).
+ENGINE_KERNELS = KERNELS[:-1]
 
 
 def _gamma(k: int) -> float:
     return k * U / (1 - k * U)
 
 
+@cache
+def _emulated_amx() -> AmxLinear | None:
+    return load_amx_linear(emulated=True)
+
+
 def _kernel(which: str = "avx2-float32") -> GroupedExpertKernel:
-    """The grouped kernel ``which`` names, where the engine would pack experts for it."""
+    """The grouped kernel ``which`` names, where the engine would pack experts for it (the
+    emulated AMX build: wherever a compiler is)."""
+    if which == "amx-emulated":
+        emulated = _emulated_amx()
+        if emulated is None:
+            pytest.skip("no C++ compiler")
+        return emulated
     isa, dtype_name = which.split("-")
     dtype = getattr(torch, dtype_name)
     kernel = native_kernel(dtype) if packing_enabled(dtype) else None
@@ -61,8 +78,17 @@ def _kernel(which: str = "avx2-float32") -> GroupedExpertKernel:
         if chosen is None or kernel is not chosen:
             pytest.skip(f"the AVX-512 kernel does not serve {dtype_name} on this CPU or ISA level")
         return chosen
+    if isa == "amx":
+        if not isinstance(kernel, AmxLinear):
+            pytest.skip("the AMX kernel does not serve bfloat16 on this CPU or ISA level")
+        return kernel
     assert isinstance(kernel, Avx2Linear)
     return kernel
+
+
+def _k(kernel: GroupedExpertKernel, k: int) -> int:
+    """``k`` as the kernel takes it: the AMX kernel's K a multiple of its 32-deep steps."""
+    return -(-k // 32) * 32 if isinstance(kernel, AmxLinear) else k
 
 
 @pytest.mark.parametrize("which", KERNELS)
@@ -74,11 +100,12 @@ def test_one_call_multiplies_each_experts_rows_by_its_weight(
     rows_per_expert: list[int], k: int, which: str
 ) -> None:
     kernel = _kernel(which)
+    k = _k(kernel, k)
     experts, n = len(rows_per_expert), 192
     g = torch.Generator().manual_seed(len(rows_per_expert))
     weight = (torch.randn(experts, n, k, generator=g) * 0.05).to(kernel.dtype)
     packed = kernel.pack_experts(weight)
-    assert packed is not None and packed.panel in (16, 64)
+    assert packed is not None and packed.panel in (16, 32, 64)
     offsets = torch.tensor([0, *torch.tensor(rows_per_expert).cumsum(0).tolist()])
     x = torch.randn(int(offsets[-1]), k, generator=g).to(kernel.dtype)
     got = kernel.grouped_matmul(x, packed, offsets)
@@ -141,8 +168,11 @@ def test_the_block_on_the_grouped_kernel_matches_the_per_expert_path(which: str)
     assert bool(((got.double() - want.double()).abs() <= bound + 1e-12).all())
 
 
-def test_the_block_on_the_bfloat16_kernel_is_within_bfloat16_roundings_of_float64() -> None:
-    kernel = _kernel("avx512-bfloat16")
+@pytest.mark.parametrize("which", ["avx512-bfloat16", "amx-bfloat16"])
+def test_the_block_on_the_bfloat16_kernel_is_within_bfloat16_roundings_of_float64(
+    which: str,
+) -> None:
+    kernel = _kernel(which)
     hidden, experts, inter, top_k, tokens = 128, 8, 96, 2, 61
     g = torch.Generator().manual_seed(5)
     block = FusedMoeExperts(experts, hidden, inter, "silu", SingleRankGroup())
@@ -188,12 +218,17 @@ def test_other_dtypes_and_shapes_stay_on_the_torch_path() -> None:
         assert kernels.float32.pack_experts(torch.randn(2, 64, 32).bfloat16()) is None
         if kernels.bfloat16 is not None:
             assert kernels.bfloat16.pack_experts(torch.randn(2, 64, 33).bfloat16()) is None
+    amx = _emulated_amx()
+    if amx is not None:
+        assert amx.pack_experts(torch.randn(2, 48, 64).bfloat16()) is None  # off 32 columns
+        assert amx.pack_experts(torch.randn(2, 64, 48).bfloat16()) is None  # K off 32
+        assert amx.pack_experts(torch.randn(2, 64, 64)) is None
     block = FusedMoeExperts(4, 32, 16, "silu", SingleRankGroup())
     assert pack_expert_weights(block, CPU, torch.float16) == 0
     assert block._grouped is None
 
 
-@pytest.mark.parametrize("which", KERNELS)
+@pytest.mark.parametrize("which", ENGINE_KERNELS)
 def test_the_kernel_report_names_the_grouped_kernel_for_the_experts(which: str) -> None:
     kernel = _kernel(which)
     role = f"MoE experts {which.split('-')[1]}"
@@ -201,7 +236,7 @@ def test_the_kernel_report_names_the_grouped_kernel_for_the_experts(which: str) 
     assert row.kernel == f"grouped {kernel.name} kernel"
 
 
-@pytest.mark.parametrize("which", KERNELS)
+@pytest.mark.parametrize("which", ENGINE_KERNELS)
 def test_packed_experts_are_moved_to_huge_pages_whole_and_compute_the_same(
     which: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -250,8 +285,9 @@ def test_silu_in_the_gate_up_epilogue_is_the_unfused_activation_bit_for_bit(
     """The fused call against the grouped product then the elementwise SiLU-and-mul kernel:
     the same sums rounded the same way, then the same operations (both libraries built
     without FMA contraction), so equal to the bit. 700 rows: several row groups of an
-    expert (128 a group on AVX2, 512 on AVX-512)."""
+    expert (128 a group on AVX2, 512 on AVX-512, 32 a pass on AMX)."""
     kernel = _kernel(which)
+    k = _k(kernel, k)
     act = native_elementwise()
     if act is None:
         pytest.skip("no native elementwise kernels here")
@@ -262,7 +298,7 @@ def test_silu_in_the_gate_up_epilogue_is_the_unfused_activation_bit_for_bit(
     weight = (torch.randn(experts, 2 * inter, k, generator=g) * 0.05).to(kernel.dtype)
     packed = kernel.pack_experts(weight)
     assert packed is not None and kernel.gates_silu(packed)
-    assert packed.panel == (16 if inter == 48 else 64)
+    assert packed.panel == (16 if inter == 48 else 32 if isinstance(kernel, AmxLinear) else 64)
     offsets = torch.tensor([0, *torch.tensor(rows_per_expert).cumsum(0).tolist()])
     x = torch.randn(int(offsets[-1]), k, generator=g).to(kernel.dtype)
     got = kernel.grouped_silu_matmul(x, packed, offsets)
@@ -270,7 +306,7 @@ def test_silu_in_the_gate_up_epilogue_is_the_unfused_activation_bit_for_bit(
     assert torch.equal(got, act.silu_mul(kernel.grouped_matmul(x, packed, offsets)))
 
 
-@pytest.mark.parametrize("which", KERNELS)
+@pytest.mark.parametrize("which", ENGINE_KERNELS)
 def test_the_block_takes_the_fused_silu_only_where_both_halves_fill_panels(
     which: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -284,8 +320,9 @@ def test_the_block_takes_the_fused_silu_only_where_both_halves_fill_panels(
 
     monkeypatch.setattr(type(kernel), "grouped_silu_matmul", spy)
     g = torch.Generator().manual_seed(6)
-    # 96 columns a half: off the 64-column panels (N = 192 is packed in them on AVX2 too).
-    cases = [(128, True), (96, False)]
+    # 96 columns a half: off the 64-column panels (N = 192 is packed in them on AVX2 too),
+    # three of AMX's 32-column units.
+    cases = [(128, True), (96, isinstance(kernel, AmxLinear))]
     if isinstance(kernel, Avx2Linear):
         cases.append((48, True))  # N = 96 packed in 16-column panels: halves of three
     for inter, takes_it in cases:

@@ -8,6 +8,10 @@ batches (more than ``MAX_ROWS`` rows) stay with oneDNN. oneDNN does not document
 layout; each weight is adopted only after the kernel's product with it matched oneDNN's on a
 probe batch (``native_linear.PackedWeightKernel.adopt``).
 
+The routed experts of MoE models go through its grouped form at every batch size
+(``pack_experts``, ``grouped_matmul``, ``grouped_silu_matmul``; ``packed_experts.py``), each
+expert's weight in the same layout.
+
 Only where the CPU has AMX-BF16 and Linux grants the tile state; ``TANDEM_GEMM=onednn``
 keeps oneDNN at every batch size (said once in the log). A test build
 (``AMX_EMULATION_DEFINE``) runs the kernel on tiles emulated as Intel documents them, on any
@@ -29,6 +33,7 @@ from tandem.core.kernels.cpu.native_build import (
     amx_tiles_granted,
 )
 from tandem.core.kernels.cpu.native_linear import PackedWeightKernel, load_kernel_library
+from tandem.core.kernels.cpu.packed_experts import PackedExperts, bind_grouped, grouped_call
 from tandem.core.kernels.process_once import ProcessOnce
 
 logger = logging.getLogger(__name__)
@@ -57,6 +62,8 @@ class AmxLinear(PackedWeightKernel):
         if not self.emulated and not amx_tiles_granted():
             raise OSError("Linux did not grant the AMX tile state (arch_prctl)")
         self.bind(lib.tandem_amx_linear)
+        self._grouped = bind_grouped(lib.tandem_amx_grouped_linear, 0)
+        self._grouped_silu = bind_grouped(lib.tandem_amx_grouped_silu, 0)
 
     def readable(self, out_features: int, in_features: int) -> bool:
         # Shapes off the 32-blocks are padded by oneDNN; the kernel does not walk padding.
@@ -64,6 +71,44 @@ class AmxLinear(PackedWeightKernel):
 
     def packed_bytes(self, out_features: int, in_features: int) -> int:
         return out_features * in_features * 2
+
+    def pack_experts(self, weight: torch.Tensor) -> PackedExperts | None:
+        """``weight`` bfloat16 [E, N, K] with each expert in ``pack_amx_layout``'s layout, one
+        after another; None where N or K is off the 32-blocks."""
+        experts, out_features, in_features = weight.shape
+        if weight.dtype is not torch.bfloat16 or not self.readable(out_features, in_features):
+            return None
+        blocks = weight.detach().reshape(experts, out_features // 32, 32, in_features // 32, 16, 2)
+        packed = blocks.permute(0, 1, 3, 4, 2, 5).contiguous()
+        # The kernel stores packed x tiles with aligned stores but loads weight tiles from
+        # any address; 64-byte alignment keeps each weight row of a tile one cache line.
+        if packed.data_ptr() % 64 != 0:
+            return None
+        return PackedExperts(packed, experts, out_features, in_features, panel=32)
+
+    def grouped_matmul(
+        self, x: torch.Tensor, experts: PackedExperts, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows ``offsets[e]`` to ``offsets[e + 1]`` of ``x`` [M, K] (sorted by expert) times
+        expert ``e``'s weight, every expert in one call, at any M -> [M, N] (no host sync)."""
+        return grouped_call(self._grouped, self.name, self.dtype, x, experts, offsets)
+
+    def gates_silu(self, experts: PackedExperts) -> bool:
+        """Whether ``grouped_silu_matmul`` takes these gate/up weights: both halves whole
+        32-column units."""
+        return experts.out_features % 64 == 0
+
+    def grouped_silu_matmul(
+        self, x: torch.Tensor, experts: PackedExperts, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """``grouped_matmul`` of the experts' gate/up weights [E, 2 I, K] with SiLU-and-mul
+        as its epilogue -> [M, I], what ``silu_mul`` of the [M, 2 I] product gives, bit for
+        bit (bfloat16 sums below the normal range aside: the plain product's store reads
+        them as zero, as VCVTNEPS2BF16 does)."""
+        return grouped_call(
+            self._grouped_silu, f"{self.name} SiLU", self.dtype, x, experts, offsets,
+            out_features=experts.out_features // 2,
+        )  # fmt: skip
 
 
 def pack_amx_layout(weight: torch.Tensor) -> torch.Tensor:

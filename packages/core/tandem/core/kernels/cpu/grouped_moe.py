@@ -1,13 +1,14 @@
-"""The routed experts on a grouped CPU kernel (AVX2 float32, AVX-512 float32, AVX512-BF16):
-each projection one grouped call over every active expert (``packed_experts.py``). The
-per-expert offsets stay a tensor the kernel reads, so routing needs no host sync, and the
-(expert, panel) pairs are the work the cores share, where per-expert GEMMs of a dozen decode
-rows each left them mostly waiting on dispatch."""
+"""The routed experts on a grouped CPU kernel (AVX2 float32, AVX-512 float32, AVX512-BF16,
+AMX bfloat16): each projection one grouped call over every active expert
+(``packed_experts.py``). The per-expert offsets stay a tensor the kernel reads, so routing
+needs no host sync, and the (expert, panel) pairs are the work the cores share, where
+per-expert GEMMs of a dozen decode rows each left them mostly waiting on dispatch."""
 
 from __future__ import annotations
 
 import torch
 
+from tandem.core.kernels.cpu.amx_linear import AmxLinear
 from tandem.core.kernels.cpu.avx2_linear import Avx2Linear
 from tandem.core.kernels.cpu.avx512_linear import Avx512Linear
 from tandem.core.kernels.cpu.moe_routing import native_moe_routing
@@ -19,12 +20,11 @@ from tandem.core.kernels.reference.fused_moe import combine, sort_rows
 
 def grouped_expert_kernel(dtype: torch.dtype) -> GroupedExpertKernel | None:
     """The grouped kernel of the one that serves dense layers of ``dtype`` on this CPU (AVX2
-    float32, AVX-512 float32, AVX512-BF16), or None: the AMX kernel's CPUs keep bfloat16
-    experts on oneDNN, a GEMM per active expert (not measured there against this one)."""
+    float32, AVX-512 float32, AVX512-BF16, AMX bfloat16), or None."""
     if not packing_enabled(dtype):
         return None
     kernel = native_kernel(dtype)
-    return kernel if isinstance(kernel, Avx2Linear | Avx512Linear) else None
+    return kernel if isinstance(kernel, Avx2Linear | Avx512Linear | AmxLinear) else None
 
 
 def grouped_fused_moe(

@@ -155,7 +155,7 @@ def _experts_choice(dtype: torch.dtype) -> KernelChoice:
     role = f"MoE experts {str(dtype).removeprefix('torch.')}"
     kernel = grouped_expert_kernel(dtype)
     if kernel is None:
-        why = "no grouped kernel for this dtype and CPU (AMX CPUs' bfloat16: oneDNN per expert)"
+        why = "no grouped kernel for this dtype and CPU"
         return KernelChoice(role, "torch, a GEMM per active expert", why)
     why = "every active expert in one call per projection, weights packed at load"
     return KernelChoice(role, f"grouped {kernel.name} kernel", why)

@@ -8,6 +8,14 @@
 // per decode step of the 111M-parameter bench model (benchmarks/attention_step.py).
 // Prefill-size M stays with oneDNN, which reuses each weight tile over many rows better.
 //
+// The routed experts of MoE models have a grouped form (tandem_amx_grouped_linear, and
+// _silu with SiLU-and-mul in the epilogue): every expert's rows through its own weight in
+// one call at any M, (expert, 32-column unit) pairs the items the threads share
+// (expert_items.h), where oneDNN would run a GEMM per active expert with a dozen decode rows
+// each. Measured on the bench MoE's experts (8 of 640, hidden 512, top 2), 12 layers from
+// memory, ms a layer against that per-expert path: 0.18 / 0.47 at 1 token, 0.81 / 1.93 at
+// 48, 7.7 / 8.8 at 2048 (benchmarks/moe_experts.py).
+//
 // The packed layout (what torch.ops.mkldnn._reorder_linear_weight gives for bfloat16 on AMX
 // CPUs when N and K are multiples of 32): [N / 32][K / 32][16 k-pairs][32 n][2 k], i.e. per
 // 32-column unit and 32-deep K step one 2 KiB block whose two 16-column halves are AMX B
@@ -24,6 +32,7 @@
 // plain C++, so any CPU runs and checks the kernel's walk of the layout.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -34,6 +43,7 @@
     defined(TANDEM_AMX_EMULATE)
 
 #include "amx_tiles.h"
+#include "expert_items.h"
 #include "vec_math.h"
 
 namespace {
@@ -82,64 +92,213 @@ inline void pack_row(uint16_t* dst, const uint16_t* row) {
 #endif
 }
 
-// Two x tiles against one 32-column unit over all of K: C0..C3. `fetch`: the first pass
-// over the unit, which reads its weight from memory, a block ahead of the tiles (later passes
-// find it in L2).
-inline void pass_2x2(const uint16_t* xp, int64_t x_step, const uint16_t* w, int64_t steps,
-                     uint16_t* out, int64_t ldo, int64_t rows_hi, bool fetch) {
+// The float32 sums of a pass, tile by tile: c[t * 256 + row * 16 + column], tile t = 2 *
+// (x tile) + (16-column half of the unit).
+constexpr int64_t kTileFloats = 256;
+
+// Prefetches weight block `next` (2 KiB) into the caches, if there is one.
+inline void fetch_block(const uint16_t* next) {
+  if (next == nullptr) return;
+  const char* ahead = reinterpret_cast<const char*>(next);
+  for (int line = 0; line < 2 * kBlock; line += 64) __builtin_prefetch(ahead + line, 0, 3);
+}
+
+// Where a pass finds its x tiles in the packed x: step s of the first x tile at
+// xp + s * step, the second x tile `next` elements after the first.
+struct XTiles {
+  const uint16_t* xp;
+  int64_t step;
+  int64_t next;
+};
+
+// Two x tiles against one 32-column unit over all of K: four tiles of sums into c.
+// `after`: where the weight stream goes once this unit is read (null: nowhere, the unit is
+// in L2 from an earlier pass); each step then fetches the block after it, a block ahead of
+// the tiles.
+inline void pass_2x2(XTiles x, const uint16_t* w, int64_t steps, const uint16_t* after,
+                     float* c) {
   TANDEM_TILE_ZERO(0);
   TANDEM_TILE_ZERO(1);
   TANDEM_TILE_ZERO(2);
   TANDEM_TILE_ZERO(3);
   for (int64_t s = 0; s < steps; ++s) {
     const uint16_t* b = w + s * kBlock;
-    if (fetch) {
-      const char* ahead = reinterpret_cast<const char*>(b + kBlock);
-      for (int line = 0; line < 2 * kBlock; line += 64) __builtin_prefetch(ahead + line, 0, 3);
-    }
-    const uint16_t* a = xp + s * x_step;
+    if (after != nullptr) fetch_block(s + 1 < steps ? b + kBlock : after);
+    const uint16_t* a = x.xp + s * x.step;
     TANDEM_TILE_LOADD(6, b, kBStride);
     TANDEM_TILE_LOADD(7, b + 32, kBStride);
     TANDEM_TILE_LOADD(4, a, 64);
-    TANDEM_TILE_LOADD(5, a + kTile, 64);
+    TANDEM_TILE_LOADD(5, a + x.next, 64);
     TANDEM_TILE_DPBF16PS(0, 4, 6);
     TANDEM_TILE_DPBF16PS(1, 4, 7);
     TANDEM_TILE_DPBF16PS(2, 5, 6);
     TANDEM_TILE_DPBF16PS(3, 5, 7);
   }
-  alignas(64) float c[256];
   TANDEM_TILE_STORED(0, c, 64);
-  store_rows(out, ldo, c, 16);
-  TANDEM_TILE_STORED(1, c, 64);
-  store_rows(out + 16, ldo, c, 16);
-  TANDEM_TILE_STORED(2, c, 64);
-  store_rows(out + 16 * ldo, ldo, c, rows_hi);
-  TANDEM_TILE_STORED(3, c, 64);
-  store_rows(out + 16 * ldo + 16, ldo, c, rows_hi);
+  TANDEM_TILE_STORED(1, c + kTileFloats, 64);
+  TANDEM_TILE_STORED(2, c + 2 * kTileFloats, 64);
+  TANDEM_TILE_STORED(3, c + 3 * kTileFloats, 64);
 }
 
-// One x tile against one unit: C0, C1; `fetch` as for pass_2x2.
-inline void pass_1x2(const uint16_t* xp, int64_t x_step, const uint16_t* w, int64_t steps,
-                     uint16_t* out, int64_t ldo, int64_t rows, bool fetch) {
+// One x tile against one unit: two tiles of sums into c; `after` as for pass_2x2.
+inline void pass_1x2(XTiles x, const uint16_t* w, int64_t steps, const uint16_t* after,
+                     float* c) {
   TANDEM_TILE_ZERO(0);
   TANDEM_TILE_ZERO(1);
   for (int64_t s = 0; s < steps; ++s) {
     const uint16_t* b = w + s * kBlock;
-    if (fetch) {
-      const char* ahead = reinterpret_cast<const char*>(b + kBlock);
-      for (int line = 0; line < 2 * kBlock; line += 64) __builtin_prefetch(ahead + line, 0, 3);
-    }
+    if (after != nullptr) fetch_block(s + 1 < steps ? b + kBlock : after);
     TANDEM_TILE_LOADD(6, b, kBStride);
     TANDEM_TILE_LOADD(7, b + 32, kBStride);
-    TANDEM_TILE_LOADD(4, xp + s * x_step, 64);
+    TANDEM_TILE_LOADD(4, x.xp + s * x.step, 64);
     TANDEM_TILE_DPBF16PS(0, 4, 6);
     TANDEM_TILE_DPBF16PS(1, 4, 7);
   }
-  alignas(64) float c[256];
   TANDEM_TILE_STORED(0, c, 64);
-  store_rows(out, ldo, c, rows);
-  TANDEM_TILE_STORED(1, c, 64);
-  store_rows(out + 16, ldo, c, rows);
+  TANDEM_TILE_STORED(1, c + kTileFloats, 64);
+}
+
+// The sums of a unit's rows [0, rows) (at most 32: x's first tile and, past 16 rows, its
+// second) into c (pass_2x2's layout), whichever pass the row count needs.
+inline void unit_rows(XTiles x, const uint16_t* w, int64_t steps, int64_t rows,
+                      const uint16_t* after, float* c) {
+  if (rows > 16) {
+    pass_2x2(x, w, steps, after, c);
+  } else {
+    pass_1x2(x, w, steps, after, c);
+  }
+}
+
+// Rows [0, rows) of a unit's sums (c as pass_2x2 leaves them), rounded, into out (row
+// stride ldo, the unit's first column).
+inline void store_unit(uint16_t* out, int64_t ldo, const float* c, int64_t rows) {
+  store_rows(out, ldo, c, std::min<int64_t>(rows, 16));
+  store_rows(out + 16, ldo, c + kTileFloats, std::min<int64_t>(rows, 16));
+  if (rows > 16) {
+    store_rows(out + 16 * ldo, ldo, c + 2 * kTileFloats, rows - 16);
+    store_rows(out + 16 * ldo + 16, ldo, c + 3 * kTileFloats, rows - 16);
+  }
+}
+
+// Rows [0, rows) of silu(gate) * up, the sums of a gate unit and its up unit, into out (row
+// stride ldo, the unit's first column): elementwise.cpp's silu_mul to the bit (vec_math.h).
+inline void store_silu_unit(uint16_t* out, int64_t ldo, const float* gate, const float* up,
+                            int64_t rows) {
+  for (int64_t t = 0; t < 4; ++t) {
+    const int64_t valid = std::min<int64_t>(16, rows - (t / 2) * 16);
+    if (valid <= 0) break;
+    tandem::silu_rows(out + (t / 2) * 16 * ldo + (t % 2) * 16, ldo, gate + t * kTileFloats,
+                      up + t * kTileFloats, valid, /*width=*/16);
+  }
+}
+
+// The tiles of a thread for the life of one parallel region (8 tiles of 16 rows x 64
+// bytes, released at the end): oneDNN's AMX kernels run on these threads too, with
+// configurations of their own, but never inside our regions. Declared first thing inside
+// each `omp parallel`.
+struct TileScope {
+  TileScope() { configure_tiles(); }
+  ~TileScope() { TANDEM_TILE_RELEASE(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
+// x's rows in tile order for the grouped kernels: [tiles][K / 32][16 rows][32], each
+// expert's rows from a tile of their own (base[e], zero rows up to the next expert's), so
+// an x tile never holds two experts' rows. Tile-major (one x tile's K steps one contiguous
+// run), where the dense kernel's few tiles are step-major: a prefill's hundreds of tiles
+// step-major would put a tile's steps hundreds of KiB apart, on the same few L1 sets.
+struct GroupedX {
+  std::vector<int64_t> base;  // first tile of each expert; base[experts]: the tile count
+  std::vector<int64_t> expert;  // the expert of each tile
+  uint16_t* xp = nullptr;
+};
+
+inline void plan_grouped_x(const int64_t* offsets, int64_t experts, int64_t steps,
+                           GroupedX& g) {
+  g.base.assign(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) {
+    g.base[e + 1] = g.base[e] + (offsets[e + 1] - offsets[e] + 15) / 16;
+  }
+  g.expert.resize(g.base[experts]);
+  for (int64_t e = 0; e < experts; ++e) {
+    for (int64_t t = g.base[e]; t < g.base[e + 1]; ++t) g.expert[t] = e;
+  }
+  thread_local std::vector<uint16_t> packed_x;
+  packed_x.resize(g.base[experts] * steps * kTile + 32);
+  g.xp = reinterpret_cast<uint16_t*>(
+      (reinterpret_cast<uintptr_t>(packed_x.data()) + 63) & ~static_cast<uintptr_t>(63));
+}
+
+// x tile t into the packed layout: its 16 rows (zeros past its expert's), every K step.
+inline void pack_grouped_tile(const uint16_t* x, int64_t ldx, const int64_t* offsets,
+                              const GroupedX& g, int64_t steps, int64_t t) {
+  const int64_t e = g.expert[t];
+  const int64_t r0 = offsets[e] + (t - g.base[e]) * 16;
+  uint16_t* dst = g.xp + t * steps * kTile;
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int64_t m = 0; m < 16; ++m) {
+      const int64_t row = r0 + m;
+      pack_row(dst + s * kTile + m * 32, row < offsets[e + 1] ? x + row * ldx + s * 32 : nullptr);
+    }
+  }
+}
+
+// The grouped product (SILU: the fused gate/up one). An item is (expert, unit) or, fused,
+// (expert, gate unit q): gate unit q and up unit units / 2 + q give output columns
+// [32 q, 32 q + 32) of silu(gate) * up. The expert's rows go through in passes of up to 32
+// (two x tiles), the unit's weight read from memory in the first and from L2 after it.
+template <bool SILU>
+int grouped(uint16_t* out, const uint16_t* x, const uint16_t* w, const int64_t* offsets,
+            int64_t experts, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo,
+            int32_t num_threads) {
+  if (experts < 1 || N <= 0 || K <= 0 || K % 32 != 0 || N % (SILU ? 64 : 32) != 0) return 1;
+  const int64_t steps = K / 32;
+  const int64_t units = N / 32;
+  const int64_t per_expert = SILU ? units / 2 : units;  // items per expert
+  std::vector<int64_t> items;
+  if (!tandem::expert_items(offsets, experts, M, per_expert, items)) return 1;
+  const int64_t count = static_cast<int64_t>(items.size());
+  GroupedX g;
+  plan_grouped_x(offsets, experts, steps, g);
+  const auto unit_of = [&](int64_t item, int64_t which) {
+    const int64_t e = item / per_expert;
+    const int64_t u = item % per_expert + which * (units / 2);
+    return w + (e * units + u) * steps * kBlock;
+  };
+  const int threads =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, count)));
+  std::atomic<int64_t> counter{0};
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for
+    for (int64_t t = 0; t < g.base[experts]; ++t) pack_grouped_tile(x, ldx, offsets, g, steps, t);
+    [[maybe_unused]] const TileScope tiles;
+    alignas(64) float sums[2][4 * kTileFloats];
+    auto body = [&](int64_t i, int64_t following) {
+      const int64_t e = items[i] / per_expert;
+      const int64_t column = (items[i] % per_expert) * 32;
+      const uint16_t* next = following < 0 ? nullptr : unit_of(items[following], 0);
+      for (int64_t t = g.base[e]; t < g.base[e + 1]; t += 2) {
+        const int64_t r0 = offsets[e] + (t - g.base[e]) * 16;
+        const int64_t rows = std::min<int64_t>(32, offsets[e + 1] - r0);
+        const bool first = t == g.base[e];
+        const XTiles xt{g.xp + t * steps * kTile, kTile, steps * kTile};
+        uint16_t* o = out + r0 * ldo + column;
+        if constexpr (SILU) {
+          unit_rows(xt, unit_of(items[i], 0), steps, rows,
+                    first ? unit_of(items[i], 1) : nullptr, sums[0]);
+          unit_rows(xt, unit_of(items[i], 1), steps, rows, first ? next : nullptr, sums[1]);
+          store_silu_unit(o, ldo, sums[0], sums[1], rows);
+        } else {
+          unit_rows(xt, unit_of(items[i], 0), steps, rows, first ? next : nullptr, sums[0]);
+          store_unit(o, ldo, sums[0], rows);
+        }
+      }
+    };
+    tandem::claim_items(counter, count, body);
+  }
+  return 0;
 }
 
 }  // namespace
@@ -179,27 +338,45 @@ int tandem_amx_linear(void* out, const void* x, const void* w, int64_t M, int64_
                  m < M ? xs + m * ldx + s * 32 : nullptr);
       }
     }
-    configure_tiles();
+    [[maybe_unused]] const TileScope tiles;
+    alignas(64) float sums[4 * kTileFloats];
     const int team = omp_get_num_threads();
     const int id = omp_get_thread_num();
     const int64_t lo = units * id / team;
     const int64_t hi = units * (id + 1) / team;
     for (int64_t u = lo; u < hi; ++u) {
       const uint16_t* wu = wp + u * steps * kBlock;
-      uint16_t* ou = o + u * 32;
-      int64_t t = 0;
-      for (; t + 2 <= x_tiles; t += 2) {
-        const int64_t rows_hi = std::min<int64_t>(16, M - (t + 1) * 16);
-        pass_2x2(xp + t * kTile, x_step, wu, steps, ou + t * 16 * ldo, ldo, rows_hi, t == 0);
-      }
-      if (t < x_tiles) {
-        pass_1x2(xp + t * kTile, x_step, wu, steps, ou + t * 16 * ldo, ldo,
-                 std::min<int64_t>(16, M - t * 16), t == 0);
+      for (int64_t t = 0; t < x_tiles; t += 2) {
+        const int64_t rows = std::min<int64_t>(32, M - t * 16);
+        // The first pass streams the unit from memory and on into the next one.
+        const XTiles xt{xp + t * kTile, x_step, kTile};
+        unit_rows(xt, wu, steps, rows, t == 0 ? wu + steps * kBlock : nullptr, sums);
+        store_unit(o + t * 16 * ldo + u * 32, ldo, sums, rows);
       }
     }
-    TANDEM_TILE_RELEASE();
   }
   return 0;
+}
+
+// Routed experts, every expert in one call: rows [offsets[e], offsets[e + 1]) of x (sorted
+// by expert) times expert e's weight [N, K], packed as above, the experts one after
+// another. Returns 0, or 1 for offsets out of order or past M, N or K off the 32-blocks.
+int tandem_amx_grouped_linear(void* out, const void* x, const void* w, const int64_t* offsets,
+                              int64_t experts, int64_t M, int64_t N, int64_t K, int64_t ldx,
+                              int64_t ldo, int32_t num_threads) {
+  return grouped<false>(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(x),
+                        static_cast<const uint16_t*>(w), offsets, experts, M, N, K, ldx, ldo,
+                        num_threads);
+}
+
+// The gate/up projection with SiLU-and-mul fused: each expert's weight [2 I, K] (gate rows,
+// then up rows; I a multiple of 32), out [M, I] = silu(x . gate) * (x . up).
+int tandem_amx_grouped_silu(void* out, const void* x, const void* w, const int64_t* offsets,
+                            int64_t experts, int64_t M, int64_t N, int64_t K, int64_t ldx,
+                            int64_t ldo, int32_t num_threads) {
+  return grouped<true>(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(x),
+                       static_cast<const uint16_t*>(w), offsets, experts, M, N, K, ldx, ldo,
+                       num_threads);
 }
 
 }  // extern "C"
@@ -211,6 +388,14 @@ int tandem_amx_built() { return 0; }
 int tandem_amx_emulated() { return 0; }
 int tandem_amx_linear(void*, const void*, const void*, int64_t, int64_t, int64_t, int64_t,
                       int64_t, int32_t) {
+  return 1;
+}
+int tandem_amx_grouped_linear(void*, const void*, const void*, const int64_t*, int64_t,
+                              int64_t, int64_t, int64_t, int64_t, int64_t, int32_t) {
+  return 1;
+}
+int tandem_amx_grouped_silu(void*, const void*, const void*, const int64_t*, int64_t, int64_t,
+                            int64_t, int64_t, int64_t, int64_t, int32_t) {
   return 1;
 }
 }  // extern "C"

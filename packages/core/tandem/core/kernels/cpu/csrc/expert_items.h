@@ -1,7 +1,8 @@
 // The work items of a grouped expert GEMM, shared by the kernels that have one
-// (avx2_linear.cpp, avx512_linear.cpp): expert e's rows of x are [offsets[e], offsets[e + 1]),
-// and every (expert, panel) pair with rows is one item the threads share, so a decode step's
-// dozen rows per expert still keep every core busy. Header-only.
+// (avx2_linear.cpp, avx512_linear.cpp, amx_linear.cpp): expert e's rows of x are
+// [offsets[e], offsets[e + 1]), and every (expert, panel) pair with rows is one item the
+// threads share, so a decode step's dozen rows per expert still keep every core busy.
+// Header-only.
 
 #pragma once
 
@@ -29,6 +30,19 @@ inline bool expert_items(const int64_t* offsets, int64_t experts, int64_t M, int
   return true;
 }
 
+// One thread's share of claim_ahead, inside a parallel region the caller opened (a kernel
+// that sets up per-thread state first, such as AMX tiles): the team shares `counter`,
+// which starts at zero.
+template <class Body>
+void claim_items(std::atomic<int64_t>& counter, int64_t count, Body& body) {
+  int64_t current = counter.fetch_add(1);
+  while (current < count) {
+    const int64_t following = counter.fetch_add(1);
+    body(current, following < count ? following : -1);
+    current = following;
+  }
+}
+
 // Runs body(item, following) for items [0, count) on `threads` threads, each thread claiming
 // its next item before it starts the current one (following: that next item, or -1): the
 // current item's last chunk can prefetch the next one's weights, where OpenMP's dynamic
@@ -38,14 +52,7 @@ template <class Body>
 void claim_ahead(int64_t count, int threads, Body body) {
   std::atomic<int64_t> counter{0};
 #pragma omp parallel num_threads(threads)
-  {
-    int64_t current = counter.fetch_add(1);
-    while (current < count) {
-      const int64_t following = counter.fetch_add(1);
-      body(current, following < count ? following : -1);
-      current = following;
-    }
-  }
+  claim_items(counter, count, body);
 }
 
 }  // namespace tandem
