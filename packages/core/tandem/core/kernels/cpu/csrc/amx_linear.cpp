@@ -59,22 +59,25 @@ constexpr int64_t kBlock = 1024;     // elements of one packed 32 x 32 block
 constexpr int64_t kTile = 512;       // elements of one 16 x 32 x tile
 constexpr int64_t kBStride = 128;    // bytes between the rows of a B tile within a block
 
-// rows [0, valid) of a 16 x 16 float32 tile, rounded to bfloat16, into out (row stride ldo).
+// Rows [0, valid) of a unit's float32 sums (32 a row), rounded to bfloat16, into out (row
+// stride ldo).
 inline void store_rows(uint16_t* out, int64_t ldo, const float* c, int64_t valid) {
   for (int64_t m = 0; m < valid; ++m) {
 #if defined(TANDEM_AMX_EMULATE)
     // VCVTNEPS2BF16's rounding: nearest even, denormal inputs read as zero.
-    for (int n = 0; n < 16; ++n) {
+    for (int n = 0; n < 32; ++n) {
       uint32_t bits;
-      std::memcpy(&bits, c + m * 16 + n, 4);
+      std::memcpy(&bits, c + m * 32 + n, 4);
       if ((bits & 0x7f800000u) == 0) bits &= 0x80000000u;
       float v;
       std::memcpy(&v, &bits, 4);
       out[m * ldo + n] = tandem::float_to_bf16(v);
     }
 #else
-    const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(c + m * 16));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * ldo), reinterpret_cast<const __m256i&>(b));
+    // Columns 0-15 from the second operand, 16-31 from the first.
+    const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(c + m * 32 + 16),
+                                              _mm512_loadu_ps(c + m * 32));
+    _mm512_storeu_si512(out + m * ldo, reinterpret_cast<const __m512i&>(both));
 #endif
   }
 }
@@ -92,9 +95,10 @@ inline void pack_row(uint16_t* dst, const uint16_t* row) {
 #endif
 }
 
-// The float32 sums of a pass, tile by tile: c[t * 256 + row * 16 + column], tile t = 2 *
-// (x tile) + (16-column half of the unit).
-constexpr int64_t kTileFloats = 256;
+// The float32 sums of a pass: c[row * 32 + column], the unit's 32 columns a row (the
+// tiles stored 128 bytes a row), so the epilogue walks whole rows.
+constexpr int64_t kSumRow = 32;
+constexpr int64_t kSumStride = kSumRow * 4;  // bytes
 
 // Prefetches weight block `next` (2 KiB) into the caches, if there is one.
 inline void fetch_block(const uint16_t* next) {
@@ -134,10 +138,10 @@ inline void pass_2x2(XTiles x, const uint16_t* w, int64_t steps, const uint16_t*
     TANDEM_TILE_DPBF16PS(2, 5, 6);
     TANDEM_TILE_DPBF16PS(3, 5, 7);
   }
-  TANDEM_TILE_STORED(0, c, 64);
-  TANDEM_TILE_STORED(1, c + kTileFloats, 64);
-  TANDEM_TILE_STORED(2, c + 2 * kTileFloats, 64);
-  TANDEM_TILE_STORED(3, c + 3 * kTileFloats, 64);
+  TANDEM_TILE_STORED(0, c, kSumStride);
+  TANDEM_TILE_STORED(1, c + 16, kSumStride);
+  TANDEM_TILE_STORED(2, c + 16 * kSumRow, kSumStride);
+  TANDEM_TILE_STORED(3, c + 16 * kSumRow + 16, kSumStride);
 }
 
 // One x tile against one unit: two tiles of sums into c; `after` as for pass_2x2.
@@ -154,8 +158,8 @@ inline void pass_1x2(XTiles x, const uint16_t* w, int64_t steps, const uint16_t*
     TANDEM_TILE_DPBF16PS(0, 4, 6);
     TANDEM_TILE_DPBF16PS(1, 4, 7);
   }
-  TANDEM_TILE_STORED(0, c, 64);
-  TANDEM_TILE_STORED(1, c + kTileFloats, 64);
+  TANDEM_TILE_STORED(0, c, kSumStride);
+  TANDEM_TILE_STORED(1, c + 16, kSumStride);
 }
 
 // The sums of a unit's rows [0, rows) (at most 32: x's first tile and, past 16 rows, its
@@ -166,29 +170,6 @@ inline void unit_rows(XTiles x, const uint16_t* w, int64_t steps, int64_t rows,
     pass_2x2(x, w, steps, after, c);
   } else {
     pass_1x2(x, w, steps, after, c);
-  }
-}
-
-// Rows [0, rows) of a unit's sums (c as pass_2x2 leaves them), rounded, into out (row
-// stride ldo, the unit's first column).
-inline void store_unit(uint16_t* out, int64_t ldo, const float* c, int64_t rows) {
-  store_rows(out, ldo, c, std::min<int64_t>(rows, 16));
-  store_rows(out + 16, ldo, c + kTileFloats, std::min<int64_t>(rows, 16));
-  if (rows > 16) {
-    store_rows(out + 16 * ldo, ldo, c + 2 * kTileFloats, rows - 16);
-    store_rows(out + 16 * ldo + 16, ldo, c + 3 * kTileFloats, rows - 16);
-  }
-}
-
-// Rows [0, rows) of silu(gate) * up, the sums of a gate unit and its up unit, into out (row
-// stride ldo, the unit's first column): elementwise.cpp's silu_mul to the bit (vec_math.h).
-inline void store_silu_unit(uint16_t* out, int64_t ldo, const float* gate, const float* up,
-                            int64_t rows) {
-  for (int64_t t = 0; t < 4; ++t) {
-    const int64_t valid = std::min<int64_t>(16, rows - (t / 2) * 16);
-    if (valid <= 0) break;
-    tandem::silu_rows(out + (t / 2) * 16 * ldo + (t % 2) * 16, ldo, gate + t * kTileFloats,
-                      up + t * kTileFloats, valid, /*width=*/16);
   }
 }
 
@@ -244,10 +225,15 @@ inline void pack_grouped_tile(const uint16_t* x, int64_t ldx, const int64_t* off
   }
 }
 
+// Rows of one fused gate/up block: the gate unit's passes over them, then the up unit's,
+// each unit's weight (32 KiB at K = 512) staying in L1 across its passes where the two
+// units alternating pass by pass would not fit together.
+constexpr int64_t kSiluRows = 128;
+
 // The grouped product (SILU: the fused gate/up one). An item is (expert, unit) or, fused,
 // (expert, gate unit q): gate unit q and up unit units / 2 + q give output columns
 // [32 q, 32 q + 32) of silu(gate) * up. The expert's rows go through in passes of up to 32
-// (two x tiles), the unit's weight read from memory in the first and from L2 after it.
+// (two x tiles), the unit's weight read from memory in the first and from cache after it.
 template <bool SILU>
 int grouped(uint16_t* out, const uint16_t* x, const uint16_t* w, const int64_t* offsets,
             int64_t experts, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo,
@@ -274,25 +260,39 @@ int grouped(uint16_t* out, const uint16_t* x, const uint16_t* w, const int64_t* 
 #pragma omp for
     for (int64_t t = 0; t < g.base[experts]; ++t) pack_grouped_tile(x, ldx, offsets, g, steps, t);
     [[maybe_unused]] const TileScope tiles;
-    alignas(64) float sums[2][4 * kTileFloats];
+    // Sums of up to kSiluRows rows of the gate unit and of the up unit (one pass's 32
+    // rows unfused).
+    thread_local std::vector<float> scratch;
+    scratch.resize(2 * kSiluRows * kSumRow + 16);
+    float* gate = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~static_cast<uintptr_t>(63));
+    float* up = gate + kSiluRows * kSumRow;
     auto body = [&](int64_t i, int64_t following) {
       const int64_t e = items[i] / per_expert;
       const int64_t column = (items[i] % per_expert) * 32;
       const uint16_t* next = following < 0 ? nullptr : unit_of(items[following], 0);
-      for (int64_t t = g.base[e]; t < g.base[e + 1]; t += 2) {
-        const int64_t r0 = offsets[e] + (t - g.base[e]) * 16;
-        const int64_t rows = std::min<int64_t>(32, offsets[e + 1] - r0);
-        const bool first = t == g.base[e];
-        const XTiles xt{g.xp + t * steps * kTile, kTile, steps * kTile};
+      const int64_t block_tiles = SILU ? kSiluRows / 16 : 2;
+      for (int64_t t0 = g.base[e]; t0 < g.base[e + 1]; t0 += block_tiles) {
+        const int64_t r0 = offsets[e] + (t0 - g.base[e]) * 16;
+        const int64_t rows = std::min<int64_t>(block_tiles * 16, offsets[e + 1] - r0);
+        const bool first = t0 == g.base[e];
+        // The block's passes over unit `which` (0: the item's unit or gate, 1: its up unit)
+        // into sums; the first streams the unit from memory on into `after`.
+        const auto passes = [&](int64_t which, const uint16_t* after, float* sums) {
+          for (int64_t p = 0; p * 32 < rows; ++p) {
+            const XTiles xt{g.xp + (t0 + 2 * p) * steps * kTile, kTile, steps * kTile};
+            unit_rows(xt, unit_of(items[i], which), steps, std::min<int64_t>(32, rows - p * 32),
+                      first && p == 0 ? after : nullptr, sums + p * 32 * kSumRow);
+          }
+        };
         uint16_t* o = out + r0 * ldo + column;
         if constexpr (SILU) {
-          unit_rows(xt, unit_of(items[i], 0), steps, rows,
-                    first ? unit_of(items[i], 1) : nullptr, sums[0]);
-          unit_rows(xt, unit_of(items[i], 1), steps, rows, first ? next : nullptr, sums[1]);
-          store_silu_unit(o, ldo, sums[0], sums[1], rows);
+          passes(0, unit_of(items[i], 1), gate);
+          passes(1, next, up);
+          tandem::silu_rows(o, ldo, gate, up, rows, kSumRow);
         } else {
-          unit_rows(xt, unit_of(items[i], 0), steps, rows, first ? next : nullptr, sums[0]);
-          store_unit(o, ldo, sums[0], rows);
+          passes(0, next, gate);
+          store_rows(o, ldo, gate, rows);
         }
       }
     };
@@ -339,7 +339,7 @@ int tandem_amx_linear(void* out, const void* x, const void* w, int64_t M, int64_
       }
     }
     [[maybe_unused]] const TileScope tiles;
-    alignas(64) float sums[4 * kTileFloats];
+    alignas(64) float sums[32 * kSumRow];
     const int team = omp_get_num_threads();
     const int id = omp_get_thread_num();
     const int64_t lo = units * id / team;
@@ -351,7 +351,7 @@ int tandem_amx_linear(void* out, const void* x, const void* w, int64_t M, int64_
         // The first pass streams the unit from memory and on into the next one.
         const XTiles xt{xp + t * kTile, x_step, kTile};
         unit_rows(xt, wu, steps, rows, t == 0 ? wu + steps * kBlock : nullptr, sums);
-        store_unit(o + t * 16 * ldo + u * 32, ldo, sums, rows);
+        store_rows(o + t * 16 * ldo + u * 32, ldo, sums, rows);
       }
     }
   }
