@@ -1,6 +1,7 @@
-"""Long fresh prompts through torch's flash attention, the rest of a prefill group through the
-native kernel: which sequence goes where, and the whole group's output against the torch
-reference path, on any CPU (the split forced where this one would not choose it)."""
+"""Long chunks through torch's flash attention (fresh prompts in one call, chunks after cached
+tokens in two merged by their log-sum-exps), the rest of a prefill group through the native
+kernel: which sequence goes where, and the whole group's output against the torch reference
+path, on any CPU (the split forced where this one would not choose it)."""
 
 from __future__ import annotations
 
@@ -18,26 +19,30 @@ from .attention_steps import make_step
 NATIVE = native_prefill_attention()
 
 
-def test_long_fresh_prompts_go_to_flash_and_the_rest_stays_native() -> None:
-    # (cached, new): long fresh, short fresh, long after cached tokens, long fresh.
-    chunks = [(0, 200), (0, 37), (90, 140), (0, FLASH_MIN_TOKENS)]
+def test_long_chunks_go_to_flash_and_the_rest_stays_native() -> None:
+    # (cached, new): long fresh, short fresh, long after cached tokens, long fresh, short
+    # after cached tokens.
+    chunks = [(0, 200), (0, 37), (90, 140), (0, FLASH_MIN_TOKENS), (30, 5)]
     qlens = torch.tensor([n for _, n in chunks])
     kv = torch.tensor([c + n for c, n in chunks])
     starts = torch.cumsum(qlens, 0) - qlens
-    blocks = torch.arange(4 * 16).view(4, 16)
+    blocks = torch.arange(5 * 16).view(5, 16)
     split = split_prefill(blocks, starts, qlens, kv)
     assert split.flash == ((0, 200), (377, FLASH_MIN_TOKENS))
+    assert [(c.start, c.tokens, c.cached) for c in split.continued] == [(237, 140, 90)]
+    assert torch.equal(split.continued[0].blocks, blocks[2])
     assert split.native is not None
     native_blocks, native_starts, native_qlens, native_kv = split.native
-    assert torch.equal(native_blocks, blocks[[1, 2]])
-    assert native_starts.tolist() == [200, 237]
-    assert native_qlens.tolist() == [37, 140] and native_kv.tolist() == [37, 230]
+    assert torch.equal(native_blocks, blocks[[1, 4]])
+    assert native_starts.tolist() == [200, 505]
+    assert native_qlens.tolist() == [37, 5] and native_kv.tolist() == [37, 35]
 
-    everything = split_prefill(blocks[[0]], starts[[0]], qlens[[0]], kv[[0]])
-    assert everything.flash == ((0, 200),) and everything.native is None
-    nothing = split_prefill(blocks[[1, 2]], starts[[1, 2]], qlens[[1, 2]], kv[[1, 2]])
-    assert nothing.flash == () and nothing.native is not None
-    assert torch.equal(nothing.native[0], blocks[[1, 2]])
+    everything = split_prefill(blocks[[0, 2]], starts[[0, 2]], qlens[[0, 2]], kv[[0, 2]])
+    assert everything.flash == ((0, 200),) and len(everything.continued) == 1
+    assert everything.native is None
+    nothing = split_prefill(blocks[[1, 4]], starts[[1, 4]], qlens[[1, 4]], kv[[1, 4]])
+    assert nothing.flash == () and nothing.continued == () and nothing.native is not None
+    assert torch.equal(nothing.native[0], blocks[[1, 4]])
 
 
 @pytest.mark.skipif(NATIVE is None, reason="no C++ compiler to build the kernel")
@@ -46,8 +51,10 @@ def test_a_mixed_group_matches_the_reference(dtype: torch.dtype) -> None:
     assert NATIVE is not None
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, head_dim, block_size = 16, 8, 64, 16
-    chunks = [(0, 200), (0, 37), (90, 140), (0, 130), (21, 3)]
-    num_blocks = -(-256 // block_size) * len(chunks) + 1
+    # Long fresh, short fresh, long after cached tokens (twice: one of them after a cached
+    # part that ends inside a block, one after whole blocks), long fresh, short after cached.
+    chunks = [(0, 200), (0, 37), (90, 140), (0, 130), (21, 3), (160, 128)]
+    num_blocks = -(-288 // block_size) * len(chunks) + 1
     fi = make_step([], chunks, block_size=block_size, num_blocks=num_blocks, gen=gen)
     shape = (num_blocks, block_size, kv_heads, head_dim)
     caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(2)]
@@ -73,5 +80,9 @@ def test_a_mixed_group_matches_the_reference(dtype: torch.dtype) -> None:
     out = torch.full(q.shape, float("nan"), dtype=dtype)
     native_prefill(NATIVE, flash_dtypes=frozenset({dtype}))(q, k, v, *caches, group, scale, out)
     assert group.split is not None and len(group.split.flash) == 2
+    assert [(c.cached, c.tokens) for c in group.split.continued] == [(90, 140), (160, 128)]
+    # bfloat16: each output is within a few units in the last place (2^-8 relative) of the
+    # largest output, from rounding the inputs' products' sums and the output (twice for
+    # the chunks after cached tokens: each call's, then the merge's).
     error = (out.float() - exact).abs().max().item()
     assert error <= (1e-5 if dtype is torch.float32 else 2e-2), error

@@ -1,7 +1,7 @@
 """The native CPU attention kernels as group kernels: decodes through ``paged_attention``,
 prefill chunks through ``prefill_attention`` (cached context and the chunk's own tokens in
-one pass, K/V read from the cache in place), long fresh prompts through torch's flash
-attention where the CPU runs it faster (``flash_prefill``)."""
+one pass, K/V read from the cache in place), long chunks through torch's flash attention
+where the CPU runs it faster (``flash_prefill``)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from tandem.core.kernels.cpu.flash_prefill import (
     FLASH_MIN_TOKENS,
     NativeShare,
     flash_attend,
+    flash_attend_continued,
     flash_prefill_dtypes,
     split_prefill,
 )
@@ -60,15 +61,15 @@ def native_prefill(
 ) -> GroupKernel:
     """Each chunk attends causally its sequence's cached tokens and its own, all read from
     the cache in place (the layer has written the chunk's K/V there); in ``flash_dtypes``
-    (by default those this CPU runs faster so, see ``flash_prefill``), long fresh prompts
-    through torch's flash attention instead."""
+    (by default those this CPU runs faster so, see ``flash_prefill``), long chunks through
+    torch's flash attention instead."""
     flash = flash_prefill_dtypes() if flash_dtypes is None else flash_dtypes
     for dtype in flash:
         if dtype not in _said_flash:
             _said_flash.add(dtype)
             logger.info(
-                "prefill attention in %s: fresh prompts of %d tokens or more through torch's "
-                "flash attention (AMX tiles here), the rest through the native kernel",
+                "prefill attention in %s: chunks of %d tokens or more through torch's flash "
+                "attention (AMX tiles here), the rest through the native kernel",
                 dtype,
                 FLASH_MIN_TOKENS,
             )
@@ -96,6 +97,7 @@ def native_prefill(
             if group.split is None:
                 group.split = split_prefill(*whole)
             flash_attend(q, k, v, group.split.flash, scale, out)
+            flash_attend_continued(q, k, v, k_cache, v_cache, group.split.continued, scale, out)
             native = group.split.native
         if native is not None:
             blocks, starts, query_lens, kv_lens = native
