@@ -52,7 +52,7 @@ class SharedExpert(nn.Module):
     ):
         super().__init__()
         self.act = GATED_ACTIVATIONS[activation]
-        # SiLU-and-mul in the gate/up kernel's epilogue where it has one (CPU, AVX-512).
+        # SiLU-and-mul in the gate/up kernel's epilogue where it has one (CPU: AVX2, AVX-512, AMX).
         self.fuses_silu = activation == "silu"
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size,

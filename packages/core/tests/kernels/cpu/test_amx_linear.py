@@ -20,9 +20,14 @@ from tandem.core.kernels.cpu.amx_linear import (
     load_amx_linear,
     pack_amx_layout,
 )
+from tandem.core.kernels.cpu.elementwise import native_elementwise
 from tandem.core.kernels.cpu.native_linear import AdoptedWeight
 from tandem.core.kernels.cpu.packed_linear import pack_linear_weights, packing_enabled
-from tandem.core.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tandem.core.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 
 CPU = torch.device("cpu")
 
@@ -192,3 +197,58 @@ def test_the_documented_layout_is_onednns() -> None:
     raw = ctypes.string_at(int(torch.ops.mkldnn.data_ptr(packed)), 96 * 160 * 2)
     # numpy has no bfloat16: the bytes through an int16 view.
     assert raw == pack_amx_layout(weight).view(torch.int16).numpy().tobytes()
+
+
+@pytest.mark.parametrize("rows", [1, 17, 48, 64])
+@pytest.mark.parametrize("in_features", [256, 1024])
+def test_silu_in_the_epilogue_is_the_unfused_activation_bit_for_bit(
+    rows: int, in_features: int
+) -> None:
+    """A gate/up layer's fused product against the plain product then the elementwise
+    SiLU-and-mul kernel: the same sums, rounded the same way, then the same operations (both
+    libraries built without FMA contraction), so equal to the bit."""
+    kernel = _kernel()
+    act = native_elementwise()
+    if act is None:
+        pytest.skip("no native elementwise kernels here")
+    layer = MergedColumnParallelLinear(in_features, [320, 320], bias=False, group=SingleRankGroup())
+    layer.weight.data = _packed(640, in_features, seed=rows)[0]
+    assert pack_linear_weights(layer, CPU, torch.bfloat16) == 1
+    assert layer.native is not None and layer.native.kernel is kernel
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
+    got = layer.silu_matmul(x)
+    assert got is not None and got.shape == (rows, 320)
+    assert torch.equal(got, act.silu_mul(layer(x)))
+
+
+def test_silu_is_fused_only_where_the_kernel_reads_both_halves() -> None:
+    kernel = _kernel()
+    group = SingleRankGroup()
+    fits = MergedColumnParallelLinear(256, [96, 96], bias=False, group=group)
+    off_units = MergedColumnParallelLinear(256, [48, 48], bias=False, group=group)
+    biased = MergedColumnParallelLinear(256, [128, 128], bias=True, group=group)
+    for layer in (fits, off_units, biased):
+        layer.weight.data = (torch.randn(layer.weight.shape) * 0.05).bfloat16()
+        assert pack_linear_weights(layer, CPU, torch.bfloat16) == 1
+    assert fits.native is not None and fits.native.kernel is kernel
+    x = torch.randn(5, 256).bfloat16()
+    assert fits.silu_matmul(x) is not None
+    assert off_units.silu_matmul(x) is None  # 48 columns a half: off the 32-column units
+    assert biased.silu_matmul(x) is None  # the kernel adds no bias
+    assert fits.silu_matmul(torch.randn(MAX_ROWS + 1, 256).bfloat16()) is None  # oneDNN's
+
+
+@pytest.mark.parametrize("rows", [1, 17, 33, 64])
+def test_the_emulated_kernel_fuses_silu_as_the_elementwise_kernel_does(
+    emulated: AmxLinear, rows: int
+) -> None:
+    act = native_elementwise()
+    if act is None:
+        pytest.skip("no native elementwise kernels here")
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(128, 96, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    adopted = _laid_out(emulated, weight)
+    got = emulated.silu_matmul(x, adopted)
+    assert got is not None and got.shape == (rows, 64)
+    assert torch.equal(got, act.silu_mul(adopted.matmul(x)))

@@ -1,4 +1,5 @@
-"""bfloat16 linear layers at decode batch sizes on AMX tiles (``csrc/amx_linear.cpp``).
+"""bfloat16 linear layers at decode batch sizes on AMX tiles (``csrc/amx_linear.cpp``), gate/up
+layers with SiLU-and-mul in the epilogue (``silu_matmul``).
 
 A decode step streams every weight once; oneDNN's AMX kernels read the packed weights at
 16-18 GB/s at M = 48 on a 2-core host, this kernel at ~19 (the weight stream one sequential
@@ -31,8 +32,13 @@ from tandem.core.kernels.cpu.native_build import (
     CSRC,
     IsaLevel,
     amx_tiles_granted,
+    c_function,
 )
-from tandem.core.kernels.cpu.native_linear import PackedWeightKernel, load_kernel_library
+from tandem.core.kernels.cpu.native_linear import (
+    AdoptedWeight,
+    PackedWeightKernel,
+    load_kernel_library,
+)
 from tandem.core.kernels.cpu.packed_experts import PackedExperts, bind_grouped, grouped_call
 from tandem.core.kernels.process_once import ProcessOnce
 
@@ -62,6 +68,7 @@ class AmxLinear(PackedWeightKernel):
         if not self.emulated and not amx_tiles_granted():
             raise OSError("Linux did not grant the AMX tile state (arch_prctl)")
         self.bind(lib.tandem_amx_linear)
+        self._silu = c_function(lib.tandem_amx_linear_silu, list(self._function.argtypes))
         self._grouped = bind_grouped(lib.tandem_amx_grouped_linear, 0)
         self._grouped_silu = bind_grouped(lib.tandem_amx_grouped_silu, 0)
 
@@ -71,6 +78,21 @@ class AmxLinear(PackedWeightKernel):
 
     def packed_bytes(self, out_features: int, in_features: int) -> int:
         return out_features * in_features * 2
+
+    def silu_matmul(self, x: torch.Tensor, weight: AdoptedWeight) -> torch.Tensor | None:
+        """The gate/up product with SiLU-and-mul as its epilogue -> [rows, out / 2], what
+        ``silu_mul`` of the plain product gives, bit for bit (``csrc/amx_linear.cpp``);
+        None where either half is off the 32-column units."""
+        if weight.out_features % 64 != 0:
+            return None
+        out = torch.empty(x.shape[0], weight.out_features // 2, dtype=self.dtype)
+        code = self._silu(
+            out.data_ptr(), x.data_ptr(), weight.address, x.shape[0], weight.out_features,
+            weight.in_features, x.stride(0), out.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"the {self.name} SiLU linear kernel refused its arguments ({code})")
+        return out
 
     def pack_experts(self, weight: torch.Tensor) -> PackedExperts | None:
         """``weight`` bfloat16 [E, N, K] with each expert in ``pack_amx_layout``'s layout, one

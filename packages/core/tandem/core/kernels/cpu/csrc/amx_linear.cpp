@@ -301,6 +301,64 @@ int grouped(uint16_t* out, const uint16_t* x, const uint16_t* w, const int64_t* 
   return 0;
 }
 
+// The dense product at decode sizes (SILU: of a gate/up weight, gate rows then up rows, with
+// SiLU-and-mul as the epilogue: out[m, q] = silu(x . gate_q) * (x . up_q), elementwise.cpp's
+// silu_mul of the plain product to the bit). Output units are split evenly between the
+// threads.
+template <bool SILU>
+int dense(uint16_t* o, const uint16_t* xs, const uint16_t* wp, int64_t M, int64_t N, int64_t K,
+          int64_t ldx, int64_t ldo, int32_t num_threads) {
+  if (M < 1 || M > 64 || N % (SILU ? 64 : 32) != 0 || K % 32 != 0 || N <= 0 || K <= 0) return 1;
+  const int64_t steps = K / 32;
+  const int64_t x_tiles = (M + 15) / 16;
+  const int64_t units = N / 32;
+  const int64_t outputs = SILU ? units / 2 : units;  // output units
+  const int64_t x_step = x_tiles * kTile;  // elements of packed x per K step
+  // x in tile order, [K / 32][x_tiles][16 rows][32], zero rows past M: each A tile one
+  // contiguous KiB that stays in L2 across the units.
+  thread_local std::vector<uint16_t> packed_x;
+  packed_x.resize(steps * x_step + 32);
+  uint16_t* xp = reinterpret_cast<uint16_t*>(
+      (reinterpret_cast<uintptr_t>(packed_x.data()) + 63) & ~static_cast<uintptr_t>(63));
+  const int threads =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, outputs)));
+  const auto unit = [&](int64_t u) { return wp + u * steps * kBlock; };
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for
+    for (int64_t s = 0; s < steps; ++s) {
+      for (int64_t m = 0; m < x_tiles * 16; ++m) {
+        pack_row(xp + s * x_step + (m / 16) * kTile + (m % 16) * 32,
+                 m < M ? xs + m * ldx + s * 32 : nullptr);
+      }
+    }
+    [[maybe_unused]] const TileScope tiles;
+    alignas(64) float sums[2][32 * kSumRow];
+    const int team = omp_get_num_threads();
+    const int id = omp_get_thread_num();
+    const int64_t lo = outputs * id / team;
+    const int64_t hi = outputs * (id + 1) / team;
+    for (int64_t q = lo; q < hi; ++q) {
+      for (int64_t t = 0; t < x_tiles; t += 2) {
+        const int64_t rows = std::min<int64_t>(32, M - t * 16);
+        const XTiles xt{xp + t * kTile, x_step, kTile};
+        uint16_t* out = o + t * 16 * ldo + q * 32;
+        // The first pass over a unit streams it from memory and on into the next one read.
+        if constexpr (SILU) {
+          const int64_t up = outputs + q;
+          unit_rows(xt, unit(q), steps, rows, t == 0 ? unit(up) : nullptr, sums[0]);
+          unit_rows(xt, unit(up), steps, rows, t == 0 ? unit(q + 1) : nullptr, sums[1]);
+          tandem::silu_rows(out, ldo, sums[0], sums[1], rows, kSumRow);
+        } else {
+          unit_rows(xt, unit(q), steps, rows, t == 0 ? unit(q + 1) : nullptr, sums[0]);
+          store_rows(out, ldo, sums[0], rows);
+        }
+      }
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -314,48 +372,16 @@ int tandem_amx_built() { return 1; }
 // multiple of 32).
 int tandem_amx_linear(void* out, const void* x, const void* w, int64_t M, int64_t N, int64_t K,
                       int64_t ldx, int64_t ldo, int32_t num_threads) {
-  if (M < 1 || M > 64 || N % 32 != 0 || K % 32 != 0 || N <= 0 || K <= 0) return 1;
-  const int64_t steps = K / 32;
-  const int64_t x_tiles = (M + 15) / 16;
-  const int64_t units = N / 32;
-  const int64_t x_step = x_tiles * kTile;  // elements of packed x per K step
-  // x in tile order, [K / 32][x_tiles][16 rows][32], zero rows past M: each A tile one
-  // contiguous KiB that stays in L2 across the units.
-  thread_local std::vector<uint16_t> packed_x;
-  packed_x.resize(steps * x_step + 32);
-  uint16_t* xp = reinterpret_cast<uint16_t*>(
-      (reinterpret_cast<uintptr_t>(packed_x.data()) + 63) & ~static_cast<uintptr_t>(63));
-  const uint16_t* xs = static_cast<const uint16_t*>(x);
-  const uint16_t* wp = static_cast<const uint16_t*>(w);
-  uint16_t* o = static_cast<uint16_t*>(out);
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, units)));
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp for
-    for (int64_t s = 0; s < steps; ++s) {
-      for (int64_t m = 0; m < x_tiles * 16; ++m) {
-        pack_row(xp + s * x_step + (m / 16) * kTile + (m % 16) * 32,
-                 m < M ? xs + m * ldx + s * 32 : nullptr);
-      }
-    }
-    [[maybe_unused]] const TileScope tiles;
-    alignas(64) float sums[32 * kSumRow];
-    const int team = omp_get_num_threads();
-    const int id = omp_get_thread_num();
-    const int64_t lo = units * id / team;
-    const int64_t hi = units * (id + 1) / team;
-    for (int64_t u = lo; u < hi; ++u) {
-      const uint16_t* wu = wp + u * steps * kBlock;
-      for (int64_t t = 0; t < x_tiles; t += 2) {
-        const int64_t rows = std::min<int64_t>(32, M - t * 16);
-        // The first pass streams the unit from memory and on into the next one.
-        const XTiles xt{xp + t * kTile, x_step, kTile};
-        unit_rows(xt, wu, steps, rows, t == 0 ? wu + steps * kBlock : nullptr, sums);
-        store_rows(o + t * 16 * ldo + u * 32, ldo, sums, rows);
-      }
-    }
-  }
-  return 0;
+  return dense<false>(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(x),
+                      static_cast<const uint16_t*>(w), M, N, K, ldx, ldo, num_threads);
+}
+
+// out [M, N / 2] = silu(x . gate) * (x . up), w [N, K] packed as above, gate rows then up
+// rows (N a multiple of 64). Returns 0, or 1 for shapes this kernel does not take.
+int tandem_amx_linear_silu(void* out, const void* x, const void* w, int64_t M, int64_t N,
+                           int64_t K, int64_t ldx, int64_t ldo, int32_t num_threads) {
+  return dense<true>(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(x),
+                     static_cast<const uint16_t*>(w), M, N, K, ldx, ldo, num_threads);
 }
 
 // Routed experts, every expert in one call: rows [offsets[e], offsets[e + 1]) of x (sorted
@@ -388,6 +414,10 @@ int tandem_amx_built() { return 0; }
 int tandem_amx_emulated() { return 0; }
 int tandem_amx_linear(void*, const void*, const void*, int64_t, int64_t, int64_t, int64_t,
                       int64_t, int32_t) {
+  return 1;
+}
+int tandem_amx_linear_silu(void*, const void*, const void*, int64_t, int64_t, int64_t, int64_t,
+                           int64_t, int32_t) {
   return 1;
 }
 int tandem_amx_grouped_linear(void*, const void*, const void*, const int64_t*, int64_t,
