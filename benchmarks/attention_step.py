@@ -34,7 +34,7 @@ from tandem.collectives import SingleRankGroup
 from tandem.core.kernels import attention_metadata
 from tandem.core.kernels.cpu import attention_groups
 from tandem.core.kernels.cpu.flash_prefill import flash_prefill_dtypes
-from tandem.core.kernels.cpu.packed_linear import pack_linear_weights
+from tandem.core.kernels.cpu.packed_linear import PackableLinear, pack_linear_weights
 from tandem.core.kernels.cpu.paged_attention import native_paged_attention
 from tandem.core.kernels.cpu.prefill_attention import native_prefill_attention
 from tandem.core.kernels.reference import paged_attention as attention_reference
@@ -91,6 +91,8 @@ def instrumented(timers: Timers) -> Iterator[None]:
     patches = [
         (linear.ColumnParallelLinear, "forward", "gemm"),
         (linear.RowParallelLinear, "forward", "gemm"),
+        # The gate/up product with SiLU-and-mul in the kernel's epilogue, where one fuses it.
+        (PackableLinear, "silu_matmul", "gemm"),
         (embedding.ParallelLMHead, "compute_logits", "gemm"),
         (PagedAttention, "forward", "attention"),
     ]
