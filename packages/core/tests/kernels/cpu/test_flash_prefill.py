@@ -21,21 +21,21 @@ NATIVE = native_prefill_attention()
 
 def test_long_chunks_go_to_flash_and_the_rest_stays_native() -> None:
     # (cached, new): long fresh, short fresh, long after cached tokens, long fresh, short
-    # after cached tokens.
-    chunks = [(0, 200), (0, 37), (90, 140), (0, FLASH_MIN_TOKENS), (30, 5)]
+    # after cached tokens, long after more than FLASH_MAX_CACHED_RATIO times its cached.
+    chunks = [(0, 200), (0, 37), (90, 140), (0, FLASH_MIN_TOKENS), (30, 5), (600, 128)]
     qlens = torch.tensor([n for _, n in chunks])
     kv = torch.tensor([c + n for c, n in chunks])
     starts = torch.cumsum(qlens, 0) - qlens
-    blocks = torch.arange(5 * 16).view(5, 16)
+    blocks = torch.arange(6 * 48).view(6, 48)
     split = split_prefill(blocks, starts, qlens, kv)
     assert split.flash == ((0, 200), (377, FLASH_MIN_TOKENS))
     assert [(c.start, c.tokens, c.cached) for c in split.continued] == [(237, 140, 90)]
     assert torch.equal(split.continued[0].blocks, blocks[2])
     assert split.native is not None
     native_blocks, native_starts, native_qlens, native_kv = split.native
-    assert torch.equal(native_blocks, blocks[[1, 4]])
-    assert native_starts.tolist() == [200, 505]
-    assert native_qlens.tolist() == [37, 5] and native_kv.tolist() == [37, 35]
+    assert torch.equal(native_blocks, blocks[[1, 4, 5]])
+    assert native_starts.tolist() == [200, 505, 510]
+    assert native_qlens.tolist() == [37, 5, 128] and native_kv.tolist() == [37, 35, 728]
 
     everything = split_prefill(blocks[[0, 2]], starts[[0, 2]], qlens[[0, 2]], kv[[0, 2]])
     assert everything.flash == ((0, 200),) and len(everything.continued) == 1

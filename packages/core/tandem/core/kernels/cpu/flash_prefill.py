@@ -1,4 +1,4 @@
-"""Fresh prompts through torch's CPU flash attention where it multiplies on AMX tiles.
+"""Long prefill chunks through torch's CPU flash attention where it multiplies on AMX tiles.
 
 The native prefill kernel (``prefill_attention``) multiplies with vector instructions
 (vdpbf16ps for bfloat16). On CPUs with AMX, torch's flash attention packs bfloat16 tiles for
@@ -16,7 +16,8 @@ of the bench model (16 query / 8 KV heads of 64), bfloat16, ms:
 So a prefill chunk's fresh prompts (nothing cached before them, all their keys and values
 new in this step) of at least ``FLASH_MIN_TOKENS`` go to flash attention on their own
 q/k/v. Chunks of as many tokens after cached ones (the rest of a prompt that chunked
-prefill split, or a prompt after a prefix-cache hit) go too, in two calls: the chunk's
+prefill split, or a prompt after a prefix-cache hit) go too, where the cached tokens are at
+most ``FLASH_MAX_CACHED_RATIO`` times the chunk's own, in two calls: the chunk's
 queries over the cached keys (gathered from the paged cache, no mask) and over its own
 (causal), merged by their log-sum-exps, so each output is rounded to bfloat16 twice (within
 two units in the last place). One layer of the bench MoE model (8 query / 2 KV heads of
@@ -33,6 +34,11 @@ import torch
 import torch.nn.functional as F
 
 FLASH_MIN_TOKENS = 128
+# A chunk after cached tokens goes to flash attention only where those are at most this
+# many times its own: its cached K/V are copied out of the paged cache for the call, where
+# the native kernel reads them in place, and only a chunk of 832 after 128 cached was
+# timed. A short chunk after a long cached context (a prefix-cache hit) stays native.
+FLASH_MAX_CACHED_RATIO = 4
 
 # The native kernel's share of a prefill group, rows of its per-sequence tensors: block
 # table rows, first query rows, query lengths, tokens attended.
@@ -40,8 +46,8 @@ NativeShare = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def flash_prefill_dtypes() -> frozenset[torch.dtype]:
-    """The dtypes whose long fresh prompts flash attention runs faster than the native
-    kernel on this CPU: bfloat16 where torch finds AMX tiles, none elsewhere."""
+    """The dtypes whose long chunks flash attention runs faster than the native kernel on
+    this CPU: bfloat16 where torch finds AMX tiles, none elsewhere."""
     if torch.cpu._is_amx_tile_supported():
         return frozenset({torch.bfloat16})
     return frozenset()
@@ -77,15 +83,16 @@ def split_prefill(
     min_tokens: int = FLASH_MIN_TOKENS,
 ) -> PrefillSplit:
     """Chunks of at least ``min_tokens`` to flash attention (fresh prompts, ``kv_lens ==
-    query_lens``, and chunks after cached tokens), every other sequence to the native
-    kernel."""
+    query_lens``, and chunks after at most ``FLASH_MAX_CACHED_RATIO`` times as many cached
+    tokens), every other sequence to the native kernel."""
     long = query_lens >= min_tokens
     fresh = long & (kv_lens == query_lens)
     flash = tuple(
         (int(start), int(length))
         for start, length in zip(starts[fresh].tolist(), query_lens[fresh].tolist(), strict=True)
     )
-    after = (long & ~fresh).nonzero().squeeze(1).tolist()
+    after = long & ~fresh & (kv_lens - query_lens <= FLASH_MAX_CACHED_RATIO * query_lens)
+    after_rows = after.nonzero().squeeze(1).tolist()
     continued = tuple(
         ContinuedChunk(
             start=int(starts[i]),
@@ -93,9 +100,9 @@ def split_prefill(
             cached=int(kv_lens[i] - query_lens[i]),
             blocks=blocks[i],
         )
-        for i in after
+        for i in after_rows
     )
-    keep = (~long).nonzero().squeeze(1)
+    keep = (~(fresh | after)).nonzero().squeeze(1)
     if keep.numel() == 0:
         return PrefillSplit(flash=flash, continued=continued, native=None)
     if keep.numel() == query_lens.numel():
