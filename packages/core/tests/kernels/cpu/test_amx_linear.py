@@ -231,6 +231,7 @@ def test_silu_is_fused_only_where_the_kernel_reads_both_halves() -> None:
         layer.weight.data = (torch.randn(layer.weight.shape) * 0.05).bfloat16()
         assert pack_linear_weights(layer, CPU, torch.bfloat16) == 1
     assert fits.native is not None and fits.native.kernel is kernel
+    assert biased.native is not None  # adopted; only the fused call declines it
     x = torch.randn(5, 256).bfloat16()
     assert fits.silu_matmul(x) is not None
     assert off_units.silu_matmul(x) is None  # 48 columns a half: off the 32-column units

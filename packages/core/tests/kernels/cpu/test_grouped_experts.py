@@ -285,7 +285,7 @@ def test_silu_in_the_gate_up_epilogue_is_the_unfused_activation_bit_for_bit(
     """The fused call against the grouped product then the elementwise SiLU-and-mul kernel:
     the same sums rounded the same way, then the same operations (both libraries built
     without FMA contraction), so equal to the bit. 700 rows: several row groups of an
-    expert (128 a group on AVX2, 512 on AVX-512, 32 a pass on AMX)."""
+    expert (128 a group on AVX2, 512 on AVX-512, 128 a block on AMX)."""
     kernel = _kernel(which)
     k = _k(kernel, k)
     act = native_elementwise()

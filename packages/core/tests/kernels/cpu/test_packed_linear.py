@@ -75,10 +75,13 @@ def test_a_layer_off_the_panels_is_padded_only_where_allowed(dtype: torch.dtype,
     kernel = native_kernel(dtype)
     read = kernel is not None and pad  # 96 inputs, bfloat16's K multiple of 32 too
     assert (layer.native is not None) == read
-    # Up to the kernel's panels: 128 on AVX-512's 64 columns, 96 on AMX's 32.
-    width = (kernel.readable_width(80, 96) or 0) if kernel is not None and read else 80
-    assert width >= 80 and layer.padded_outputs == width - 80
-    assert (layer.padded_outputs > 0) == read
+    # Up to the kernel's panels: 128 on AVX-512's 64 columns, 96 on AMX's 32 (others: the
+    # width the kernel itself says it reads).
+    pads = {"AMX": 16, "AVX-512 float32": 48, "AVX512-BF16": 48}
+    padding = 0
+    if kernel is not None and read:
+        padding = pads.get(kernel.name, (kernel.readable_width(80, 96) or 80) - 80)
+    assert layer.padded_outputs == padding
     scale = expected.abs().max().item()
     for got, want in [(layer(x), expected), (layer(x[0]), expected[0])]:
         assert got.shape == want.shape and got.dtype is dtype
