@@ -84,7 +84,7 @@ class DecoderMLP(nn.Module):
     def __init__(self, config: ModelConfig, group: ProcessGroup):
         super().__init__()
         self.act = handles.gated_activation(config.hidden_act)
-        # SiLU-and-mul in the gate/up kernel's epilogue where it has one (CPU, AVX-512).
+        # SiLU-and-mul in the gate/up kernel's epilogue where it has one (CPU: AVX2, AVX-512, AMX).
         self.fuses_silu = config.hidden_act == "silu"
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size,

@@ -125,8 +125,7 @@ class AmxLinear(PackedWeightKernel):
     ) -> torch.Tensor:
         """``grouped_matmul`` of the experts' gate/up weights [E, 2 I, K] with SiLU-and-mul
         as its epilogue -> [M, I], what ``silu_mul`` of the [M, 2 I] product gives, bit for
-        bit (bfloat16 sums below the normal range aside: the plain product's store reads
-        them as zero, as VCVTNEPS2BF16 does)."""
+        bit."""
         return grouped_call(
             self._grouped_silu, f"{self.name} SiLU", self.dtype, x, experts, offsets,
             out_features=experts.out_features // 2,

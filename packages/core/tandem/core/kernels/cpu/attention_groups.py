@@ -116,8 +116,8 @@ K = TypeVar("K", bound=NativeKernel)
 # (kernel, head_dim, dtype) combinations already reported as falling back: once per process,
 # not once per layer.
 _said: set[tuple[str, int, torch.dtype]] = set()
-# dtypes whose long fresh prompts were reported as going to flash attention: once per
-# process, not once per layer.
+# dtypes whose long chunks were reported as going to flash attention: once per process,
+# not once per layer.
 _said_flash: set[torch.dtype] = set()
 
 

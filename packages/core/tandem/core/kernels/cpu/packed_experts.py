@@ -5,7 +5,8 @@ tensor the kernel reads where it lies, so routing needs no host sync.
 
 Layouts, per expert, one after another (the dense kernels' packed panels):
   float32:  [N / panel][Kp][panel], Kp = K rounded up to 16 with zero rows;
-  bfloat16: [N / 64][K / 2][64][2], the pairs AVX512-BF16's VDPBF16PS multiplies.
+  bfloat16: [N / 64][K / 2][64][2], the pairs AVX512-BF16's VDPBF16PS multiplies;
+  bfloat16 on AMX: [N / 32][K / 32][16][32][2], the dense AMX kernel's layout (panel 32).
 """
 
 from __future__ import annotations
