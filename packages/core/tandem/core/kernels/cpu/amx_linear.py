@@ -100,8 +100,7 @@ class AmxLinear(PackedWeightKernel):
         experts, out_features, in_features = weight.shape
         if weight.dtype is not torch.bfloat16 or not self.readable(out_features, in_features):
             return None
-        blocks = weight.detach().reshape(experts, out_features // 32, 32, in_features // 32, 16, 2)
-        packed = blocks.permute(0, 1, 3, 4, 2, 5).contiguous()
+        packed = pack_amx_layout(weight.detach())
         # The kernel stores packed x tiles with aligned stores but loads weight tiles from
         # any address; 64-byte alignment keeps each weight row of a tile one cache line.
         if packed.data_ptr() % 64 != 0:
@@ -133,11 +132,12 @@ class AmxLinear(PackedWeightKernel):
 
 
 def pack_amx_layout(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` bfloat16 [N, K] (multiples of 32) in the layout the kernel reads, the one
-    oneDNN packs for AMX: [N / 32][K / 32][16 k-pairs][32 n][2 k]."""
-    n, k = weight.shape
-    blocks = weight.reshape(n // 32, 32, k // 32, 16, 2)  # [N/32][32 n][K/32][16][2]
-    return blocks.permute(0, 2, 3, 1, 4).contiguous()
+    """``weight`` bfloat16 [..., N, K] (multiples of 32) in the layout the kernel reads, the
+    one oneDNN packs for AMX: [..., N / 32][K / 32][16 k-pairs][32 n][2 k]."""
+    *lead, n, k = weight.shape
+    blocks = weight.reshape(*lead, n // 32, 32, k // 32, 16, 2)  # [N/32][32 n][K/32][16][2]
+    d = len(lead)
+    return blocks.permute(*range(d), d, d + 2, d + 3, d + 1, d + 4).contiguous()
 
 
 def load_amx_linear(

@@ -127,9 +127,9 @@ def flash_attend(
     for start, length in spans:
         rows = slice(start, start + length)
         o = F.scaled_dot_product_attention(
-            q[rows].unsqueeze(0).transpose(1, 2),
-            k[rows].unsqueeze(0).transpose(1, 2),
-            v[rows].unsqueeze(0).transpose(1, 2),
+            _heads_first(q[rows]),
+            _heads_first(k[rows]),
+            _heads_first(v[rows]),
             is_causal=True,
             scale=scale,
             enable_gqa=gqa,
