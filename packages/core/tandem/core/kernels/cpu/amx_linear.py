@@ -32,14 +32,12 @@ from tandem.core.kernels.cpu.native_build import (
     CSRC,
     IsaLevel,
     amx_tiles_granted,
-    c_function,
 )
 from tandem.core.kernels.cpu.native_linear import (
-    AdoptedWeight,
     PackedWeightKernel,
     load_kernel_library,
 )
-from tandem.core.kernels.cpu.packed_experts import PackedExperts, bind_grouped, grouped_call
+from tandem.core.kernels.cpu.packed_experts import GroupedPanelCalls, PackedExperts
 from tandem.core.kernels.process_once import ProcessOnce
 
 logger = logging.getLogger(__name__)
@@ -53,11 +51,13 @@ _REQUIRED_FLAGS = frozenset({"amx_bf16", "amx_tile", "avx512_bf16"})
 _PROBE_ROWS = 37
 
 
-class AmxLinear(PackedWeightKernel):
+class AmxLinear(PackedWeightKernel, GroupedPanelCalls):
     name = "AMX"
     dtype = torch.bfloat16
     max_rows = MAX_ROWS
     probe_rows = _PROBE_ROWS
+    # Units of 32 columns: two 16-column tiles (pack_amx_layout).
+    panel = 32
     # Summed in another order, each output may differ by a bfloat16 rounding or two.
     tolerance = 2e-2
 
@@ -67,10 +67,8 @@ class AmxLinear(PackedWeightKernel):
         self.emulated = int(lib.tandem_amx_emulated()) == 1
         if not self.emulated and not amx_tiles_granted():
             raise OSError("Linux did not grant the AMX tile state (arch_prctl)")
-        self.bind(lib.tandem_amx_linear)
-        self._silu = c_function(lib.tandem_amx_linear_silu, list(self._function.argtypes))
-        self._grouped = bind_grouped(lib.tandem_amx_grouped_linear, 0)
-        self._grouped_silu = bind_grouped(lib.tandem_amx_grouped_silu, 0)
+        self.bind(lib.tandem_amx_linear, silu=lib.tandem_amx_linear_silu)
+        self.bind_grouped_calls(lib.tandem_amx_grouped_linear, lib.tandem_amx_grouped_silu)
 
     def readable(self, out_features: int, in_features: int) -> bool:
         # Shapes off the 32-blocks are padded by oneDNN; the kernel does not walk padding.
@@ -78,21 +76,6 @@ class AmxLinear(PackedWeightKernel):
 
     def packed_bytes(self, out_features: int, in_features: int) -> int:
         return out_features * in_features * 2
-
-    def silu_matmul(self, x: torch.Tensor, weight: AdoptedWeight) -> torch.Tensor | None:
-        """The gate/up product with SiLU-and-mul as its epilogue -> [rows, out / 2], what
-        ``silu_mul`` of the plain product gives, bit for bit (``csrc/amx_linear.cpp``);
-        None where either half is off the 32-column units."""
-        if weight.out_features % 64 != 0:
-            return None
-        out = torch.empty(x.shape[0], weight.out_features // 2, dtype=self.dtype)
-        code = self._silu(
-            out.data_ptr(), x.data_ptr(), weight.address, x.shape[0], weight.out_features,
-            weight.in_features, x.stride(0), out.stride(0), torch.get_num_threads(),
-        )  # fmt: skip
-        if code != 0:
-            raise ValueError(f"the {self.name} SiLU linear kernel refused its arguments ({code})")
-        return out
 
     def pack_experts(self, weight: torch.Tensor) -> PackedExperts | None:
         """``weight`` bfloat16 [E, N, K] with each expert in ``pack_amx_layout``'s layout, one
@@ -105,30 +88,7 @@ class AmxLinear(PackedWeightKernel):
         # any address; 64-byte alignment keeps each weight row of a tile one cache line.
         if packed.data_ptr() % 64 != 0:
             return None
-        return PackedExperts(packed, experts, out_features, in_features, panel=32)
-
-    def grouped_matmul(
-        self, x: torch.Tensor, experts: PackedExperts, offsets: torch.Tensor
-    ) -> torch.Tensor:
-        """Rows ``offsets[e]`` to ``offsets[e + 1]`` of ``x`` [M, K] (sorted by expert) times
-        expert ``e``'s weight, every expert in one call, at any M -> [M, N] (no host sync)."""
-        return grouped_call(self._grouped, self.name, self.dtype, x, experts, offsets)
-
-    def gates_silu(self, experts: PackedExperts) -> bool:
-        """Whether ``grouped_silu_matmul`` takes these gate/up weights: both halves whole
-        32-column units."""
-        return experts.out_features % 64 == 0
-
-    def grouped_silu_matmul(
-        self, x: torch.Tensor, experts: PackedExperts, offsets: torch.Tensor
-    ) -> torch.Tensor:
-        """``grouped_matmul`` of the experts' gate/up weights [E, 2 I, K] with SiLU-and-mul
-        as its epilogue -> [M, I], what ``silu_mul`` of the [M, 2 I] product gives, bit for
-        bit."""
-        return grouped_call(
-            self._grouped_silu, f"{self.name} SiLU", self.dtype, x, experts, offsets,
-            out_features=experts.out_features // 2,
-        )  # fmt: skip
+        return PackedExperts(packed, experts, out_features, in_features, self.panel)
 
 
 def pack_amx_layout(weight: torch.Tensor) -> torch.Tensor:

@@ -28,16 +28,15 @@ from pathlib import Path
 
 import torch
 
-from tandem.core.kernels.cpu.native_build import CSRC, IsaLevel, c_function
+from tandem.core.kernels.cpu.native_build import CSRC, IsaLevel
 from tandem.core.kernels.cpu.native_linear import (
     AdoptedWeight,
     PackedWeightKernel,
     load_kernel_library,
 )
 from tandem.core.kernels.cpu.packed_experts import (
+    GroupedPanelCalls,
     PackedExperts,
-    bind_grouped,
-    grouped_call,
     pack_panels,
 )
 from tandem.core.kernels.process_once import ProcessOnce
@@ -57,7 +56,7 @@ K_PAD = 16
 _PROBE_ROWS = 41
 
 
-class Avx2Linear(PackedWeightKernel):
+class Avx2Linear(PackedWeightKernel, GroupedPanelCalls):
     """The float32 kernel on AVX2 FMAs, reading panels of ``panel`` columns; ``adopt``
     tries the other panel width where this one's probe disagrees with oneDNN."""
 
@@ -73,10 +72,10 @@ class Avx2Linear(PackedWeightKernel):
         self.panel = panel
         self.max_rows = max_rows
         self._lib = lib
-        self.bind(lib.tandem_avx2_linear_f32, limits=(max_rows, panel))
-        self._silu = c_function(lib.tandem_avx2_linear_silu_f32, list(self._function.argtypes))
-        self._grouped = bind_grouped(lib.tandem_avx2_grouped_linear_f32, limits=1)
-        self._grouped_silu = bind_grouped(lib.tandem_avx2_grouped_silu_f32, limits=1)
+        self.bind(lib.tandem_avx2_linear_f32, limits=(max_rows, panel),
+                  silu=lib.tandem_avx2_linear_silu_f32)  # fmt: skip
+        self.bind_grouped_calls(lib.tandem_avx2_grouped_linear_f32,
+                                lib.tandem_avx2_grouped_silu_f32, takes_panel=True)  # fmt: skip
         self._others = (
             [Avx2Linear(lib, p, max_rows) for p in PANELS if p != panel]
             if panel == PANELS[0]
@@ -95,50 +94,8 @@ class Avx2Linear(PackedWeightKernel):
     def packed_bytes(self, out_features: int, in_features: int) -> int:
         return out_features * (-(-in_features // K_PAD) * K_PAD) * 4
 
-    def silu_matmul(self, x: torch.Tensor, weight: AdoptedWeight) -> torch.Tensor | None:
-        """The gate/up product with SiLU-and-mul as its epilogue -> [rows, out / 2], what
-        ``silu_mul`` of the plain product gives, bit for bit (``csrc/avx2_linear.cpp``,
-        ``linear_silu``); None where either half is off this kernel's panels (the weight is
-        the one this kernel, of its panel width, adopted)."""
-        if weight.out_features % (2 * self.panel) != 0:
-            return None
-        out = torch.empty(x.shape[0], weight.out_features // 2, dtype=self.dtype)
-        code = self._silu(
-            out.data_ptr(), x.data_ptr(), weight.address, x.shape[0], weight.out_features,
-            weight.in_features, x.stride(0), out.stride(0), *self._limits,
-            torch.get_num_threads(),
-        )  # fmt: skip
-        if code != 0:
-            raise ValueError(f"the {self.name} SiLU linear kernel refused its arguments ({code})")
-        return out
-
     def pack_experts(self, weight: torch.Tensor) -> PackedExperts | None:
         return pack_experts(weight)
-
-    def grouped_matmul(
-        self, x: torch.Tensor, experts: PackedExperts, offsets: torch.Tensor
-    ) -> torch.Tensor:
-        """Rows ``offsets[e]`` to ``offsets[e + 1]`` of ``x`` [M, K] (sorted by expert) times
-        expert ``e``'s weight, every expert in one call -> [M, N]. ``offsets``: int64
-        [E + 1], read by the kernel where it lies (no host sync)."""
-        return grouped_call(self._grouped, self.name, self.dtype, x, experts, offsets,
-                            experts.panel)  # fmt: skip
-
-    def gates_silu(self, experts: PackedExperts) -> bool:
-        """Whether ``grouped_silu_matmul`` takes these gate/up weights: both halves whole
-        panels."""
-        return experts.out_features % (2 * experts.panel) == 0
-
-    def grouped_silu_matmul(
-        self, x: torch.Tensor, experts: PackedExperts, offsets: torch.Tensor
-    ) -> torch.Tensor:
-        """``grouped_matmul`` of the experts' gate/up weights [E, 2 I, K] with SiLU-and-mul
-        as its epilogue -> [M, I], what ``silu_mul`` of the [M, 2 I] product gives, bit for
-        bit."""
-        return grouped_call(
-            self._grouped_silu, f"{self.name} SiLU", self.dtype, x, experts, offsets,
-            experts.panel, out_features=experts.out_features // 2,
-        )  # fmt: skip
 
     def adopt(
         self, packed: torch.Tensor, out_features: int, in_features: int

@@ -30,16 +30,14 @@ from pathlib import Path
 
 import torch
 
-from tandem.core.kernels.cpu.native_build import CSRC, IsaLevel, c_function
+from tandem.core.kernels.cpu.native_build import CSRC, IsaLevel
 from tandem.core.kernels.cpu.native_linear import (
-    AdoptedWeight,
     PackedWeightKernel,
     load_kernel_library,
 )
 from tandem.core.kernels.cpu.packed_experts import (
+    GroupedPanelCalls,
     PackedExperts,
-    bind_grouped,
-    grouped_call,
     pack_panels,
 )
 from tandem.core.kernels.process_once import ProcessOnce
@@ -60,22 +58,22 @@ K_PAD = 16
 _PROBE_ROWS = 41
 
 
-class Avx512Linear(PackedWeightKernel):
+class Avx512Linear(PackedWeightKernel, GroupedPanelCalls):
     """The kernel for one dtype: float32 (AVX-512F FMAs) or bfloat16 (AVX512-BF16)."""
 
     max_rows = MAX_ROWS
     probe_rows = _PROBE_ROWS
+    panel = PANEL
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         self.dtype = dtype
         float32 = dtype is torch.float32
         self.name = "AVX-512 float32" if float32 else "AVX512-BF16"
         suffix = "f32" if float32 else "bf16"
-        self.bind(getattr(lib, f"tandem_avx512_linear_{suffix}"), limits=(MAX_ROWS,))
-        self._silu = c_function(getattr(lib, f"tandem_avx512_linear_silu_{suffix}"),
-                                list(self._function.argtypes))  # fmt: skip
-        self._grouped = bind_grouped(getattr(lib, f"tandem_avx512_grouped_linear_{suffix}"), 0)
-        self._grouped_silu = bind_grouped(getattr(lib, f"tandem_avx512_grouped_silu_{suffix}"), 0)
+        self.bind(getattr(lib, f"tandem_avx512_linear_{suffix}"), limits=(MAX_ROWS,),
+                  silu=getattr(lib, f"tandem_avx512_linear_silu_{suffix}"))  # fmt: skip
+        self.bind_grouped_calls(getattr(lib, f"tandem_avx512_grouped_linear_{suffix}"),
+                                getattr(lib, f"tandem_avx512_grouped_silu_{suffix}"))  # fmt: skip
         # Summed in another order, each output differs by float32 roundings (~1e-6), or by
         # a bfloat16 rounding or two.
         self.tolerance = 1e-4 if float32 else 2e-2
@@ -92,21 +90,6 @@ class Avx512Linear(PackedWeightKernel):
             return out_features * in_features * 2
         return out_features * (-(-in_features // K_PAD) * K_PAD) * 4
 
-    def silu_matmul(self, x: torch.Tensor, weight: AdoptedWeight) -> torch.Tensor | None:
-        """The gate/up product with SiLU-and-mul as its epilogue -> [rows, out / 2], what
-        ``silu_mul`` of the plain product gives, bit for bit (``csrc/avx512_linear.cpp``,
-        ``linear_silu``); None where either half is off the 64-column panels."""
-        if weight.out_features % (2 * PANEL) != 0:
-            return None
-        out = torch.empty(x.shape[0], weight.out_features // 2, dtype=self.dtype)
-        code = self._silu(
-            out.data_ptr(), x.data_ptr(), weight.address, x.shape[0], weight.out_features,
-            weight.in_features, x.stride(0), out.stride(0), MAX_ROWS, torch.get_num_threads(),
-        )  # fmt: skip
-        if code != 0:
-            raise ValueError(f"the {self.name} SiLU linear kernel refused its arguments ({code})")
-        return out
-
     def pack_experts(self, weight: torch.Tensor) -> PackedExperts | None:
         """``weight`` [E, N, K] of this kernel's dtype in its grouped layout
         (``packed_experts``); None where N is off the 64-column panels or a bfloat16 K is
@@ -120,29 +103,6 @@ class Avx512Linear(PackedWeightKernel):
         # The kernel loads each panel step with aligned loads (torch's CPU allocator gives
         # 64-byte alignment; anything else stays on the torch path rather than fault).
         return packed if packed.packed.data_ptr() % 64 == 0 else None
-
-    def grouped_matmul(
-        self, x: torch.Tensor, experts: PackedExperts, offsets: torch.Tensor
-    ) -> torch.Tensor:
-        """Rows ``offsets[e]`` to ``offsets[e + 1]`` of ``x`` [M, K] (sorted by expert) times
-        expert ``e``'s weight, every expert in one call -> [M, N] (no host sync)."""
-        return grouped_call(self._grouped, self.name, self.dtype, x, experts, offsets)
-
-    def gates_silu(self, experts: PackedExperts) -> bool:
-        """Whether ``grouped_silu_matmul`` takes these gate/up weights: both halves whole
-        64-column panels."""
-        return experts.out_features % (2 * PANEL) == 0
-
-    def grouped_silu_matmul(
-        self, x: torch.Tensor, experts: PackedExperts, offsets: torch.Tensor
-    ) -> torch.Tensor:
-        """``grouped_matmul`` of the experts' gate/up weights [E, 2 I, K] with SiLU-and-mul
-        as its epilogue -> [M, I], what ``silu_mul`` of the [M, 2 I] product gives, bit for
-        bit, without that product ever written out."""
-        return grouped_call(
-            self._grouped_silu, f"{self.name} SiLU", self.dtype, x, experts, offsets,
-            out_features=experts.out_features // 2,
-        )  # fmt: skip
 
 
 @dataclass(frozen=True)

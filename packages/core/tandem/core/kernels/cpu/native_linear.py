@@ -27,6 +27,7 @@ from tandem.core.kernels.cpu.native_build import (
     IsaLevel,
     KernelBuildError,
     build_library,
+    c_function,
     log_unbuilt,
     selected_isa,
 )
@@ -111,6 +112,8 @@ class PackedWeightKernel(ABC):
     # its product may be from oneDNN's, relative to the outputs' largest magnitude.
     probe_rows: int
     tolerance: float
+    # Columns of one panel of the layout the kernel walks.
+    panel: int
 
     @abstractmethod
     def readable(self, out_features: int, in_features: int) -> bool:
@@ -128,28 +131,53 @@ class PackedWeightKernel(ABC):
     def packed_bytes(self, out_features: int, in_features: int) -> int:
         """The size of oneDNN's buffer in the layout the kernel reads."""
 
-    def bind(self, function: ctypes._NamedFuncPointer, limits: tuple[int, ...] = ()) -> None:
+    def bind(
+        self,
+        function: ctypes._NamedFuncPointer,
+        limits: tuple[int, ...] = (),
+        silu: ctypes._NamedFuncPointer | None = None,
+    ) -> None:
         """Use ``function`` (out, x, w, M, N, K, ldx, ldo, *limits, num_threads) -> int, the
-        C signature every kernel here exports; ``limits``: int32 bounds passed on each call."""
+        C signature every kernel here exports; ``limits``: int32 bounds passed on each call;
+        ``silu``: the same product with SiLU-and-mul as its epilogue, where the library has
+        one (same signature, an output half as wide)."""
         function.argtypes = [_vp, _vp, _vp, *[_i64] * 5, *[_i32] * len(limits), _i32]
         function.restype = ctypes.c_int
         self._function = function
         self._limits = limits
+        self._silu = None if silu is None else c_function(silu, list(function.argtypes))
 
-    def run(self, out: torch.Tensor, x: torch.Tensor, weight: AdoptedWeight) -> int:
-        """Computes ``out = x W^T``; 0, or the kernel's code for arguments it refused."""
+    def _call(
+        self,
+        function: ctypes._NamedFuncPointer,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        weight: AdoptedWeight,
+    ) -> int:
         return int(
-            self._function(
+            function(
                 out.data_ptr(), x.data_ptr(), weight.address, x.shape[0],
                 weight.out_features, weight.in_features, x.stride(0), out.stride(0),
                 *self._limits, torch.get_num_threads(),
             )
         )  # fmt: skip
 
+    def run(self, out: torch.Tensor, x: torch.Tensor, weight: AdoptedWeight) -> int:
+        """Computes ``out = x W^T``; 0, or the kernel's code for arguments it refused."""
+        return self._call(self._function, out, x, weight)
+
     def silu_matmul(self, x: torch.Tensor, weight: AdoptedWeight) -> torch.Tensor | None:
-        """silu(x G^T) * (x U^T) for a weight W = [G; U] (a gate/up projection), in one call
-        where the kernel fuses it; None here (the caller multiplies, then activates)."""
-        return None
+        """silu(x G^T) * (x U^T) for a weight W = [G; U] (a gate/up projection) -> [rows,
+        out / 2] in one call, what ``silu_mul`` of the plain product gives, bit for bit;
+        None where the kernel has no fused entry point or either half is off its panels
+        (the caller multiplies, then activates). ``weight`` is one this kernel adopted."""
+        if self._silu is None or weight.out_features % (2 * self.panel) != 0:
+            return None
+        out = torch.empty(x.shape[0], weight.out_features // 2, dtype=self.dtype)
+        code = self._call(self._silu, out, x, weight)
+        if code != 0:
+            raise ValueError(f"the {self.name} SiLU linear kernel refused its arguments ({code})")
+        return out
 
     def matmul(self, x: torch.Tensor, weight: AdoptedWeight) -> torch.Tensor:
         out = torch.empty(x.shape[0], weight.out_features, dtype=self.dtype)

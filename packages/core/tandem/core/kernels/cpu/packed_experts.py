@@ -109,3 +109,53 @@ def bind_grouped(function: ctypes._NamedFuncPointer, limits: int) -> ctypes._Nam
     return c_function(
         function, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_int32] * (limits + 1)
     )
+
+
+class GroupedPanelCalls:
+    """``GroupedExpertKernel``'s calls for a library whose grouped entry points are
+    ``grouped_call``'s, a plain one and one with SiLU-and-mul as its epilogue, on experts
+    packed in panels (each half of a gate/up weight must be whole panels to fuse)."""
+
+    name: str
+    dtype: torch.dtype
+
+    def bind_grouped_calls(
+        self,
+        plain: ctypes._NamedFuncPointer,
+        silu: ctypes._NamedFuncPointer,
+        takes_panel: bool = False,
+    ) -> None:
+        """``takes_panel``: the entry points take the experts' panel width as their limit
+        (a library that reads more than one width)."""
+        limits = 1 if takes_panel else 0
+        self._grouped = bind_grouped(plain, limits)
+        self._grouped_silu = bind_grouped(silu, limits)
+        self._takes_panel = takes_panel
+
+    def _grouped_limits(self, experts: PackedExperts) -> tuple[int, ...]:
+        return (experts.panel,) if self._takes_panel else ()
+
+    def grouped_matmul(
+        self, x: torch.Tensor, experts: PackedExperts, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows ``offsets[e]`` to ``offsets[e + 1]`` of ``x`` [M, K] (sorted by expert) times
+        expert ``e``'s weight, every expert in one call, at any M -> [M, N]. ``offsets``:
+        int64 [E + 1], read by the kernel where it lies (no host sync)."""
+        return grouped_call(self._grouped, self.name, self.dtype, x, experts, offsets,
+                            *self._grouped_limits(experts))  # fmt: skip
+
+    def gates_silu(self, experts: PackedExperts) -> bool:
+        """Whether ``grouped_silu_matmul`` takes these gate/up weights: both halves whole
+        panels."""
+        return experts.out_features % (2 * experts.panel) == 0
+
+    def grouped_silu_matmul(
+        self, x: torch.Tensor, experts: PackedExperts, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """``grouped_matmul`` of the experts' gate/up weights [E, 2 I, K] with SiLU-and-mul
+        as its epilogue -> [M, I], what ``silu_mul`` of the [M, 2 I] product gives, bit for
+        bit, without that product ever written out."""
+        return grouped_call(
+            self._grouped_silu, f"{self.name} SiLU", self.dtype, x, experts, offsets,
+            *self._grouped_limits(experts), out_features=experts.out_features // 2,
+        )  # fmt: skip
