@@ -641,9 +641,12 @@ def wait_idle(base: str, timeout: float = 120) -> None:
             for line in text.splitlines()
             if line and not line.startswith("#")
         }
+        # Preparation too: a request that got its 504 leaves its job running, whose heap a
+        # measurement of the memory given back would otherwise read.
         if (
             values.get("tandem:num_requests_running", 0) == 0
             and values.get("tandem:num_requests_waiting", 0) == 0
+            and values.get("tandem:preparation_jobs_running", 0) == 0
         ):
             return
         time.sleep(0.2)

@@ -258,6 +258,45 @@ def test_a_request_waiting_for_preparation_gets_its_504_on_time(run_app: AppRunn
     run_app(scenario, limits=limits, preparer_threads=1)
 
 
+def _preparing(text: str) -> float:
+    found = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("tandem:preparation_jobs_running{")
+    ]
+    assert len(found) == 1, text
+    return found[0]
+
+
+def test_metrics_count_the_preparation_a_timed_out_request_left_running(
+    run_app: AppRunner,
+) -> None:
+    """A request's 504 does not stop its preparation, which holds CPU and memory until it
+    ends. /metrics counts it until then: without that, a measurement of the memory given back
+    after an attack read the heaps of jobs still running (a flaky hostile-clients check)."""
+    limits = ServerLimits(request_timeout_s=0.5)
+
+    async def scenario(client: Client, state: ServerState) -> None:
+        release = threading.Event()
+        encode = state.engine.inputs.encode_prompt
+
+        def slow(text: str, *args: Any, **kwargs: Any) -> list[int]:
+            release.wait(10)
+            return encode(text, *args, **kwargs)
+
+        state.engine.inputs.encode_prompt = slow  # type: ignore[method-assign]
+        assert _preparing((await client.get("/metrics")).text) == 0
+        _error(await client.post("/v1/completions", json=COMPLETION), 504)
+        assert _preparing((await client.get("/metrics")).text) == 1
+        release.set()
+        deadline = time.monotonic() + 10
+        while _preparing((await client.get("/metrics")).text) != 0:
+            assert time.monotonic() < deadline, "the ended job is still counted"
+            await asyncio.sleep(0.02)
+
+    run_app(scenario, limits=limits)
+
+
 # ---- the connection cap -------------------------------------------------------------------
 
 

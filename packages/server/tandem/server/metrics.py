@@ -72,6 +72,14 @@ class ServerMetrics:
             registry=self.registry,
         )
         preemptions.labels(**labels).set_function(lambda: engine.stats.num_preemptions)
+        self._preparing = Gauge(
+            "tandem:preparation_jobs_running",
+            "Requests' slow preparation (parsing, rendering, tokenizing) running on the "
+            "server's threads or in its preparation processes, including that of requests "
+            "which timed out or went away.",
+            ["model_name"],
+            registry=self.registry,
+        ).labels(**labels)
         self._prefix_cache(engine, labels)
         if engine.config.speculative is not None:
             self._spec_decode(engine, model_name)
@@ -155,6 +163,9 @@ class ServerMetrics:
             per_position.labels(model_name=model_name, position=str(position)).set_function(
                 _accepted_at(engine, position)
             )
+
+    def count_preparation(self, jobs_running: Callable[[], float]) -> None:
+        self._preparing.set_function(jobs_running)
 
     def observe_inter_token(self, seconds: float) -> None:
         self._itl.observe(seconds)

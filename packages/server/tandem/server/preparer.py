@@ -215,13 +215,35 @@ class RequestPreparer:
     def __init__(self, threads: int = 4) -> None:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tandem-prepare")
         self.processes: PreparationProcesses | None = None
+        self._running = 0
+        self._running_lock = threading.Lock()
+
+    @property
+    def jobs_running(self) -> int:
+        """Jobs started on the threads or in the processes and not yet ended, those of
+        requests that timed out or went away included: they still hold CPU and memory, which
+        an operator (or a measurement of memory given back) must be able to see."""
+        return self._running
+
+    def _counted(self, fn: Callable[[], T]) -> Callable[[], T]:
+        def counted() -> T:
+            with self._running_lock:
+                self._running += 1
+            try:
+                return fn()
+            finally:
+                with self._running_lock:
+                    self._running -= 1
+
+        return counted
 
     async def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` on one of the threads. A caller that goes away, or whose request's
         deadline passes (RequestTimedOut), stops waiting, and ``fn`` never runs if it had
         not started; once started it runs to its end (each job is bounded: by the input
         size limits, and templates by their time limit)."""
-        return await before_deadline(asyncio.get_running_loop().run_in_executor(self._pool, fn))
+        loop = asyncio.get_running_loop()
+        return await before_deadline(loop.run_in_executor(self._pool, self._counted(fn)))
 
     def start_processes(self, spec: WorkerSpec, count: int) -> None:
         """Prepare large bodies in up to ``count`` processes from now on (--prepare-processes;
@@ -242,7 +264,7 @@ class RequestPreparer:
                 return processes.call(job, raw)
 
         # The request's deadline bounds the wait (a job still queued for a thread never runs).
-        return await before_deadline(loop.run_in_executor(processes.threads, call))
+        return await before_deadline(loop.run_in_executor(processes.threads, self._counted(call)))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

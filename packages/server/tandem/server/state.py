@@ -74,6 +74,9 @@ class ServerState:
     limits: ServerLimits = field(default_factory=ServerLimits)
     preparer: RequestPreparer = field(default_factory=RequestPreparer)
 
+    def __post_init__(self) -> None:
+        self.metrics.count_preparation(lambda: self.preparer.jobs_running)
+
     @property
     def engine(self) -> LLMEngine:
         return self.loop.engine
