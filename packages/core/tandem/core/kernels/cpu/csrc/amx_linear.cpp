@@ -184,6 +184,15 @@ struct TileScope {
   TileScope& operator=(const TileScope&) = delete;
 };
 
+// `n` elements of `buffer` from its first cache line boundary on (the tiles' aligned
+// stores); the buffer, a thread's own, keeps the largest size asked of it.
+template <typename T>
+T* aligned_buffer(std::vector<T>& buffer, int64_t n) {
+  buffer.resize(n + 64 / sizeof(T));
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) &
+                              ~static_cast<uintptr_t>(63));
+}
+
 // x's rows in tile order for the grouped kernels: [tiles][K / 32][16 rows][32], each
 // expert's rows from a tile of their own (base[e], zero rows up to the next expert's), so
 // an x tile never holds two experts' rows. Tile-major (one x tile's K steps one contiguous
@@ -206,9 +215,7 @@ inline void plan_grouped_x(const int64_t* offsets, int64_t experts, int64_t step
     for (int64_t t = g.base[e]; t < g.base[e + 1]; ++t) g.expert[t] = e;
   }
   thread_local std::vector<uint16_t> packed_x;
-  packed_x.resize(g.base[experts] * steps * kTile + 32);
-  g.xp = reinterpret_cast<uint16_t*>(
-      (reinterpret_cast<uintptr_t>(packed_x.data()) + 63) & ~static_cast<uintptr_t>(63));
+  g.xp = aligned_buffer(packed_x, g.base[experts] * steps * kTile);
 }
 
 // x tile t into the packed layout: its 16 rows (zeros past its expert's), every K step.
@@ -263,9 +270,7 @@ int grouped(uint16_t* out, const uint16_t* x, const uint16_t* w, const int64_t* 
     // Sums of up to kSiluRows rows of the gate unit and of the up unit (one pass's 32
     // rows unfused).
     thread_local std::vector<float> scratch;
-    scratch.resize(2 * kSiluRows * kSumRow + 16);
-    float* gate = reinterpret_cast<float*>(
-        (reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~static_cast<uintptr_t>(63));
+    float* gate = aligned_buffer(scratch, 2 * kSiluRows * kSumRow);
     float* up = gate + kSiluRows * kSumRow;
     auto body = [&](int64_t i, int64_t following) {
       const int64_t e = items[i] / per_expert;
@@ -317,9 +322,7 @@ int dense(uint16_t* o, const uint16_t* xs, const uint16_t* wp, int64_t M, int64_
   // x in tile order, [K / 32][x_tiles][16 rows][32], zero rows past M: each A tile one
   // contiguous KiB that stays in L2 across the units.
   thread_local std::vector<uint16_t> packed_x;
-  packed_x.resize(steps * x_step + 32);
-  uint16_t* xp = reinterpret_cast<uint16_t*>(
-      (reinterpret_cast<uintptr_t>(packed_x.data()) + 63) & ~static_cast<uintptr_t>(63));
+  uint16_t* xp = aligned_buffer(packed_x, steps * x_step);
   const int threads =
       static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, outputs)));
   const auto unit = [&](int64_t u) { return wp + u * steps * kBlock; };
