@@ -15,6 +15,11 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as ref35
 from transformers.models.qwen3_moe import modeling_qwen3_moe as ref3
 
 from tandem.collectives import ProcessGroup, SingleRankGroup, create_inprocess_groups
+from tandem.core.kernels.cpu.packed_linear import (
+    native_kernel,
+    pack_linear_weights,
+    packing_enabled,
+)
 from tandem.core.kernels.reference.fused_moe import fused_moe
 from tandem.core.layers.sparse_moe_block import SparseMoeBlock
 
@@ -181,3 +186,27 @@ def test_moe_block_split_over_two_ranks_equals_one() -> None:
     assert not errors
     assert torch.equal(results[0], results[1])
     assert (results[0] - whole).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_router_and_shared_gate_are_padded_onto_the_native_kernel(dtype: torch.dtype) -> None:
+    """8 experts and a 1-output gate are off every native kernel's panels: left as they were,
+    oneDNN ran them, at ~80 us a router call in a decode step. Padded with zero outputs, our
+    kernel reads them and the block still gives the reference's result."""
+    kernel = native_kernel(dtype) if packing_enabled(dtype) else None
+    if kernel is None:
+        pytest.skip(f"no native {dtype} linear kernel on this CPU or ISA level")
+    reference = _reference(shared=True, normalize=True).to(dtype)
+    block = _ours(_checkpoint(reference, fused=True), True, True, SingleRankGroup()).to(dtype)
+    x = torch.randn(5, HIDDEN).to(dtype)
+    with torch.no_grad():
+        expected = block(x).float()
+        pack_linear_weights(block, torch.device("cpu"), dtype)
+        got = block(x).float()
+    for layer, outputs in ((block.gate, EXPERTS), (block.shared_expert_gate, 1)):
+        assert layer is not None and layer.native is not None
+        assert layer.native.out_features == outputs + layer.padded_outputs > outputs
+    # float32: the same products summed in another order; bfloat16: a routing weight or an
+    # output one rounding apart (the experts chosen are the same: the logits are far apart).
+    tolerance = 1e-5 if dtype is torch.float32 else 3e-2
+    assert (got - expected).abs().max().item() <= tolerance * expected.abs().max().item()
