@@ -19,6 +19,7 @@ from tandem.core.kernels.cpu.elementwise import native_elementwise_kernel
 from tandem.core.kernels.cpu.int4_linear import native_int4_kernel
 from tandem.core.kernels.cpu.int8_gemm import native_int8_kernel
 from tandem.core.kernels.cpu.linear_attention import native_linear_attention_kernel
+from tandem.core.kernels.cpu.moe_routing import native_moe_routing_kernel
 from tandem.core.kernels.cpu.paged_attention import native_kv_cache_write, native_paged_attention
 from tandem.core.kernels.cpu.prefill_attention import native_prefill_attention
 from tandem.core.kernels.cpu.quantized_moe import (
@@ -223,10 +224,12 @@ def fused_moe() -> KernelHandle[torch.Tensor]:
 
 
 def moe_topk_softmax() -> KernelHandle[Pair]:
-    """The MoE router's softmax and top-k over its logits."""
+    """The MoE router's softmax and top-k over its logits; on CPU one native pass
+    (``moe_routing.py``) where the library is built."""
     triton = triton_kernel("topk_softmax", "topk_softmax")
     npu = torch_npu_kernel("fused_moe", "topk_softmax")
-    return KernelHandle("moe_topk_softmax", moe_ref.topk_softmax, triton=triton, npu=npu)
+    native = native_moe_routing_kernel("topk_softmax")
+    return KernelHandle("moe_topk_softmax", moe_ref.topk_softmax, native, triton=triton, npu=npu)
 
 
 def int8_linear() -> KernelHandle[torch.Tensor]:

@@ -1,8 +1,9 @@
-"""The native MoE routing kernels (sort by expert, sum back) against the torch reference they
-replace (``reference/fused_moe.py``: ``sort_rows``, ``combine``): the same sort, and the same
-sums bit for bit (each product rounded to the dtype, then added in float32 in expert order
-and rounded once, as mul_ and index_add_ into zeros do), so no tolerance is needed. Skipped
-where the library cannot be built; run at every ISA level by the suite's switch."""
+"""The native MoE routing kernels against the torch reference they replace
+(``reference/fused_moe.py``): the sort (``sort_rows``) and the gather (``index_select``)
+exactly; the sums (``combine``) bit for bit (each product rounded to the dtype, then added in
+float32 in expert order and rounded once, as mul_ and index_add_ into zeros do); the router's
+top-k (``topk_softmax``) with the same experts, its weights within the bound its test derives.
+Skipped where the library cannot be built; run at every ISA level by the suite's switch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from tandem.core.kernels.cpu.moe_routing import NativeMoeRouting, native_moe_routing
-from tandem.core.kernels.reference.fused_moe import combine, sort_rows
+from tandem.core.kernels.reference.fused_moe import combine, sort_rows, topk_softmax
 
 
 def _routing() -> NativeMoeRouting:
@@ -76,3 +77,53 @@ def test_rows_or_slots_that_do_not_match_the_pairs_are_refused() -> None:
         routing.combine(torch.ones(7, 16), weights, slot)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         routing.combine(torch.ones(8, 16, dtype=torch.float16), weights, slot)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "experts", "k", "normalize"),
+                         [(1, 4, 1, False), (61, 8, 2, True), (300, 60, 4, False),
+                          (97, 128, 8, True), (40, 256, 4, True), (33, 512, 10, True)])  # fmt: skip
+def test_the_router_choice_is_the_references(
+    tokens: int, experts: int, k: int, normalize: bool, dtype: torch.dtype
+) -> None:
+    """The same experts in the same order as ``topk_softmax``, ties included: bfloat16 logits
+    of a spread of 4 tie often (3 significant digits), and torch.topk's order among tied
+    experts is its algorithm's (both of its paths are taken here: k * 64 <= E and not).
+
+    The weights: both sides compute exp(l - max) / S over E terms in float32, exp within 2
+    ulps (ours, fast_exp) and 1 (torch's), S summed in another order (each partial sum one
+    rounding: at most E ulps of S apart in all), then one division here and a multiplication
+    by 1 / S there, and as much again to renormalise: at most (E + 8) 2^-24 apart relative
+    to a weight's scale, 1. bfloat16 rounds each once more: one rounding, 2^-8 of the
+    weight, where the float32 values fall either side of a rounding boundary."""
+    routing = _routing()
+    g = torch.Generator().manual_seed(experts + k)
+    logits = (torch.randn(tokens, experts, generator=g) * 4).to(dtype)
+    want_weights, want_ids = topk_softmax(logits, k, normalize)
+    # Where the router's matmul leaves them: a view of wider, padded rows.
+    padded = torch.zeros(tokens, experts + 24, dtype=dtype)
+    padded[:, :experts] = logits
+    weights, ids = routing.topk_softmax(padded[:, :experts], k, normalize)
+    assert ids.dtype is torch.int64 and weights.dtype is dtype
+    assert torch.equal(ids, want_ids)
+    bound = (experts + 8) * 2.0**-24
+    if dtype is torch.bfloat16:
+        bound += 2.0**-8 * want_weights.float().abs().max().item()
+    assert (weights.float() - want_weights.float()).abs().max().item() <= bound
+
+
+def test_a_top_k_beyond_the_experts_is_refused() -> None:
+    with pytest.raises(ValueError, match="top_k must be from 1 to the router's 8 experts"):
+        _routing().topk_softmax(torch.randn(3, 8), 9, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "k", "hidden"), [(1, 1, 64), (61, 2, 96), (700, 8, 512)])
+def test_the_gather_is_index_select(tokens: int, k: int, hidden: int, dtype: torch.dtype) -> None:
+    """The sorted pairs' rows of x, each where the route sends it (700 x 8 x 512 rows go
+    parallel)."""
+    routing = _routing()
+    ids = _route(tokens, k, 16, seed=k)
+    _, token, _ = routing.route(ids, 16)
+    x = torch.randn(tokens, hidden + 8).to(dtype)[:, :hidden]  # rows apart, as a view's
+    assert torch.equal(routing.gather(x, token), x.index_select(0, token))

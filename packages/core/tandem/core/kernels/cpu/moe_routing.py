@@ -1,10 +1,13 @@
-"""The routing's bookkeeping around the grouped expert GEMMs on CPU (``csrc/moe_routing.cpp``):
-the (token, choice) pairs sorted by expert, and each token's expert outputs summed back with
-its routing weights, one native pass each where torch took a handful of small ops (4-5 % of
-a served float32 step of the bench MoE model). Bit for bit what the torch reference
-(``reference/fused_moe.py``: ``sort_rows``, ``combine``) gives. Built on first use (see
-``native_build``); None where the library cannot be had (the grouped path then sorts and
-combines in torch)."""
+"""The routing around the grouped expert GEMMs on CPU (``csrc/moe_routing.cpp``): the router's
+softmax and top-k, the (token, choice) pairs sorted by expert, each sorted pair's row of x
+gathered, and each token's expert outputs summed back with its routing weights, one native
+pass each where torch took a handful of small ops (4-5 % of a served float32 step of the bench
+MoE model for the sort and the sum; the top-k ~130 us a layer in serving, its ops each waking
+an OpenMP thread). The sort, the gather and the sum are bit for bit what the torch reference
+(``reference/fused_moe.py``: ``sort_rows``, ``combine``) gives; the top-k chooses the same
+experts, its weights within float32 roundings of ``topk_softmax``'s. Built on first use (see
+``native_build``); None where the library cannot be had (the grouped path then does all of it
+in torch)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import ctypes
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,6 +28,7 @@ from tandem.core.kernels.cpu.native_build import (
     compiled_path,
     log_unbuilt,
 )
+from tandem.core.kernels.handle import NativeChoice, library_choice
 from tandem.core.kernels.process_once import ProcessOnce
 
 logger = logging.getLogger(__name__)
@@ -43,6 +48,10 @@ class NativeMoeRouting:
         self.lib = ctypes.CDLL(str(path))
         self.compiled_path = compiled_path(self.lib)
         self._route = c_function(self.lib.tandem_moe_route, [_vp, _i64, _i64, _i64, _vp, _vp, _vp])
+        self._topk = c_function(
+            self.lib.tandem_moe_topk_softmax, [_vp] + [_i64] * 4 + [_i32, _vp, _vp, _i32, _i32]
+        )
+        self._gather = c_function(self.lib.tandem_moe_gather, [_vp] * 3 + [_i64] * 3 + [_i32] * 2)
         self._combine = c_function(
             self.lib.tandem_moe_combine, [_vp] * 4 + [_i64] * 5 + [_i32, _i32]
         )
@@ -50,6 +59,41 @@ class NativeMoeRouting:
     @staticmethod
     def handles(dtype: torch.dtype) -> bool:
         return dtype in _DTYPES
+
+    def topk_softmax(
+        self, logits: torch.Tensor, top_k: int, normalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``topk_softmax``'s choice from router logits [..., E]: the same experts, in
+        descending order (ties: the lower expert first), and their weights within float32
+        roundings, rounded to the logits' dtype; ids int64, each [..., top_k]."""
+        experts = logits.shape[-1]
+        rows = logits.reshape(-1, experts)
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        weights = torch.empty(rows.shape[0], top_k, dtype=logits.dtype)
+        ids = torch.empty(rows.shape[0], top_k, dtype=torch.int64)
+        code = self._topk(
+            rows.data_ptr(), rows.stride(0), rows.shape[0], experts, top_k, int(normalize),
+            weights.data_ptr(), ids.data_ptr(), _DTYPES[logits.dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"top_k must be from 1 to the router's {experts} experts, got {top_k}")
+        shape = (*logits.shape[:-1], top_k)
+        return weights.view(shape), ids.view(shape)
+
+    def gather(self, x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """``x.index_select(0, token)`` for x [T, H] (float32 or bfloat16, rows contiguous)
+        and the route's ``token``."""
+        if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in _DTYPES:
+            raise ValueError("the MoE gather takes float32 or bfloat16 rows, contiguous")
+        out = torch.empty(token.shape[0], x.shape[1], dtype=x.dtype)
+        code = self._gather(
+            out.data_ptr(), x.data_ptr(), token.data_ptr(), token.shape[0], x.shape[1],
+            x.stride(0), _DTYPES[x.dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"the MoE gather refused its arguments ({code})")
+        return out
 
     def route(
         self, topk_ids: torch.Tensor, num_experts: int
@@ -114,3 +158,8 @@ def load_native_moe_routing(
 
 # The process's library, built and loaded on first use.
 native_moe_routing = ProcessOnce(load_native_moe_routing)
+
+
+def native_moe_routing_kernel(name: str) -> NativeChoice[Any]:
+    """The CPU kernel ``name`` of this library for a dtype, where it is built."""
+    return library_choice(native_moe_routing, name)

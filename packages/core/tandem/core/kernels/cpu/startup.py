@@ -216,7 +216,10 @@ def build_report() -> CpuKernelReport:
         _library_choice("prefill attention", native_prefill_attention(), "torch SDPA", no_library),
         _library_choice("norms, rotary, SiLU", native_elementwise(), "torch, op by op", no_library),
         _library_choice(
-            "MoE routing (sort, sum back)", native_moe_routing(), "torch, op by op", no_library
+            "MoE routing (top-k, sort, gather, sum back)",
+            native_moe_routing(),
+            "torch, op by op",
+            no_library,
         ),
         _library_choice(
             "linear attention (conv, delta rule)",

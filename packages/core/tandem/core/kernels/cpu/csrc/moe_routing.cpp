@@ -1,9 +1,17 @@
-// The routing's bookkeeping around the grouped expert GEMMs on CPU (kernels/cpu/moe_routing.py):
-// sorting the (token, choice) pairs by expert, and summing each token's expert outputs back
-// with its routing weights. Each is one pass where torch took a handful of ops (argsort,
-// bincount, cumsum and a division; a multiply, a zero fill and an index_add), each with its
-// own dispatch and, on a decode step's few rows, most of its time in that dispatch: 4-5 % of
-// a served float32 step of the bench MoE model went to them.
+// The routing around the grouped expert GEMMs on CPU (kernels/cpu/moe_routing.py): the
+// router's softmax and top-k, sorting the (token, choice) pairs by expert, gathering each
+// sorted pair's row of x, and summing each token's expert outputs back with its routing
+// weights. Each is one pass where torch took a handful of ops (a softmax, topk, a sum and a
+// division; argsort, bincount, cumsum and a division; index_select; a multiply, a zero fill
+// and an index_add), each with its own dispatch and, on a decode step's few rows, most of
+// its time in that dispatch: 4-5 % of a served float32 step of the bench MoE model went to
+// the sort and the sum alone. A decode step's rows are too few to share between threads:
+// waking a sleeping OpenMP thread (the server's threads take the cores between steps) cost
+// more than the work, ~130 us an op in serving, so only large batches go parallel.
+//
+// The top-k is torch.topk's (chosen on the logits, which softmax keeps in order, the way
+// torch.topk chooses), its weights the reference's within float32 roundings: exp here is fast_exp
+// (vec_math.h, 2 ulp), the normalisation divides where torch multiplies by a reciprocal.
 //
 // Both give what the torch reference (kernels/reference/fused_moe.py: sort_rows, combine)
 // gives, bit for bit: the sort is stable, and each token's sum takes its products rounded to
@@ -17,18 +25,87 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
 #include <vector>
 
 #include "vec_math.h"
 
 namespace {
 
+// Batches of at least this many elements go parallel (see the top).
+constexpr int64_t kParallelElements = int64_t{1} << 18;
+
+// torch.topk's order for largest: NaN first, then by value; nothing else (see below).
+inline bool larger(const std::pair<float, int64_t>& x, const std::pair<float, int64_t>& y) {
+  return (std::isnan(x.first) && !std::isnan(y.first)) || x.first > y.first;
+}
+
+// Softmax over a token's `experts` logits in float32, its k largest in descending order as
+// torch.topk gives them, renormalised to sum to one where asked, rounded to T.
+template <typename T>
+void topk_softmax(const T* logits, int64_t ld, int64_t tokens, int64_t experts, int64_t k,
+                  bool normalize, T* weights, int64_t* ids, int threads) {
+  const bool parallel = tokens * experts >= kParallelElements;
+#pragma omp parallel num_threads(threads) if (parallel)
+  {
+    std::vector<float> p(static_cast<size_t>(experts));
+    std::vector<std::pair<float, int64_t>> queue(static_cast<size_t>(experts));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tokens; ++t) {
+      const T* row = logits + t * ld;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t e = 0; e < experts; ++e) {
+        p[e] = tandem::to_float(row[e]);
+        top = std::max(top, p[e]);
+      }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t e = 0; e < experts; ++e) {
+        p[e] = tandem::fast_exp(p[e] - top);
+        sum += p[e];
+      }
+      // torch.topk's selection on CPU (TopKImpl.h), on the logits, which order the experts
+      // as their probabilities do: the same algorithm and comparison over (value, expert)
+      // pairs, so that experts whose probabilities tie come out in the order torch gives
+      // them (in bfloat16, ties between a model's experts are common).
+      for (int64_t e = 0; e < experts; ++e) queue[e] = {tandem::to_float(row[e]), e};
+      if (k * 64 <= experts) {
+        std::partial_sort(queue.begin(), queue.begin() + k, queue.end(), larger);
+      } else {
+        std::nth_element(queue.begin(), queue.begin() + k - 1, queue.end(), larger);
+        std::sort(queue.begin(), queue.begin() + k - 1, larger);
+      }
+      float chosen = 0.f;
+      for (int64_t j = 0; j < k; ++j) chosen += p[queue[j].second] / sum;
+      const float norm = normalize ? chosen : 1.f;
+      for (int64_t j = 0; j < k; ++j) {
+        tandem::store_as(weights + t * k + j, p[queue[j].second] / sum / norm);
+        ids[t * k + j] = queue[j].second;
+      }
+    }
+  }
+}
+
+// out[r] = x[token[r]] for each of `rows` sorted rows, `h` elements each.
+template <typename T>
+void gather(T* out, const T* x, const int64_t* token, int64_t rows, int64_t h, int64_t ldx,
+            int threads) {
+  const bool parallel = rows * h >= kParallelElements;
+#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(out + r * h, x + token[r] * ldx, static_cast<size_t>(h) * sizeof(T));
+  }
+}
+
 // y[t] = sum over the token's pairs, in ascending slot order, of w[t, j] rows[slot[t k + j]].
 template <typename T>
 void combine(T* y, const T* rows, const T* weights, const int64_t* slot, int64_t tokens,
              int64_t k, int64_t h, int64_t ldr, int64_t ldy, int threads) {
-  const bool parallel = tokens * k * h >= (int64_t{1} << 15);
+  const bool parallel = tokens * k * h >= kParallelElements;
 #pragma omp parallel num_threads(threads) if (parallel)
   {
     std::vector<int64_t> order(static_cast<size_t>(k));
@@ -61,6 +138,40 @@ void combine(T* y, const T* rows, const T* weights, const int64_t* slot, int64_t
 }  // namespace
 
 extern "C" {
+
+// weights [tokens, k] (dtype) and ids [tokens, k] (int64): the router's choice from logits
+// [tokens, experts] (row stride ld), see topk_softmax; dtype 0 float32, 1 bfloat16. Returns
+// 0, 1 where k is not within [1, experts], or 2 for another dtype.
+int tandem_moe_topk_softmax(const void* logits, int64_t ld, int64_t tokens, int64_t experts,
+                            int64_t k, int32_t normalize, void* weights, int64_t* ids,
+                            int32_t dtype, int32_t threads) {
+  if (k < 1 || k > experts) return 1;
+  if (dtype == 0) {
+    topk_softmax(static_cast<const float*>(logits), ld, tokens, experts, k, normalize != 0,
+                 static_cast<float*>(weights), ids, threads);
+  } else if (dtype == 1) {
+    topk_softmax(static_cast<const uint16_t*>(logits), ld, tokens, experts, k, normalize != 0,
+                 static_cast<uint16_t*>(weights), ids, threads);
+  } else {
+    return 2;
+  }
+  return 0;
+}
+
+// out [rows, h] (contiguous) = x[token[r]] (row stride ldx) for r < rows; dtype as above.
+// Returns 0, or 2 for another dtype. Tokens are the route's, inside x: not checked here.
+int tandem_moe_gather(void* out, const void* x, const int64_t* token, int64_t rows, int64_t h,
+                      int64_t ldx, int32_t dtype, int32_t threads) {
+  if (dtype == 0) {
+    gather(static_cast<float*>(out), static_cast<const float*>(x), token, rows, h, ldx, threads);
+  } else if (dtype == 1) {
+    gather(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(x), token, rows, h, ldx,
+           threads);
+  } else {
+    return 2;
+  }
+  return 0;
+}
 
 // The pairs (token t, choice j), flattened as i = t k + j, sorted by ids[i] (stably):
 // offsets[e] .. offsets[e + 1] are expert e's sorted rows, token[r] the token of sorted row
