@@ -2,12 +2,14 @@
 softmax and top-k, the (token, choice) pairs sorted by expert, each sorted pair's row of x
 gathered, and each token's expert outputs summed back with its routing weights, one native
 pass each where torch took a handful of small ops (4-5 % of a served float32 step of the bench
-MoE model for the sort and the sum; the top-k ~130 us a layer in serving, its ops each waking
-an OpenMP thread). The sort, the gather and the sum are bit for bit what the torch reference
-(``reference/fused_moe.py``: ``sort_rows``, ``combine``) gives; the top-k chooses the same
-experts, its weights within float32 roundings of ``topk_softmax``'s. Built on first use (see
-``native_build``); None where the library cannot be had (the grouped path then does all of it
-in torch)."""
+MoE model for the sort and the sum; in serving, torch's softmax and top-k took 54 us a layer
+against 17 us alone, each op waking an OpenMP thread). The sort, the gather and the sum are bit
+for bit what the torch reference (``reference/fused_moe.py``: ``sort_rows``, ``combine``)
+gives. The top-k chooses on the logits as torch.topk chooses on the probabilities: the same
+experts in the same order for bfloat16 logits, ties included, and for float32 logits except
+where two a rounding apart get one probability, or a row holds a NaN; its weights within
+float32 roundings of ``topk_softmax``'s. Built on first use (see ``native_build``); None where
+the library cannot be had (the grouped path then does all of it in torch)."""
 
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ class NativeMoeRouting:
         self._topk = c_function(
             self.lib.tandem_moe_topk_softmax, [_vp] + [_i64] * 4 + [_i32, _vp, _vp, _i32, _i32]
         )
-        self._gather = c_function(self.lib.tandem_moe_gather, [_vp] * 3 + [_i64] * 3 + [_i32] * 2)
+        self._gather = c_function(self.lib.tandem_moe_gather, [_vp] * 3 + [_i64] * 4 + [_i32] * 2)
         self._combine = c_function(
             self.lib.tandem_moe_combine, [_vp] * 4 + [_i64] * 5 + [_i32, _i32]
         )
@@ -63,9 +65,11 @@ class NativeMoeRouting:
     def topk_softmax(
         self, logits: torch.Tensor, top_k: int, normalize: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``topk_softmax``'s choice from router logits [..., E]: the same experts, in
-        descending order (ties: the lower expert first), and their weights within float32
-        roundings, rounded to the logits' dtype; ids int64, each [..., top_k]."""
+        """``topk_softmax``'s choice from router logits [..., E] (see the module's text): the
+        experts in descending order, tied ones in torch.topk's, and their weights, rounded to
+        the logits' dtype; ids int64, each [..., top_k]."""
+        if logits.dtype not in _DTYPES or logits.device.type != "cpu":
+            raise ValueError("the native top-k takes float32 or bfloat16 logits on the CPU")
         experts = logits.shape[-1]
         rows = logits.reshape(-1, experts)
         if rows.stride(1) != 1:
@@ -86,11 +90,15 @@ class NativeMoeRouting:
         and the route's ``token``."""
         if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in _DTYPES:
             raise ValueError("the MoE gather takes float32 or bfloat16 rows, contiguous")
+        if token.dtype is not torch.int64 or token.dim() != 1 or token.stride(0) != 1:
+            raise ValueError("the MoE gather takes the route's tokens: contiguous int64")
         out = torch.empty(token.shape[0], x.shape[1], dtype=x.dtype)
         code = self._gather(
             out.data_ptr(), x.data_ptr(), token.data_ptr(), token.shape[0], x.shape[1],
-            x.stride(0), _DTYPES[x.dtype], torch.get_num_threads(),
+            x.stride(0), x.shape[0], _DTYPES[x.dtype], torch.get_num_threads(),
         )  # fmt: skip
+        if code == 1:
+            raise ValueError(f"a routed token is outside the {x.shape[0]} rows of x")
         if code != 0:
             raise ValueError(f"the MoE gather refused its arguments ({code})")
         return out
@@ -142,7 +150,7 @@ def load_native_moe_routing(
     """Build (if needed) and load the library; None, with the reason logged, where it cannot
     be had. ``TANDEM_MOE_ROUTING=torch`` keeps the torch ops."""
     if os.environ.get("TANDEM_MOE_ROUTING", "").lower() == "torch":
-        logger.info("TANDEM_MOE_ROUTING=torch: routed experts are sorted and summed in torch")
+        logger.info("TANDEM_MOE_ROUTING=torch: MoE top-k, sort, gather and sum back run in torch")
         return None
     try:
         return NativeMoeRouting(build_library(SOURCE, "tandem_moe_routing", FLAGS, build_dir, isa))
@@ -150,7 +158,7 @@ def load_native_moe_routing(
         log_unbuilt(
             logger,
             exc,
-            "no native MoE routing kernels (%s); routed experts are sorted and summed in torch",
+            "no native MoE routing kernels (%s); top-k, sort, gather and sum back run in torch",
             exc,
         )
         return None

@@ -7,14 +7,18 @@
 // its time in that dispatch: 4-5 % of a served float32 step of the bench MoE model went to
 // the sort and the sum alone. A decode step's rows are too few to share between threads:
 // waking a sleeping OpenMP thread (the server's threads take the cores between steps) cost
-// more than the work, ~130 us an op in serving, so only large batches go parallel.
+// more than the work (~130 us an op with the thread made to sleep, OMP_WAIT_POLICY=PASSIVE,
+// against ~15 us on one thread), so only large batches go parallel.
 //
-// The top-k is torch.topk's (chosen on the logits, which softmax keeps in order, the way
-// torch.topk chooses), its weights the reference's within float32 roundings: exp here is fast_exp
+// The top-k is torch.topk's: chosen on the logits, which softmax keeps in order, with
+// torch.topk's own algorithm and comparison, so tied experts come out in its order as long
+// as both are built on libstdc++'s sorts (torch's x86 wheels are). Where two float32 logits a
+// rounding apart get one probability, or a row holds a NaN, the reference may choose
+// otherwise. Its weights are the reference's within float32 roundings: exp here is fast_exp
 // (vec_math.h, 2 ulp), the normalisation divides where torch multiplies by a reciprocal.
 //
-// Both give what the torch reference (kernels/reference/fused_moe.py: sort_rows, combine)
-// gives, bit for bit: the sort is stable, and each token's sum takes its products rounded to
+// The sort and the sum give what the torch reference (kernels/reference/fused_moe.py:
+// sort_rows, combine) gives, bit for bit: the sort is stable, and each token's sum takes its products rounded to
 // the dtype (mul_), then adds them in float32 in the pairs' sorted order (expert order) and
 // rounds the sum to the dtype once, as torch's index_add_ into zeros does (bfloat16 included:
 // it accumulates in float32; checked against it for 1 to 8 choices). Built with
@@ -158,10 +162,13 @@ int tandem_moe_topk_softmax(const void* logits, int64_t ld, int64_t tokens, int6
   return 0;
 }
 
-// out [rows, h] (contiguous) = x[token[r]] (row stride ldx) for r < rows; dtype as above.
-// Returns 0, or 2 for another dtype. Tokens are the route's, inside x: not checked here.
+// out [rows, h] (contiguous) = x[token[r]] (row stride ldx, x_rows rows) for r < rows; dtype
+// as above. Returns 0, 1 (nothing written) where a token is outside x, or 2 for another dtype.
 int tandem_moe_gather(void* out, const void* x, const int64_t* token, int64_t rows, int64_t h,
-                      int64_t ldx, int32_t dtype, int32_t threads) {
+                      int64_t ldx, int64_t x_rows, int32_t dtype, int32_t threads) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if (token[r] < 0 || token[r] >= x_rows) return 1;
+  }
   if (dtype == 0) {
     gather(static_cast<float*>(out), static_cast<const float*>(x), token, rows, h, ldx, threads);
   } else if (dtype == 1) {
