@@ -634,6 +634,7 @@ def total_rss_mib(pid: int) -> float:
 
 def wait_idle(base: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
+    values: dict[str, float] = {}
     while time.monotonic() < deadline:
         text = httpx.get(f"{base}/metrics", headers=AUTH, timeout=10).text
         values = {
@@ -650,6 +651,8 @@ def wait_idle(base: str, timeout: float = 120) -> None:
         ):
             return
         time.sleep(0.2)
+    # Measuring memory beside work still running would blame the server for it.
+    raise RuntimeError(f"the server was still busy after {timeout:g} s: {values}")
 
 
 # --- the probes ------------------------------------------------------------------------------

@@ -286,7 +286,14 @@ def test_metrics_count_the_preparation_a_timed_out_request_left_running(
 
         state.engine.inputs.encode_prompt = slow  # type: ignore[method-assign]
         assert _preparing((await client.get("/metrics")).text) == 0
-        _error(await client.post("/v1/completions", json=COMPLETION), 504)
+        # Two at once on the one preparer thread: the second's job, still queued when its
+        # request timed out, never starts and is not counted.
+        both = await asyncio.gather(
+            client.post("/v1/completions", json=COMPLETION),
+            client.post("/v1/completions", json=COMPLETION),
+        )
+        for response in both:
+            _error(response, 504)
         assert _preparing((await client.get("/metrics")).text) == 1
         release.set()
         deadline = time.monotonic() + 10
@@ -294,7 +301,7 @@ def test_metrics_count_the_preparation_a_timed_out_request_left_running(
             assert time.monotonic() < deadline, "the ended job is still counted"
             await asyncio.sleep(0.02)
 
-    run_app(scenario, limits=limits)
+    run_app(scenario, limits=limits, preparer_threads=1)
 
 
 # ---- the connection cap -------------------------------------------------------------------
