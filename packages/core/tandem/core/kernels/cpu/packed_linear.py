@@ -52,10 +52,10 @@ class PackableLinear(nn.Module):
     packed: torch.Tensor | None = None
     # The packed weight as our own kernel reads it, where one adopted it, else None.
     native: AdoptedWeight | None = None
-    # Set by the layer's owner where its output is only ever split or sliced (never viewed
-    # whole): the packed weight may then carry zero output rows up to a width our kernel
-    # reads (its panels), so a layer with a few outputs off the panels does not fall back
-    # to oneDNN; ``matmul`` returns a view of the true columns.
+    # Set by the layer's owner where every consumer of its output takes a strided view (rows
+    # apart by more than their width): the packed weight may then carry zero output rows up
+    # to a width our kernel reads (its panels), so a layer with a few outputs off the panels
+    # does not fall back to oneDNN; ``matmul`` returns a view of the true columns.
     pad_outputs: bool = False
     # Zero output rows the packed weight carries past the true ones.
     padded_outputs: int = 0
