@@ -225,7 +225,10 @@ class RequestPreparer:
         an operator (or a measurement of memory given back) must be able to see."""
         return self._running
 
-    def _counted(self, fn: Callable[[], T]) -> Callable[[], T]:
+    async def _on(self, pool: ThreadPoolExecutor, fn: Callable[[], T]) -> T:
+        """``fn()`` on one of ``pool``'s threads, counted while it runs, waited for until the
+        request's deadline (a job still queued when it passes never runs)."""
+
         def counted() -> T:
             with self._running_lock:
                 self._running += 1
@@ -235,15 +238,14 @@ class RequestPreparer:
                 with self._running_lock:
                     self._running -= 1
 
-        return counted
+        return await before_deadline(asyncio.get_running_loop().run_in_executor(pool, counted))
 
     async def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` on one of the threads. A caller that goes away, or whose request's
         deadline passes (RequestTimedOut), stops waiting, and ``fn`` never runs if it had
         not started; once started it runs to its end (each job is bounded: by the input
         size limits, and templates by their time limit)."""
-        loop = asyncio.get_running_loop()
-        return await before_deadline(loop.run_in_executor(self._pool, self._counted(fn)))
+        return await self._on(self._pool, fn)
 
     def start_processes(self, spec: WorkerSpec, count: int) -> None:
         """Prepare large bodies in up to ``count`` processes from now on (--prepare-processes;
@@ -255,7 +257,6 @@ class RequestPreparer:
     async def run_in_process(self, job: str, body: Spilled) -> tuple[Reply, Payload]:
         assert self.processes is not None
         processes = self.processes
-        loop = asyncio.get_running_loop()
 
         def call() -> tuple[Reply, Payload]:
             # The view goes with the call: the mapping outlives a request that timed out
@@ -263,8 +264,7 @@ class RequestPreparer:
             with body.view() as raw:
                 return processes.call(job, raw)
 
-        # The request's deadline bounds the wait (a job still queued for a thread never runs).
-        return await before_deadline(loop.run_in_executor(processes.threads, self._counted(call)))
+        return await self._on(processes.threads, call)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -33,10 +33,7 @@ from tandem.core.kernels.cpu.native_build import (
     IsaLevel,
     amx_tiles_granted,
 )
-from tandem.core.kernels.cpu.native_linear import (
-    PackedWeightKernel,
-    load_kernel_library,
-)
+from tandem.core.kernels.cpu.native_linear import PackedWeightKernel, load_kernel_library
 from tandem.core.kernels.cpu.packed_experts import GroupedPanelCalls, PackedExperts
 from tandem.core.kernels.process_once import ProcessOnce
 

@@ -53,5 +53,5 @@ def grouped_fused_moe(
         out = kernel.grouped_matmul(hidden, w2, offsets)
         return combine(x, out, order, token, topk_weights)
     offsets, token, slot = routing.route(topk_ids, w13.experts)
-    hidden = gate_up(routing.gather(x if x.stride(1) == 1 else x.contiguous(), token), offsets)
+    hidden = gate_up(routing.gather(x, token), offsets)
     return routing.combine(kernel.grouped_matmul(hidden, w2, offsets), topk_weights, slot)

@@ -86,10 +86,12 @@ class NativeMoeRouting:
         return weights.view(shape), ids.view(shape)
 
     def gather(self, x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """``x.index_select(0, token)`` for x [T, H] (float32 or bfloat16, rows contiguous)
-        and the route's ``token``."""
-        if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in _DTYPES:
-            raise ValueError("the MoE gather takes float32 or bfloat16 rows, contiguous")
+        """``x.index_select(0, token)`` for x [T, H] (float32 or bfloat16) and the route's
+        ``token``."""
+        if x.dim() != 2 or x.dtype not in _DTYPES:
+            raise ValueError("the MoE gather takes float32 or bfloat16 rows")
+        if x.stride(1) != 1:
+            x = x.contiguous()
         if token.dtype is not torch.int64 or token.dim() != 1 or token.stride(0) != 1:
             raise ValueError("the MoE gather takes the route's tokens: contiguous int64")
         out = torch.empty(token.shape[0], x.shape[1], dtype=x.dtype)

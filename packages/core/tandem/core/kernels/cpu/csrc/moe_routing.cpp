@@ -64,6 +64,7 @@ void topk_softmax(const T* logits, int64_t ld, int64_t tokens, int64_t experts, 
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t e = 0; e < experts; ++e) {
         p[e] = tandem::to_float(row[e]);
+        queue[e] = {p[e], e};
         top = std::max(top, p[e]);
       }
       float sum = 0.f;
@@ -76,18 +77,21 @@ void topk_softmax(const T* logits, int64_t ld, int64_t tokens, int64_t experts, 
       // as their probabilities do: the same algorithm and comparison over (value, expert)
       // pairs, so that experts whose probabilities tie come out in the order torch gives
       // them (in bfloat16, ties between a model's experts are common).
-      for (int64_t e = 0; e < experts; ++e) queue[e] = {tandem::to_float(row[e]), e};
       if (k * 64 <= experts) {
         std::partial_sort(queue.begin(), queue.begin() + k, queue.end(), larger);
       } else {
         std::nth_element(queue.begin(), queue.begin() + k - 1, queue.end(), larger);
         std::sort(queue.begin(), queue.begin() + k - 1, larger);
       }
+      // The chosen probabilities, kept in queue's value slots (the logits are done with).
       float chosen = 0.f;
-      for (int64_t j = 0; j < k; ++j) chosen += p[queue[j].second] / sum;
+      for (int64_t j = 0; j < k; ++j) {
+        queue[j].first = p[queue[j].second] / sum;
+        chosen += queue[j].first;
+      }
       const float norm = normalize ? chosen : 1.f;
       for (int64_t j = 0; j < k; ++j) {
-        tandem::store_as(weights + t * k + j, p[queue[j].second] / sum / norm);
+        tandem::store_as(weights + t * k + j, queue[j].first / norm);
         ids[t * k + j] = queue[j].second;
       }
     }
