@@ -35,7 +35,7 @@ from tandem.core.kernels.cpu.amx_linear import AmxLinear, load_amx_linear
 from tandem.core.kernels.cpu.avx2_linear import Avx2Linear, pack_experts
 from tandem.core.kernels.cpu.avx512_linear import Avx512Linear, avx512_linear
 from tandem.core.kernels.cpu.elementwise import native_elementwise
-from tandem.core.kernels.cpu.packed_experts import GroupedExpertKernel
+from tandem.core.kernels.cpu.packed_experts import GroupedExpertKernel, PackedExperts
 from tandem.core.kernels.cpu.packed_linear import native_kernel, packing_enabled
 from tandem.core.kernels.reference.fused_moe import fused_moe
 from tandem.core.layers import fused_moe as fused_moe_layer
@@ -108,15 +108,44 @@ def test_one_call_multiplies_each_experts_rows_by_its_weight(
     assert packed is not None and packed.panel in (16, 32, 64)
     offsets = torch.tensor([0, *torch.tensor(rows_per_expert).cumsum(0).tolist()])
     x = torch.randn(int(offsets[-1]), k, generator=g).to(kernel.dtype)
+    _assert_each_experts_product(kernel, x, weight, packed, offsets)
+
+
+def _assert_each_experts_product(
+    kernel: GroupedExpertKernel,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: PackedExperts,
+    offsets: torch.Tensor,
+) -> None:
+    """The grouped product of ``x`` by ``weight`` [E, N, K] (``packed``: the kernel's
+    packing of it) within the module docstring's bound of float64, expert by expert."""
     got = kernel.grouped_matmul(x, packed, offsets)
     rounding = U_BF16 if kernel.dtype is torch.bfloat16 else 0.0
-    for e in range(experts):
+    for e in range(weight.shape[0]):
         lo, hi = int(offsets[e]), int(offsets[e + 1])
         rows = x[lo:hi].double()
         exact = rows @ weight[e].double().T
-        sums = (1 + rounding) * _gamma(k) * (rows.abs() @ weight[e].double().abs().T)
+        sums = (1 + rounding) * _gamma(x.shape[1]) * (rows.abs() @ weight[e].double().abs().T)
         bound = rounding * exact.abs() + sums
         assert bool(((got[lo:hi].double() - exact).abs() <= bound).all()), e
+
+
+@pytest.mark.parametrize("which", ["amx-bfloat16", "amx-emulated"])
+def test_amx_row_blocks_cover_every_chunk_of_units(which: str) -> None:
+    """Experts of 64 rows or more go through the AMX kernel 32 rows at a time over chunks
+    of units of up to 1 MiB of weight (amx_linear.cpp): at K = 1024 a 32-column unit is
+    64 KiB, so N = 640 is a chunk of 16 units and one of 4. Rows: 63 (unit by unit), 64
+    (row blocks, exactly), 70 and 130 (a last block of 6 and of 2 rows, one x tile)."""
+    kernel = _kernel(which)
+    rows_per_expert = [70, 64, 63, 0, 130]
+    g = torch.Generator().manual_seed(9)
+    weight = (torch.randn(len(rows_per_expert), 640, 1024, generator=g) * 0.05).bfloat16()
+    offsets = torch.tensor([0, *torch.tensor(rows_per_expert).cumsum(0).tolist()])
+    x = torch.randn(int(offsets[-1]), 1024, generator=g).bfloat16()
+    packed = kernel.pack_experts(weight)
+    assert packed is not None
+    _assert_each_experts_product(kernel, x, weight, packed, offsets)
 
 
 @pytest.mark.parametrize("which", KERNELS)

@@ -10,11 +10,12 @@
 //
 // The routed experts of MoE models have a grouped form (tandem_amx_grouped_linear, and
 // _silu with SiLU-and-mul in the epilogue): every expert's rows through its own weight in
-// one call at any M, (expert, 32-column unit) pairs the items the threads share
-// (expert_items.h), where oneDNN would run a GEMM per active expert with a dozen decode rows
-// each. Measured on the bench MoE's experts (8 of 640, hidden 512, top 2), 12 layers from
-// memory, ms a layer against that per-expert path: 0.18 / 0.47 at 1 token, 0.81 / 1.93 at
-// 48, 7.7 / 8.8 at 2048 (benchmarks/moe_experts.py).
+// one call at any M, (expert, 32-column unit) pairs the items the threads share (and, for
+// experts with many rows, (expert, 32 rows, chunk of units) ones; see kRowBlockRows), where
+// oneDNN would run a GEMM per active expert with a dozen decode rows each. Measured on the
+// bench MoE's experts (8 of 640, hidden 512, top 2), 12 layers from memory, ms a layer
+// against that per-expert path: 0.18 / 0.47 at 1 token, 0.81 / 1.93 at 48, 7.7 / 8.8 at
+// 2048 (benchmarks/moe_experts.py, before the row blocks).
 //
 // The packed layout (what torch.ops.mkldnn._reorder_linear_weight gives for bfloat16 on AMX
 // CPUs when N and K are multiples of 32): [N / 32][K / 32][16 k-pairs][32 n][2 k], i.e. per
@@ -237,27 +238,73 @@ inline void pack_grouped_tile(const uint16_t* x, int64_t ldx, const int64_t* off
 // units alternating pass by pass would not fit together.
 constexpr int64_t kSiluRows = 128;
 
-// The grouped product (SILU: the fused gate/up one). An item is (expert, unit) or, fused,
-// (expert, gate unit q): gate unit q and up unit units / 2 + q give output columns
-// [32 q, 32 q + 32) of silu(gate) * up. The expert's rows go through in passes of up to 32
-// (two x tiles), the unit's weight read from memory in the first and from cache after it.
+// The plain product takes an expert with at least this many rows 32 rows at a time, its x
+// tiles in L1 while its units stream past from L2, instead of unit by unit over all its
+// rows: at prefill sizes a unit in L1 over every row made the x tiles the stream, two
+// tiles from L2 a step. The bench MoE's down projection (512 rows an expert, 2 cores):
+// ~1.3 TF/s unit by unit, ~2.0 in row blocks (benchmarks/results/2026-12-06-xeon-amx-
+// row-blocks). Below it, a decode step's few rows an expert read each unit once, from
+// memory. The fused gate/up product stays unit by unit: in row blocks it measured no
+// faster (its SiLU epilogue then runs per 32 x 32 block).
+constexpr int64_t kRowBlockRows = 64;
+// The units a row-block item walks (up to 1 MiB of weight): they stay in L2 across the
+// expert's row blocks, where a whole expert's weight (6 MiB for a 2048 x 1536 gate/up)
+// would be read from memory again for every block.
+constexpr int64_t kChunkBytes = 1024 * 1024;
+
+// One work item of the grouped product: units [first, first + count) of an expert over its
+// rows from x tile `tile` on, 32 rows of them (tile >= 0), or unit `first` (fused: gate
+// unit, with its up unit) over all its rows (tile < 0, count 1).
+struct GroupedItem {
+  int64_t expert;
+  int64_t first;
+  int64_t count;
+  int64_t tile;
+};
+
+// The items of every expert with rows, in order (offsets already checked). Row-block
+// items go chunk by chunk, each chunk's row blocks together, so a chunk is read into L2
+// once for all of them.
+inline void grouped_items(const int64_t* offsets, int64_t experts, int64_t per_expert,
+                          int64_t unit_bytes, bool row_blocks, const GroupedX& g,
+                          std::vector<GroupedItem>& items) {
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / unit_bytes);
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t rows = offsets[e + 1] - offsets[e];
+    if (rows == 0) continue;
+    if (!row_blocks || rows < kRowBlockRows) {
+      for (int64_t q = 0; q < per_expert; ++q) items.push_back({e, q, 1, -1});
+      continue;
+    }
+    for (int64_t q = 0; q < per_expert; q += chunk) {
+      const int64_t count = std::min(chunk, per_expert - q);
+      for (int64_t t = g.base[e]; t < g.base[e + 1]; t += 2) items.push_back({e, q, count, t});
+    }
+  }
+}
+
+// The grouped product (SILU: the fused gate/up one): gate unit q and up unit units / 2 + q
+// give output columns [32 q, 32 q + 32) of silu(gate) * up. A unit-wise item goes through
+// its expert's rows in passes of up to 32 (two x tiles), the unit's weight read from memory
+// in the first and from cache after it; a row-block item (plain product only) runs its 32
+// rows through each of its units in turn.
 template <bool SILU>
 int grouped(uint16_t* out, const uint16_t* x, const uint16_t* w, const int64_t* offsets,
             int64_t experts, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo,
             int32_t num_threads) {
   if (experts < 1 || N <= 0 || K <= 0 || K % 32 != 0 || N % (SILU ? 64 : 32) != 0) return 1;
+  if (!tandem::offsets_in_order(offsets, experts, M)) return 1;
   const int64_t steps = K / 32;
   const int64_t units = N / 32;
-  const int64_t per_expert = SILU ? units / 2 : units;  // items per expert
-  std::vector<int64_t> items;
-  if (!tandem::expert_items(offsets, experts, M, per_expert, items)) return 1;
-  const int64_t count = static_cast<int64_t>(items.size());
+  const int64_t per_expert = SILU ? units / 2 : units;  // (gate) units an expert
   GroupedX g;
   plan_grouped_x(offsets, experts, steps, g);
-  const auto unit_of = [&](int64_t item, int64_t which) {
-    const int64_t e = item / per_expert;
-    const int64_t u = item % per_expert + which * (units / 2);
-    return w + (e * units + u) * steps * kBlock;
+  std::vector<GroupedItem> items;
+  const int64_t unit_bytes = steps * kBlock * 2;
+  grouped_items(offsets, experts, per_expert, unit_bytes, !SILU, g, items);
+  const int64_t count = static_cast<int64_t>(items.size());
+  const auto unit_of = [&](int64_t e, int64_t q, int64_t which) {
+    return w + (e * units + q + which * (units / 2)) * steps * kBlock;
   };
   const int threads =
       static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, count)));
@@ -272,33 +319,51 @@ int grouped(uint16_t* out, const uint16_t* x, const uint16_t* w, const int64_t* 
     thread_local std::vector<float> scratch;
     float* gate = aligned_buffer(scratch, 2 * kSiluRows * kSumRow);
     float* up = gate + kSiluRows * kSumRow;
+    // Rows [r0, r0 + rows) of the expert, x tiles from t0, through unit q: passes of up to
+    // 32 rows into the sums, then the epilogue. With `stream`, the first pass over each
+    // unit fetches its blocks a block ahead, and then the unit read next (fused: the gate
+    // unit's the up unit, the up unit's `after`); without, the unit is in L1 already.
+    const auto block = [&](int64_t e, int64_t q, int64_t t0, int64_t r0, int64_t rows,
+                           bool stream, const uint16_t* after) {
+      const auto passes = [&](int64_t which, const uint16_t* then, float* sums) {
+        for (int64_t p = 0; p * 32 < rows; ++p) {
+          const XTiles xt{g.xp + (t0 + 2 * p) * steps * kTile, kTile, steps * kTile};
+          unit_rows(xt, unit_of(e, q, which), steps, std::min<int64_t>(32, rows - p * 32),
+                    p == 0 ? then : nullptr, sums + p * 32 * kSumRow);
+        }
+      };
+      uint16_t* o = out + r0 * ldo + q * 32;
+      if constexpr (SILU) {
+        passes(0, stream ? unit_of(e, q, 1) : nullptr, gate);
+        passes(1, stream ? after : nullptr, up);
+        tandem::silu_rows(o, ldo, gate, up, rows, kSumRow);
+      } else {
+        passes(0, stream ? after : nullptr, gate);
+        store_rows(o, ldo, gate, rows);
+      }
+    };
     auto body = [&](int64_t i, int64_t following) {
-      const int64_t e = items[i] / per_expert;
-      const int64_t column = (items[i] % per_expert) * 32;
-      const uint16_t* next = following < 0 ? nullptr : unit_of(items[following], 0);
+      const GroupedItem& it = items[i];
+      const int64_t e = it.expert;
+      if (it.tile >= 0) {
+        const int64_t r0 = offsets[e] + (it.tile - g.base[e]) * 16;
+        const int64_t rows = std::min<int64_t>(32, offsets[e + 1] - r0);
+        const int64_t end = it.first + it.count;
+        for (int64_t q = it.first; q < end; ++q) {
+          // Each unit into L1 as it is read (from L2 after the chunk's first row block),
+          // and on into the next one; after the last, the chunk's first again.
+          block(e, q, it.tile, r0, rows, true, unit_of(e, q + 1 < end ? q + 1 : it.first, 0));
+        }
+        return;
+      }
+      const GroupedItem* after = following < 0 ? nullptr : &items[following];
+      const uint16_t* next = after == nullptr ? nullptr : unit_of(after->expert, after->first, 0);
       const int64_t block_tiles = SILU ? kSiluRows / 16 : 2;
       for (int64_t t0 = g.base[e]; t0 < g.base[e + 1]; t0 += block_tiles) {
         const int64_t r0 = offsets[e] + (t0 - g.base[e]) * 16;
         const int64_t rows = std::min<int64_t>(block_tiles * 16, offsets[e + 1] - r0);
-        const bool first = t0 == g.base[e];
-        // The block's passes over unit `which` (0: the item's unit or gate, 1: its up unit)
-        // into sums; the first streams the unit from memory on into `after`.
-        const auto passes = [&](int64_t which, const uint16_t* after, float* sums) {
-          for (int64_t p = 0; p * 32 < rows; ++p) {
-            const XTiles xt{g.xp + (t0 + 2 * p) * steps * kTile, kTile, steps * kTile};
-            unit_rows(xt, unit_of(items[i], which), steps, std::min<int64_t>(32, rows - p * 32),
-                      first && p == 0 ? after : nullptr, sums + p * 32 * kSumRow);
-          }
-        };
-        uint16_t* o = out + r0 * ldo + column;
-        if constexpr (SILU) {
-          passes(0, unit_of(items[i], 1), gate);
-          passes(1, next, up);
-          tandem::silu_rows(o, ldo, gate, up, rows, kSumRow);
-        } else {
-          passes(0, next, gate);
-          store_rows(o, ldo, gate, rows);
-        }
+        // The first block streams the unit from memory, on into the next item's.
+        block(e, it.first, t0, r0, rows, t0 == g.base[e], next);
       }
     };
     tandem::claim_items(counter, count, body);

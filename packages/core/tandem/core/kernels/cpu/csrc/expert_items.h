@@ -12,15 +12,21 @@
 
 namespace tandem {
 
-// expert * panels + panel for every expert with rows, in order; false (nothing filled) for
-// offsets that are not in order within x's M rows: a bad offsets tensor is refused, never
+// Whether offsets are in order within x's M rows: a bad offsets tensor is refused, never
 // read past.
-inline bool expert_items(const int64_t* offsets, int64_t experts, int64_t M, int64_t panels,
-                         std::vector<int64_t>& items) {
+inline bool offsets_in_order(const int64_t* offsets, int64_t experts, int64_t M) {
   if (offsets[0] < 0 || offsets[experts] > M) return false;
   for (int64_t e = 0; e < experts; ++e) {
     if (offsets[e + 1] < offsets[e]) return false;
   }
+  return true;
+}
+
+// expert * panels + panel for every expert with rows, in order; false (nothing filled) for
+// offsets that are not in order within x's M rows.
+inline bool expert_items(const int64_t* offsets, int64_t experts, int64_t M, int64_t panels,
+                         std::vector<int64_t>& items) {
+  if (!offsets_in_order(offsets, experts, M)) return false;
   items.reserve(experts * panels);
   for (int64_t e = 0; e < experts; ++e) {
     if (offsets[e + 1] > offsets[e]) {
