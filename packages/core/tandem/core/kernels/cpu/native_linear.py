@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import platform
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,7 +43,11 @@ _WIDEST_PANEL = 64
 
 # No FMA contraction: the kernels' FMAs are intrinsics either way, and an activation fused
 # into a GEMM's epilogue then rounds as the elementwise kernel it replaces (also built so).
-LINEAR_FLAGS = (*BASE_FLAGS, "-ffp-contract=off")
+# 512-bit vectors where the CPU has them, as the elementwise kernels have (GCC picks 256
+# for -march=native on server parts): the fused SiLU epilogue is vectorised by the compiler.
+LINEAR_FLAGS = (*BASE_FLAGS, "-ffp-contract=off") + (
+    ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
+)
 
 
 def load_kernel_library(
