@@ -9,14 +9,15 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import platform
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tandem.core.kernels.cpu.native_build import (
+    BASE_FLAGS,
     CSRC,
+    WIDE_VECTOR_FLAGS,
     IsaLevel,
     KernelBuildError,
     build_library,
@@ -30,12 +31,8 @@ from tandem.core.kernels.process_once import ProcessOnce
 logger = logging.getLogger(__name__)
 
 SOURCE = CSRC / "elementwise.cpp"
-# Without FMA contraction float products round where torch's separate ops round them. On
-# x86, 512-bit vectors where the CPU has them (GCC defaults to 256 for -march=native on
-# server parts): the bfloat16 SiLU runs ~1.4x faster with them.
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-ffp-contract=off") + (
-    ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
-)
+# Without FMA contraction float products round where torch's separate ops round them.
+FLAGS = (*BASE_FLAGS, "-ffp-contract=off", *WIDE_VECTOR_FLAGS)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _vp, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 

@@ -60,6 +60,10 @@ def log_unbuilt(log: logging.Logger, exc: BaseException, message: str, *args: ob
 
 
 _X86 = platform.machine() in ("x86_64", "AMD64", "i686")
+# 512-bit vectors for the loops the compiler vectorises (SiLU, norms, rotary) where the CPU
+# has them: GCC picks 256 for -march=native on server parts, and the bfloat16 SiLU runs
+# ~1.4x faster with 512. No effect where the ISA level hides AVX-512.
+WIDE_VECTOR_FLAGS: tuple[str, ...] = ("-mprefer-vector-width=512",) if _X86 else ()
 
 
 @dataclass(frozen=True)

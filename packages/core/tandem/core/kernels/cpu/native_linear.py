@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import platform
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import torch
 
 from tandem.core.kernels.cpu.native_build import (
     BASE_FLAGS,
+    WIDE_VECTOR_FLAGS,
     IsaLevel,
     KernelBuildError,
     build_library,
@@ -42,12 +42,9 @@ _WIDEST_PANEL = 64
 
 
 # No FMA contraction: the kernels' FMAs are intrinsics either way, and an activation fused
-# into a GEMM's epilogue then rounds as the elementwise kernel it replaces (also built so).
-# 512-bit vectors where the CPU has them, as the elementwise kernels have (GCC picks 256
-# for -march=native on server parts): the fused SiLU epilogue is vectorised by the compiler.
-LINEAR_FLAGS = (*BASE_FLAGS, "-ffp-contract=off") + (
-    ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
-)
+# into a GEMM's epilogue then rounds as the elementwise kernel it replaces (built the same
+# way, vector width included).
+LINEAR_FLAGS = (*BASE_FLAGS, "-ffp-contract=off", *WIDE_VECTOR_FLAGS)
 
 
 def load_kernel_library(
