@@ -133,12 +133,13 @@ def _assert_each_experts_product(
 
 @pytest.mark.parametrize("which", ["amx-bfloat16", "amx-emulated"])
 def test_amx_row_blocks_cover_every_chunk_of_units(which: str) -> None:
-    """Experts of 64 rows or more go through the AMX kernel 32 rows at a time over chunks
-    of units of up to 1 MiB of weight (amx_linear.cpp): at K = 1024 a 32-column unit is
-    64 KiB, so N = 640 is a chunk of 16 units and one of 4. Rows: 63 (unit by unit), 64
-    (row blocks, exactly), 70 and 130 (a last block of 6 and of 2 rows, one x tile)."""
+    """Experts of 64 rows or more go through the AMX kernel 32 rows at a time over equal
+    chunks of units of up to 1 MiB of weight (amx_linear.cpp): at K = 1024 a 32-column
+    unit is 64 KiB, so N = 640 (20 units) is two chunks of 10. Rows: 63 (unit by unit), 64
+    (row blocks, exactly), 70 and 130 (a last block of 6 and of 2 rows: one x tile), 80 (a
+    last block of 16) and 90 (of 26: two x tiles, the second partly zeros)."""
     kernel = _kernel(which)
-    rows_per_expert = [70, 64, 63, 0, 130]
+    rows_per_expert = [70, 64, 63, 0, 130, 80, 90]
     g = torch.Generator().manual_seed(9)
     weight = (torch.randn(len(rows_per_expert), 640, 1024, generator=g) * 0.05).bfloat16()
     offsets = torch.tensor([0, *torch.tensor(rows_per_expert).cumsum(0).tolist()])

@@ -14,8 +14,8 @@
 // experts with many rows, (expert, 32 rows, chunk of units) ones; see kRowBlockRows), where
 // oneDNN would run a GEMM per active expert with a dozen decode rows each. Measured on the
 // bench MoE's experts (8 of 640, hidden 512, top 2), 12 layers from memory, ms a layer
-// against that per-expert path: 0.18 / 0.47 at 1 token, 0.81 / 1.93 at 48, 7.7 / 8.8 at
-// 2048 (benchmarks/moe_experts.py, before the row blocks).
+// against that per-expert path: 0.80 / 2.00 at 48 tokens, 6.42 / 10.03 at 2048
+// (benchmarks/moe_experts.py; benchmarks/results/2026-12-06-xeon-amx-row-blocks).
 //
 // The packed layout (what torch.ops.mkldnn._reorder_linear_weight gives for bfloat16 on AMX
 // CPUs when N and K are multiples of 32): [N / 32][K / 32][16 k-pairs][32 n][2 k], i.e. per
@@ -240,21 +240,22 @@ constexpr int64_t kSiluRows = 128;
 
 // The plain product takes an expert with at least this many rows 32 rows at a time, its x
 // tiles in L1 while its units stream past from L2, instead of unit by unit over all its
-// rows: at prefill sizes a unit in L1 over every row made the x tiles the stream, two
-// tiles from L2 a step. The bench MoE's down projection (512 rows an expert, 2 cores):
-// ~1.3 TF/s unit by unit, ~2.0 in row blocks (benchmarks/results/2026-12-06-xeon-amx-
-// row-blocks). Below it, a decode step's few rows an expert read each unit once, from
+// rows: at prefill sizes a unit held in cache over every row made the x tiles the stream,
+// two tiles from L2 a step. The bench MoE's down projection (512 rows an expert, 2
+// cores): ~1.3 TF/s unit by unit, ~2.0 in row blocks (benchmarks/results/2026-12-06-xeon-
+// amx-row-blocks). Below it, a decode step's few rows an expert read each unit once, from
 // memory. The fused gate/up product stays unit by unit: in row blocks it measured no
 // faster (its SiLU epilogue then runs per 32 x 32 block).
 constexpr int64_t kRowBlockRows = 64;
-// The units a row-block item walks (up to 1 MiB of weight): they stay in L2 across the
-// expert's row blocks, where a whole expert's weight (6 MiB for a 2048 x 1536 gate/up)
-// would be read from memory again for every block.
+// The most weight a row-block item walks (its chunk of the expert's units): the chunk
+// stays in the L2 of each core that takes its row blocks, where a whole expert's weight
+// (3 MiB for Qwen3-30B-A3B's 2048 x 768 down projection) would be read from memory again
+// for every block.
 constexpr int64_t kChunkBytes = 1024 * 1024;
 
-// One work item of the grouped product: units [first, first + count) of an expert over its
-// rows from x tile `tile` on, 32 rows of them (tile >= 0), or unit `first` (fused: gate
-// unit, with its up unit) over all its rows (tile < 0, count 1).
+// One work item of the grouped product: units [first, first + count) of an expert over up
+// to 32 of its rows, from x tile `tile` on (tile >= 0); or unit `first` (fused: gate unit,
+// with its up unit) over all its rows (tile < 0, count 1).
 struct GroupedItem {
   int64_t expert;
   int64_t first;
@@ -262,13 +263,16 @@ struct GroupedItem {
   int64_t tile;
 };
 
-// The items of every expert with rows, in order (offsets already checked). Row-block
-// items go chunk by chunk, each chunk's row blocks together, so a chunk is read into L2
-// once for all of them.
+// The items of every expert with rows, in order (offsets already checked). An expert's
+// units split into equal chunks of at most kChunkBytes, and the row-block items go chunk
+// by chunk, each chunk's row blocks together, so a core's L2 takes a chunk from memory
+// once for the blocks it claims.
 inline void grouped_items(const int64_t* offsets, int64_t experts, int64_t per_expert,
                           int64_t unit_bytes, bool row_blocks, const GroupedX& g,
                           std::vector<GroupedItem>& items) {
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / unit_bytes);
+  const int64_t most = std::max<int64_t>(1, kChunkBytes / unit_bytes);
+  const int64_t chunks = (per_expert + most - 1) / most;
+  const int64_t chunk = (per_expert + chunks - 1) / chunks;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t rows = offsets[e + 1] - offsets[e];
     if (rows == 0) continue;
@@ -300,8 +304,8 @@ int grouped(uint16_t* out, const uint16_t* x, const uint16_t* w, const int64_t* 
   GroupedX g;
   plan_grouped_x(offsets, experts, steps, g);
   std::vector<GroupedItem> items;
-  const int64_t unit_bytes = steps * kBlock * 2;
-  grouped_items(offsets, experts, per_expert, unit_bytes, !SILU, g, items);
+  const int64_t unit_bytes = steps * kBlock * static_cast<int64_t>(sizeof(uint16_t));
+  grouped_items(offsets, experts, per_expert, unit_bytes, /*row_blocks=*/!SILU, g, items);
   const int64_t count = static_cast<int64_t>(items.size());
   const auto unit_of = [&](int64_t e, int64_t q, int64_t which) {
     return w + (e * units + q + which * (units / 2)) * steps * kBlock;
@@ -322,7 +326,7 @@ int grouped(uint16_t* out, const uint16_t* x, const uint16_t* w, const int64_t* 
     // Rows [r0, r0 + rows) of the expert, x tiles from t0, through unit q: passes of up to
     // 32 rows into the sums, then the epilogue. With `stream`, the first pass over each
     // unit fetches its blocks a block ahead, and then the unit read next (fused: the gate
-    // unit's the up unit, the up unit's `after`); without, the unit is in L1 already.
+    // unit's the up unit, the up unit's `after`); without, the unit is in cache already.
     const auto block = [&](int64_t e, int64_t q, int64_t t0, int64_t r0, int64_t rows,
                            bool stream, const uint16_t* after) {
       const auto passes = [&](int64_t which, const uint16_t* then, float* sums) {
@@ -342,28 +346,37 @@ int grouped(uint16_t* out, const uint16_t* x, const uint16_t* w, const int64_t* 
         store_rows(o, ldo, gate, rows);
       }
     };
-    auto body = [&](int64_t i, int64_t following) {
-      const GroupedItem& it = items[i];
+    // Up to 32 rows through each unit of the item's chunk in turn, each unit fetched into
+    // L1 as it is read (from L2 after the chunk's first row block on this core), and on
+    // into the one after it: the chunk's next unit, then `next`.
+    const auto row_block_item = [&](const GroupedItem& it, const uint16_t* next) {
       const int64_t e = it.expert;
-      if (it.tile >= 0) {
-        const int64_t r0 = offsets[e] + (it.tile - g.base[e]) * 16;
-        const int64_t rows = std::min<int64_t>(32, offsets[e + 1] - r0);
-        const int64_t end = it.first + it.count;
-        for (int64_t q = it.first; q < end; ++q) {
-          // Each unit into L1 as it is read (from L2 after the chunk's first row block),
-          // and on into the next one; after the last, the chunk's first again.
-          block(e, q, it.tile, r0, rows, true, unit_of(e, q + 1 < end ? q + 1 : it.first, 0));
-        }
-        return;
+      const int64_t r0 = offsets[e] + (it.tile - g.base[e]) * 16;
+      const int64_t rows = std::min<int64_t>(32, offsets[e + 1] - r0);
+      const int64_t end = it.first + it.count;
+      for (int64_t q = it.first; q < end; ++q) {
+        const uint16_t* after = q + 1 < end ? unit_of(e, q + 1, 0) : next;
+        block(e, q, it.tile, r0, rows, /*stream=*/true, after);
       }
-      const GroupedItem* after = following < 0 ? nullptr : &items[following];
-      const uint16_t* next = after == nullptr ? nullptr : unit_of(after->expert, after->first, 0);
+    };
+    // All the expert's rows through one unit, block by block; the first block streams the
+    // unit from memory, on into `next`.
+    const auto unit_item = [&](const GroupedItem& it, const uint16_t* next) {
+      const int64_t e = it.expert;
       const int64_t block_tiles = SILU ? kSiluRows / 16 : 2;
       for (int64_t t0 = g.base[e]; t0 < g.base[e + 1]; t0 += block_tiles) {
         const int64_t r0 = offsets[e] + (t0 - g.base[e]) * 16;
         const int64_t rows = std::min<int64_t>(block_tiles * 16, offsets[e + 1] - r0);
-        // The first block streams the unit from memory, on into the next item's.
-        block(e, it.first, t0, r0, rows, t0 == g.base[e], next);
+        block(e, it.first, t0, r0, rows, /*stream=*/t0 == g.base[e], next);
+      }
+    };
+    auto body = [&](int64_t i, int64_t following) {
+      const GroupedItem* then = following < 0 ? nullptr : &items[following];
+      const uint16_t* next = then == nullptr ? nullptr : unit_of(then->expert, then->first, 0);
+      if (items[i].tile >= 0) {
+        row_block_item(items[i], next);
+      } else {
+        unit_item(items[i], next);
       }
     };
     tandem::claim_items(counter, count, body);

@@ -1,7 +1,8 @@
 // The work items of a grouped expert GEMM, shared by the kernels that have one
-// (avx2_linear.cpp, avx512_linear.cpp, amx_linear.cpp): expert e's rows of x are
-// [offsets[e], offsets[e + 1]), and every (expert, panel) pair with rows is one item the
-// threads share, so a decode step's dozen rows per expert still keep every core busy.
+// (avx2_linear.cpp, avx512_linear.cpp; amx_linear.cpp builds its own items, and shares the
+// offsets check and the claiming): expert e's rows of x are [offsets[e], offsets[e + 1]),
+// and every (expert, panel) pair with rows is one item the threads share, so a decode
+// step's dozen rows per expert still keep every core busy.
 // Header-only.
 
 #pragma once
