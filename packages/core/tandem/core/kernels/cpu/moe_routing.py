@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from tandem.core.kernels.cpu.native_build import (
+    BASE_FLAGS,
     CSRC,
     IsaLevel,
     KernelBuildError,
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = CSRC / "moe_routing.cpp"
 # No FMA contraction: each product rounds before it is added, as torch's mul_ and index_add_.
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-ffp-contract=off")
+FLAGS = (*BASE_FLAGS, "-ffp-contract=off")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 

@@ -290,8 +290,8 @@ inline void grouped_items(const int64_t* offsets, int64_t experts, int64_t per_e
 // The grouped product (SILU: the fused gate/up one): gate unit q and up unit units / 2 + q
 // give output columns [32 q, 32 q + 32) of silu(gate) * up. A unit-wise item goes through
 // its expert's rows in passes of up to 32 (two x tiles), the unit's weight read from memory
-// in the first and from cache after it; a row-block item (plain product only) runs its 32
-// rows through each of its units in turn.
+// in the first and from cache after it; a row-block item (plain product only) runs its up
+// to 32 rows through each of its units in turn.
 template <bool SILU>
 int grouped(uint16_t* out, const uint16_t* x, const uint16_t* w, const int64_t* offsets,
             int64_t experts, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldo,
