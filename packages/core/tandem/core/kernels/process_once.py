@@ -17,6 +17,11 @@ class ProcessOnce(Generic[T]):
         self._lock = threading.Lock()
         self._loaded: list[T] = []
 
+    @property
+    def made(self) -> bool:
+        """Whether the value exists yet (read without the lock: it is only ever added)."""
+        return bool(self._loaded)
+
     def __call__(self) -> T:
         with self._lock:
             if not self._loaded:

@@ -15,6 +15,7 @@ from tandem.collectives.thread_bound import ThreadBoundGroup
 from tandem.core.config import EngineConfig
 from tandem.core.faults import NO_FAULTS
 from tandem.core.kernels.cpu.startup import preparing_cpu_kernels
+from tandem.core.kernels.cpu.vml_dispatch import resolve_vml_dispatch
 from tandem.core.kv.cache_sizing import CacheCosts, CacheSize, size_cache
 from tandem.core.worker.lane import Lane
 from tandem.core.worker.lane_stager import LaneStager, Staged
@@ -96,6 +97,9 @@ class Worker(Generic[StepT, OutT]):
     def init_device(self, cpu_threads: int | None = None) -> None:
         """Bind the device to this thread; on CPU, also cap torch's threads for this worker
         (workers sharing the cores each take their share instead of all of them)."""
+        # Before this worker computes anything: its first vector math calls would otherwise race
+        # the other workers' (and its own intra-op threads') and may run a low-accuracy kernel.
+        resolve_vml_dispatch()
         if self.runtime is None:
             self.runtime = self._faults.wrap_runtime(get_runtime(self.device.kind))
         self.runtime.bind(self.device)
