@@ -95,8 +95,9 @@ class Worker(Generic[StepT, OutT]):
         return device
 
     def init_device(self, cpu_threads: int | None = None) -> None:
-        """Bind the device to this thread; on CPU, also cap torch's threads for this worker
-        (workers sharing the cores each take their share instead of all of them)."""
+        """Settle oneMKL's vector math dispatch for the process (on every device kind: host
+        tables are built on the CPU), bind the device to this thread; on CPU, also cap torch's
+        threads for this worker (workers sharing the cores each take their share)."""
         # Before this worker computes anything: its first vector math calls would otherwise race
         # the other workers' (and its own intra-op threads') and may run a low-accuracy kernel.
         resolve_vml_dispatch()
