@@ -95,9 +95,10 @@ class Worker(Generic[StepT, OutT]):
         return device
 
     def init_device(self, cpu_threads: int | None = None) -> None:
-        """Settle oneMKL's vector math dispatch for the process (on every device kind: host
-        tables are built on the CPU), bind the device to this thread; on CPU, also cap torch's
-        threads for this worker (workers sharing the cores each take their share)."""
+        """Settle oneMKL's vector math dispatch for the process (on every device kind: any
+        float math on host tensors goes through it), bind the device to this thread; on CPU,
+        also cap torch's threads for this worker (workers sharing the cores each take their
+        share)."""
         # Before this worker computes anything: its first vector math calls would otherwise race
         # the other workers' (and its own intra-op threads') and may run a low-accuracy kernel.
         resolve_vml_dispatch()
