@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 
+from tandem.core.kernels.cpu.elementwise import FLAGS as ELEMENTWISE_FLAGS
 from tandem.core.kernels.cpu.native_build import (
-    BASE_FLAGS,
-    WIDE_VECTOR_FLAGS,
     IsaLevel,
     KernelBuildError,
     build_library,
@@ -41,10 +40,10 @@ _vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _WIDEST_PANEL = 64
 
 
-# No FMA contraction: the kernels' FMAs are intrinsics either way, and an activation fused
-# into a GEMM's epilogue then rounds as the elementwise kernel it replaces (built the same
-# way, vector width included).
-LINEAR_FLAGS = (*BASE_FLAGS, "-ffp-contract=off", *WIDE_VECTOR_FLAGS)
+# The elementwise kernels' flags (no FMA contraction, their vector width): the kernels' FMAs
+# are intrinsics either way, and an activation fused into a GEMM's epilogue then rounds as
+# the elementwise kernel it replaces.
+LINEAR_FLAGS = ELEMENTWISE_FLAGS
 
 
 def load_kernel_library(
