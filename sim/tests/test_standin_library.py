@@ -1,7 +1,7 @@
 """The stand-in communicator library is built once per source version and fails to build with
 the compiler's own message; the ACL runtime's per-thread device it carries, the HCCL entry
-points that need one, and its report of communicators left at exit. (Its collectives are
-tested through the bindings in hw/tests.)"""
+points that need one, its report of communicators left at exit, and its deadlines' clock.
+(Its collectives are tested through the bindings in hw/tests.)"""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -118,3 +119,66 @@ def test_communicators_alive_at_exit_are_reported_on_request(standin: Path) -> N
         assert done.returncode == 0, done.stderr
         reported = "1 communicator(s) never destroyed" in done.stderr
         assert reported is expected
+
+
+# Preloaded into a process, moves its CLOCK_REALTIME an hour back, as if the wall clock stepped
+# an hour forward right after every reading (the kernel's own clock, which a timed wait on
+# CLOCK_REALTIME compares against, is untouched).
+_WALL_CLOCK_BEHIND = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <time.h>
+int clock_gettime(clockid_t id, struct timespec *ts) {
+    static int (*real)(clockid_t, struct timespec *);
+    if (!real) real = (int (*)(clockid_t, struct timespec *))dlsym(RTLD_NEXT, "clock_gettime");
+    int rc = real(id, ts);
+    if (rc == 0 && id == CLOCK_REALTIME) ts->tv_sec -= 3600;
+    return rc;
+}
+"""
+
+
+def test_a_wall_clock_step_neither_expires_nor_stretches_a_wait(
+    standin: Path, tmp_path: Path
+) -> None:
+    """Two ranks meet in HcclBarrier, the second half a second late, in a process whose wall
+    clock reads an hour behind the kernel's. With deadlines on CLOCK_REALTIME the first rank's
+    60 s deadline was already past: it timed out at once (HCCL_E_TIMEOUT for both)."""
+    source = tmp_path / "wall_clock_behind.c"
+    source.write_text(_WALL_CLOCK_BEHIND)
+    shim = tmp_path / "wall_clock_behind.so"
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", "-o", str(shim), str(source), "-ldl"],
+        check=True,
+        capture_output=True,
+    )
+    script = (
+        "import ctypes, threading, time\n"
+        f"lib = ctypes.CDLL({str(standin)!r})\n"
+        "lib.HcclBarrier.argtypes = [ctypes.c_void_p, ctypes.c_void_p]\n"
+        "lib.aclrtSetDevice(0)\n"
+        "comms = (ctypes.c_void_p * 2)()\n"
+        "assert lib.HcclCommInitAll(2, (ctypes.c_int32 * 2)(0, 1), comms) == 0\n"
+        "codes = [None, None]\n"
+        "def rank(i):\n"
+        "    lib.aclrtSetDevice(i)\n"
+        "    time.sleep(0.5 * i)\n"
+        "    codes[i] = lib.HcclBarrier(comms[i], ctypes.c_void_p(1))\n"
+        "threads = [threading.Thread(target=rank, args=(i,)) for i in (0, 1)]\n"
+        "started = time.monotonic()\n"
+        "for t in threads: t.start()\n"
+        "for t in threads: t.join()\n"
+        "print(time.time(), time.monotonic() - started, *codes)\n"
+    )
+    for preload, behind in (("", False), (str(shim), True)):
+        env = {"LD_PRELOAD": preload, "TANDEM_STANDIN_TIMEOUT_S": "30"}
+        now = time.time()
+        done = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        wall, waited, *codes = done.stdout.split()
+        # The shim was in effect (or not): the child's wall clock an hour behind this one's.
+        assert (float(wall) < now - 3000) is behind
+        assert codes == ["0", "0"], done.stderr
+        assert 0.4 < float(waited) < 20

@@ -106,6 +106,10 @@ static void init_header(header_t *h, uint64_t slot_bytes) {
     pthread_mutex_init(&h->mu, &ma);
     pthread_condattr_init(&ca);
     pthread_condattr_setpshared(&ca, PTHREAD_PROCESS_SHARED);
+    /* Deadlines on the monotonic clock: a step of the wall clock (an NTP correction, a VM
+       resumed) between reading the time and waiting must neither expire a wait at once nor
+       stretch it by the step. */
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&h->cv, &ca);
     h->nranks = 0;
     h->joined = 0;
@@ -118,7 +122,7 @@ static void init_header(header_t *h, uint64_t slot_bytes) {
 
 static int barrier(header_t *h, int n) {
     struct timespec deadline;
-    clock_gettime(CLOCK_REALTIME, &deadline);
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
     deadline.tv_sec += timeout_s();
     pthread_mutex_lock(&h->mu);
     if (h->broken) {
