@@ -121,10 +121,10 @@ def test_communicators_alive_at_exit_are_reported_on_request(standin: Path) -> N
         assert reported is expected
 
 
-# Preloaded into a process, moves its CLOCK_REALTIME an hour back, as if the wall clock stepped
-# an hour forward right after every reading (the kernel's own clock, which a timed wait on
+# Preloaded into a process, moves its CLOCK_REALTIME by SHIFT_S seconds, as if the wall clock
+# stepped right after every reading (the kernel's own clock, which a timed wait on
 # CLOCK_REALTIME compares against, is untouched).
-_WALL_CLOCK_BEHIND = r"""
+_WALL_CLOCK_SHIFT = r"""
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <time.h>
@@ -132,53 +132,82 @@ int clock_gettime(clockid_t id, struct timespec *ts) {
     static int (*real)(clockid_t, struct timespec *);
     if (!real) real = (int (*)(clockid_t, struct timespec *))dlsym(RTLD_NEXT, "clock_gettime");
     int rc = real(id, ts);
-    if (rc == 0 && id == CLOCK_REALTIME) ts->tv_sec -= 3600;
+    if (rc == 0 && id == CLOCK_REALTIME) ts->tv_sec += SHIFT_S;
     return rc;
 }
 """
 
+# Ranks 0..N-1 (N from argv) on threads bound to their devices call HcclBarrier on a clique of
+# two, rank i after i/2 s; prints the wall clock, the seconds the barrier took, each rank's code.
+_BARRIER = (
+    "import ctypes, sys, threading, time\n"
+    "lib = ctypes.CDLL(sys.argv[1])\n"
+    "lib.HcclBarrier.argtypes = [ctypes.c_void_p, ctypes.c_void_p]\n"
+    "lib.aclrtSetDevice(0)\n"
+    "comms = (ctypes.c_void_p * 2)()\n"
+    "assert lib.HcclCommInitAll(2, (ctypes.c_int32 * 2)(0, 1), comms) == 0\n"
+    "ranks = int(sys.argv[2])\n"
+    "codes = [None] * ranks\n"
+    "def rank(i):\n"
+    "    lib.aclrtSetDevice(i)\n"
+    "    time.sleep(0.5 * i)\n"
+    "    codes[i] = lib.HcclBarrier(comms[i], ctypes.c_void_p(1))\n"
+    "threads = [threading.Thread(target=rank, args=(i,)) for i in range(ranks)]\n"
+    "started = time.monotonic()\n"
+    "for t in threads: t.start()\n"
+    "for t in threads: t.join()\n"
+    "print(time.time(), time.monotonic() - started, *codes)\n"
+)
 
-def test_a_wall_clock_step_neither_expires_nor_stretches_a_wait(
-    standin: Path, tmp_path: Path
-) -> None:
-    """Two ranks meet in HcclBarrier, the second half a second late, in a process whose wall
-    clock reads an hour behind the kernel's. With deadlines on CLOCK_REALTIME the first rank's
-    60 s deadline was already past: it timed out at once (HCCL_E_TIMEOUT for both)."""
-    source = tmp_path / "wall_clock_behind.c"
-    source.write_text(_WALL_CLOCK_BEHIND)
-    shim = tmp_path / "wall_clock_behind.so"
+
+def _wall_clock_shift(tmp_path: Path, seconds: int) -> Path:
+    source = tmp_path / "wall_clock_shift.c"
+    source.write_text(_WALL_CLOCK_SHIFT)
+    shim = tmp_path / f"wall_clock_shift{seconds:+d}.so"
     subprocess.run(
-        ["cc", "-shared", "-fPIC", "-o", str(shim), str(source), "-ldl"],
+        ["cc", "-shared", "-fPIC", f"-DSHIFT_S={seconds}", "-o", str(shim), str(source), "-ldl"],
         check=True,
         capture_output=True,
     )
-    script = (
-        "import ctypes, threading, time\n"
-        f"lib = ctypes.CDLL({str(standin)!r})\n"
-        "lib.HcclBarrier.argtypes = [ctypes.c_void_p, ctypes.c_void_p]\n"
-        "lib.aclrtSetDevice(0)\n"
-        "comms = (ctypes.c_void_p * 2)()\n"
-        "assert lib.HcclCommInitAll(2, (ctypes.c_int32 * 2)(0, 1), comms) == 0\n"
-        "codes = [None, None]\n"
-        "def rank(i):\n"
-        "    lib.aclrtSetDevice(i)\n"
-        "    time.sleep(0.5 * i)\n"
-        "    codes[i] = lib.HcclBarrier(comms[i], ctypes.c_void_p(1))\n"
-        "threads = [threading.Thread(target=rank, args=(i,)) for i in (0, 1)]\n"
-        "started = time.monotonic()\n"
-        "for t in threads: t.start()\n"
-        "for t in threads: t.join()\n"
-        "print(time.time(), time.monotonic() - started, *codes)\n"
+    return shim
+
+
+@pytest.mark.parametrize(
+    ("shift_s", "ranks", "timeout_s", "codes", "waited_s"),
+    [
+        (0, 2, 30, ["0", "0"], (0.4, 20)),
+        # The wall clock stepped an hour ahead after each reading: with deadlines on
+        # CLOCK_REALTIME the first rank's 30 s deadline was already past; it timed out at once,
+        # and so did the second (HCCL_E_TIMEOUT, 9, for both).
+        (-3600, 2, 30, ["0", "0"], (0.4, 20)),
+        # Stepped an hour back: the missing rank's 1 s timeout became an hour and a second.
+        (3600, 1, 1, ["9"], (0.9, 20)),
+    ],
+    ids=["steady", "stepped-ahead", "stepped-back"],
+)
+def test_a_wall_clock_step_neither_expires_nor_stretches_a_wait(
+    standin: Path,
+    tmp_path: Path,
+    shift_s: int,
+    ranks: int,
+    timeout_s: int,
+    codes: list[str],
+    waited_s: tuple[float, float],
+) -> None:
+    """The stand-in's barrier keeps its timeout whatever the wall clock does meanwhile."""
+    preload = str(_wall_clock_shift(tmp_path, shift_s)) if shift_s else ""
+    env = {"LD_PRELOAD": preload, "TANDEM_STANDIN_TIMEOUT_S": str(timeout_s)}
+    now = time.time()
+    done = subprocess.run(
+        [sys.executable, "-c", _BARRIER, str(standin), str(ranks)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
-    for preload, behind in (("", False), (str(shim), True)):
-        env = {"LD_PRELOAD": preload, "TANDEM_STANDIN_TIMEOUT_S": "30"}
-        now = time.time()
-        done = subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
-        )
-        assert done.returncode == 0, done.stderr
-        wall, waited, *codes = done.stdout.split()
-        # The shim was in effect (or not): the child's wall clock an hour behind this one's.
-        assert (float(wall) < now - 3000) is behind
-        assert codes == ["0", "0"], done.stderr
-        assert 0.4 < float(waited) < 20
+    assert done.returncode == 0, done.stderr
+    wall, waited, *got = done.stdout.split()
+    # The shim was in effect (or not): the child's wall clock shifted from this one's.
+    assert abs(float(wall) - now - shift_s) < 600
+    assert got == codes, done.stderr
+    assert waited_s[0] < float(waited) < waited_s[1]
