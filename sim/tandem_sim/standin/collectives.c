@@ -136,7 +136,10 @@ static int barrier(header_t *h, int n) {
         pthread_cond_broadcast(&h->cv);
     } else {
         while (generation == h->generation && !h->broken) {
-            if (pthread_cond_timedwait(&h->cv, &h->mu, &deadline) == ETIMEDOUT) {
+            /* The last rank can arrive as the wait expires: the barrier is complete then, and
+               breaking the clique would fail every later call on it. */
+            if (pthread_cond_timedwait(&h->cv, &h->mu, &deadline) == ETIMEDOUT &&
+                generation == h->generation) {
                 h->broken = 1;
                 pthread_cond_broadcast(&h->cv);
             }
