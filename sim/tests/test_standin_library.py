@@ -17,7 +17,12 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
-from tandem_sim.standin_library import StandinProbe, StandinUnavailable, build_standin_library
+from tandem_sim.standin_library import (
+    StandinProbe,
+    StandinUnavailable,
+    build_standin_library,
+    find_compiler,
+)
 
 T = TypeVar("T")
 
@@ -164,8 +169,10 @@ def _wall_clock_shift(tmp_path: Path, seconds: int) -> Path:
     source = tmp_path / "wall_clock_shift.c"
     source.write_text(_WALL_CLOCK_SHIFT)
     shim = tmp_path / f"wall_clock_shift{seconds:+d}.so"
+    # The stand-in's own compiler (the `standin` fixture skips where there is none).
+    command = [str(find_compiler()), "-shared", "-fPIC", f"-DSHIFT_S={seconds}"]
     subprocess.run(
-        ["cc", "-shared", "-fPIC", f"-DSHIFT_S={seconds}", "-o", str(shim), str(source), "-ldl"],
+        [*command, "-o", str(shim), str(source), "-ldl"],
         check=True,
         capture_output=True,
     )

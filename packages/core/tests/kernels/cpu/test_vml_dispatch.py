@@ -3,7 +3,6 @@ the float16 all-reduce test's flake: see ``vml_dispatch``)."""
 
 from __future__ import annotations
 
-import itertools
 import math
 import subprocess
 import sys
@@ -12,7 +11,6 @@ import pytest
 import torch
 
 from tandem.core.kernels.cpu.vml_dispatch import VML_DTYPES, VML_OPS, WARM_UP_VALUE
-from tandem.core.kernels.process_once import ProcessOnce
 
 
 @pytest.mark.parametrize("dtype", VML_DTYPES)
@@ -23,15 +21,6 @@ def test_each_op_is_a_torch_function_defined_at_the_warm_up_value(
     out = getattr(torch, name)(torch.full((1,), WARM_UP_VALUE, dtype=dtype))
     assert out.dtype is dtype
     assert math.isfinite(out.item())
-
-
-def test_process_once_makes_its_value_once_and_says_so() -> None:
-    counter = itertools.count()
-    once = ProcessOnce(lambda: next(counter))
-    assert not once.made
-    assert once() == 0
-    assert once() == 0
-    assert once.made
 
 
 def test_a_worker_resolves_the_dispatch_in_init_device() -> None:
