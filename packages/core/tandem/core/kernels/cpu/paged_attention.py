@@ -17,9 +17,12 @@ import torch
 from tandem.core.kernels.attention_metadata import AttentionMetadata
 from tandem.core.kernels.cpu.attention_library import DTYPE_CODES, AttentionLibrary
 from tandem.core.kernels.cpu.native_build import (
+    AMX_EMULATION_DEFINE,
+    BASE_FLAGS,
     CSRC,
     IsaLevel,
     KernelBuildError,
+    amx_tiles_granted,
     log_unbuilt,
 )
 from tandem.core.kernels.cpu.native_build import build_library as build_native
@@ -35,9 +38,20 @@ SOURCE = CSRC / "paged_attention.cpp"
 _i64p = ctypes.POINTER(ctypes.c_int64)
 
 
-def build_library(build_dir: Path | None = None, isa: IsaLevel | None = None) -> Path:
-    """The kernel's shared library, built if needed (safe under concurrent first uses)."""
-    return build_native(SOURCE, "tandem_paged_attention", build_dir=build_dir, isa=isa)
+def build_library(
+    build_dir: Path | None = None, isa: IsaLevel | None = None, emulated: bool = False
+) -> Path:
+    """The kernel's shared library, built if needed (safe under concurrent first uses).
+    ``emulated``: the test build whose AMX tile instructions are software (any AVX-512 CPU
+    runs its tile path)."""
+    defines = (f"-D{AMX_EMULATION_DEFINE}",) if emulated else ()
+    return build_native(
+        SOURCE,
+        "tandem_paged_attention",
+        flags=(*BASE_FLAGS, *defines),
+        build_dir=build_dir,
+        isa=isa,
+    )
 
 
 class NativePagedAttention(AttentionLibrary):
@@ -59,11 +73,42 @@ class NativePagedAttention(AttentionLibrary):
             ctypes.c_float,
             ctypes.c_int32,
             ctypes.c_int32,
+            ctypes.c_int32,  # use_tiles
         ]
         self._run.restype = ctypes.c_int
+        # Whether decode batches of bfloat16 score on AMX tiles (csrc: run_rows_tiles). The
+        # library answers 0 (no tile path in this build: no AMX, or an ISA level below it),
+        # 1 (the CPU's tiles, usable once Linux grants this process their state) or 2 (the
+        # test build's emulated tiles).
+        built = int(self.lib.tandem_pa_tiles())
+        self.tiles = built == 2 or (built == 1 and amx_tiles_granted())
+        self.emulated = built == 2
+        self._on_tiles = self.lib.tandem_pa_scores_on_tiles
+        self._on_tiles.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_int32] * 3
+        self._on_tiles.restype = ctypes.c_int
         self._write = self.lib.tandem_write_kv_cache
         self._write.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_int32]
         self._write.restype = ctypes.c_int
+
+    def scores_on_tiles(
+        self,
+        num_queries: int,
+        heads: tuple[int, int],
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+    ) -> bool:
+        """Whether a call with these shapes (``heads``: query and KV heads) scores on AMX
+        tiles, at this process's thread count."""
+        code = DTYPE_CODES.get(dtype)
+        if code is None:
+            return False
+        return bool(
+            self._on_tiles(
+                num_queries, heads[0], heads[1], head_dim, block_size, code,
+                torch.get_num_threads(), int(self.tiles),
+            )
+        )  # fmt: skip
 
     def write_kv_cache(
         self,
@@ -144,6 +189,7 @@ class NativePagedAttention(AttentionLibrary):
             scale,
             DTYPE_CODES[q.dtype],
             torch.get_num_threads(),
+            int(self.tiles),
         )
         if code != 0:
             raise ValueError(
@@ -153,15 +199,16 @@ class NativePagedAttention(AttentionLibrary):
 
 
 def load_native_paged_attention(
-    build_dir: Path | None = None, isa: IsaLevel | None = None
+    build_dir: Path | None = None, isa: IsaLevel | None = None, emulated: bool = False
 ) -> NativePagedAttention | None:
     """Build (if needed) and load the kernel; None, with the reason logged, where it cannot
-    be had. ``TANDEM_PAGED_ATTENTION=torch`` forces the reference path."""
+    be had. ``TANDEM_PAGED_ATTENTION=torch`` forces the reference path. ``emulated``: the
+    test build on emulated AMX tiles."""
     if os.environ.get("TANDEM_PAGED_ATTENTION", "").lower() == "torch":
         logger.info("TANDEM_PAGED_ATTENTION=torch: CPU attention uses the torch reference path")
         return None
     try:
-        return NativePagedAttention(build_library(build_dir, isa))
+        return NativePagedAttention(build_library(build_dir, isa, emulated))
     except (KernelBuildError, OSError) as exc:
         log_unbuilt(
             logger,

@@ -184,6 +184,22 @@ def _library_choice(role: str, library: Any, fallback: str, why_fallback: str) -
     return KernelChoice(role, _native_path(library), "built for this CPU")
 
 
+def _decode_attention_choice(no_library: str) -> KernelChoice:
+    role = "decode attention"
+    library = native_paged_attention()
+    if library is None:
+        return KernelChoice(
+            role, "torch reference (copies each sequence's context per layer)", no_library
+        )
+    if not library.tiles:
+        return KernelChoice(role, _native_path(library), "built for this CPU")
+    why = (
+        "built for this CPU; bfloat16 batches of 2-16 query heads a KV head score on AMX "
+        "tiles (blocks of a multiple of 16 tokens), the rest on vectors"
+    )
+    return KernelChoice(role, f"{_native_path(library)}, scores on AMX tiles", why)
+
+
 def _int4_choice(no_library: str) -> KernelChoice:
     role = "int4 linear (W4A16)"
     kernel = native_int4_linear()
@@ -207,12 +223,7 @@ def build_report() -> CpuKernelReport:
         _experts_choice(torch.float32),
         _experts_choice(torch.bfloat16),
         _int8_choice(),
-        _library_choice(
-            "decode attention",
-            native_paged_attention(),
-            "torch reference (copies each sequence's context per layer)",
-            no_library,
-        ),
+        _decode_attention_choice(no_library),
         _library_choice("prefill attention", native_prefill_attention(), "torch SDPA", no_library),
         _library_choice("norms, rotary, SiLU", native_elementwise(), "torch, op by op", no_library),
         _library_choice(

@@ -30,9 +30,18 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec_math.h"
+
+// The tile scores (run_rows_tiles) where the CPU has AMX for bfloat16, or in the test build
+// whose tile instructions are emulated (amx_tiles.h); both around the AVX-512 vector code.
+#if defined(__AVX512F__) && \
+    (defined(TANDEM_AMX_EMULATE) || (defined(__AMX_TILE__) && defined(__AMX_BF16__)))
+#define TANDEM_PA_TILES 1
+#include "amx_tiles.h"
+#endif
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -263,6 +272,8 @@ struct Args {
   int64_t cache_block_stride;
   int64_t cache_token_stride;
   float scale;
+  // Whether the scores may go to AMX tiles (this process holds the tile state).
+  bool tiles;
 };
 
 // G: query heads handled together (a divisor of the GQA group small enough that their
@@ -475,11 +486,12 @@ inline void score_tile(const Queries<T, D>& q, int64_t r0, int64_t g, const T* k
   }
 }
 
-// acc[r] += p[r * p_stride + t] * v_t for GC query rows and n value rows of one head; the
-// GC * D / 16 accumulators stay in registers across the rows.
+// acc[r] += p[r * p_stride + t * p_step] * v_t for GC query rows and n value rows of one
+// head; the GC * D / 16 accumulators stay in registers across the rows. p_step: 1 for the
+// head-major scores of run_rows, G for the key-major ones of run_rows_tiles.
 template <typename T, int D, int GC>
-inline void accumulate_tile(float* acc, const float* p, int64_t p_stride, const T* values,
-                            int64_t token_stride, int64_t n) {
+inline void accumulate_tile(float* acc, const float* p, int64_t p_stride, int64_t p_step,
+                            const T* values, int64_t token_stride, int64_t n) {
   __m512 sum[GC][D / 16];
   for (int r = 0; r < GC; ++r)
     for (int c = 0; c < D / 16; ++c) sum[r][c] = _mm512_loadu_ps(acc + r * D + 16 * c);
@@ -488,7 +500,7 @@ inline void accumulate_tile(float* acc, const float* p, int64_t p_stride, const 
     __m512 vv[D / 16];
     for (int c = 0; c < D / 16; ++c) vv[c] = load16(v + 16 * c);
     for (int r = 0; r < GC; ++r) {
-      const __m512 w = _mm512_set1_ps(p[r * p_stride + t]);
+      const __m512 w = _mm512_set1_ps(p[r * p_stride + t * p_step]);
       for (int c = 0; c < D / 16; ++c) sum[r][c] = _mm512_fmadd_ps(w, vv[c], sum[r][c]);
     }
   }
@@ -577,7 +589,7 @@ void run_rows(const Args& a) {
           const int64_t h = r / group;
           if (next != nullptr && r % group == 0) prefetch_span(next + h * share, share);
           accumulate_tile<T, D, GC>(acc.data() + r * D, scores.data() + r * stride + t0, stride,
-                                    vb + h * D, ts, n);
+                                    1, vb + h * D, ts, n);
         }
       }
       for (int64_t h = 0; h < heads; ++h) {
@@ -586,6 +598,195 @@ void run_rows(const Args& a) {
     }
   }
 }
+
+#if defined(TANDEM_PA_TILES)
+
+// Decode attention with the scores on AMX tiles (bfloat16 caches, G = 2, 4, 8 or 16 query
+// heads a KV head). Where the vector path above finishes every score with a 16-lane
+// transposing reduction (~3 shuffles and adds a score, times G for the G heads sharing each
+// key row), one tile product takes 16 keys of a KV head as A (16 rows of 32 bfloat16, read
+// in place from the cache, a row a token) against the group's queries as B (16 dimension
+// pairs x G), and writes the 16 x G scores at once. Products of bfloat16 are exact in
+// float32, so the scores differ from the vector path's only in the order of their sums.
+// The rest is the vector path's plan with the scores kept key-major ([token][G] per KV
+// head): the maximum and the exponentials lane-wise (lane l belongs to head l mod G), the
+// value pass with the same register accumulators. Tiles: 0 the scores (16 x G float32),
+// 2 and 3 key rows (16 x 64 bytes), 4 and 5 the queries (16 x 4G bytes).
+
+inline void configure_score_tiles(int g) {
+  tandem::amx::TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t : {0, 2, 3, 4, 5}) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = static_cast<uint16_t>(t == 2 || t == 3 ? 64 : 4 * g);
+  }
+  TANDEM_TILE_LOADCONFIG(&cfg);
+}
+
+// A thread's tiles for the life of one parallel region, released at its end (the linear
+// kernels and oneDNN configure tiles of their own on these threads, never inside ours).
+struct ScoreTiles {
+  explicit ScoreTiles(int g) { configure_score_tiles(g); }
+  ~ScoreTiles() { TANDEM_TILE_RELEASE(); }
+  ScoreTiles(const ScoreTiles&) = delete;
+  ScoreTiles& operator=(const ScoreTiles&) = delete;
+};
+
+// The G query rows of one KV head ([G][D] bfloat16, back to back) as B tiles, one per
+// 32-column chunk c: 16 rows (dimension pairs k) of G pairs, b[c][k][n] = the pair of
+// q[n][32c + 2k], moved as 32-bit words.
+template <int D, int G>
+inline void pack_queries(const uint16_t* q, uint32_t* b) {
+  const auto* pairs = reinterpret_cast<const uint32_t*>(q);
+  for (int c = 0; c < D / 32; ++c)
+    for (int k = 0; k < 16; ++k)
+      for (int n = 0; n < G; ++n) b[(c * 16 + k) * G + n] = pairs[n * (D / 2) + 16 * c + k];
+}
+
+// Scores [16][G] (rows G floats apart) of 16 key rows, `ts` elements apart, against one KV
+// head's packed queries.
+template <int D, int G>
+inline void score16_tiles(const uint16_t* keys, int64_t ts, const uint32_t* b, float* out) {
+  TANDEM_TILE_ZERO(0);
+  for (int c = 0; c < D / 32; c += 2) {
+    TANDEM_TILE_LOADD(2, keys + 32 * c, ts * 2);
+    TANDEM_TILE_LOADD(4, b + c * 16 * G, G * 4);
+    TANDEM_TILE_DPBF16PS(0, 2, 4);
+    TANDEM_TILE_LOADD(3, keys + 32 * (c + 1), ts * 2);
+    TANDEM_TILE_LOADD(5, b + (c + 1) * 16 * G, G * 4);
+    TANDEM_TILE_DPBF16PS(0, 3, 5);
+  }
+  TANDEM_TILE_STORED(0, out, G * 4);
+}
+
+// v combined with itself rotated by w, 8, 4 .. G lanes: every lane then holds the result
+// over all lanes of its class modulo G (one head's, in the key-major layout).
+template <int G, typename Op>
+inline __m512 fold_classes(__m512 v, Op op) {
+  for (int w = 8; w >= G; w /= 2) {
+    const __m512i rotate = _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                             5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(w));
+    v = op(v, _mm512_permutexvar_ps(_mm512_and_si512(rotate, _mm512_set1_epi32(15)), v));
+  }
+  return v;
+}
+
+// In place over one KV head's key-major scores s [len][G]: p = exp(scale * s - max), the
+// maximum per head; the G sums into sums[0 .. G).
+template <int G>
+inline void softmax_classes(float* s, int64_t len, float scale, float* sums) {
+  const int64_t count = len * G;
+  const __m512 vs = _mm512_set1_ps(scale);
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) m = _mm512_max_ps(m, _mm512_mul_ps(_mm512_loadu_ps(s + i), vs));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (count - i)) - 1u);
+  if (i < count) {
+    m = _mm512_mask_max_ps(m, tail, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + i), vs));
+  }
+  m = fold_classes<G>(m, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); });
+  __m512 acc = _mm512_setzero_ps();
+  for (i = 0; i + 16 <= count; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + i), vs), m));
+    _mm512_storeu_ps(s + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (i < count) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + i), vs), m));
+    e = _mm512_maskz_mov_ps(tail, e);
+    _mm512_mask_storeu_ps(s + i, tail, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  acc = fold_classes<G>(acc, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, acc);
+  for (int r = 0; r < G; ++r) sums[r] = lanes[r];
+}
+
+// A query token with all its heads per work item, as run_rows; blocks of a multiple of 16
+// tokens (a tile reads 16 key rows; past a sequence's last token, those of its own block).
+template <int D, int G>
+void run_rows_tiles(const Args& a) {
+  const int64_t heads = a.num_heads;
+  const int64_t kv_heads = a.num_kv_heads;
+  int64_t max_len = 0;
+  for (int64_t i = 0; i < a.num_queries; ++i) {
+    max_len = a.kv_lens[i] > max_len ? a.kv_lens[i] : max_len;
+  }
+  // Room for the whole 16 rows a tile stores after a sequence's last token.
+  const int64_t stride = (max_len + 15) / 16 * 16 + 16;
+  const auto* q_all = static_cast<const uint16_t*>(a.q);
+  const auto* k_all = static_cast<const uint16_t*>(a.k_cache);
+  const auto* v_all = static_cast<const uint16_t*>(a.v_cache);
+  auto* out_all = static_cast<uint16_t*>(a.out);
+  const int64_t block_elems = a.block_size * a.cache_token_stride;
+  const int64_t share = block_elems / kv_heads;
+  const int64_t ts = a.cache_token_stride;
+  constexpr int GC = G * D <= 256 ? G : (256 / D > 0 ? 256 / D : 1);
+
+#pragma omp parallel
+  {
+    ScoreTiles tiles(G);
+    std::vector<uint32_t> packed(heads * D / 2);
+    std::vector<float> scores(kv_heads * stride * G);
+    std::vector<float> acc(heads * D);
+    std::vector<float> sums(heads);
+
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < a.num_queries; ++i) {
+      const int64_t len = a.kv_lens[i];
+      const int64_t* table = a.block_tables + a.table_row[i] * a.table_stride;
+      const int64_t num_blocks = (len + a.block_size - 1) / a.block_size;
+      uint16_t* out = out_all + i * a.out_stride;
+      if (len <= 0) {
+        std::memset(out, 0, sizeof(uint16_t) * heads * D);
+        continue;
+      }
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        pack_queries<D, G>(q_all + i * a.q_stride + h * G * D, packed.data() + h * G * D / 2);
+      }
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const uint16_t* kb = k_all + table[b] * a.cache_block_stride;
+        const int64_t t0 = b * a.block_size;
+        const int64_t n = (len - t0) < a.block_size ? (len - t0) : a.block_size;
+        const uint16_t* next = b + 1 < num_blocks ? k_all + table[b + 1] * a.cache_block_stride
+                                                  : v_all + table[0] * a.cache_block_stride;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          prefetch_span(next + h * share, share);
+          for (int64_t s0 = 0; s0 < n; s0 += 16) {
+            score16_tiles<D, G>(kb + s0 * ts + h * D, ts, packed.data() + h * G * D / 2,
+                                scores.data() + (h * stride + t0 + s0) * G);
+          }
+        }
+      }
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        softmax_classes<G>(scores.data() + h * stride * G, len, a.scale, sums.data() + h * G);
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const uint16_t* vb = v_all + table[b] * a.cache_block_stride;
+        const int64_t t0 = b * a.block_size;
+        const int64_t n = (len - t0) < a.block_size ? (len - t0) : a.block_size;
+        const uint16_t* next =
+            b + 1 < num_blocks ? v_all + table[b + 1] * a.cache_block_stride : nullptr;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          if (next != nullptr) prefetch_span(next + h * share, share);
+          for (int r0 = 0; r0 < G; r0 += GC) {
+            accumulate_tile<uint16_t, D, GC>(acc.data() + (h * G + r0) * D,
+                                             scores.data() + (h * stride + t0) * G + r0, 1, G,
+                                             vb + h * D, ts, n);
+          }
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        store_row(acc.data() + h * D, out + h * D, D, 1.0f / sums[h]);
+      }
+    }
+  }
+}
+
+#endif  // TANDEM_PA_TILES
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
@@ -841,13 +1042,53 @@ void run_rows(const Args& a) {
 
 #endif
 
+// Whether a call takes a work item per query token (run_rows, run_rows_tiles): enough
+// tokens to keep every thread busy.
+inline bool item_per_token(int64_t num_queries, int32_t threads) {
+#if defined(TANDEM_PA_ITEM_PER_HEAD)
+  (void)num_queries;
+  (void)threads;
+  return false;
+#else
+  return num_queries >= 4 * static_cast<int64_t>(threads > 0 ? threads : 1);
+#endif
+}
+
+// Whether such a call scores on tiles (run_rows_tiles): bfloat16, G = 2, 4, 8 or 16 query
+// heads a KV head, whole 16-row tiles of keys within every block.
+inline bool tile_scores(bool tiles, int32_t dtype, int64_t group, int64_t head_dim,
+                        int64_t block_size) {
+#if defined(TANDEM_PA_TILES)
+  return tiles && dtype == kBFloat16 && block_size % 16 == 0 && head_dim % 64 == 0 &&
+         (group == 2 || group == 4 || group == 8 || group == 16);
+#else
+  (void)tiles;
+  (void)dtype;
+  (void)group;
+  (void)head_dim;
+  (void)block_size;
+  return false;
+#endif
+}
+
 // The largest head chunk G dividing the group whose G * D accumulators fit in 16 vector
 // registers (32 float32 lanes each... of 16), leaving the rest for the K/V row.
 template <typename T, int D>
 int dispatch_group(const Args& a, int32_t threads) {
-#if !defined(TANDEM_PA_ITEM_PER_HEAD)
   const int64_t group = a.num_heads / a.num_kv_heads;
-  if (a.num_queries >= 4 * static_cast<int64_t>(threads > 0 ? threads : 1)) {
+  if (item_per_token(a.num_queries, threads)) {
+#if defined(TANDEM_PA_TILES)
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      if (tile_scores(a.tiles, kBFloat16, group, D, a.block_size)) {
+        switch (group) {
+          case 2: run_rows_tiles<D, 2>(a); return 0;
+          case 4: run_rows_tiles<D, 4>(a); return 0;
+          case 8: run_rows_tiles<D, 8>(a); return 0;
+          default: run_rows_tiles<D, 16>(a); return 0;
+        }
+      }
+    }
+#endif
     // Query rows per value pass: as many of a KV head's as keep their accumulators (GC * D
     // floats) within 16 vector registers.
     if (group % 4 == 0 && 4 * D <= 256) {
@@ -859,9 +1100,6 @@ int dispatch_group(const Args& a, int32_t threads) {
     }
     return 0;
   }
-#else
-  const int64_t group = a.num_heads / a.num_kv_heads;
-#endif
   constexpr int kMaxFloats = 256;
   if (group % 8 == 0 && 8 * D <= kMaxFloats) {
     run<T, D, (8 * D <= kMaxFloats ? 8 : 1)>(a);
@@ -893,6 +1131,29 @@ int dispatch_dim(const Args& a, int64_t head_dim, int32_t threads) {
 
 extern "C" {
 
+// Whether this build can put the scores on AMX tiles: 0 no, 1 on the CPU's own, 2 on
+// emulated ones (the test build).
+int tandem_pa_tiles() {
+#if defined(TANDEM_PA_TILES)
+  return tandem_amx_emulated() ? 2 : 1;
+#else
+  return 0;
+#endif
+}
+
+// Whether tandem_paged_attention with these arguments scores on tiles (what the tests ask
+// of the shapes they check).
+int tandem_pa_scores_on_tiles(int64_t num_queries, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t head_dim, int64_t block_size, int32_t dtype,
+                              int32_t num_threads, int32_t use_tiles) {
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 0;
+  return item_per_token(num_queries, num_threads) &&
+                 tile_scores(use_tiles != 0, dtype, num_heads / num_kv_heads, head_dim,
+                             block_size)
+             ? 1
+             : 0;
+}
+
 // Which head sizes and dtypes this build handles (the Python side asks before using it).
 int tandem_pa_supports(int64_t head_dim, int32_t dtype) {
   const bool dim_ok = head_dim == 64 || head_dim == 128 || head_dim == 256;
@@ -913,7 +1174,8 @@ int tandem_paged_attention(void* out, const void* q, const void* k_cache,
                            int64_t head_dim, int64_t block_size, int64_t q_stride,
                            int64_t out_stride, int64_t table_stride,
                            int64_t cache_block_stride, int64_t cache_token_stride,
-                           float scale, int32_t dtype, int32_t num_threads) {
+                           float scale, int32_t dtype, int32_t num_threads,
+                           int32_t use_tiles) {
 #if defined(_OPENMP)
   // The calling thread's OpenMP team size, as torch sets it for its own operators (torch's
   // libgomp is the one loaded, so the pool is shared with torch's kernels).
@@ -925,7 +1187,7 @@ int tandem_paged_attention(void* out, const void* q, const void* k_cache,
   Args a{out,          q,          k_cache,  v_cache,     block_tables,
          table_row,    kv_lens,    num_queries, num_heads, num_kv_heads,
          block_size,   q_stride,   out_stride, table_stride, cache_block_stride,
-         cache_token_stride, scale};
+         cache_token_stride, scale, use_tiles != 0};
   if (dtype == kFloat32) return dispatch_dim<float>(a, head_dim, num_threads);
   if (dtype == kBFloat16) return dispatch_dim<uint16_t>(a, head_dim, num_threads);
   return 3;
