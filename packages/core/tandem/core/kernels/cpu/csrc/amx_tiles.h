@@ -300,7 +300,14 @@ int tandem_amx_emulated_dpbf16ps(float* c, const uint16_t* a, const uint16_t* b,
 // The intrinsics take the tile numbers as constants, hence macros; each dot product only
 // where the build targets its extension (a kernel naming one it lacks fails to compile).
 #define TANDEM_TILE_LOADCONFIG(cfg) _tile_loadconfig(cfg)
-#define TANDEM_TILE_LOADD(t, base, stride) _tile_loadd(t, base, stride)
+// GCC's _tile_loadd names its base as a plain register operand, with no memory input or
+// clobber, so nothing would keep the stores that fill a buffer (a packed x, packed queries)
+// before the tile load that reads it: the empty asm is that ordering.
+#define TANDEM_TILE_LOADD(t, base, stride) \
+  do {                                     \
+    __asm__ volatile("" ::: "memory");     \
+    _tile_loadd(t, base, stride);          \
+  } while (0)
 #define TANDEM_TILE_STORED(t, base, stride) _tile_stored(t, base, stride)
 #define TANDEM_TILE_ZERO(t) _tile_zero(t)
 #define TANDEM_TILE_RELEASE() _tile_release()
