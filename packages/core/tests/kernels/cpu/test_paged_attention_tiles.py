@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from tandem.core.kernels.cpu import native_build
+from tandem.core.kernels.cpu.native_build import NoCompilerError
 from tandem.core.kernels.cpu.paged_attention import (
     NativePagedAttention,
-    load_native_paged_attention,
+    build_library,
     native_paged_attention,
 )
 
@@ -27,15 +28,20 @@ SHAPES = [
     ((32, 2), 64),
     ((16, 8), 128),
     ((32, 4), 128),
+    ((32, 2), 128),
     ((4, 2), 256),
+    ((16, 2), 256),
+    ((32, 2), 256),
 ]
 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory: pytest.TempPathFactory) -> NativePagedAttention:
-    kernel = load_native_paged_attention(tmp_path_factory.mktemp("pa-emulated"), emulated=True)
-    if kernel is None:
+    try:
+        path = build_library(tmp_path_factory.mktemp("pa-emulated"), emulated=True)
+    except NoCompilerError:
         pytest.skip("no C++ compiler")
+    kernel = NativePagedAttention(path)
     if not kernel.emulated:
         pytest.skip("the tile path sits in the AVX-512 code: this ISA level has none")
     return kernel
@@ -108,7 +114,13 @@ def test_tile_scores_stay_within_rounding_of_float32(
     assert kernel.scores_on_tiles(q.shape[0], heads, head_dim, block_size, torch.bfloat16)
     scale = head_dim**-0.5
     out = torch.empty_like(q)
+    products = kernel.emulated_dot_products()
     kernel(out, q, k_cache, v_cache, tables, torch.arange(q.shape[0]), lens, scale)
+    if kernel.emulated:
+        # The call went through the tiles: a product per 32 dimensions of every 16 keys
+        # of every KV head.
+        tiles = sum(-(-int(n) // 16) for n in lens) * heads[1] * head_dim // 32
+        assert kernel.emulated_dot_products() - products == tiles
     exact = _exact(q, k_cache, v_cache, tables, lens, scale)
     error = (out.float() - exact).abs()
     # Products of bfloat16 are exact in float32 and everything after is float32, rounded to

@@ -90,6 +90,15 @@ class NativePagedAttention(AttentionLibrary):
         self._write.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_int32]
         self._write.restype = ctypes.c_int
 
+    def emulated_dot_products(self) -> int:
+        """How many tile dot products the emulated build has run in this process (what its
+        tests read to know a call took the tile path); 0 for any other build."""
+        if not self.emulated:
+            return 0
+        count = self.lib.tandem_amx_emulated_dot_products
+        count.restype = ctypes.c_int64
+        return int(count())
+
     def scores_on_tiles(
         self,
         num_queries: int,

@@ -186,16 +186,14 @@ def _library_choice(role: str, library: Any, fallback: str, why_fallback: str) -
 
 def _decode_attention_choice(no_library: str) -> KernelChoice:
     role = "decode attention"
+    fallback = "torch reference (copies each sequence's context per layer)"
     library = native_paged_attention()
-    if library is None:
-        return KernelChoice(
-            role, "torch reference (copies each sequence's context per layer)", no_library
-        )
-    if not library.tiles:
-        return KernelChoice(role, _native_path(library), "built for this CPU")
+    if library is None or not library.tiles:
+        return _library_choice(role, library, fallback, no_library)
     why = (
-        "built for this CPU; bfloat16 batches of 2-16 query heads a KV head score on AMX "
-        "tiles (blocks of a multiple of 16 tokens), the rest on vectors"
+        "built for this CPU; bfloat16 batches of at least 4 tokens a thread, 2, 4, 8 or 16 "
+        "query heads a KV head and blocks of a multiple of 16 tokens score on AMX tiles, the "
+        "rest on vectors"
     )
     return KernelChoice(role, f"{_native_path(library)}, scores on AMX tiles", why)
 

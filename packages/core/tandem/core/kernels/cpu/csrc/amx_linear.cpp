@@ -49,12 +49,9 @@
 
 namespace {
 
-// Every tile 16 rows of 64 bytes: A (x) 16 rows x 32 bf16, B (weight) 16 k-pairs x 16 n x 2,
-// C 16 x 16 float32. Short M tiles are zero-padded in the packed x instead of reconfigured.
-inline void configure_tiles() {
-  const tandem::amx::TileConfig cfg = tandem::amx::uniform_config(8, 16, 64);
-  TANDEM_TILE_LOADCONFIG(&cfg);
-}
+// Every tile 16 rows of 64 bytes (TileScope below): A (x) 16 rows x 32 bf16, B (weight) 16
+// k-pairs x 16 n x 2, C 16 x 16 float32. Short M tiles are zero-padded in the packed x
+// instead of reconfigured.
 
 constexpr int64_t kBlock = 1024;     // elements of one packed 32 x 32 block
 constexpr int64_t kTile = 512;       // elements of one 16 x 32 x tile
@@ -174,15 +171,9 @@ inline void unit_rows(XTiles x, const uint16_t* w, int64_t steps, int64_t rows,
   }
 }
 
-// The tiles of a thread for the life of one parallel region (8 tiles of 16 rows x 64
-// bytes, released at the end): oneDNN's AMX kernels run on these threads too, with
-// configurations of their own, but never inside our regions. Declared first thing inside
-// each `omp parallel`.
-struct TileScope {
-  TileScope() { configure_tiles(); }
-  ~TileScope() { TANDEM_TILE_RELEASE(); }
-  TileScope(const TileScope&) = delete;
-  TileScope& operator=(const TileScope&) = delete;
+// The tiles of a thread for the life of one parallel region: 8 tiles of 16 rows x 64 bytes.
+struct TileScope : tandem::amx::TileScope {
+  TileScope() : tandem::amx::TileScope(tandem::amx::uniform_config(8, 16, 64)) {}
 };
 
 // `n` elements of `buffer` from its first cache line boundary on (the tiles' aligned

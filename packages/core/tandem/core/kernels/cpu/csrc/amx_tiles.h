@@ -38,7 +38,8 @@
 // build (native_build.amx_tiles_granted).
 //
 // Every library that includes this header exports tandem_amx_emulated() (1 in a test build)
-// and, in a test build, one probe per dot product for the emulation's own tests.
+// and, in a test build, one probe per dot product for the emulation's own tests and
+// tandem_amx_emulated_dot_products() (how many its kernels have run).
 
 #pragma once
 
@@ -72,6 +73,7 @@ inline TileConfig uniform_config(int tiles, int rows, int colsb) {
 
 #if defined(TANDEM_AMX_EMULATE)
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 
@@ -166,7 +168,15 @@ inline void zero(int t) {
   std::memset(d.data, 0, sizeof(d.data));
 }
 
+// Dot-product instructions run by this library's emulated tiles, all threads together: what
+// a test reads to know that a kernel took its tile path at all.
+inline std::atomic<int64_t>& dot_products() {
+  static std::atomic<int64_t> count{0};
+  return count;
+}
+
 inline void check_shapes(const Tile& dst, const Tile& x, const Tile& y, const char* what) {
+  dot_products().fetch_add(1, std::memory_order_relaxed);
   if (dst.rows != x.rows || dst.colsb != y.colsb || x.colsb / 4 != y.rows) fault("#UD", what);
 }
 
@@ -287,6 +297,10 @@ int tandem_amx_emulated_dpbf16ps(float* c, const uint16_t* a, const uint16_t* b,
   return 0;
 }
 
+int64_t tandem_amx_emulated_dot_products() {
+  return tandem::amx::emulated::dot_products().load();
+}
+
 }  // extern "C"
 
 #else
@@ -321,3 +335,18 @@ int tandem_amx_emulated_dpbf16ps(float* c, const uint16_t* a, const uint16_t* b,
 extern "C" int tandem_amx_emulated() { return 0; }
 
 #endif
+
+namespace tandem::amx {
+
+// A thread's tiles configured as `cfg` for the life of a scope (a parallel region: declared
+// first thing inside each `omp parallel`) and released at its end. oneDNN's AMX kernels run
+// on the same threads with configurations of their own, but never inside our regions.
+class TileScope {
+ public:
+  explicit TileScope(const TileConfig& cfg) { TANDEM_TILE_LOADCONFIG(&cfg); }
+  ~TileScope() { TANDEM_TILE_RELEASE(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
+}  // namespace tandem::amx

@@ -386,17 +386,13 @@ void row_task(const Gemm& g, int64_t m0, int64_t m1, int64_t p, Epilogue& epilog
 // A thread's tiles for the life of one parallel region of a GEMM (AMX: 8 tiles of 16 rows x
 // 64 bytes, released at the end); nothing on the other paths. Declared first thing inside
 // each `omp parallel`.
-struct TileScope {
 #if TANDEM_INT8_PATH == 4
-  TileScope() {
-    const tandem::amx::TileConfig cfg = tandem::amx::uniform_config(8, 16, 64);
-    TANDEM_TILE_LOADCONFIG(&cfg);
-  }
-  ~TileScope() { TANDEM_TILE_RELEASE(); }
-  TileScope(const TileScope&) = delete;
-  TileScope& operator=(const TileScope&) = delete;
-#endif
+struct TileScope : tandem::amx::TileScope {
+  TileScope() : tandem::amx::TileScope(tandem::amx::uniform_config(8, 16, 64)) {}
 };
+#else
+struct TileScope {};
+#endif
 
 // Runs `epilogue(row, panel, tile, rows)` on every block of exact dots, the blocks spread
 // over the threads: by panel at decode sizes, by (row task, panel) at prefill sizes.

@@ -22,6 +22,9 @@
 // Zen 1, 48 queries x 384 tokens, one layer: 9.1 -> 6.0 ms against the plain loops, where
 // only reading that layer's scattered K/V blocks takes 3.9 ms).
 //
+// On CPUs with AMX, bfloat16 decode batches put the scores on tiles instead (run_rows_tiles,
+// where its comment says why).
+//
 // Built by tandem.core.kernels.cpu.paged_attention with the system C++ compiler and
 // -march=native; called through ctypes (no torch headers, so the build takes seconds).
 
@@ -610,37 +613,32 @@ void run_rows(const Args& a) {
 // float32, so the scores differ from the vector path's only in the order of their sums.
 // The rest is the vector path's plan with the scores kept key-major ([token][G] per KV
 // head): the maximum and the exponentials lane-wise (lane l belongs to head l mod G), the
-// value pass with the same register accumulators. Tiles: 0 the scores (16 x G float32),
-// 2 and 3 key rows (16 x 64 bytes), 4 and 5 the queries (16 x 4G bytes).
-
-inline void configure_score_tiles(int g) {
+// value pass with the same register accumulators. Measured on an AMX Xeon (2 cores, 48
+// queries of ~384 tokens, one layer's K/V from memory): 16/8 heads of 64 2.11 -> 1.72 ms,
+// 8/2 of 64 0.54 -> 0.45, 32/4 of 128 3.70 -> 2.63 (benchmarks/decode_attention.py);
+// reading the same K/V with no arithmetic takes ~1.5 ms at 16/8.
+// Tiles: 0 the scores (16 x G float32), 1 and 2 key rows (16 x 64 bytes), 3 and 4 the
+// queries (16 x 4G bytes).
+inline tandem::amx::TileConfig score_tiles(int g) {
   tandem::amx::TileConfig cfg{};
   cfg.palette_id = 1;
-  for (int t : {0, 2, 3, 4, 5}) {
+  for (int t = 0; t < 5; ++t) {
     cfg.rows[t] = 16;
-    cfg.colsb[t] = static_cast<uint16_t>(t == 2 || t == 3 ? 64 : 4 * g);
+    cfg.colsb[t] = static_cast<uint16_t>(t == 1 || t == 2 ? 64 : 4 * g);
   }
-  TANDEM_TILE_LOADCONFIG(&cfg);
+  return cfg;
 }
-
-// A thread's tiles for the life of one parallel region, released at its end (the linear
-// kernels and oneDNN configure tiles of their own on these threads, never inside ours).
-struct ScoreTiles {
-  explicit ScoreTiles(int g) { configure_score_tiles(g); }
-  ~ScoreTiles() { TANDEM_TILE_RELEASE(); }
-  ScoreTiles(const ScoreTiles&) = delete;
-  ScoreTiles& operator=(const ScoreTiles&) = delete;
-};
 
 // The G query rows of one KV head ([G][D] bfloat16, back to back) as B tiles, one per
 // 32-column chunk c: 16 rows (dimension pairs k) of G pairs, b[c][k][n] = the pair of
 // q[n][32c + 2k], moved as 32-bit words.
 template <int D, int G>
 inline void pack_queries(const uint16_t* q, uint32_t* b) {
-  const auto* pairs = reinterpret_cast<const uint32_t*>(q);
   for (int c = 0; c < D / 32; ++c)
     for (int k = 0; k < 16; ++k)
-      for (int n = 0; n < G; ++n) b[(c * 16 + k) * G + n] = pairs[n * (D / 2) + 16 * c + k];
+      for (int n = 0; n < G; ++n) {
+        std::memcpy(b + (c * 16 + k) * G + n, q + n * D + 32 * c + 2 * k, sizeof(uint32_t));
+      }
 }
 
 // Scores [16][G] (rows G floats apart) of 16 key rows, `ts` elements apart, against one KV
@@ -649,12 +647,12 @@ template <int D, int G>
 inline void score16_tiles(const uint16_t* keys, int64_t ts, const uint32_t* b, float* out) {
   TANDEM_TILE_ZERO(0);
   for (int c = 0; c < D / 32; c += 2) {
-    TANDEM_TILE_LOADD(2, keys + 32 * c, ts * 2);
-    TANDEM_TILE_LOADD(4, b + c * 16 * G, G * 4);
+    TANDEM_TILE_LOADD(1, keys + 32 * c, ts * 2);
+    TANDEM_TILE_LOADD(3, b + c * 16 * G, G * 4);
+    TANDEM_TILE_DPBF16PS(0, 1, 3);
+    TANDEM_TILE_LOADD(2, keys + 32 * (c + 1), ts * 2);
+    TANDEM_TILE_LOADD(4, b + (c + 1) * 16 * G, G * 4);
     TANDEM_TILE_DPBF16PS(0, 2, 4);
-    TANDEM_TILE_LOADD(3, keys + 32 * (c + 1), ts * 2);
-    TANDEM_TILE_LOADD(5, b + (c + 1) * 16 * G, G * 4);
-    TANDEM_TILE_DPBF16PS(0, 3, 5);
   }
   TANDEM_TILE_STORED(0, out, G * 4);
 }
@@ -714,8 +712,8 @@ void run_rows_tiles(const Args& a) {
   for (int64_t i = 0; i < a.num_queries; ++i) {
     max_len = a.kv_lens[i] > max_len ? a.kv_lens[i] : max_len;
   }
-  // Room for the whole 16 rows a tile stores after a sequence's last token.
-  const int64_t stride = (max_len + 15) / 16 * 16 + 16;
+  // Whole tiles of rows: the last tile of a sequence stores all 16 of its rows.
+  const int64_t stride = (max_len + 15) / 16 * 16;
   const auto* q_all = static_cast<const uint16_t*>(a.q);
   const auto* k_all = static_cast<const uint16_t*>(a.k_cache);
   const auto* v_all = static_cast<const uint16_t*>(a.v_cache);
@@ -723,11 +721,13 @@ void run_rows_tiles(const Args& a) {
   const int64_t block_elems = a.block_size * a.cache_token_stride;
   const int64_t share = block_elems / kv_heads;
   const int64_t ts = a.cache_token_stride;
-  constexpr int GC = G * D <= 256 ? G : (256 / D > 0 ? 256 / D : 1);
+  // Query rows per value pass: as many of a KV head's as keep their accumulators (GC * D
+  // floats) within 16 vector registers.
+  constexpr int GC = G * D <= 256 ? G : 256 / D;
 
 #pragma omp parallel
   {
-    ScoreTiles tiles(G);
+    const tandem::amx::TileScope tiles(score_tiles(G));
     std::vector<uint32_t> packed(heads * D / 2);
     std::vector<float> scores(kv_heads * stride * G);
     std::vector<float> acc(heads * D);
@@ -1084,7 +1084,8 @@ int dispatch_group(const Args& a, int32_t threads) {
           case 2: run_rows_tiles<D, 2>(a); return 0;
           case 4: run_rows_tiles<D, 4>(a); return 0;
           case 8: run_rows_tiles<D, 8>(a); return 0;
-          default: run_rows_tiles<D, 16>(a); return 0;
+          case 16: run_rows_tiles<D, 16>(a); return 0;
+          default: break;
         }
       }
     }
@@ -1146,7 +1147,10 @@ int tandem_pa_tiles() {
 int tandem_pa_scores_on_tiles(int64_t num_queries, int64_t num_heads, int64_t num_kv_heads,
                               int64_t head_dim, int64_t block_size, int32_t dtype,
                               int32_t num_threads, int32_t use_tiles) {
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 0;
+  const bool handled = head_dim == 64 || head_dim == 128 || head_dim == 256;
+  if (!handled || block_size <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0) {
+    return 0;
+  }
   return item_per_token(num_queries, num_threads) &&
                  tile_scores(use_tiles != 0, dtype, num_heads / num_kv_heads, head_dim,
                              block_size)
