@@ -225,6 +225,26 @@ inline void prefetch_line(const char* p) {
 #endif
 }
 
+// Cache lines asked for a few at a time between the arithmetic, rather than in one burst
+// before it: on the AMX Xeon guest the burst's misses wait for the core's fill buffers and
+// the arithmetic waits behind them, so a memory-bound kernel paid for both; spread out, the
+// reads overlap the arithmetic (the vector path at 16/8 heads of 64, 384 tokens: float32
+// 3.48 -> 3.29 ms a layer, bfloat16 2.14 -> 1.88; the tile path's value pass at 8/2 heads
+// of 64: 0.45 -> 0.39-0.43).
+struct Ahead {
+  const char* lines = nullptr;  // null: nothing to ask for
+  int64_t count = 0;
+  int64_t done = 0;
+  // The next `n` lines (of those not yet asked for).
+  inline void fetch(int64_t n) {
+    if (lines == nullptr) return;
+    for (const int64_t end = done + n < count ? done + n : count; done < end; ++done) {
+      prefetch_line(lines + 64 * done);
+    }
+  }
+  inline void rest() { fetch(count - done); }
+};
+
 // Ask for `n` elements from `p` on (a cache block, or one head's share of one), into L2:
 // the block is read once, a head at a time, while the next one arrives.
 template <typename T>
@@ -477,26 +497,6 @@ struct Queries<uint16_t, D> {
   }
 };
 #endif
-
-// Cache lines asked for a few at a time between the arithmetic, rather than in one burst
-// before it: on the AMX Xeon guest the burst's misses wait for the core's fill buffers and
-// the arithmetic waits behind them, so a memory-bound kernel paid for both; spread out, the
-// reads overlap the arithmetic (the vector path at 16/8 heads of 64, 384 tokens: float32
-// 3.48 -> 3.29 ms a layer, bfloat16 2.14 -> 1.88; the tile path's value pass at 8/2 heads
-// of 64: 0.45 -> 0.39-0.43).
-struct Ahead {
-  const char* lines = nullptr;  // null: nothing to ask for
-  int64_t count = 0;
-  int64_t done = 0;
-  // The next `n` lines (of those not yet asked for).
-  inline void fetch(int64_t n) {
-    if (lines == nullptr) return;
-    for (const int64_t end = done + n < count ? done + n : count; done < end; ++done) {
-      prefetch_line(lines + 64 * done);
-    }
-  }
-  inline void rest() { fetch(count - done); }
-};
 
 // Scores of query rows [r0, r0 + g) against keys t0 .. t0 + n (n <= 16) of one head in
 // one block, into scores[(r - r0) * stride ..]; `ahead`'s lines asked for along the way.
@@ -896,7 +896,9 @@ inline float score1(const float* q, const T* k) {
 // block, into scores[(r - r0) * stride ..].
 template <typename T, int D>
 inline void score_tile(const Queries<T, D>& q, int64_t r0, int64_t g, const T* keys,
-                       int64_t token_stride, int64_t n, float* scores, int64_t stride) {
+                       int64_t token_stride, int64_t n, float* scores, int64_t stride,
+                       Ahead ahead = {}) {
+  const int64_t per = (ahead.count + g - 1) / g;
   for (int64_t r = r0; r < r0 + g; ++r) {
     const float* qr = q.rows.data() + r * D;
     float* dst = scores + (r - r0) * stride;
@@ -905,24 +907,29 @@ inline void score_tile(const Queries<T, D>& q, int64_t r0, int64_t g, const T* k
     } else {
       for (int64_t t = 0; t < n; ++t) dst[t] = score1<T, D>(qr, keys + t * token_stride);
     }
+    ahead.fetch(per);
   }
+  ahead.rest();
 }
 
 // acc += p[t] * v_t over n value rows of one head, for one query row: 64 columns at a time
 // in registers (8 accumulators, the value vector loaded as it is used).
 template <typename T, int D>
 inline void accumulate_tile(float* acc, const float* p, const T* values, int64_t token_stride,
-                            int64_t n) {
+                            int64_t n, Ahead ahead = {}) {
+  const int64_t per = n > 0 ? (ahead.count + n - 1) / n : 0;
   for (int c0 = 0; c0 < D; c0 += 64) {
     __m256 sum[8];
     for (int c = 0; c < 8; ++c) sum[c] = _mm256_loadu_ps(acc + c0 + 8 * c);
     for (int64_t t = 0; t < n; ++t) {
+      ahead.fetch(per);
       const T* v = values + t * token_stride + c0;
       const __m256 w = _mm256_set1_ps(p[t]);
       for (int c = 0; c < 8; ++c) sum[c] = _mm256_fmadd_ps(w, load8(v + 8 * c), sum[c]);
     }
     for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + c0 + 8 * c, sum[c]);
   }
+  ahead.rest();
 }
 
 inline float row_max(const float* s, int64_t n) {
@@ -977,11 +984,16 @@ void run_rows(const Args& a) {
         const T* next = b + 1 < num_blocks ? k_all + table[b + 1] * a.cache_block_stride
                                            : v_all + table[0] * a.cache_block_stride;
         for (int64_t h = 0; h < kv_heads; ++h) {
-          prefetch_span(next + h * share, share);
-          for (int64_t s0 = 0; s0 < n; s0 += 8) {
+          // The next block's share of this head, spread over the block's 8-key tiles.
+          const int64_t lines = share * static_cast<int64_t>(sizeof(T)) / 64;
+          const int64_t chunks = (n + 7) / 8;
+          const char* mine = reinterpret_cast<const char*>(next + h * share);
+          for (int64_t s0 = 0, k = 0; s0 < n; s0 += 8, ++k) {
+            const int64_t l0 = lines * k / chunks, l1 = lines * (k + 1) / chunks;
             score_tile<T, D>(queries, h * group, group, kb + s0 * ts + h * D, ts,
                              n - s0 < 8 ? n - s0 : 8,
-                             scores.data() + h * group * stride + t0 + s0, stride);
+                             scores.data() + h * group * stride + t0 + s0, stride,
+                             Ahead{mine + 64 * l0, l1 - l0});
           }
         }
       }
@@ -997,9 +1009,12 @@ void run_rows(const Args& a) {
         const T* next = b + 1 < num_blocks ? v_all + table[b + 1] * a.cache_block_stride : nullptr;
         for (int64_t r = 0; r < heads; ++r) {
           const int64_t h = r / group;
-          if (next != nullptr && r % group == 0) prefetch_span(next + h * share, share);
+          // The next block's share of this head, over the head's first query row.
+          const bool first = next != nullptr && r % group == 0;
+          const Ahead ahead{first ? reinterpret_cast<const char*>(next + h * share) : nullptr,
+                            share * static_cast<int64_t>(sizeof(T)) / 64};
           accumulate_tile<T, D>(acc.data() + r * D, scores.data() + r * stride + t0, vb + h * D,
-                                ts, n);
+                                ts, n, ahead);
         }
       }
       for (int64_t h = 0; h < heads; ++h) {
