@@ -79,12 +79,19 @@ inline void l2_normalised(const T* src, float* dst, int64_t n, float scale) {
 //
 //   S^T k and S^T q (before the decay);  delta = beta (v - e^g S^T k);
 //   o = e^g S^T q + (k^T q) delta  (= (e^g S + k delta^T)^T q);  S <- e^g S + k delta^T.
+// `next`, if not null: the `lines` cache lines to ask for meanwhile, a few a row of the
+// state (the next item's state, see ``recurrent``).
 template <int64_t W, typename T>
 inline void delta_columns(float* o, const T* v_row, const float* kf, const float* qf,
                           float kq, float decay, float bt, float* s, int64_t Dk, int64_t Dv,
-                          int64_t j0) {
+                          int64_t j0, const char* next = nullptr, int64_t lines = 0) {
   float sk[W] = {}, sq[W] = {}, delta[W];
+  const int64_t per = next == nullptr ? 0 : (lines + Dk - 1) / Dk;
+  int64_t asked = 0;
   for (int64_t i = 0; i < Dk; ++i) {
+    for (int64_t e = 0; e < per && asked < lines; ++e, ++asked) {
+      __builtin_prefetch(next + 64 * asked, 1, 3);
+    }
     const float* row = s + i * Dv + j0;
     const float ki = kf[i], qi = qf[i];
     for (int64_t c = 0; c < W; ++c) {
@@ -109,17 +116,25 @@ constexpr int64_t kColumns = 32;
 
 // One token's delta-rule step for value head h on the state s [Dk, Dv] (updated in place),
 // its output row written to o_out.
+// `next`, if not null: a state of the same size to ask the caches for meanwhile, spread over
+// this step's reads of its own (see ``recurrent``).
 template <typename T>
 inline void delta_token(T* o_out, const T* q_row, const T* k_row, const T* v_row, float g,
-                        float bt, float* s, int64_t Dk, int64_t Dv, float q_scale) {
+                        float bt, float* s, int64_t Dk, int64_t Dv, float q_scale,
+                        const float* next = nullptr) {
   float qf[kMaxDim], kf[kMaxDim], o[kMaxDim];
   l2_normalised(q_row, qf, Dk, q_scale);
   l2_normalised(k_row, kf, Dk, 1.0f);
   const float decay = std::exp(g);
   const float kq = dot(kf, qf, Dk);
+  const int64_t passes = Dv / kColumns;
+  const int64_t lines = Dk * Dv * static_cast<int64_t>(sizeof(float)) / 64;
+  const char* ahead = reinterpret_cast<const char*>(next);
   int64_t j = 0;
-  for (; j + kColumns <= Dv; j += kColumns) {
-    delta_columns<kColumns>(o, v_row, kf, qf, kq, decay, bt, s, Dk, Dv, j);
+  for (int64_t p = 0; j + kColumns <= Dv; j += kColumns, ++p) {
+    const int64_t l0 = lines * p / passes, l1 = lines * (p + 1) / passes;
+    delta_columns<kColumns>(o, v_row, kf, qf, kq, decay, bt, s, Dk, Dv, j,
+                            ahead == nullptr ? nullptr : ahead + 64 * l0, l1 - l0);
   }
   for (; j < Dv; ++j) delta_columns<1>(o, v_row, kf, qf, kq, decay, bt, s, Dk, Dv, j);
   store_row<T>(o, o_out, Dv, 1.0f);
@@ -149,10 +164,19 @@ void recurrent(T* out, const T* q, const T* k, const T* v, const float* g, const
       }
       const int64_t first = starts == nullptr ? r : starts[r];
       const int64_t end = starts == nullptr ? r + 1 : starts[r + 1];
+      // The state this thread most likely takes next (the static split's next pair), asked
+      // for while this one is worked on: a decode step's states are 16 KiB apiece from
+      // memory, and arithmetic and reads overlap only where the reads are asked for along
+      // the way (see paged_attention.cpp's Ahead).
+      const int64_t after = h * R + r + 1;
+      const float* next = after < Hv * R
+                              ? states + (slots[after % R] * Hv + after / R) * head_floats
+                              : nullptr;
       for (int64_t b = first; b < end; ++b) {
         delta_token<T>(out + (b * Hv + h) * Dv, q + b * q_stride + kh * Dk,
                        k + b * k_stride + kh * Dk, v + b * v_stride + h * Dv, g[b * Hv + h],
-                       to_float(beta[b * Hv + h]), s, Dk, Dv, q_scale);
+                       to_float(beta[b * Hv + h]), s, Dk, Dv, q_scale,
+                       b == first ? next : nullptr);
         if (keep != nullptr && keep[b] >= 0) {
           std::memcpy(states + (keep[b] * Hv + h) * head_floats, s,
                       sizeof(float) * head_floats);
