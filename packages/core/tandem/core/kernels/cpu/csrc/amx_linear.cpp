@@ -4,8 +4,8 @@
 // Why: at decode batch sizes a step streams every weight once, and oneDNN's AMX kernels at
 // M = 48 read 16-18 GB/s of weight on a 2-core host whose memory gives ~28; this kernel keeps
 // the weight stream one sequential read per thread (the packed layout is already in tile
-// order), software-prefetched a block ahead: 19 GB/s on the same weights, and 1.7 ms less
-// per decode step of the 111M-parameter bench model (benchmarks/attention_step.py).
+// order), software-prefetched ahead of the tiles (kAhead): 19 GB/s on the same weights, and
+// 1.7 ms less per decode step of the 111M-parameter bench model (benchmarks/attention_step.py).
 // Prefill-size M stays with oneDNN, which reuses each weight tile over many rows better.
 //
 // The routed experts of MoE models have a grouped form (tandem_amx_grouped_linear, and
@@ -98,11 +98,33 @@ inline void pack_row(uint16_t* dst, const uint16_t* row) {
 constexpr int64_t kSumRow = 32;
 constexpr int64_t kSumStride = kSumRow * 4;  // bytes
 
-// Prefetches weight block `next` (2 KiB) into the caches, if there is one.
-inline void fetch_block(const uint16_t* next) {
-  if (next == nullptr) return;
-  const char* ahead = reinterpret_cast<const char*>(next);
-  for (int line = 0; line < 2 * kBlock; line += 64) __builtin_prefetch(ahead + line, 0, 3);
+// How far ahead of its tiles a streaming pass asks for the weight, in 2 KiB blocks, and how:
+// each step asks for one block's 32 lines, eight between each of its tile instructions, into
+// L2. On the AMX Xeon guest a step's arithmetic and its reads add up unless the reads are
+// asked for along the way: the whole next block in one burst before the tiles (what this
+// did first) left them in series. 60 weights of 10240 x 512 at 48 rows, ms each, medians of
+// two interleaved runs: 0.59-0.60 one block ahead in a burst, 0.55 four blocks ahead
+// spread (0.53-0.56 eight ahead); at 16 rows, the memory rate either way.
+constexpr int64_t kAhead = 4;
+
+// The block kAhead steps past step s of a unit of `steps` blocks at w, on into the unit
+// `after`; null where `after` is (the unit is in cache from an earlier pass: nothing to ask
+// for) or the stream ends first.
+inline const char* block_ahead(const uint16_t* w, int64_t s, int64_t steps,
+                               const uint16_t* after) {
+  if (after == nullptr) return nullptr;
+  const int64_t i = s + kAhead;
+  if (i < steps) return reinterpret_cast<const char*>(w + i * kBlock);
+  if (i - steps >= steps) return nullptr;
+  return reinterpret_cast<const char*>(after + (i - steps) * kBlock);
+}
+
+// Lines [8 * part, 8 * part + 8) of a 2 KiB block into L2, if there is a block.
+inline void fetch_part(const char* block, int part) {
+  if (block == nullptr) return;
+  for (int line = 8 * part; line < 8 * part + 8; ++line) {
+    __builtin_prefetch(block + 64 * line, 0, 1);
+  }
 }
 
 // Where a pass finds its x tiles in the packed x: step s of the first x tile at
@@ -115,8 +137,7 @@ struct XTiles {
 
 // Two x tiles against one 32-column unit over all of K: four tiles of sums into c.
 // `after`: where the weight stream goes once this unit is read (null: nowhere, the unit is
-// in L2 from an earlier pass); each step then fetches the block after it, a block ahead of
-// the tiles.
+// in L2 from an earlier pass); each step then asks for the block kAhead ahead of its tiles.
 inline void pass_2x2(XTiles x, const uint16_t* w, int64_t steps, const uint16_t* after,
                      float* c) {
   TANDEM_TILE_ZERO(0);
@@ -125,14 +146,18 @@ inline void pass_2x2(XTiles x, const uint16_t* w, int64_t steps, const uint16_t*
   TANDEM_TILE_ZERO(3);
   for (int64_t s = 0; s < steps; ++s) {
     const uint16_t* b = w + s * kBlock;
-    if (after != nullptr) fetch_block(s + 1 < steps ? b + kBlock : after);
+    const char* ahead = block_ahead(w, s, steps, after);
     const uint16_t* a = x.xp + s * x.step;
+    fetch_part(ahead, 0);
     TANDEM_TILE_LOADD(6, b, kBStride);
     TANDEM_TILE_LOADD(7, b + 32, kBStride);
+    fetch_part(ahead, 1);
     TANDEM_TILE_LOADD(4, a, 64);
     TANDEM_TILE_LOADD(5, a + x.next, 64);
     TANDEM_TILE_DPBF16PS(0, 4, 6);
+    fetch_part(ahead, 2);
     TANDEM_TILE_DPBF16PS(1, 4, 7);
+    fetch_part(ahead, 3);
     TANDEM_TILE_DPBF16PS(2, 5, 6);
     TANDEM_TILE_DPBF16PS(3, 5, 7);
   }
@@ -149,11 +174,15 @@ inline void pass_1x2(XTiles x, const uint16_t* w, int64_t steps, const uint16_t*
   TANDEM_TILE_ZERO(1);
   for (int64_t s = 0; s < steps; ++s) {
     const uint16_t* b = w + s * kBlock;
-    if (after != nullptr) fetch_block(s + 1 < steps ? b + kBlock : after);
+    const char* ahead = block_ahead(w, s, steps, after);
+    fetch_part(ahead, 0);
     TANDEM_TILE_LOADD(6, b, kBStride);
+    fetch_part(ahead, 1);
     TANDEM_TILE_LOADD(7, b + 32, kBStride);
     TANDEM_TILE_LOADD(4, x.xp + s * x.step, 64);
+    fetch_part(ahead, 2);
     TANDEM_TILE_DPBF16PS(0, 4, 6);
+    fetch_part(ahead, 3);
     TANDEM_TILE_DPBF16PS(1, 4, 7);
   }
   TANDEM_TILE_STORED(0, c, kSumStride);
@@ -316,7 +345,7 @@ int grouped(uint16_t* out, const uint16_t* x, const uint16_t* w, const int64_t* 
     float* up = gate + kSiluRows * kSumRow;
     // Rows [r0, r0 + rows) of the expert, x tiles from t0, through unit q: passes of up to
     // 32 rows into the sums, then the epilogue. With `stream`, the first pass over each
-    // unit fetches its blocks a block ahead, and then the unit read next (fused: the gate
+    // unit asks for its blocks ahead of its tiles, and on into the unit read next (fused: the gate
     // unit's the up unit, the up unit's `after`); without, the unit is in cache already.
     const auto block = [&](int64_t e, int64_t q, int64_t t0, int64_t r0, int64_t rows,
                            bool stream, const uint16_t* after) {
