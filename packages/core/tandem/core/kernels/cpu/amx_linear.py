@@ -3,7 +3,8 @@ layers with SiLU-and-mul in the epilogue (``silu_matmul``).
 
 A decode step streams every weight once; oneDNN's AMX kernels read the packed weights at
 16-18 GB/s at M = 48 on a 2-core host, this kernel at ~19 (the weight stream one sequential
-read per thread, prefetched a block ahead; 1.7 ms less per decode step of the bench model).
+read per thread, prefetched ahead of the tiles; 1.7 ms less per decode step of the bench
+model, measured with the prefetch a block ahead, before ``kAhead``).
 It reads the weight where oneDNN packed it, so the model keeps one copy: prefill-size
 batches (more than ``MAX_ROWS`` rows) stay with oneDNN. oneDNN does not document its packed
 layout; each weight is adopted only after the kernel's product with it matched oneDNN's on a

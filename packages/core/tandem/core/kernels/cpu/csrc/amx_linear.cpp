@@ -4,8 +4,9 @@
 // Why: at decode batch sizes a step streams every weight once, and oneDNN's AMX kernels at
 // M = 48 read 16-18 GB/s of weight on a 2-core host whose memory gives ~28; this kernel keeps
 // the weight stream one sequential read per thread (the packed layout is already in tile
-// order), software-prefetched ahead of the tiles (kAhead): 19 GB/s on the same weights, and
-// 1.7 ms less per decode step of the 111M-parameter bench model (benchmarks/attention_step.py).
+// order), software-prefetched ahead of the tiles (a block ahead when this was measured; now
+// kAhead, spread): 19 GB/s on the same weights, and 1.7 ms less per decode step of the
+// 111M-parameter bench model (benchmarks/attention_step.py).
 // Prefill-size M stays with oneDNN, which reuses each weight tile over many rows better.
 //
 // The routed experts of MoE models have a grouped form (tandem_amx_grouped_linear, and
@@ -99,8 +100,8 @@ constexpr int64_t kSumRow = 32;
 constexpr int64_t kSumStride = kSumRow * 4;  // bytes
 
 // How far ahead of its tiles a streaming pass asks for the weight, in 2 KiB blocks, and how:
-// each step asks for one block's 32 lines, eight between each of its tile instructions, into
-// L2. On the AMX Xeon guest a step's arithmetic and its reads add up unless the reads are
+// each step asks for one block's 32 lines into L2, in four groups of eight between its tile
+// instructions. On the AMX Xeon guest a step's arithmetic and its reads add up unless the reads are
 // asked for along the way: the whole next block in one burst before the tiles (what this
 // did first) left them in series. 60 weights of 10240 x 512 at 48 rows, ms each, medians of
 // two interleaved runs: 0.59-0.60 one block ahead in a burst, 0.55 four blocks ahead
@@ -108,22 +109,28 @@ constexpr int64_t kSumStride = kSumRow * 4;  // bytes
 constexpr int64_t kAhead = 4;
 
 // The block kAhead steps past step s of a unit of `steps` blocks at w, on into the unit
-// `after`; null where `after` is (the unit is in cache from an earlier pass: nothing to ask
-// for) or the stream ends first.
+// `after` (as many blocks); null where `after` is (the unit is in cache from an earlier
+// pass: nothing to ask for).
+// Near: the unit comes from L2 (a row-block item's units after its chunk's first block on
+// this core), so the block after the current one is asked for, into L1, as before kAhead.
+template <bool Near>
 inline const char* block_ahead(const uint16_t* w, int64_t s, int64_t steps,
                                const uint16_t* after) {
   if (after == nullptr) return nullptr;
-  const int64_t i = s + kAhead;
+  // Never past `after`'s blocks, where K is only a few blocks deep.
+  const int64_t ahead = Near ? 1 : kAhead;
+  const int64_t i = s + (ahead < steps ? ahead : steps);
   if (i < steps) return reinterpret_cast<const char*>(w + i * kBlock);
-  if (i - steps >= steps) return nullptr;
   return reinterpret_cast<const char*>(after + (i - steps) * kBlock);
 }
 
-// Lines [8 * part, 8 * part + 8) of a 2 KiB block into L2, if there is a block.
+// Lines [8 * part, 8 * part + 8) of a 2 KiB block into L2 (Near: into L1), if there is a
+// block.
+template <bool Near>
 inline void fetch_part(const char* block, int part) {
   if (block == nullptr) return;
   for (int line = 8 * part; line < 8 * part + 8; ++line) {
-    __builtin_prefetch(block + 64 * line, 0, 1);
+    __builtin_prefetch(block + 64 * line, 0, Near ? 3 : 1);
   }
 }
 
@@ -138,6 +145,7 @@ struct XTiles {
 // Two x tiles against one 32-column unit over all of K: four tiles of sums into c.
 // `after`: where the weight stream goes once this unit is read (null: nowhere, the unit is
 // in L2 from an earlier pass); each step then asks for the block kAhead ahead of its tiles.
+template <bool Near>
 inline void pass_2x2(XTiles x, const uint16_t* w, int64_t steps, const uint16_t* after,
                      float* c) {
   TANDEM_TILE_ZERO(0);
@@ -146,18 +154,18 @@ inline void pass_2x2(XTiles x, const uint16_t* w, int64_t steps, const uint16_t*
   TANDEM_TILE_ZERO(3);
   for (int64_t s = 0; s < steps; ++s) {
     const uint16_t* b = w + s * kBlock;
-    const char* ahead = block_ahead(w, s, steps, after);
+    const char* ahead = block_ahead<Near>(w, s, steps, after);
     const uint16_t* a = x.xp + s * x.step;
-    fetch_part(ahead, 0);
+    fetch_part<Near>(ahead, 0);
     TANDEM_TILE_LOADD(6, b, kBStride);
     TANDEM_TILE_LOADD(7, b + 32, kBStride);
-    fetch_part(ahead, 1);
+    fetch_part<Near>(ahead, 1);
     TANDEM_TILE_LOADD(4, a, 64);
     TANDEM_TILE_LOADD(5, a + x.next, 64);
     TANDEM_TILE_DPBF16PS(0, 4, 6);
-    fetch_part(ahead, 2);
+    fetch_part<Near>(ahead, 2);
     TANDEM_TILE_DPBF16PS(1, 4, 7);
-    fetch_part(ahead, 3);
+    fetch_part<Near>(ahead, 3);
     TANDEM_TILE_DPBF16PS(2, 5, 6);
     TANDEM_TILE_DPBF16PS(3, 5, 7);
   }
@@ -168,21 +176,22 @@ inline void pass_2x2(XTiles x, const uint16_t* w, int64_t steps, const uint16_t*
 }
 
 // One x tile against one unit: two tiles of sums into c; `after` as for pass_2x2.
+template <bool Near>
 inline void pass_1x2(XTiles x, const uint16_t* w, int64_t steps, const uint16_t* after,
                      float* c) {
   TANDEM_TILE_ZERO(0);
   TANDEM_TILE_ZERO(1);
   for (int64_t s = 0; s < steps; ++s) {
     const uint16_t* b = w + s * kBlock;
-    const char* ahead = block_ahead(w, s, steps, after);
-    fetch_part(ahead, 0);
+    const char* ahead = block_ahead<Near>(w, s, steps, after);
+    fetch_part<Near>(ahead, 0);
     TANDEM_TILE_LOADD(6, b, kBStride);
-    fetch_part(ahead, 1);
+    fetch_part<Near>(ahead, 1);
     TANDEM_TILE_LOADD(7, b + 32, kBStride);
     TANDEM_TILE_LOADD(4, x.xp + s * x.step, 64);
-    fetch_part(ahead, 2);
+    fetch_part<Near>(ahead, 2);
     TANDEM_TILE_DPBF16PS(0, 4, 6);
-    fetch_part(ahead, 3);
+    fetch_part<Near>(ahead, 3);
     TANDEM_TILE_DPBF16PS(1, 4, 7);
   }
   TANDEM_TILE_STORED(0, c, kSumStride);
@@ -191,12 +200,13 @@ inline void pass_1x2(XTiles x, const uint16_t* w, int64_t steps, const uint16_t*
 
 // The sums of a unit's rows [0, rows) (at most 32: x's first tile and, past 16 rows, its
 // second) into c (pass_2x2's layout), whichever pass the row count needs.
+template <bool Near = false>
 inline void unit_rows(XTiles x, const uint16_t* w, int64_t steps, int64_t rows,
                       const uint16_t* after, float* c) {
   if (rows > 16) {
-    pass_2x2(x, w, steps, after, c);
+    pass_2x2<Near>(x, w, steps, after, c);
   } else {
-    pass_1x2(x, w, steps, after, c);
+    pass_1x2<Near>(x, w, steps, after, c);
   }
 }
 
@@ -348,12 +358,18 @@ int grouped(uint16_t* out, const uint16_t* x, const uint16_t* w, const int64_t* 
     // unit asks for its blocks ahead of its tiles, and on into the unit read next (fused: the gate
     // unit's the up unit, the up unit's `after`); without, the unit is in cache already.
     const auto block = [&](int64_t e, int64_t q, int64_t t0, int64_t r0, int64_t rows,
-                           bool stream, const uint16_t* after) {
+                           bool stream, const uint16_t* after, bool near) {
       const auto passes = [&](int64_t which, const uint16_t* then, float* sums) {
         for (int64_t p = 0; p * 32 < rows; ++p) {
           const XTiles xt{g.xp + (t0 + 2 * p) * steps * kTile, kTile, steps * kTile};
-          unit_rows(xt, unit_of(e, q, which), steps, std::min<int64_t>(32, rows - p * 32),
-                    p == 0 ? then : nullptr, sums + p * 32 * kSumRow);
+          const int64_t part = std::min<int64_t>(32, rows - p * 32);
+          const uint16_t* unit = unit_of(e, q, which);
+          float* c = sums + p * 32 * kSumRow;
+          if (near) {
+            unit_rows<true>(xt, unit, steps, part, p == 0 ? then : nullptr, c);
+          } else {
+            unit_rows<false>(xt, unit, steps, part, p == 0 ? then : nullptr, c);
+          }
         }
       };
       uint16_t* o = out + r0 * ldo + q * 32;
@@ -376,7 +392,7 @@ int grouped(uint16_t* out, const uint16_t* x, const uint16_t* w, const int64_t* 
       const int64_t end = it.first + it.count;
       for (int64_t q = it.first; q < end; ++q) {
         const uint16_t* after = q + 1 < end ? unit_of(e, q + 1, 0) : next;
-        block(e, q, it.tile, r0, rows, /*stream=*/true, after);
+        block(e, q, it.tile, r0, rows, /*stream=*/true, after, /*near=*/true);
       }
     };
     // All the expert's rows through one unit, block by block; the first block streams the
@@ -387,7 +403,7 @@ int grouped(uint16_t* out, const uint16_t* x, const uint16_t* w, const int64_t* 
       for (int64_t t0 = g.base[e]; t0 < g.base[e + 1]; t0 += block_tiles) {
         const int64_t r0 = offsets[e] + (t0 - g.base[e]) * 16;
         const int64_t rows = std::min<int64_t>(block_tiles * 16, offsets[e + 1] - r0);
-        block(e, it.first, t0, r0, rows, /*stream=*/t0 == g.base[e], next);
+        block(e, it.first, t0, r0, rows, /*stream=*/t0 == g.base[e], next, /*near=*/false);
       }
     };
     auto body = [&](int64_t i, int64_t following) {
