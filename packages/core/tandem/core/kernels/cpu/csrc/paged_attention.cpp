@@ -228,9 +228,10 @@ inline void prefetch_line(const char* p) {
 // Cache lines asked for a few at a time between the arithmetic, rather than in one burst
 // before it: on the AMX Xeon guest the burst's misses wait for the core's fill buffers and
 // the arithmetic waits behind them, so a memory-bound kernel paid for both; spread out, the
-// reads overlap the arithmetic (the vector path at 16/8 heads of 64, 384 tokens: float32
-// 3.48 -> 3.29 ms a layer, bfloat16 2.14 -> 1.88; the tile path's value pass at 8/2 heads
-// of 64: 0.45 -> 0.39-0.43).
+// reads overlap the arithmetic (the AVX-512 vector path at 16/8 heads of 64, 384 tokens:
+// float32 3.48 -> 3.29 ms a layer, bfloat16 2.14 -> 1.88; the tile path's value pass at 8/2
+// heads of 64: 0.45 -> 0.39-0.43; the AVX2 build on the same machine: float32 3.49 -> 3.39,
+// bfloat16 2.35 -> 2.23).
 struct Ahead {
   const char* lines = nullptr;  // null: nothing to ask for
   int64_t count = 0;
@@ -607,10 +608,8 @@ void run_rows(const Args& a) {
         const T* next = b + 1 < num_blocks ? k_all + table[b + 1] * a.cache_block_stride
                                            : v_all + table[0] * a.cache_block_stride;
         for (int64_t h = 0; h < kv_heads; ++h) {
-          // The next block asked for a share per head, spread over this block's work rather
-          // than in one burst the core's miss queues cannot hold.
           // The next block's share of this head, spread over the block's 16-key tiles.
-          const int64_t lines = share * static_cast<int64_t>(sizeof(T)) / 64;
+          const int64_t lines = (share * static_cast<int64_t>(sizeof(T)) + 63) / 64;
           const int64_t chunks = (n + 15) / 16;
           const char* mine = reinterpret_cast<const char*>(next + h * share);
           for (int64_t s0 = 0, k = 0; s0 < n; s0 += 16, ++k) {
@@ -638,7 +637,7 @@ void run_rows(const Args& a) {
           // The next block's share of this head, over the head's first row chunk.
           const bool first = next != nullptr && r % group == 0;
           const Ahead ahead{first ? reinterpret_cast<const char*>(next + h * share) : nullptr,
-                            share * static_cast<int64_t>(sizeof(T)) / 64};
+                            (share * static_cast<int64_t>(sizeof(T)) + 63) / 64};
           accumulate_tile<T, D, GC>(acc.data() + r * D, scores.data() + r * stride + t0, stride,
                                     1, vb + h * D, ts, n, ahead);
         }
@@ -801,6 +800,8 @@ void run_rows_tiles(const Args& a) {
         const uint16_t* next = b + 1 < num_blocks ? k_all + table[b + 1] * a.cache_block_stride
                                                   : v_all + table[0] * a.cache_block_stride;
         for (int64_t h = 0; h < kv_heads; ++h) {
+          // In one burst: a head's tile products are a handful of instructions, and the
+          // share spread between them measured no faster.
           prefetch_span(next + h * share, share);
           for (int64_t s0 = 0; s0 < n; s0 += 16) {
             score16_tiles<D, G>(kb + s0 * ts + h * D, ts, packed.data() + h * G * D / 2,
@@ -823,7 +824,7 @@ void run_rows_tiles(const Args& a) {
             const Ahead ahead{next != nullptr && r0 == 0
                                   ? reinterpret_cast<const char*>(next + h * share)
                                   : nullptr,
-                              share * static_cast<int64_t>(sizeof(uint16_t)) / 64};
+                              (share * static_cast<int64_t>(sizeof(uint16_t)) + 63) / 64};
             accumulate_tile<uint16_t, D, GC>(acc.data() + (h * G + r0) * D,
                                              scores.data() + (h * stride + t0) * G + r0, 1, G,
                                              vb + h * D, ts, n, ahead);
@@ -917,7 +918,9 @@ inline void score_tile(const Queries<T, D>& q, int64_t r0, int64_t g, const T* k
 template <typename T, int D>
 inline void accumulate_tile(float* acc, const float* p, const T* values, int64_t token_stride,
                             int64_t n, Ahead ahead = {}) {
-  const int64_t per = n > 0 ? (ahead.count + n - 1) / n : 0;
+  // Spread over every (64 columns, row) step, not only the first 64 columns' rows.
+  const int64_t steps = n * (D / 64);
+  const int64_t per = steps > 0 ? (ahead.count + steps - 1) / steps : 0;
   for (int c0 = 0; c0 < D; c0 += 64) {
     __m256 sum[8];
     for (int c = 0; c < 8; ++c) sum[c] = _mm256_loadu_ps(acc + c0 + 8 * c);
@@ -985,7 +988,7 @@ void run_rows(const Args& a) {
                                            : v_all + table[0] * a.cache_block_stride;
         for (int64_t h = 0; h < kv_heads; ++h) {
           // The next block's share of this head, spread over the block's 8-key tiles.
-          const int64_t lines = share * static_cast<int64_t>(sizeof(T)) / 64;
+          const int64_t lines = (share * static_cast<int64_t>(sizeof(T)) + 63) / 64;
           const int64_t chunks = (n + 7) / 8;
           const char* mine = reinterpret_cast<const char*>(next + h * share);
           for (int64_t s0 = 0, k = 0; s0 < n; s0 += 8, ++k) {
@@ -1012,7 +1015,7 @@ void run_rows(const Args& a) {
           // The next block's share of this head, over the head's first query row.
           const bool first = next != nullptr && r % group == 0;
           const Ahead ahead{first ? reinterpret_cast<const char*>(next + h * share) : nullptr,
-                            share * static_cast<int64_t>(sizeof(T)) / 64};
+                            (share * static_cast<int64_t>(sizeof(T)) + 63) / 64};
           accumulate_tile<T, D>(acc.data() + r * D, scores.data() + r * stride + t0, vb + h * D,
                                 ts, n, ahead);
         }
