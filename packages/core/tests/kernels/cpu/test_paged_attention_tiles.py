@@ -7,6 +7,8 @@ reads past a sequence's last token."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -52,7 +54,7 @@ def kernel(request: pytest.FixtureRequest) -> NativePagedAttention:
     if request.param == "emulated":
         emulated: NativePagedAttention = request.getfixturevalue("emulated")
         return emulated
-    if NATIVE is None or not NATIVE.tiles:
+    if NATIVE is None or not NATIVE.tiles_available:
         pytest.skip("no AMX tiles here (or at this ISA level) for the native build")
     return NATIVE
 
@@ -134,7 +136,7 @@ def test_the_tile_path_is_taken_where_it_applies() -> None:
         pytest.skip("no C++ compiler")
     flags = native_build.selected_isa().cpu_flags()
     has_tiles = {"amx_tile", "amx_bf16", "avx512f"} <= flags and native_build.amx_tiles_granted()
-    assert NATIVE.tiles == has_tiles
+    assert NATIVE.tiles_available == has_tiles
     if not has_tiles:
         pytest.skip("no AMX at this ISA level")
     many = 4 * torch.get_num_threads()
@@ -146,3 +148,32 @@ def test_the_tile_path_is_taken_where_it_applies() -> None:
     assert not NATIVE.scores_on_tiles(many, (8, 8), 64, 16, torch.bfloat16)
     assert not NATIVE.scores_on_tiles(many, (12, 4), 64, 16, torch.bfloat16)
     assert not NATIVE.scores_on_tiles(many - 1, (16, 8), 64, 16, torch.bfloat16)
+
+
+def test_switched_off_the_tiles_leave_the_scores_to_the_vectors(
+    emulated: NativePagedAttention,
+) -> None:
+    q, k_cache, v_cache, tables, lens = _batch((8, 2), 64, 16, seed=1)
+    rows, scale = torch.arange(q.shape[0]), 0.125
+    on, off = torch.empty_like(q), torch.empty_like(q)
+    emulated(on, q, k_cache, v_cache, tables, rows, lens, scale)
+    try:
+        emulated.use_tiles(False)
+        products = emulated.emulated_dot_products()
+        emulated(off, q, k_cache, v_cache, tables, rows, lens, scale)
+        assert emulated.emulated_dot_products() == products
+    finally:
+        emulated.use_tiles(True)
+    # The two paths sum the same exact products in other orders: a rounding apart at most.
+    assert (on.float() - off.float()).abs().max().item() <= 2e-2
+
+
+def test_tiles_are_refused_where_the_build_has_none(tmp_path: Path) -> None:
+    try:
+        path = build_library(tmp_path, native_build.ISA_LEVELS["avx2"])
+    except NoCompilerError:
+        pytest.skip("no C++ compiler")
+    kernel = NativePagedAttention(path)
+    assert not kernel.tiles_available and not kernel.tiles
+    with pytest.raises(ValueError, match="no AMX tiles"):
+        kernel.use_tiles(True)

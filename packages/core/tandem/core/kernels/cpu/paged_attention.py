@@ -81,23 +81,37 @@ class NativePagedAttention(AttentionLibrary):
         # 1 (the CPU's tiles, usable once Linux grants this process their state) or 2 (the
         # test build's emulated tiles).
         built = int(self.lib.tandem_pa_tiles())
-        self.tiles = built == 2 or (built == 1 and amx_tiles_granted())
+        self.tiles_available = built == 2 or (built == 1 and amx_tiles_granted())
+        self._tiles = self.tiles_available
         self.emulated = built == 2
         self._on_tiles = self.lib.tandem_pa_scores_on_tiles
         self._on_tiles.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_int32] * 3
         self._on_tiles.restype = ctypes.c_int
+        if self.emulated:
+            self._dot_products = self.lib.tandem_amx_emulated_dot_products
+            self._dot_products.argtypes = []
+            self._dot_products.restype = ctypes.c_int64
         self._write = self.lib.tandem_write_kv_cache
         self._write.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_int32]
         self._write.restype = ctypes.c_int
 
+    @property
+    def tiles(self) -> bool:
+        """Whether decode batches it can take score on AMX tiles (see ``use_tiles``)."""
+        return self._tiles
+
+    def use_tiles(self, enabled: bool) -> None:
+        """Scores on tiles or on vectors from now on (a benchmark's A/B); tiles only where
+        this build has them and Linux granted the tile state, which a tile instruction
+        without would end the process for."""
+        if enabled and not self.tiles_available:
+            raise ValueError("this build or process has no AMX tiles for decode attention")
+        self._tiles = enabled
+
     def emulated_dot_products(self) -> int:
-        """How many tile dot products the emulated build has run in this process (what its
-        tests read to know a call took the tile path); 0 for any other build."""
-        if not self.emulated:
-            return 0
-        count = self.lib.tandem_amx_emulated_dot_products
-        count.restype = ctypes.c_int64
-        return int(count())
+        """How many tile dot products the emulated builds have run in this process (what
+        the tests read to know a call took the tile path); 0 for any other build."""
+        return int(self._dot_products()) if self.emulated else 0
 
     def scores_on_tiles(
         self,
@@ -115,7 +129,7 @@ class NativePagedAttention(AttentionLibrary):
         return bool(
             self._on_tiles(
                 num_queries, heads[0], heads[1], head_dim, block_size, code,
-                torch.get_num_threads(), int(self.tiles),
+                torch.get_num_threads(), int(self._tiles),
             )
         )  # fmt: skip
 
@@ -198,7 +212,7 @@ class NativePagedAttention(AttentionLibrary):
             scale,
             DTYPE_CODES[q.dtype],
             torch.get_num_threads(),
-            int(self.tiles),
+            int(self._tiles),
         )
         if code != 0:
             raise ValueError(
