@@ -50,7 +50,10 @@ def measure(
     from cache; medians of ``rounds`` interleaved rounds."""
     heads, kv_heads, head_dim = shape
     gen = torch.Generator().manual_seed(0)
-    num_blocks = batch * (context // BLOCK_SIZE + 4)
+    spread = max(context // 8, 1)
+    # Room in every table row for the longest length drawn below.
+    width = -(-(context + spread) // BLOCK_SIZE)
+    num_blocks = batch * width
     caches = allocate_kv_cache(
         layers, num_blocks - 1, BLOCK_SIZE, kv_heads, head_dim, torch.bfloat16,
         torch.device("cpu"), prefault=True,
@@ -58,9 +61,8 @@ def measure(
     for k_cache, v_cache in caches:
         k_cache.normal_(generator=gen)
         v_cache.normal_(generator=gen)
-    tables = torch.randperm(num_blocks, generator=gen).view(batch, -1).contiguous()
+    tables = torch.randperm(num_blocks, generator=gen).view(batch, width).contiguous()
     rows = torch.arange(batch)
-    spread = max(context // 8, 1)
     lens = torch.randint(context - spread, context + spread - BLOCK_SIZE, (batch,), generator=gen)
     q = torch.randn(batch, heads, head_dim, generator=gen).bfloat16()
     out = torch.empty_like(q)
@@ -76,11 +78,14 @@ def measure(
 
     cold: dict[bool, list[float]] = {path: [] for path in paths}
     hot: dict[bool, list[float]] = {path: [] for path in paths}
-    for _ in range(rounds):
-        for path in paths:
-            kernel.tiles = path
-            cold[path].append(_timed(every_layer, 1) / layers)
-            hot[path].append(_timed(one_layer, layers))
+    try:
+        for _ in range(rounds):
+            for path in paths:
+                kernel.use_tiles(path)
+                cold[path].append(_timed(every_layer, 1) / layers)
+                hot[path].append(_timed(one_layer, layers))
+    finally:
+        kernel.use_tiles(kernel.tiles_available)
     read_gb = int(lens.sum()) * kv_heads * head_dim * 2 * 2 / 1e9
     result = {}
     for path in paths:
@@ -100,7 +105,7 @@ def main() -> int:
     if kernel is None:
         print("no native decode-attention kernel here (no compiler?): nothing to time")
         return 1
-    has_tiles = kernel.tiles
+    has_tiles = kernel.tiles_available
     paths = [True, False] if has_tiles else [False]
     print(
         f"decode attention, bfloat16, {torch.get_num_threads()} threads, {args.batch} queries, "
@@ -122,7 +127,6 @@ def main() -> int:
                     f"{shape[0]:>4}/{shape[1]:<3} {shape[2]:>4} {context:>8} "
                     f"{'tiles' if path else 'vectors':>8} {ms:>9.3f} {rate:>9.1f} {hot:>14.3f}"
                 )
-    kernel.tiles = has_tiles
     return 0
 
 
