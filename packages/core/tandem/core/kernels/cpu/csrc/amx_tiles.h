@@ -313,7 +313,12 @@ int64_t tandem_amx_emulated_dot_products() {
 
 // The intrinsics take the tile numbers as constants, hence macros; each dot product only
 // where the build targets its extension (a kernel naming one it lacks fails to compile).
-#define TANDEM_TILE_LOADCONFIG(cfg) _tile_loadconfig(cfg)
+// The same for the 64-byte configuration (a temporary a kernel builds just before).
+#define TANDEM_TILE_LOADCONFIG(cfg)    \
+  do {                                 \
+    __asm__ volatile("" ::: "memory"); \
+    _tile_loadconfig(cfg);             \
+  } while (0)
 // GCC's _tile_loadd names its base as a plain register operand, with no memory input or
 // clobber, so nothing would keep the stores that fill a buffer (a packed x, packed queries)
 // before the tile load that reads it: the empty asm is that ordering.
