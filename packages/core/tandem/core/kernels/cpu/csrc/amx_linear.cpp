@@ -103,9 +103,9 @@ constexpr int64_t kSumStride = kSumRow * 4;  // bytes
 // each step asks for one block's 32 lines into L2, in four groups of eight between its tile
 // instructions. On the AMX Xeon guest a step's arithmetic and its reads add up unless the reads are
 // asked for along the way: the whole next block in one burst before the tiles (what this
-// did first) left them in series. 60 weights of 10240 x 512 at 48 rows, ms each, medians of
-// two interleaved runs: 0.59-0.60 one block ahead in a burst, 0.55 four blocks ahead
-// spread (0.53-0.56 eight ahead); at 16 rows, the memory rate either way.
+// did first) left them in series. 60 weights of 10240 x 512 at 48 rows, ms each, two
+// interleaved runs: 0.59-0.60 one block ahead in a burst, 0.52 four blocks ahead spread;
+// at 16 rows, the memory rate either way.
 constexpr int64_t kAhead = 4;
 
 // The block kAhead steps past step s of a unit of `steps` blocks at w, on into the unit
@@ -211,9 +211,7 @@ inline void unit_rows(XTiles x, const uint16_t* w, int64_t steps, int64_t rows,
 }
 
 // The tiles of a thread for the life of one parallel region: 8 tiles of 16 rows x 64 bytes.
-struct TileScope : tandem::amx::TileScope {
-  TileScope() : tandem::amx::TileScope(tandem::amx::uniform_config(8, 16, 64)) {}
-};
+using TileScope = tandem::amx::TileScope;
 
 // `n` elements of `buffer` from its first cache line boundary on (the tiles' aligned
 // stores); the buffer, a thread's own, keeps the largest size asked of it.

@@ -168,8 +168,9 @@ inline void zero(int t) {
   std::memset(d.data, 0, sizeof(d.data));
 }
 
-// Dot-product instructions run by this library's emulated tiles, all threads together: what
-// a test reads to know that a kernel took its tile path at all.
+// Dot-product instructions run on emulated tiles, all threads together (an inline
+// function's static: the emulated libraries of one process may share it): what a test
+// reads, before and after a call, to know that a kernel took its tile path at all.
 inline std::atomic<int64_t>& dot_products() {
   static std::atomic<int64_t> count{0};
   return count;
@@ -348,6 +349,8 @@ namespace tandem::amx {
 // on the same threads with configurations of their own, but never inside our regions.
 class TileScope {
  public:
+  // The linear kernels' tiles: all 8 of 16 rows x 64 bytes.
+  TileScope() : TileScope(uniform_config(8, 16, 64)) {}
   explicit TileScope(const TileConfig& cfg) { TANDEM_TILE_LOADCONFIG(&cfg); }
   ~TileScope() { TANDEM_TILE_RELEASE(); }
   TileScope(const TileScope&) = delete;

@@ -387,9 +387,7 @@ void row_task(const Gemm& g, int64_t m0, int64_t m1, int64_t p, Epilogue& epilog
 // 64 bytes, released at the end); nothing on the other paths. Declared first thing inside
 // each `omp parallel`.
 #if TANDEM_INT8_PATH == 4
-struct TileScope : tandem::amx::TileScope {
-  TileScope() : tandem::amx::TileScope(tandem::amx::uniform_config(8, 16, 64)) {}
-};
+using TileScope = tandem::amx::TileScope;
 #else
 struct TileScope {};
 #endif

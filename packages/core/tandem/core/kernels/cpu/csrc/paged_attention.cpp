@@ -228,22 +228,31 @@ inline void prefetch_line(const char* p) {
 // Cache lines asked for a few at a time between the arithmetic, rather than in one burst
 // before it: on the AMX Xeon guest the burst's misses wait for the core's fill buffers and
 // the arithmetic waits behind them, so a memory-bound kernel paid for both; spread out, the
-// reads overlap the arithmetic (the AVX-512 vector path at 16/8 heads of 64, 384 tokens:
-// float32 3.48 -> 3.29 ms a layer, bfloat16 2.14 -> 1.88; the tile path's value pass at 8/2
-// heads of 64: 0.45 -> 0.39-0.43; the AVX2 build on the same machine: float32 3.49 -> 3.39,
-// bfloat16 2.35 -> 2.23).
+// reads overlap the arithmetic (16/8 heads of 64, 384 tokens, ms a layer, two interleaved
+// pairs: the AVX-512 vector path float32 3.49-3.60 -> 3.23-3.24, bfloat16 2.08-2.14 ->
+// 1.81-1.84; the tile path 1.73-1.75 -> 1.67-1.69; the AVX2 build on the same machine
+// float32 3.49-3.67 -> 3.30-3.39, bfloat16 2.31-2.35 -> 2.14-2.23).
 struct Ahead {
   const char* lines = nullptr;  // null: nothing to ask for
   int64_t count = 0;
   int64_t done = 0;
+  // The cache lines of `elems` elements of T from p, part k of `parts` of them (null p:
+  // nothing).
+  template <typename T>
+  static Ahead part(const T* p, int64_t elems, int64_t k, int64_t parts) {
+    const int64_t all = (elems * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+    const int64_t first = all * k / parts;
+    const char* base = reinterpret_cast<const char*>(p);
+    return {p == nullptr ? nullptr : base + 64 * first, all * (k + 1) / parts - first};
+  }
   // The next `n` lines (of those not yet asked for).
-  inline void fetch(int64_t n) {
+  void fetch(int64_t n) {
     if (lines == nullptr) return;
     for (const int64_t end = done + n < count ? done + n : count; done < end; ++done) {
       prefetch_line(lines + 64 * done);
     }
   }
-  inline void rest() { fetch(count - done); }
+  void rest() { fetch(count - done); }
 };
 
 // Ask for `n` elements from `p` on (a cache block, or one head's share of one), into L2:
@@ -609,15 +618,12 @@ void run_rows(const Args& a) {
                                            : v_all + table[0] * a.cache_block_stride;
         for (int64_t h = 0; h < kv_heads; ++h) {
           // The next block's share of this head, spread over the block's 16-key tiles.
-          const int64_t lines = (share * static_cast<int64_t>(sizeof(T)) + 63) / 64;
           const int64_t chunks = (n + 15) / 16;
-          const char* mine = reinterpret_cast<const char*>(next + h * share);
           for (int64_t s0 = 0, k = 0; s0 < n; s0 += 16, ++k) {
-            const int64_t l0 = lines * k / chunks, l1 = lines * (k + 1) / chunks;
             score_tile<T, D>(queries, h * group, group, kb + s0 * ts + h * D, ts,
                              n - s0 < 16 ? n - s0 : 16,
                              scores.data() + h * group * stride + t0 + s0, stride,
-                             Ahead{mine + 64 * l0, l1 - l0});
+                             Ahead::part(next + h * share, share, k, chunks));
           }
         }
       }
@@ -635,11 +641,9 @@ void run_rows(const Args& a) {
         for (int64_t r = 0; r < heads; r += GC) {
           const int64_t h = r / group;
           // The next block's share of this head, over the head's first row chunk.
-          const bool first = next != nullptr && r % group == 0;
-          const Ahead ahead{first ? reinterpret_cast<const char*>(next + h * share) : nullptr,
-                            (share * static_cast<int64_t>(sizeof(T)) + 63) / 64};
+          const T* mine = next != nullptr && r % group == 0 ? next + h * share : nullptr;
           accumulate_tile<T, D, GC>(acc.data() + r * D, scores.data() + r * stride + t0, stride,
-                                    1, vb + h * D, ts, n, ahead);
+                                    1, vb + h * D, ts, n, Ahead::part(mine, share, 0, 1));
         }
       }
       for (int64_t h = 0; h < heads; ++h) {
@@ -661,9 +665,9 @@ void run_rows(const Args& a) {
 // The rest is the vector path's plan with the scores kept key-major ([token][G] per KV
 // head): the maximum and the exponentials lane-wise (lane l belongs to head l mod G), the
 // value pass with the same register accumulators. Measured on an AMX Xeon (2 cores, 48
-// queries of ~384 tokens, one layer's K/V from memory): 16/8 heads of 64 2.11 -> 1.72 ms,
-// 8/2 of 64 0.54 -> 0.45, 32/4 of 128 3.70 -> 2.63 (benchmarks/decode_attention.py);
-// reading the same K/V with no arithmetic takes ~1.5 ms at 16/8.
+// queries of ~384 tokens, benchmarks/decode_attention.py, before the spread prefetches):
+// 16/8 heads of 64 1.95 -> 1.63 ms a layer, 8/2 of 64 0.45 -> 0.34, 32/8 of 128 5.07 ->
+// 4.03; reading the same K/V with no arithmetic takes ~1.5 ms at 16/8.
 // Tiles: 0 the scores (16 x G float32), 1 and 2 key rows (16 x 64 bytes), 3 and 4 the
 // queries (16 x 4G bytes).
 inline tandem::amx::TileConfig score_tiles(int g) {
@@ -821,13 +825,10 @@ void run_rows_tiles(const Args& a) {
             b + 1 < num_blocks ? v_all + table[b + 1] * a.cache_block_stride : nullptr;
         for (int64_t h = 0; h < kv_heads; ++h) {
           for (int r0 = 0; r0 < G; r0 += GC) {
-            const Ahead ahead{next != nullptr && r0 == 0
-                                  ? reinterpret_cast<const char*>(next + h * share)
-                                  : nullptr,
-                              (share * static_cast<int64_t>(sizeof(uint16_t)) + 63) / 64};
+            const uint16_t* mine = next != nullptr && r0 == 0 ? next + h * share : nullptr;
             accumulate_tile<uint16_t, D, GC>(acc.data() + (h * G + r0) * D,
                                              scores.data() + (h * stride + t0) * G + r0, 1, G,
-                                             vb + h * D, ts, n, ahead);
+                                             vb + h * D, ts, n, Ahead::part(mine, share, 0, 1));
           }
         }
       }
@@ -988,15 +989,12 @@ void run_rows(const Args& a) {
                                            : v_all + table[0] * a.cache_block_stride;
         for (int64_t h = 0; h < kv_heads; ++h) {
           // The next block's share of this head, spread over the block's 8-key tiles.
-          const int64_t lines = (share * static_cast<int64_t>(sizeof(T)) + 63) / 64;
           const int64_t chunks = (n + 7) / 8;
-          const char* mine = reinterpret_cast<const char*>(next + h * share);
           for (int64_t s0 = 0, k = 0; s0 < n; s0 += 8, ++k) {
-            const int64_t l0 = lines * k / chunks, l1 = lines * (k + 1) / chunks;
             score_tile<T, D>(queries, h * group, group, kb + s0 * ts + h * D, ts,
                              n - s0 < 8 ? n - s0 : 8,
                              scores.data() + h * group * stride + t0 + s0, stride,
-                             Ahead{mine + 64 * l0, l1 - l0});
+                             Ahead::part(next + h * share, share, k, chunks));
           }
         }
       }
@@ -1013,11 +1011,9 @@ void run_rows(const Args& a) {
         for (int64_t r = 0; r < heads; ++r) {
           const int64_t h = r / group;
           // The next block's share of this head, over the head's first query row.
-          const bool first = next != nullptr && r % group == 0;
-          const Ahead ahead{first ? reinterpret_cast<const char*>(next + h * share) : nullptr,
-                            (share * static_cast<int64_t>(sizeof(T)) + 63) / 64};
+          const T* mine = next != nullptr && r % group == 0 ? next + h * share : nullptr;
           accumulate_tile<T, D>(acc.data() + r * D, scores.data() + r * stride + t0, vb + h * D,
-                                ts, n, ahead);
+                                ts, n, Ahead::part(mine, share, 0, 1));
         }
       }
       for (int64_t h = 0; h < heads; ++h) {
@@ -1183,6 +1179,11 @@ int dispatch_group(const Args& a, int32_t threads) {
   return 0;
 }
 
+// The head sizes dispatch_dim has code for.
+inline bool head_dim_handled(int64_t head_dim) {
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+
 template <typename T>
 int dispatch_dim(const Args& a, int64_t head_dim, int32_t threads) {
   switch (head_dim) {
@@ -1216,8 +1217,8 @@ int tandem_pa_tiles() {
 int tandem_pa_scores_on_tiles(int64_t num_queries, int64_t num_heads, int64_t num_kv_heads,
                               int64_t head_dim, int64_t block_size, int32_t dtype,
                               int32_t num_threads, int32_t use_tiles) {
-  const bool handled = head_dim == 64 || head_dim == 128 || head_dim == 256;
-  if (!handled || block_size <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0) {
+  if (!head_dim_handled(head_dim) || block_size <= 0 || num_kv_heads <= 0 ||
+      num_heads % num_kv_heads != 0) {
     return 0;
   }
   return item_per_token(num_queries, num_threads) &&
@@ -1229,8 +1230,7 @@ int tandem_pa_scores_on_tiles(int64_t num_queries, int64_t num_heads, int64_t nu
 
 // Which head sizes and dtypes this build handles (the Python side asks before using it).
 int tandem_pa_supports(int64_t head_dim, int32_t dtype) {
-  const bool dim_ok = head_dim == 64 || head_dim == 128 || head_dim == 256;
-  return dim_ok && (dtype == kFloat32 || dtype == kBFloat16) ? 1 : 0;
+  return head_dim_handled(head_dim) && (dtype == kFloat32 || dtype == kBFloat16) ? 1 : 0;
 }
 
 // Attention of each query token over the first kv_lens[i] tokens of the sequence whose
