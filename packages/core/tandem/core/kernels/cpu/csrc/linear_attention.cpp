@@ -79,19 +79,18 @@ inline void l2_normalised(const T* src, float* dst, int64_t n, float scale) {
 //
 //   S^T k and S^T q (before the decay);  delta = beta (v - e^g S^T k);
 //   o = e^g S^T q + (k^T q) delta  (= (e^g S + k delta^T)^T q);  S <- e^g S + k delta^T.
-// `next`, if not null: the `lines` cache lines to ask for meanwhile, a few a row of the
-// state (the next item's state, see ``recurrent``).
+// The next item's state, read and written next: asked for into L1 with the intent to write.
+using Ahead = tandem::Ahead</*write=*/true, /*locality=*/3>;
+
+// `ahead`: lines to ask for meanwhile, a few a row of the state (see ``recurrent``).
 template <int64_t W, typename T>
 inline void delta_columns(float* o, const T* v_row, const float* kf, const float* qf,
                           float kq, float decay, float bt, float* s, int64_t Dk, int64_t Dv,
-                          int64_t j0, const char* next = nullptr, int64_t lines = 0) {
+                          int64_t j0, Ahead ahead = {}) {
   float sk[W] = {}, sq[W] = {}, delta[W];
-  const int64_t per = next == nullptr ? 0 : (lines + Dk - 1) / Dk;
-  int64_t asked = 0;
+  const int64_t per = ahead.per(Dk);
   for (int64_t i = 0; i < Dk; ++i) {
-    for (int64_t e = 0; e < per && asked < lines; ++e, ++asked) {
-      __builtin_prefetch(next + 64 * asked, 1, 3);
-    }
+    ahead.fetch(per);
     const float* row = s + i * Dv + j0;
     const float ki = kf[i], qi = qf[i];
     for (int64_t c = 0; c < W; ++c) {
@@ -128,13 +127,10 @@ inline void delta_token(T* o_out, const T* q_row, const T* k_row, const T* v_row
   const float decay = std::exp(g);
   const float kq = dot(kf, qf, Dk);
   const int64_t passes = Dv / kColumns;
-  const int64_t lines = Dk * Dv * static_cast<int64_t>(sizeof(float)) / 64;
-  const char* ahead = reinterpret_cast<const char*>(next);
   int64_t j = 0;
   for (int64_t p = 0; j + kColumns <= Dv; j += kColumns, ++p) {
-    const int64_t l0 = lines * p / passes, l1 = lines * (p + 1) / passes;
     delta_columns<kColumns>(o, v_row, kf, qf, kq, decay, bt, s, Dk, Dv, j,
-                            ahead == nullptr ? nullptr : ahead + 64 * l0, l1 - l0);
+                            Ahead::part(next, Dk * Dv, p, passes));
   }
   for (; j < Dv; ++j) delta_columns<1>(o, v_row, kf, qf, kq, decay, bt, s, Dk, Dv, j);
   store_row<T>(o, o_out, Dv, 1.0f);

@@ -216,44 +216,12 @@ inline void prefetch_block(const T* rows, int64_t n, int64_t token_stride) {
 #endif
 }
 
-// One cache line into L2 (what prefetch_span asks for, a line at a time).
-inline void prefetch_line(const char* p) {
-#if !defined(TANDEM_PA_NO_PREFETCH)
-  __builtin_prefetch(p, 0, 1);
-#else
-  (void)p;
-#endif
-}
-
-// Cache lines asked for a few at a time between the arithmetic, rather than in one burst
-// before it: on the AMX Xeon guest the burst's misses wait for the core's fill buffers and
-// the arithmetic waits behind them, so a memory-bound kernel paid for both; spread out, the
-// reads overlap the arithmetic (16/8 heads of 64, 384 tokens, ms a layer, two interleaved
-// pairs: the AVX-512 vector path float32 3.49-3.60 -> 3.23-3.24, bfloat16 2.08-2.14 ->
-// 1.81-1.84; the tile path 1.73-1.75 -> 1.67-1.69; the AVX2 build on the same machine
-// float32 3.49-3.67 -> 3.30-3.39, bfloat16 2.31-2.35 -> 2.14-2.23).
-struct Ahead {
-  const char* lines = nullptr;  // null: nothing to ask for
-  int64_t count = 0;
-  int64_t done = 0;
-  // The cache lines of `elems` elements of T from p, part k of `parts` of them (null p:
-  // nothing).
-  template <typename T>
-  static Ahead part(const T* p, int64_t elems, int64_t k, int64_t parts) {
-    const int64_t all = (elems * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-    const int64_t first = all * k / parts;
-    const char* base = reinterpret_cast<const char*>(p);
-    return {p == nullptr ? nullptr : base + 64 * first, all * (k + 1) / parts - first};
-  }
-  // The next `n` lines (of those not yet asked for).
-  void fetch(int64_t n) {
-    if (lines == nullptr) return;
-    for (const int64_t end = done + n < count ? done + n : count; done < end; ++done) {
-      prefetch_line(lines + 64 * done);
-    }
-  }
-  void rest() { fetch(count - done); }
-};
+// Cache lines asked for a few at a time between the arithmetic (vec_math.h's Ahead, into
+// L2): 16/8 heads of 64, 384 tokens, ms a layer, two interleaved pairs: the AVX-512 vector
+// path float32 3.49-3.60 -> 3.23-3.24, bfloat16 2.08-2.14 -> 1.81-1.84; the tile path
+// 1.73-1.75 -> 1.67-1.69; the AVX2 build on the same machine float32 3.49-3.67 -> 3.30-3.39,
+// bfloat16 2.31-2.35 -> 2.14-2.23.
+using Ahead = tandem::Ahead</*write=*/false, /*locality=*/1>;
 
 // Ask for `n` elements from `p` on (a cache block, or one head's share of one), into L2:
 // the block is read once, a head at a time, while the next one arrives.
@@ -316,6 +284,13 @@ struct Args {
   float scale;
   // Whether the scores may go to AMX tiles (this process holds the tile state).
   bool tiles;
+
+  // The longest context of the call's queries (the rows of a thread's score buffer).
+  int64_t longest_context() const {
+    int64_t longest = 0;
+    for (int64_t i = 0; i < num_queries; ++i) longest = kv_lens[i] > longest ? kv_lens[i] : longest;
+    return longest;
+  }
 };
 
 // G: query heads handled together (a divisor of the GQA group small enough that their
@@ -325,10 +300,7 @@ template <typename T, int D, int G>
 void run(const Args& a) {
   const int64_t group = a.num_heads / a.num_kv_heads;
   const int64_t items = a.num_queries * a.num_kv_heads;
-  int64_t max_len = 0;
-  for (int64_t i = 0; i < a.num_queries; ++i) {
-    max_len = a.kv_lens[i] > max_len ? a.kv_lens[i] : max_len;
-  }
+  const int64_t max_len = a.longest_context();
   const int64_t stride = max_len > 0 ? max_len : 1;
   const T* q_all = static_cast<const T*>(a.q);
   const T* k_all = static_cast<const T*>(a.k_cache);
@@ -515,7 +487,7 @@ inline void score_tile(const Queries<T, D>& q, int64_t r0, int64_t g, const T* k
                        int64_t token_stride, int64_t n, float* scores, int64_t stride,
                        Ahead ahead = {}) {
   const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
-  const int64_t per = (ahead.count + 16 * g - 1) / (16 * g);
+  const int64_t per = ahead.per(16 * g);
   for (int64_t r = r0; r < r0 + g; ++r) {
     const auto row = q.row(r);
     __m512 part[16];
@@ -545,7 +517,7 @@ inline void accumulate_tile(float* acc, const float* p, int64_t p_stride, int64_
   __m512 sum[GC][D / 16];
   for (int r = 0; r < GC; ++r)
     for (int c = 0; c < D / 16; ++c) sum[r][c] = _mm512_loadu_ps(acc + r * D + 16 * c);
-  const int64_t per = n > 0 ? (ahead.count + n - 1) / n : 0;
+  const int64_t per = ahead.per(n);
   for (int64_t t = 0; t < n; ++t) {
     ahead.fetch(per);
     const T* v = values + t * token_stride;
@@ -577,10 +549,7 @@ void run_rows(const Args& a) {
   const int64_t heads = a.num_heads;
   const int64_t kv_heads = a.num_kv_heads;
   const int64_t group = heads / kv_heads;
-  int64_t max_len = 0;
-  for (int64_t i = 0; i < a.num_queries; ++i) {
-    max_len = a.kv_lens[i] > max_len ? a.kv_lens[i] : max_len;
-  }
+  const int64_t max_len = a.longest_context();
   const int64_t stride = max_len > 0 ? max_len : 1;
   const T* q_all = static_cast<const T*>(a.q);
   const T* k_all = static_cast<const T*>(a.k_cache);
@@ -759,10 +728,7 @@ template <int D, int G>
 void run_rows_tiles(const Args& a) {
   const int64_t heads = a.num_heads;
   const int64_t kv_heads = a.num_kv_heads;
-  int64_t max_len = 0;
-  for (int64_t i = 0; i < a.num_queries; ++i) {
-    max_len = a.kv_lens[i] > max_len ? a.kv_lens[i] : max_len;
-  }
+  const int64_t max_len = a.longest_context();
   // Whole tiles of rows: the last tile of a sequence stores all 16 of its rows.
   const int64_t stride = (max_len + 15) / 16 * 16;
   const auto* q_all = static_cast<const uint16_t*>(a.q);
@@ -900,7 +866,7 @@ template <typename T, int D>
 inline void score_tile(const Queries<T, D>& q, int64_t r0, int64_t g, const T* keys,
                        int64_t token_stride, int64_t n, float* scores, int64_t stride,
                        Ahead ahead = {}) {
-  const int64_t per = (ahead.count + g - 1) / g;
+  const int64_t per = ahead.per(g);
   for (int64_t r = r0; r < r0 + g; ++r) {
     const float* qr = q.rows.data() + r * D;
     float* dst = scores + (r - r0) * stride;
@@ -920,8 +886,7 @@ template <typename T, int D>
 inline void accumulate_tile(float* acc, const float* p, const T* values, int64_t token_stride,
                             int64_t n, Ahead ahead = {}) {
   // Spread over every (64 columns, row) step, not only the first 64 columns' rows.
-  const int64_t steps = n * (D / 64);
-  const int64_t per = steps > 0 ? (ahead.count + steps - 1) / steps : 0;
+  const int64_t per = ahead.per(n * (D / 64));
   for (int c0 = 0; c0 < D; c0 += 64) {
     __m256 sum[8];
     for (int c = 0; c < 8; ++c) sum[c] = _mm256_loadu_ps(acc + c0 + 8 * c);
@@ -950,10 +915,7 @@ void run_rows(const Args& a) {
   const int64_t heads = a.num_heads;
   const int64_t kv_heads = a.num_kv_heads;
   const int64_t group = heads / kv_heads;
-  int64_t max_len = 0;
-  for (int64_t i = 0; i < a.num_queries; ++i) {
-    max_len = a.kv_lens[i] > max_len ? a.kv_lens[i] : max_len;
-  }
+  const int64_t max_len = a.longest_context();
   const int64_t stride = max_len > 0 ? max_len : 1;
   const T* q_all = static_cast<const T*>(a.q);
   const T* k_all = static_cast<const T*>(a.k_cache);
@@ -1030,10 +992,7 @@ void run_rows(const Args& a) {
   const int64_t heads = a.num_heads;
   const int64_t kv_heads = a.num_kv_heads;
   const int64_t group = heads / kv_heads;
-  int64_t max_len = 0;
-  for (int64_t i = 0; i < a.num_queries; ++i) {
-    max_len = a.kv_lens[i] > max_len ? a.kv_lens[i] : max_len;
-  }
+  const int64_t max_len = a.longest_context();
   const int64_t stride = max_len > 0 ? max_len : 1;
   const T* q_all = static_cast<const T*>(a.q);
   const T* k_all = static_cast<const T*>(a.k_cache);

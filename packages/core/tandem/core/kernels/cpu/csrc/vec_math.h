@@ -238,4 +238,37 @@ inline float reduce_max8(__m256 v) {
 
 #endif  // __AVX2__ && __FMA__
 
+// Cache lines asked for a few at a time between a kernel's arithmetic, rather than in one
+// burst before it. On the AMX Xeon guest the burst's misses wait for the core's fill buffers
+// and the arithmetic waits behind them, so a memory-bound kernel paid for both; spread out,
+// the reads overlap the arithmetic (a scratch read of scattered 16 KiB blocks with 0.94 ms of
+// arithmetic over 1.49 ms of reads: 2.39 ms with a block asked for in one burst, 1.50 ms a
+// line at a time). Write: the lines will be written (PREFETCHW); locality as
+// __builtin_prefetch's (1: into L2, 3: into L1).
+template <bool Write, int Locality>
+struct Ahead {
+  const char* lines = nullptr;  // null: nothing to ask for
+  int64_t count = 0;
+  int64_t done = 0;
+  // The cache lines of `elems` elements of T from p, part k of `parts` of them (null p:
+  // nothing).
+  template <typename T>
+  static Ahead part(const T* p, int64_t elems, int64_t k, int64_t parts) {
+    const int64_t all = (elems * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+    const int64_t first = all * k / parts;
+    const char* base = reinterpret_cast<const char*>(p);
+    return {p == nullptr ? nullptr : base + 64 * first, all * (k + 1) / parts - first};
+  }
+  // Lines a step when spread over `steps` steps.
+  int64_t per(int64_t steps) const { return steps > 0 ? (count + steps - 1) / steps : 0; }
+  // The next `n` lines (of those not yet asked for).
+  void fetch(int64_t n) {
+    if (lines == nullptr) return;
+    for (const int64_t end = done + n < count ? done + n : count; done < end; ++done) {
+      __builtin_prefetch(lines + 64 * done, Write ? 1 : 0, Locality);
+    }
+  }
+  void rest() { fetch(count - done); }
+};
+
 }  // namespace tandem
