@@ -222,16 +222,15 @@ class NativePagedAttention(AttentionLibrary):
 
 
 def load_native_paged_attention(
-    build_dir: Path | None = None, isa: IsaLevel | None = None, emulated: bool = False
+    build_dir: Path | None = None, isa: IsaLevel | None = None
 ) -> NativePagedAttention | None:
     """Build (if needed) and load the kernel; None, with the reason logged, where it cannot
-    be had. ``TANDEM_PAGED_ATTENTION=torch`` forces the reference path. ``emulated``: the
-    test build on emulated AMX tiles."""
+    be had. ``TANDEM_PAGED_ATTENTION=torch`` forces the reference path."""
     if os.environ.get("TANDEM_PAGED_ATTENTION", "").lower() == "torch":
         logger.info("TANDEM_PAGED_ATTENTION=torch: CPU attention uses the torch reference path")
         return None
     try:
-        return NativePagedAttention(build_library(build_dir, isa, emulated))
+        return NativePagedAttention(build_library(build_dir, isa))
     except (KernelBuildError, OSError) as exc:
         log_unbuilt(
             logger,
