@@ -38,15 +38,14 @@ using tandem::to_float;
 // A parallel region costs a few microseconds inside a forward, whose kernels follow one
 // another while the team's other threads spin, and tens where it must wake a sleeping one
 // (the first region of a step pays that, whichever kernel it is): only inputs big enough to
-// pay for it go parallel. A decode step's norms and rotary pay: on the AMX Xeon (2 cores),
-// 48 x 512 bfloat16 rows' residual add and norm 19.0 -> 14.6 us a call, the bench dense
-// model's q/k norm and rotary at 48 tokens (16/8 heads of 64) 73.8 -> 43.0 us, a handful
-// of tokens stays on one thread. The activation does an exp per element, so it pays sooner.
+// pay for it go parallel: a decode step's dozens of tokens do, a handful stays on one. On
+// the AMX Xeon (2 cores), bfloat16 at 48 tokens: the residual add and norm of 512-wide rows
+// 19.0 -> 14.6 us a call, the bench dense model's q/k norm and rotary (16/8 heads of 64)
+// 73.8 -> 43.0 us, the bench hybrid's gated norm (8 heads of 64) 59.2 -> 32.6 us.
 constexpr int64_t kParallelElements = 1 << 14;
-constexpr int64_t kParallelExpElements = 1 << 16;
 
-inline int threads_for(int64_t elements, int threads, int64_t threshold = kParallelElements) {
-  return elements >= threshold && threads > 1 ? threads : 1;
+inline int threads_for(int64_t elements, int threads) {
+  return elements >= kParallelElements && threads > 1 ? threads : 1;
 }
 
 // One row of RMSNorm: out = w * round(h * rsqrt(mean(h^2) + eps)), h in float; or, with
@@ -306,7 +305,7 @@ bool qk_norm_rotary_fast(T*, T*, const T*, const T*, const T*, const T*, const i
 template <typename T>
 void silu_mul(T* out, const T* gate_up, int64_t rows, int64_t inter, int64_t in_stride,
               int64_t out_stride, int threads) {
-#pragma omp parallel for num_threads(threads_for(rows * inter, threads, kParallelExpElements)) \
+#pragma omp parallel for num_threads(threads_for(rows * inter, threads)) \
     schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const T* g = gate_up + r * in_stride;
@@ -333,7 +332,7 @@ void rms_norm_gated(T* out, const T* x, const T* gate, const T* weight, int64_t 
                     int64_t heads, int64_t dim, int64_t x_stride, int64_t gate_stride,
                     float eps, int threads) {
   const int64_t rows = tokens * heads;
-#pragma omp parallel for num_threads(threads_for(rows * dim, threads, kParallelExpElements)) \
+#pragma omp parallel for num_threads(threads_for(rows * dim, threads)) \
     schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = r / heads, j = r % heads;
@@ -421,7 +420,7 @@ void gdn_gating(float* g, T* beta, const T* a, const T* b, const T* a_log, const
   }
   const int64_t total = tokens * heads;
   const int64_t blocks = (total + kGatingBlock - 1) / kGatingBlock;
-#pragma omp parallel for num_threads(threads_for(total, threads, kParallelExpElements)) \
+#pragma omp parallel for num_threads(threads_for(total, threads)) \
     schedule(static)
   for (int64_t block = 0; block < blocks; ++block) {
     const int64_t first = block * kGatingBlock;
