@@ -2,7 +2,9 @@
 milliseconds go (GEMMs, attention, the rest), for float32 and bfloat16, with the old
 attention path (copy every sequence's KV blocks out of the cache, then SDPA) against the
 native kernel that reads the cache in place, next to the GEMM throughput this machine
-reaches at the step's own shapes; then the same for a prefill step of fresh prompts
+reaches at the step's own shapes and to its roofline (the step's weight and K/V bytes at
+the rate this machine reads memory, its GEMMs at the rate a large matmul reaches); then the
+same for a prefill step of fresh prompts
 (8 x 256 tokens by default), torch's SDPA on the chunks against the native prefill kernel
 and, where the engine would (bfloat16 on AMX), the kernel with long fresh prompts through
 flash attention.
@@ -353,6 +355,77 @@ def measure_gemm(
     return 2.0 * rows * k * n * reps / elapsed / 1e9
 
 
+def measure_read_bandwidth(megabytes: int = 512) -> float:
+    """GB/s at which this machine's threads read memory: torch's float32 sum (a vectorized
+    read, one add a value) over a buffer far past any cache, best of five."""
+    buffer = torch.ones(megabytes << 18, dtype=torch.float32)
+    buffer.sum()
+    best = min(_timed(buffer.sum) for _ in range(5))
+    return buffer.numel() * 4 / best / 1e9
+
+
+def measure_matmul_peak(dtype: torch.dtype, size: int = 2048) -> float:
+    """GFLOP/s of a large square matmul with its operands in cache (oneDNN's best case:
+    what the CPU's matrix units or FMAs give a GEMM), best of five."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(5))
+    return 2.0 * size**3 / best / 1e9
+
+
+def _timed(call: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def step_bytes(config: ModelConfig, fi: ForwardInput, dtype: torch.dtype) -> tuple[int, int]:
+    """What a decode step must read at least: every weight once (the embedding rows it
+    looks up aside) and every sequence's K and V, in bytes."""
+    size = torch.empty((), dtype=dtype).element_size()
+    params = gemm_flops(config, 1) / 2
+    kv = int(fi.context_lens.sum()) * config.num_kv_heads * config.head_dim * 2
+    return int(params * size), kv * config.num_layers * size
+
+
+def roofline(
+    config: ModelConfig,
+    fi: ForwardInput,
+    dtypes: Sequence[torch.dtype],
+    measured: dict[torch.dtype, dict[str, float]],
+) -> None:
+    """The packed, in-place decode step against the rates this machine gives: memory read
+    for the weights (GEMMs at decode batch sizes stream them) and the K/V (attention), a
+    large matmul's for the GEMMs' arithmetic."""
+    bandwidth = measure_read_bandwidth()
+    print()
+    print(
+        f"roofline: memory read {bandwidth:.1f} GB/s (float32 sum over 512 MB, "
+        f"{torch.get_num_threads()} threads)"
+    )
+    header = (
+        f"{'dtype':9} {'matmul GFLOP/s':>14} {'weights MB':>10} {'K/V MB':>7} "
+        f"{'floor ms':>8} {'step ms':>8} {'reached':>7} {'GEMM GB/s':>9} {'attn GB/s':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    flops = gemm_flops(config, fi.num_decodes)
+    for dtype in dtypes:
+        step = measured.get(dtype)
+        if step is None:
+            continue
+        peak = measure_matmul_peak(dtype)
+        weights, kv = step_bytes(config, fi, dtype)
+        # The step cannot take less than its bytes at the read rate, nor its GEMMs less
+        # than their arithmetic at the matmul rate.
+        floor = max((weights + kv) / bandwidth / 1e6, flops / peak / 1e6)
+        print(
+            f"{str(dtype).removeprefix('torch.'):9} {peak:14.0f} {weights / 1e6:10.1f} "
+            f"{kv / 1e6:7.1f} {floor:8.1f} {step['step']:8.1f} {floor / step['step']:7.0%} "
+            f"{weights / step['gemm'] / 1e6:9.1f} {kv / step['attention'] / 1e6:9.1f}"
+        )
+
+
 def measure_small_op(rows: int, width: int, dtype: torch.dtype, threads: int) -> float:
     """Microseconds of one small elementwise op (a decode step runs hundreds): what an
     intra-op parallel region costs when the cores are shared with other work."""
@@ -415,6 +488,8 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     timers = Timers()
+    # The packed, in-place path's step per dtype, for the roofline below.
+    packed_steps: dict[torch.dtype, dict[str, float]] = {}
     for dtype in dtypes:
         runners = {}
         for weights in ("plain", "packed"):
@@ -438,13 +513,16 @@ def main() -> None:
         ]
         with instrumented(timers):
             results = run_steps(fi, args.steps, timers, uses)
-            for (label, _, _), r in zip(paths, results, strict=True):
+            for (label, weights, native), r in zip(paths, results, strict=True):
+                if weights == "packed" and native:
+                    packed_steps[dtype] = r
                 print(
                     f"{str(dtype).removeprefix('torch.'):9} {label:17} {r['step']:8.1f} "
                     f"{r['gemm']:8.1f} {r['attention']:8.1f} {r['other']:8.1f} "
                     f"{flops / r['gemm'] / 1e6:13.0f}"
                 )
         del runners, uses
+    roofline(config, fi, dtypes, packed_steps)
     prefill_breakdown(args, dtypes, config, timers)
     print()
     print(f"GEMM throughput at the step's shapes (x [{args.batch}, k] @ w.T), GFLOP/s:")
