@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.core.kernels.cpu.amx_prefill import AmxPrefillAttention, load_amx_prefill
 from tandem.core.kernels.cpu.attention_groups import native_prefill
 from tandem.core.kernels.cpu.flash_prefill import FLASH_MIN_TOKENS, split_prefill
 from tandem.core.kernels.cpu.prefill_attention import native_prefill_attention
@@ -37,6 +38,15 @@ def test_long_chunks_go_to_flash_and_the_rest_stays_native() -> None:
     assert native_starts.tolist() == [200, 505, 510]
     assert native_qlens.tolist() == [37, 5, 128] and native_kv.tolist() == [37, 35, 728]
 
+    # Fresh prompts on their own threshold (the tile kernel's): the 37-token one joins them.
+    tiles = split_prefill(blocks, starts, qlens, kv, fresh_min_tokens=32)
+    assert tiles.flash == ((0, 200), (200, 37), (377, FLASH_MIN_TOKENS))
+    assert tiles.flash_starts.tolist() == [0, 200, 377]
+    assert tiles.flash_lens.tolist() == [200, 37, FLASH_MIN_TOKENS]
+    assert [(c.start, c.tokens) for c in tiles.continued] == [(237, 140)]
+    assert tiles.native is not None
+    assert tiles.native[1].tolist() == [505, 510]
+
     everything = split_prefill(blocks[[0, 2]], starts[[0, 2]], qlens[[0, 2]], kv[[0, 2]])
     assert everything.flash == ((0, 200),) and len(everything.continued) == 1
     assert everything.native is None
@@ -45,10 +55,29 @@ def test_long_chunks_go_to_flash_and_the_rest_stays_native() -> None:
     assert torch.equal(nothing.native[0], blocks[[1, 4]])
 
 
+@pytest.fixture(scope="module")
+def emulated_tiles(tmp_path_factory: pytest.TempPathFactory) -> AmxPrefillAttention:
+    kernel = load_amx_prefill(tmp_path_factory.mktemp("tiles-emulated"), emulated=True)
+    if kernel is None:
+        pytest.skip("no C++ compiler to build the tile kernel")
+    return kernel
+
+
 @pytest.mark.skipif(NATIVE is None, reason="no C++ compiler to build the kernel")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_mixed_group_matches_the_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "fresh"),
+    [(torch.float32, "torch"), (torch.bfloat16, "torch"), (torch.bfloat16, "tiles")],
+)
+def test_a_mixed_group_matches_the_reference(
+    dtype: torch.dtype, fresh: str, request: pytest.FixtureRequest
+) -> None:
+    """``fresh``: the fresh prompts through torch's flash attention, or through the AMX tile
+    kernel (its emulated build, on any CPU), which also takes fresh prompts from
+    ``TILE_MIN_TOKENS`` (the 37-token one)."""
     assert NATIVE is not None
+    tiles: AmxPrefillAttention | None = None
+    if fresh == "tiles":
+        tiles = request.getfixturevalue("emulated_tiles")
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, head_dim, block_size = 16, 8, 64, 16
     # Long fresh, short fresh, long after cached tokens (twice: one of them after a cached
@@ -78,8 +107,10 @@ def test_a_mixed_group_matches_the_reference(dtype: torch.dtype) -> None:
     )  # fmt: skip
 
     out = torch.full(q.shape, float("nan"), dtype=dtype)
-    native_prefill(NATIVE, flash_dtypes=frozenset({dtype}))(q, k, v, *caches, group, scale, out)
-    assert group.split is not None and len(group.split.flash) == 2
+    kernel = native_prefill(NATIVE, flash_dtypes=frozenset({dtype}), tiles=lambda: tiles)
+    kernel(q, k, v, *caches, group, scale, out)
+    assert group.split is not None
+    assert [n for _, n in group.split.flash] == ([200, 37, 130] if tiles else [200, 130])
     assert [(c.cached, c.tokens) for c in group.split.continued] == [(90, 140), (160, 128)]
     # bfloat16: each output is within a few units in the last place (2^-8 relative) of the
     # largest output, from rounding the inputs' products' sums and the output (twice for

@@ -12,6 +12,11 @@ from typing import Protocol, TypeVar
 import torch
 
 from tandem.core.kernels.attention_metadata import AttentionGroup, GroupKernel
+from tandem.core.kernels.cpu.amx_prefill import (
+    TILE_MIN_TOKENS,
+    AmxPrefillAttention,
+    amx_prefill,
+)
 from tandem.core.kernels.cpu.flash_prefill import (
     FLASH_MIN_TOKENS,
     NativeShare,
@@ -57,21 +62,30 @@ def native_decode(kernel: NativePagedAttention) -> GroupKernel:
 
 
 def native_prefill(
-    kernel: NativePrefillAttention, flash_dtypes: frozenset[torch.dtype] | None = None
+    kernel: NativePrefillAttention,
+    flash_dtypes: frozenset[torch.dtype] | None = None,
+    tiles: Callable[[], AmxPrefillAttention | None] = amx_prefill,
 ) -> GroupKernel:
     """Each chunk attends causally its sequence's cached tokens and its own, all read from
     the cache in place (the layer has written the chunk's K/V there); in ``flash_dtypes``
     (by default those this CPU runs faster so, see ``flash_prefill``), long chunks through
-    torch's flash attention instead."""
+    flash attention instead: the fresh prompts all in one call of the AMX tile kernel
+    (``amx_prefill``) where ``tiles`` gives one, else each through torch's, as are chunks
+    after cached tokens."""
     flash = flash_prefill_dtypes() if flash_dtypes is None else flash_dtypes
+    fresh = tiles() if flash else None
     for dtype in flash:
         if dtype not in _said_flash:
             _said_flash.add(dtype)
             logger.info(
-                "prefill attention in %s: chunks of %d tokens or more through torch's flash "
-                "attention (AMX tiles here), the rest through the native kernel",
+                "prefill attention in %s: %s, the rest through the native kernel",
                 dtype,
-                FLASH_MIN_TOKENS,
+                f"fresh prompts of {TILE_MIN_TOKENS} tokens or more through the AMX tile "
+                f"kernel, chunks of {FLASH_MIN_TOKENS} or more after cached tokens through "
+                "torch's flash attention"
+                if fresh is not None
+                else f"chunks of {FLASH_MIN_TOKENS} tokens or more through torch's flash "
+                "attention (AMX tiles here)",
             )
 
     def prefill(
@@ -94,9 +108,16 @@ def native_prefill(
         )
         native: NativeShare | None = whole
         if q.dtype in flash:
+            on_tiles = fresh is not None and fresh.supports(q.shape[2], q.dtype)
             if group.split is None:
-                group.split = split_prefill(*whole)
-            flash_attend(q, k, v, group.split.flash, scale, out)
+                least = TILE_MIN_TOKENS if on_tiles else FLASH_MIN_TOKENS
+                group.split = split_prefill(*whole, fresh_min_tokens=least)
+            split = group.split
+            if fresh is not None and on_tiles and split.flash:
+                spans = (split.flash_starts, split.flash_lens)
+                fresh(_rows(q), _rows(k), _rows(v), *spans, scale, out)
+            else:
+                flash_attend(q, k, v, split.flash, scale, out)
             flash_attend_continued(q, k, v, k_cache, v_cache, group.split.continued, scale, out)
             native = group.split.native
         if native is not None:

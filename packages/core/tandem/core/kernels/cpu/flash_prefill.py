@@ -24,6 +24,10 @@ two units in the last place). One layer of the bench MoE model (8 query / 2 KV h
 64), a chunk of 832 tokens after 128 cached: 3.5-5.4 ms. Short chunks stay with the native
 kernel. float32 stays native everywhere (8.8 vs 14.6 ms at 256 x 8), as does bfloat16
 without AMX (4.2 vs 18 ms on AVX512-BF16).
+
+Where the AMX tile kernel loads (``amx_prefill``), it takes the fresh prompts instead, all of
+a step's in one call and from ``TILE_MIN_TOKENS`` up (``split_prefill``'s
+``fresh_min_tokens``); torch's flash attention keeps the chunks after cached tokens.
 """
 
 from __future__ import annotations
@@ -69,6 +73,9 @@ class PrefillSplit:
 
     # (first query row, tokens) of each fresh prompt flash attention takes.
     flash: tuple[tuple[int, int], ...]
+    # The same as two int64 vectors, first rows and tokens (the tile kernel's arguments).
+    flash_starts: torch.Tensor
+    flash_lens: torch.Tensor
     # The chunks after cached tokens flash attention takes.
     continued: tuple[ContinuedChunk, ...]
     # The native kernel's share; None when flash attention takes everything.
@@ -81,15 +88,19 @@ def split_prefill(
     query_lens: torch.Tensor,
     kv_lens: torch.Tensor,
     min_tokens: int = FLASH_MIN_TOKENS,
+    fresh_min_tokens: int | None = None,
 ) -> PrefillSplit:
     """Chunks of at least ``min_tokens`` to flash attention (fresh prompts, ``kv_lens ==
     query_lens``, and chunks after at most ``FLASH_MAX_CACHED_RATIO`` times as many cached
-    tokens), every other sequence to the native kernel."""
+    tokens), every other sequence to the native kernel. ``fresh_min_tokens``: fresh prompts'
+    own threshold, where a faster kernel than torch's takes them (``amx_prefill``)."""
     long = query_lens >= min_tokens
-    fresh = long & (kv_lens == query_lens)
+    fresh_min = min_tokens if fresh_min_tokens is None else fresh_min_tokens
+    fresh = (query_lens >= fresh_min) & (kv_lens == query_lens)
+    flash_starts, flash_lens = starts[fresh].contiguous(), query_lens[fresh].contiguous()
     flash = tuple(
         (int(start), int(length))
-        for start, length in zip(starts[fresh].tolist(), query_lens[fresh].tolist(), strict=True)
+        for start, length in zip(flash_starts.tolist(), flash_lens.tolist(), strict=True)
     )
     after = long & ~fresh & (kv_lens - query_lens <= FLASH_MAX_CACHED_RATIO * query_lens)
     after_rows = after.nonzero().squeeze(1).tolist()
@@ -103,13 +114,12 @@ def split_prefill(
         for i in after_rows
     )
     keep = (~(fresh | after)).nonzero().squeeze(1)
-    if keep.numel() == 0:
-        return PrefillSplit(flash=flash, continued=continued, native=None)
+    native: NativeShare | None = None
     if keep.numel() == query_lens.numel():
         native = (blocks, starts, query_lens, kv_lens)
-    else:
+    elif keep.numel() > 0:
         native = (blocks[keep], starts[keep], query_lens[keep], kv_lens[keep])
-    return PrefillSplit(flash=flash, continued=continued, native=native)
+    return PrefillSplit(flash, flash_starts, flash_lens, continued, native)
 
 
 def flash_attend(

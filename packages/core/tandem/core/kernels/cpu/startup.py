@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from tandem.core.kernels.cpu.amx_linear import amx_linear
+from tandem.core.kernels.cpu.amx_prefill import TILE_MIN_TOKENS, amx_prefill
 from tandem.core.kernels.cpu.avx2_linear import avx2_linear
 from tandem.core.kernels.cpu.avx512_linear import avx512_linear
 from tandem.core.kernels.cpu.elementwise import native_elementwise
@@ -56,6 +57,7 @@ _LIBRARIES: tuple[tuple[str, Callable[[], Any]], ...] = (
     ("MoE routing", native_moe_routing),
     ("decode attention", native_paged_attention),
     ("prefill attention", native_prefill_attention),
+    ("AMX prefill attention", amx_prefill),
     ("int4 linear", native_int4_linear),
     ("linear attention", native_linear_attention),
 )
@@ -198,6 +200,19 @@ def _decode_attention_choice(no_library: str) -> KernelChoice:
     return KernelChoice(role, f"{_native_path(library)}, scores on AMX tiles", why)
 
 
+def _prefill_attention_choice(no_library: str) -> KernelChoice:
+    role = "prefill attention"
+    library = native_prefill_attention()
+    tiles = amx_prefill()
+    if library is None or tiles is None:
+        return _library_choice(role, library, "torch SDPA", no_library)
+    why = (
+        f"built for this CPU; bfloat16 fresh prompts of {TILE_MIN_TOKENS} tokens or more "
+        "on AMX tiles (one call a layer for all of them), the rest on vectors"
+    )
+    return KernelChoice(role, f"{_native_path(library)}, fresh prompts on AMX tiles", why)
+
+
 def _int4_choice(no_library: str) -> KernelChoice:
     role = "int4 linear (W4A16)"
     kernel = native_int4_linear()
@@ -222,7 +237,7 @@ def build_report() -> CpuKernelReport:
         _experts_choice(torch.bfloat16),
         _int8_choice(),
         _decode_attention_choice(no_library),
-        _library_choice("prefill attention", native_prefill_attention(), "torch SDPA", no_library),
+        _prefill_attention_choice(no_library),
         _library_choice("norms, rotary, SiLU", native_elementwise(), "torch, op by op", no_library),
         _library_choice(
             "MoE routing (top-k, sort, gather, sum back)",

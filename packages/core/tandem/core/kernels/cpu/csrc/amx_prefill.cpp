@@ -1,0 +1,409 @@
+// Causal attention of fresh prompts (no tokens cached before them: every key and value is the
+// step's own) in bfloat16, both products on AMX tiles.
+//
+// Why a kernel of its own: the vector kernel (prefill_attention.cpp) multiplies on vdpbf16ps,
+// and torch's CPU flash attention, which multiplies on tiles, pays per call (K/V packed per
+// call, a call per prompt) more than its arithmetic at prompt lengths of a few hundred: on an
+// AMX Xeon, 8 prompts of 256 tokens of the bench MoE model (8 query / 2 KV heads of 64) took
+// ~2 ms a layer, ~275 GFLOP/s. Here one call takes every fresh prompt of the step:
+// - each KV head's values are packed once per prompt as V^T tiles (16 head dims x 32 keys),
+//   shared by every query row of the heads that read them;
+// - a work item is 16 query rows (tokens) of one head against the keys they see. Scores come
+//   out key-major: the keys as A (16 keys x 32 head dims, read where the projection wrote
+//   them, no packing), the item's queries as B (packed once per item), so a score tile holds
+//   16 keys x 16 rows and the softmax runs down the keys with the rows in lanes;
+// - all of an item's scores are kept (16 rows x its keys, float32), so the softmax takes its
+//   maximum first and exponentiates once, with no rescaling; the probabilities, rounded to
+//   bfloat16 as torch's flash attention rounds them, become P^T tiles (16 key pairs x 16
+//   rows), and out^T = V^T . P^T sums over every key in the tile accumulators;
+// - out = out^T / (sum of the unrounded probabilities), rounded to bfloat16 once.
+// Items are handed out longest first (the last rows of the longest prompt read the most
+// keys), on a dynamic schedule.
+//
+// The tile instructions are the CPU's where it has AMX-BF16, or software in the test build
+// (TANDEM_AMX_EMULATE, amx_tiles.h); elsewhere the library holds no kernel and says so.
+// Built by tandem.core.kernels.cpu.amx_prefill with -march=native; called through ctypes.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vec_math.h"
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#if defined(TANDEM_AMX_EMULATE) || (defined(__AMX_TILE__) && defined(__AMX_BF16__))
+#define TANDEM_FRESH_TILES 1
+#include "amx_tiles.h"
+#endif
+
+namespace {
+
+#if defined(TANDEM_FRESH_TILES)
+
+using tandem::bf16_to_float;
+using tandem::fast_exp;
+using tandem::float_to_bf16;
+
+constexpr int64_t kRows = 16;      // query rows per item: one B tile's 16 columns
+constexpr int64_t kKeyTile = 16;   // keys per score tile (A rows)
+constexpr int64_t kKeyBlock = 32;  // keys per value product (A columns of V^T)
+constexpr int64_t kTileElems = 512;  // bfloat16 elements of one 16 x 64-byte tile
+
+struct Args {
+  uint16_t* out;
+  const uint16_t* q;
+  const uint16_t* k;
+  const uint16_t* v;
+  const int64_t* starts;
+  const int64_t* lens;
+  int64_t spans;
+  int64_t heads;
+  int64_t kv_heads;
+  int64_t dim;
+  int64_t q_stride;  // elements between tokens
+  int64_t k_stride;
+  int64_t v_stride;
+  int64_t out_stride;
+  float scale;
+};
+
+struct Item {
+  int64_t span;
+  int64_t head;
+  int64_t first_row;  // the item's first token within its prompt
+};
+
+inline int64_t key_blocks(int64_t len) { return (len + kKeyBlock - 1) / kKeyBlock; }
+
+// One KV head's keys and values of prompt `s`, keys [32 b, 32 b + 32), as the B tiles of the
+// two products (keys past the prompt zero: their probabilities are zero too, and zero times
+// zero is zero where a NaN in memory would not be):
+// - keys: [key tile][dim / 32][16 dim pairs][16 keys][2], key tile 2 b and 2 b + 1;
+// - values: [block b][dim / 16][16 key pairs][16 dims][2].
+void pack_block(const Args& a, int64_t s, int64_t kvh, int64_t b, uint32_t* keys,
+                uint32_t* values) {
+  const int64_t D = a.dim;
+  const int64_t steps = D / 32;
+  const int64_t chunks = D / 16;
+  const int64_t len = a.lens[s];
+  const int64_t tile_words = kTileElems / 2;
+  uint32_t* kt = keys + 2 * b * steps * tile_words;
+  for (int64_t kk = 0; kk < kKeyBlock; ++kk) {
+    const int64_t key = b * kKeyBlock + kk;
+    const uint16_t* row = a.k + (a.starts[s] + key) * a.k_stride + kvh * D;
+    uint32_t* dst = kt + (kk / kKeyTile) * steps * tile_words + kk % kKeyTile;
+    for (int64_t w = 0; w < D / 2; ++w) {
+      uint32_t pair = 0;
+      if (key < len) std::memcpy(&pair, row + 2 * w, sizeof(pair));
+      dst[(w / 16) * tile_words + (w % 16) * 16] = pair;
+    }
+  }
+  uint32_t* vt = values + b * chunks * tile_words;
+  for (int64_t kp = 0; kp < kKeyBlock / 2; ++kp) {
+    const int64_t key = b * kKeyBlock + 2 * kp;
+    const uint16_t* even = a.v + (a.starts[s] + key) * a.v_stride + kvh * D;
+    const uint16_t* odd = even + a.v_stride;
+    const bool has_even = key < len;
+    const bool has_odd = key + 1 < len;
+    for (int64_t c = 0; c < chunks; ++c) {
+      uint32_t* dst = vt + c * tile_words + kp * 16;
+      for (int64_t n = 0; n < 16; ++n) {
+        const uint32_t lo = has_even ? even[c * 16 + n] : 0u;
+        const uint32_t hi = has_odd ? odd[c * 16 + n] : 0u;
+        dst[n] = lo | (hi << 16);
+      }
+    }
+  }
+}
+
+// Per-thread scratch of the items.
+struct Scratch {
+  std::vector<uint16_t> tail;   // the last query rows of a prompt, zero past its end
+  std::vector<float> scores;    // [16 rows][keys, padded to a block]
+  std::vector<uint16_t> probs;  // [key blocks] A tiles: [16 rows][32 keys]
+  alignas(64) float sums[4][256];  // out tiles [16 rows][16 dims]
+};
+
+template <typename T>
+T* sized(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
+// Keys past a row's last tile are not set; a mask, not the value, leaves them out.
+inline uint32_t first_lanes(int32_t n) {
+  return n >= 16 ? 0xFFFFu : (n <= 0 ? 0u : (1u << n) - 1u);
+}
+
+// One row of scores (`n` keys seen, `blocks` blocks of 32 written or padded): its
+// probabilities exp((score - max) * scale), zero past n, rounded to bfloat16 at `probs` +
+// b * kTileElems for block b (the row's 32 keys of each P tile); returns their sum, unrounded.
+inline float softmax_row(const float* scores, int32_t n, int64_t blocks, float scale,
+                         uint16_t* probs) {
+#if defined(__AVX512F__)
+  __m512 high = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int32_t k0 = 0; k0 < n; k0 += 16) {
+    const __mmask16 seen = static_cast<__mmask16>(first_lanes(n - k0));
+    high = _mm512_mask_max_ps(high, seen, high, _mm512_loadu_ps(scores + k0));
+  }
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(high));
+  const __m512 factor = _mm512_set1_ps(scale);
+  __m512 sum = _mm512_setzero_ps();
+  for (int32_t k0 = 0; k0 < blocks * kKeyBlock; k0 += 16) {
+    uint16_t* dst = probs + (k0 / kKeyBlock) * kTileElems + k0 % kKeyBlock;
+    if (k0 >= n) {
+      // Past the row's last key (the causal corner of its block): zeros, no exps.
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_setzero_si256());
+      continue;
+    }
+    const __mmask16 seen = static_cast<__mmask16>(first_lanes(n - k0));
+    const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(scores + k0), top), factor);
+    const __m512 p = _mm512_maskz_mov_ps(seen, tandem::exp16(x));
+    sum = _mm512_add_ps(sum, p);
+#if defined(__AVX512BF16__)
+    // Round to nearest even as float_to_bf16; p is never NaN, and one below 2^-126 (a key
+    // e^-87 below the row's best) becomes zero, not a bfloat16 subnormal.
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(p));
+#else
+    const __m512i bits = _mm512_castps_si512(p);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(rounded));
+#endif
+  }
+  return _mm512_reduce_add_ps(sum);
+#else
+  float top = -std::numeric_limits<float>::infinity();
+  for (int32_t key = 0; key < n; ++key) top = top > scores[key] ? top : scores[key];
+  float sum = 0.f;
+  for (int32_t key = 0; key < blocks * kKeyBlock; ++key) {
+    const float p = key < n ? fast_exp((scores[key] - top) * scale) : 0.f;
+    sum += p;
+    probs[(key / kKeyBlock) * kTileElems + key % kKeyBlock] = float_to_bf16(p);
+  }
+  return sum;
+#endif
+}
+
+// Rows [i0, i0 + 16) of one head of one prompt; `keys`/`values`: its KV head's packed tiles.
+void run_item(const Args& a, const Item& it, const uint16_t* keys, const uint16_t* values,
+              Scratch& w) {
+  const int64_t D = a.dim;
+  const int64_t steps = D / 32;
+  const int64_t chunks = D / 16;
+  const int64_t len = a.lens[it.span];
+  const int64_t start = a.starts[it.span];
+  const int64_t i0 = it.first_row;
+  const int64_t rows = std::min(kRows, len - i0);
+  const int64_t seen = i0 + rows;  // keys the item's last row reads
+  const int64_t key_tiles = (seen + kKeyTile - 1) / kKeyTile;
+  const int64_t blocks = key_blocks(seen);
+  const int64_t ld = blocks * kKeyBlock;  // floats between score rows
+
+  // Queries as A tiles, read where they are; a tile reads 16 rows, past the prompt's end
+  // another prompt's or past the tensor's, so a short item's come from a zeroed copy.
+  const uint16_t* qp = a.q + (start + i0) * a.q_stride + it.head * D;
+  int64_t qstride = a.q_stride * 2;
+  if (rows < kRows) {
+    uint16_t* tail = sized(w.tail, kRows * D);
+    std::memset(tail, 0, kRows * D * sizeof(uint16_t));
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(tail + r * D, qp + r * a.q_stride, D * sizeof(uint16_t));
+    }
+    qp = tail;
+    qstride = D * 2;
+  }
+
+  // Scores, row-major: tile t holds the 16 rows x keys [16 t, 16 t + 16). Two key tiles at
+  // a time into tiles 0 and 3: two independent chains of products, one query load for both.
+  float* sc = sized(w.scores, kRows * ld);
+  int64_t t = 0;
+  for (; t + 1 < key_tiles; t += 2) {
+    TANDEM_TILE_ZERO(0);
+    TANDEM_TILE_ZERO(3);
+    for (int64_t s = 0; s < steps; ++s) {
+      TANDEM_TILE_LOADD(1, qp + s * 32, qstride);
+      TANDEM_TILE_LOADD(2, keys + (t * steps + s) * kTileElems, 64);
+      TANDEM_TILE_LOADD(4, keys + ((t + 1) * steps + s) * kTileElems, 64);
+      TANDEM_TILE_DPBF16PS(0, 1, 2);
+      TANDEM_TILE_DPBF16PS(3, 1, 4);
+    }
+    TANDEM_TILE_STORED(0, sc + t * kKeyTile, ld * 4);
+    TANDEM_TILE_STORED(3, sc + (t + 1) * kKeyTile, ld * 4);
+  }
+  if (t < key_tiles) {
+    TANDEM_TILE_ZERO(0);
+    for (int64_t s = 0; s < steps; ++s) {
+      TANDEM_TILE_LOADD(1, qp + s * 32, qstride);
+      TANDEM_TILE_LOADD(2, keys + (t * steps + s) * kTileElems, 64);
+      TANDEM_TILE_DPBF16PS(0, 1, 2);
+    }
+    TANDEM_TILE_STORED(0, sc + t * kKeyTile, ld * 4);
+  }
+
+  // Row r (token i0 + r) sees keys [0, i0 + r]; rows past the prompt what its last does, so
+  // nothing they read is unset. Probabilities exp((score - max) * scale), zero where not
+  // seen, rounded to bfloat16 into P's A tiles; the sums of the unrounded ones.
+  float total[kRows];
+  uint16_t* pp = sized(w.probs, blocks * kTileElems);
+  for (int64_t r = 0; r < kRows; ++r) {
+    const int32_t n = static_cast<int32_t>(i0 + std::min(r, rows - 1) + 1);
+    total[r] = softmax_row(sc + r * ld, n, blocks, a.scale, pp + r * kKeyBlock);
+  }
+
+  // out = P . V, four 16-dim chunks at a time in tiles 0-3, divided by the sums.
+  for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+    TANDEM_TILE_ZERO(0);
+    TANDEM_TILE_ZERO(1);
+    TANDEM_TILE_ZERO(2);
+    TANDEM_TILE_ZERO(3);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint16_t* vt = values + (b * chunks + c0) * kTileElems;
+      TANDEM_TILE_LOADD(4, pp + b * kTileElems, 64);
+      TANDEM_TILE_LOADD(5, vt, 64);
+      TANDEM_TILE_DPBF16PS(0, 4, 5);
+      TANDEM_TILE_LOADD(6, vt + kTileElems, 64);
+      TANDEM_TILE_DPBF16PS(1, 4, 6);
+      TANDEM_TILE_LOADD(5, vt + 2 * kTileElems, 64);
+      TANDEM_TILE_DPBF16PS(2, 4, 5);
+      TANDEM_TILE_LOADD(6, vt + 3 * kTileElems, 64);
+      TANDEM_TILE_DPBF16PS(3, 4, 6);
+    }
+    TANDEM_TILE_STORED(0, w.sums[0], 64);
+    TANDEM_TILE_STORED(1, w.sums[1], 64);
+    TANDEM_TILE_STORED(2, w.sums[2], 64);
+    TANDEM_TILE_STORED(3, w.sums[3], 64);
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* o = a.out + (start + i0 + r) * a.out_stride + it.head * D + c0 * 16;
+      const float inv = 1.f / total[r];
+      for (int64_t c = 0; c < 4; ++c) {
+        const float* src = w.sums[c] + r * 16;
+#pragma omp simd
+        for (int64_t d = 0; d < 16; ++d) o[c * 16 + d] = float_to_bf16(src[d] * inv);
+      }
+    }
+  }
+}
+
+void run(const Args& a, int threads) {
+  const int64_t group = a.heads / a.kv_heads;
+  // Packed keys and values: prompt s, KV head h at base[s] + h * per_head(s) elements, the
+  // keys first. A block of 32 keys is 2 * dim / 32 key tiles and dim / 16 value tiles.
+  const int64_t block_elems = (2 * (a.dim / 32) + a.dim / 16) * kTileElems;
+  std::vector<int64_t> base(a.spans + 1, 0);
+  int64_t most_tiles = 0;
+  for (int64_t s = 0; s < a.spans; ++s) {
+    base[s + 1] = base[s] + a.kv_heads * key_blocks(a.lens[s]) * block_elems;
+    most_tiles = std::max(most_tiles, (a.lens[s] + kRows - 1) / kRows);
+  }
+  struct Unit {
+    int64_t span, kvh, block;
+  };
+  std::vector<Unit> packing;
+  for (int64_t s = 0; s < a.spans; ++s) {
+    for (int64_t h = 0; h < a.kv_heads; ++h) {
+      for (int64_t b = 0; b < key_blocks(a.lens[s]); ++b) packing.push_back({s, h, b});
+    }
+  }
+  // Longest first: row tiles from the last down, every prompt and head that has one.
+  std::vector<Item> items;
+  for (int64_t t = most_tiles - 1; t >= 0; --t) {
+    for (int64_t s = 0; s < a.spans; ++s) {
+      if (t * kRows >= a.lens[s]) continue;
+      for (int64_t h = 0; h < a.heads; ++h) items.push_back({s, h, t * kRows});
+    }
+  }
+  std::vector<uint16_t> packed(static_cast<size_t>(base[a.spans]));
+  const auto keys_of = [&](int64_t s, int64_t kvh) {
+    return packed.data() + base[s] + kvh * key_blocks(a.lens[s]) * block_elems;
+  };
+  const auto values_of = [&](int64_t s, int64_t kvh) {
+    return keys_of(s, kvh) + key_blocks(a.lens[s]) * 2 * (a.dim / 32) * kTileElems;
+  };
+  const int64_t n_pack = static_cast<int64_t>(packing.size());
+  const int64_t n_items = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < n_pack; ++u) {
+      const Unit& p = packing[u];
+      pack_block(a, p.span, p.kvh, p.block, reinterpret_cast<uint32_t*>(keys_of(p.span, p.kvh)),
+                 reinterpret_cast<uint32_t*>(values_of(p.span, p.kvh)));
+    }
+    [[maybe_unused]] const tandem::amx::TileScope tiles;
+    thread_local Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_items; ++i) {
+      const Item& it = items[i];
+      const int64_t kvh = it.head / group;
+      run_item(a, it, keys_of(it.span, kvh), values_of(it.span, kvh), scratch);
+    }
+  }
+}
+
+#endif  // TANDEM_FRESH_TILES
+
+}  // namespace
+
+extern "C" {
+
+// 0: this build has no tile kernel (no AMX-BF16 at its ISA level); 1: the CPU's tiles (usable
+// once Linux grants the process their state); 2: the test build's emulated tiles.
+int tandem_fresh_tiles() {
+#if defined(TANDEM_AMX_EMULATE)
+  return 2;
+#elif defined(TANDEM_FRESH_TILES)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// Causal attention of fresh prompts, bfloat16: prompt s is rows [starts[s], starts[s] +
+// lens[s]) of q ([rows, heads, dim], q_stride elements between rows), of k and v ([rows,
+// kv_heads, dim], their strides) and of out (out_stride); token j attends the prompt's keys
+// [0, j]. dim 64, 128 or 256. Returns 0; 1 for arguments it does not take; 2 where this build
+// has no tile kernel.
+int tandem_fresh_attention(void* out, const void* q, const void* k, const void* v,
+                           const int64_t* starts, const int64_t* lens, int64_t spans,
+                           int64_t heads, int64_t kv_heads, int64_t dim, int64_t q_stride,
+                           int64_t k_stride, int64_t v_stride, int64_t out_stride, float scale,
+                           int32_t num_threads) {
+#if defined(TANDEM_FRESH_TILES)
+  if (dim != 64 && dim != 128 && dim != 256) return 1;
+  if (heads < 1 || kv_heads < 1 || heads % kv_heads != 0 || spans < 0) return 1;
+  for (int64_t s = 0; s < spans; ++s) {
+    if (lens[s] < 1 || starts[s] < 0) return 1;
+  }
+  const Args a{static_cast<uint16_t*>(out),
+               static_cast<const uint16_t*>(q),
+               static_cast<const uint16_t*>(k),
+               static_cast<const uint16_t*>(v),
+               starts,
+               lens,
+               spans,
+               heads,
+               kv_heads,
+               dim,
+               q_stride,
+               k_stride,
+               v_stride,
+               out_stride,
+               scale};
+  run(a, std::max(1, num_threads));
+  return 0;
+#else
+  (void)out, (void)q, (void)k, (void)v, (void)starts, (void)lens, (void)spans, (void)heads;
+  (void)kv_heads, (void)dim, (void)q_stride, (void)k_stride, (void)v_stride, (void)out_stride;
+  (void)scale, (void)num_threads;
+  return 2;
+#endif
+}
+
+}  // extern "C"
