@@ -297,10 +297,8 @@ void run(const Args& a, int threads) {
   // keys first. A block of 32 keys is 2 * dim / 32 key tiles and dim / 16 value tiles.
   const int64_t block_elems = (2 * (a.dim / 32) + a.dim / 16) * kTileElems;
   std::vector<int64_t> base(a.spans + 1, 0);
-  int64_t most_tiles = 0;
   for (int64_t s = 0; s < a.spans; ++s) {
     base[s + 1] = base[s] + a.kv_heads * key_blocks(a.lens[s]) * block_elems;
-    most_tiles = std::max(most_tiles, (a.lens[s] + kRows - 1) / kRows);
   }
   struct Unit {
     int64_t span, kvh, block;
@@ -311,12 +309,22 @@ void run(const Args& a, int threads) {
       for (int64_t b = 0; b < key_blocks(a.lens[s]); ++b) packing.push_back({s, h, b});
     }
   }
-  // Longest first: row tiles from the last down, every prompt and head that has one.
+  // Items in the order the packed keys and values stay in cache: the longest prompt first,
+  // then KV head by KV head, row tiles from the last down (the most keys first), the heads
+  // of the group side by side. A prompt's items end with its shortest, so the threads
+  // finish within an item or two of each other. (Row tiles first across every prompt and
+  // head balanced no better and read the packs from L3: 3.45 against 2.x ms a layer of
+  // 8 prompts x 256 tokens, 16 / 8 heads.)
+  std::vector<int64_t> order(a.spans);
+  for (int64_t s = 0; s < a.spans; ++s) order[s] = s;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return a.lens[x] > a.lens[y]; });
   std::vector<Item> items;
-  for (int64_t t = most_tiles - 1; t >= 0; --t) {
-    for (int64_t s = 0; s < a.spans; ++s) {
-      if (t * kRows >= a.lens[s]) continue;
-      for (int64_t h = 0; h < a.heads; ++h) items.push_back({s, h, t * kRows});
+  for (const int64_t s : order) {
+    for (int64_t kvh = 0; kvh < a.kv_heads; ++kvh) {
+      for (int64_t t = (a.lens[s] + kRows - 1) / kRows - 1; t >= 0; --t) {
+        for (int64_t g = 0; g < group; ++g) items.push_back({s, kvh * group + g, t * kRows});
+      }
     }
   }
   std::vector<uint16_t> packed(static_cast<size_t>(base[a.spans]));
