@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from linear_kernels import _interleaved_ms
@@ -78,11 +80,11 @@ def main() -> int:
                 body[:, :length] = new.view(count, length, kv_heads, dim)
             q_rows = q.contiguous()
             outs = [torch.empty(rows, heads, dim, dtype=torch.bfloat16) for _ in range(3)]
-            sides = {
-                "tiles": lambda: tiles(q, k, v, starts, lens, scale, outs[0]),
-                "flash": lambda: flash_attend(q, k, v, spans, scale, outs[1]),
-                "native": lambda: native(
-                    outs[2], q_rows, k_cache, v_cache, tables, starts, lens, lens, scale
+            sides: dict[str, Callable[[], object]] = {
+                "tiles": partial(tiles, q, k, v, starts, lens, scale, outs[0]),
+                "flash": partial(flash_attend, q, k, v, spans, scale, outs[1]),
+                "native": partial(
+                    native, outs[2], q_rows, k_cache, v_cache, tables, starts, lens, lens, scale
                 ),
             }
             ms = _interleaved_ms(sides, rounds=args.rounds, repeats=5)
