@@ -36,11 +36,11 @@ HEAD_DIMS = frozenset({64, 128, 256})
 # native vector kernel (prefill_attention), which packs nothing. One layer, AMX Xeon, 2
 # threads, ms (benchmarks/fresh_prefill_attention.py):
 #     8 query / 2 KV heads of 64    tiles   native      16 / 8 heads    tiles   native
-#         48 prompts x 8            0.264    0.112                      0.746    0.361
-#         32 x 16                   0.193    0.160                      0.546    0.361
-#         16 x 32                   0.158    0.202                      0.423    0.457
-#         16 x 64                   0.337    0.613                      0.977    1.344
-#          8 x 256                  1.158    3.547                      3.294    7.859
+#         48 prompts x 8            0.291    0.131                      0.810    0.411
+#         32 x 16                   0.207    0.178                      0.634    0.425
+#         16 x 32                   0.177    0.225                      0.509    0.528
+#         16 x 64                   0.358    0.650                      1.063    1.513
+#          8 x 256                  1.235    3.712                      3.196    8.630
 TILE_MIN_TOKENS = 32
 _REQUIRED_FLAGS = frozenset({"amx_bf16", "amx_tile"})
 _INSTEAD = "long fresh prompts attend through torch's flash attention"
