@@ -6,17 +6,16 @@
 // call, a call per prompt) more than its arithmetic at prompt lengths of a few hundred: on an
 // AMX Xeon, 8 prompts of 256 tokens of the bench MoE model (8 query / 2 KV heads of 64) took
 // ~2 ms a layer, ~275 GFLOP/s. Here one call takes every fresh prompt of the step:
-// - each KV head's values are packed once per prompt as V^T tiles (16 head dims x 32 keys),
-//   shared by every query row of the heads that read them;
-// - a work item is 16 query rows (tokens) of one head against the keys they see. Scores come
-//   out key-major: the keys as A (16 keys x 32 head dims, read where the projection wrote
-//   them, no packing), the item's queries as B (packed once per item), so a score tile holds
-//   16 keys x 16 rows and the softmax runs down the keys with the rows in lanes;
-// - all of an item's scores are kept (16 rows x its keys, float32), so the softmax takes its
-//   maximum first and exponentiates once, with no rescaling; the probabilities, rounded to
-//   bfloat16 as torch's flash attention rounds them, become P^T tiles (16 key pairs x 16
-//   rows), and out^T = V^T . P^T sums over every key in the tile accumulators;
-// - out = out^T / (sum of the unrounded probabilities), rounded to bfloat16 once.
+// - each KV head's keys and values are packed once per prompt as B tiles (keys: 16 keys x 16
+//   head-dim pairs; values: 16 key pairs x 16 head dims), shared by the heads of its group;
+// - a work item is 16 query rows (tokens) of one head against the keys they see; its
+//   queries are A tiles read where the fused projection wrote them (16 rows x 32 dims);
+// - all of an item's scores are kept, row-major (16 rows x its keys, float32), so the
+//   softmax takes each row's maximum first and exponentiates once, with no rescaling
+//   (AVX-512 where the build has it); the probabilities, rounded to bfloat16 as torch's flash
+//   attention rounds them, are the A tiles of out = P . V (16 rows x 32 keys), which sums
+//   every key block in four tile accumulators of 16 dims;
+// - out = P . V / (sum of the unrounded probabilities), rounded to bfloat16 once.
 // Items go prompt by prompt and KV head by KV head, the most keys first, on a dynamic
 // schedule (see run()). The same 8 x 256 layer: 1.2 ms against flash attention's 2.0-2.1
 // (benchmarks/fresh_prefill_attention.py).
@@ -46,7 +45,6 @@ namespace {
 
 #if defined(TANDEM_FRESH_TILES)
 
-using tandem::bf16_to_float;
 using tandem::fast_exp;
 using tandem::float_to_bf16;
 
