@@ -1,7 +1,8 @@
 """One layer's attention over a prefill step's fresh prompts on CPU, bfloat16: the AMX tile
-kernel (``kernels/cpu/amx_prefill.py``, every prompt in one call), torch's flash attention (a
-call per prompt, ``flash_prefill.flash_attend``) and the native vector kernel
-(``prefill_attention``, reading K/V from a paged cache), interleaved (A B C A B C), each figure
+kernel (``kernels/cpu/amx_prefill.py``, every prompt in one call, K/V read from a paged cache),
+torch's flash attention (a call per prompt on the projection's K/V,
+``flash_prefill.flash_attend``) and the native vector kernel (``prefill_attention``, K/V read
+from the paged cache), interleaved (A B C A B C), each figure
 the median of --rounds. q, k and v are views of one fused projection, as the layer leaves
 them. Shapes: the bench MoE model's heads (8 query / 2 KV of 64) and the bench dense model's
 (16 / 8 of 64), or --heads.
@@ -68,7 +69,8 @@ def main() -> int:
             starts = torch.arange(count) * length
             lens = torch.full((count,), length)
             spans = tuple((i * length, length) for i in range(count))
-            # The native kernel reads K/V from a paged cache: prompt i in blocks of its own.
+            # The native and tile kernels read K/V from a paged cache: prompt i in blocks of
+            # its own.
             per_prompt = -(-length // BLOCK_SIZE)
             tables = (torch.arange(count * per_prompt) + 1).view(count, per_prompt)
             shape = (count * per_prompt + 1, BLOCK_SIZE, kv_heads, dim)
@@ -81,7 +83,9 @@ def main() -> int:
             q_rows = q.contiguous()
             outs = [torch.empty(rows, heads, dim, dtype=torch.bfloat16) for _ in range(3)]
             sides: dict[str, Callable[[], object]] = {
-                "tiles": partial(tiles, q, k, v, starts, lens, scale, outs[0]),
+                "tiles": partial(
+                    tiles, outs[0], q, k_cache, v_cache, tables, starts, lens, lens, scale
+                ),
                 "flash": partial(flash_attend, q, k, v, spans, scale, outs[1]),
                 "native": partial(
                     native, outs[2], q_rows, k_cache, v_cache, tables, starts, lens, lens, scale

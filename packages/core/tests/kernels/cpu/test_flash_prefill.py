@@ -38,21 +38,23 @@ def test_long_chunks_go_to_flash_and_the_rest_stays_native() -> None:
     assert native_starts.tolist() == [200, 505, 510]
     assert native_qlens.tolist() == [37, 5, 128] and native_kv.tolist() == [37, 35, 728]
 
-    # Fresh prompts on their own threshold (the tile kernel's): the 37-token one joins them.
-    tiles = split_prefill(blocks, starts, qlens, kv, fresh_min_tokens=32)
+    # The tile kernel's threshold: the 37-token prompt joins, and every chunk taken is
+    # also given as the native kernel's share is (the tile kernel's arguments).
+    tiles = split_prefill(blocks, starts, qlens, kv, min_tokens=32)
     assert tiles.flash == ((0, 200), (200, 37), (377, FLASH_MIN_TOKENS))
-    assert tiles.flash_starts.tolist() == [0, 200, 377]
-    assert tiles.flash_lens.tolist() == [200, 37, FLASH_MIN_TOKENS]
     assert [(c.start, c.tokens) for c in tiles.continued] == [(237, 140)]
-    assert tiles.native is not None
+    assert tiles.long is not None and tiles.native is not None
+    assert tiles.long[1].tolist() == [0, 200, 237, 377]
+    assert torch.equal(tiles.long[0], blocks[:4]) and tiles.long[3].tolist() == [200, 37, 230, 128]
     assert tiles.native[1].tolist() == [505, 510]
+    assert split.long is not None and split.long[1].tolist() == [0, 237, 377]
 
     everything = split_prefill(blocks[[0, 2]], starts[[0, 2]], qlens[[0, 2]], kv[[0, 2]])
     assert everything.flash == ((0, 200),) and len(everything.continued) == 1
-    assert everything.native is None
+    assert everything.native is None and everything.long is not None
     nothing = split_prefill(blocks[[1, 4]], starts[[1, 4]], qlens[[1, 4]], kv[[1, 4]])
     assert nothing.flash == () and nothing.continued == () and nothing.native is not None
-    assert torch.equal(nothing.native[0], blocks[[1, 4]])
+    assert torch.equal(nothing.native[0], blocks[[1, 4]]) and nothing.long is None
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +73,9 @@ def emulated_tiles(tmp_path_factory: pytest.TempPathFactory) -> AmxPrefillAttent
 def test_a_mixed_group_matches_the_reference(
     dtype: torch.dtype, fresh: str, request: pytest.FixtureRequest
 ) -> None:
-    """``fresh``: the fresh prompts through torch's flash attention, or through the AMX tile
-    kernel (its emulated build, on any CPU), which also takes fresh prompts from
-    ``TILE_MIN_TOKENS`` (the 37-token one)."""
+    """``fresh``: the long chunks through torch's flash attention, or all in one call of the
+    AMX tile kernel (its emulated build, on any CPU), which takes chunks from
+    ``TILE_MIN_TOKENS`` (the 37-token one too)."""
     assert NATIVE is not None
     tiles: AmxPrefillAttention | None = None
     if fresh == "tiles":

@@ -1,8 +1,10 @@
-"""Fresh prompts' causal attention on AMX tiles (``csrc/amx_prefill.cpp``), bfloat16: every
-fresh prompt of a prefill group in one call, both products on tiles, where torch's flash
-attention took a call per prompt. Built on first use (see ``native_build``); None where the CPU
-(or the ISA level asked for) has no AMX-BF16, Linux does not grant the tile state, or no
-compiler exists: long fresh prompts then go to torch's flash attention (``flash_prefill``)."""
+"""Causal attention of prefill chunks on AMX tiles (``csrc/amx_prefill.cpp``), bfloat16: every
+chunk of a prefill group it takes in one call, both products on tiles, K/V read from the paged
+cache (packed once per layer for the heads that share them), where torch's flash attention
+took a call per prompt (two and a merge after cached tokens, which it gathered). Built on first
+use (see ``native_build``); None where the CPU (or the ISA level asked for) has no AMX-BF16,
+Linux does not grant the tile state, or no compiler exists: long chunks then go to torch's
+flash attention (``flash_prefill``)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.core.kernels.cpu.attention_library import AttentionLibrary
 from tandem.core.kernels.cpu.native_build import (
     AMX_EMULATION_DEFINE,
     BASE_FLAGS,
@@ -22,7 +25,6 @@ from tandem.core.kernels.cpu.native_build import (
     KernelBuildError,
     amx_tiles_granted,
     build_library,
-    compiled_path,
     log_unbuilt,
     selected_isa,
 )
@@ -31,9 +33,8 @@ from tandem.core.kernels.process_once import ProcessOnce
 logger = logging.getLogger(__name__)
 
 SOURCE = CSRC / "amx_prefill.cpp"
-HEAD_DIMS = frozenset({64, 128, 256})
-# Fresh prompts of at least this many tokens go to the tile kernel; shorter ones to the
-# native vector kernel (prefill_attention), which packs nothing. One layer, AMX Xeon, 2
+# Chunks of at least this many tokens go to the tile kernel; shorter ones to the native
+# vector kernel (prefill_attention), which packs nothing. Fresh prompts: One layer, AMX Xeon, 2
 # threads, ms (benchmarks/fresh_prefill_attention.py):
 #     8 query / 2 KV heads of 64    tiles   native      16 / 8 heads    tiles   native
 #         48 prompts x 8            0.291    0.131                      0.810    0.411
@@ -43,7 +44,7 @@ HEAD_DIMS = frozenset({64, 128, 256})
 #          8 x 256                  1.235    3.712                      3.196    8.630
 TILE_MIN_TOKENS = 32
 _REQUIRED_FLAGS = frozenset({"amx_bf16", "amx_tile"})
-_INSTEAD = "long fresh prompts attend through torch's flash attention"
+_INSTEAD = "long prefill chunks attend through torch's flash attention"
 _vp, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -57,69 +58,53 @@ def build_amx_prefill(
     return build_library(SOURCE, "tandem_amx_prefill", flags, build_dir=build_dir, isa=isa)
 
 
-class AmxPrefillAttention:
-    """The loaded kernel."""
+class AmxPrefillAttention(AttentionLibrary):
+    """The loaded kernel: ``NativePrefillAttention``'s arguments and checks, bfloat16 only."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self.lib = ctypes.CDLL(str(path))
-        self.compiled_path = compiled_path(self.lib)
-        built = int(self.lib.tandem_fresh_tiles())
+        super().__init__(path, "tandem_tiles_supports")
+        built = int(self.lib.tandem_prefill_tiles())
         if built == 0:
             raise OSError("this build has no AMX-BF16 (the CPU, or the ISA level asked for)")
         self.emulated = built == 2
         if not self.emulated and not amx_tiles_granted():
             raise OSError("Linux did not grant the AMX tile state (arch_prctl)")
-        self._run = self.lib.tandem_fresh_attention
-        self._run.argtypes = [_vp] * 6 + [_i64] * 8 + [ctypes.c_float, ctypes.c_int32]
+        self._run = self.lib.tandem_tile_prefill_attention
+        self._run.argtypes = [_vp] * 8 + [_i64] * 10 + [ctypes.c_float, ctypes.c_int32]
         self._run.restype = ctypes.c_int
-
-    @staticmethod
-    def supports(head_dim: int, dtype: torch.dtype) -> bool:
-        return dtype is torch.bfloat16 and head_dim in HEAD_DIMS
 
     def __call__(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        starts: torch.Tensor,
-        lens: torch.Tensor,
-        scale: float,
         out: torch.Tensor,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        q_starts: torch.Tensor,
+        q_lens: torch.Tensor,
+        kv_lens: torch.Tensor,
+        scale: float,
     ) -> None:
-        """Prompt ``i`` is rows ``starts[i] .. + lens[i]`` of ``q``/``out`` [N, H, D] and of
-        ``k``/``v`` [N, Hkv, D] (bfloat16, each row's [heads, D] contiguous, rows any distance
-        apart: views of a fused projection); each of its tokens attends the prompt's keys up
-        to its own. ``starts``/``lens``: contiguous int64, lengths at least 1."""
-        rows, heads, dim = q.shape
-        kv_heads = k.shape[1]
-        for t in (q, k, v, out):
-            if t.dtype is not torch.bfloat16 or t.device.type != "cpu" or t.dim() != 3:
-                raise ValueError("the tile prefill attention takes bfloat16 [N, H, D] on the CPU")
-            if t.shape[0] != rows or t.shape[2] != dim or t.stride(2) != 1 or t.stride(1) != dim:
-                raise ValueError("q, k, v and out need the same rows, each [H, D] contiguous")
-        if out.shape[1] != heads or v.shape[1] != kv_heads or heads % max(kv_heads, 1) != 0:
-            raise ValueError(f"heads {heads} / KV heads {kv_heads} do not group")
-        for t in (starts, lens):
-            if t.dtype is not torch.int64 or t.dim() != 1 or t.stride(0) != 1:
-                raise ValueError("starts and lens must be contiguous int64 vectors")
-        if starts.shape != lens.shape:
-            raise ValueError("one start and one length a prompt")
-        if lens.numel() and (
-            int(lens.min()) < 1 or int(starts.min()) < 0 or int((starts + lens).max()) > rows
-        ):
-            raise ValueError(f"a prompt's rows fall outside the {rows} rows of q")
+        """Chunk ``b`` is rows ``q_starts[b] .. + q_lens[b]`` of ``q``/``out`` [N, H, D]
+        (bfloat16); it attends causally the first ``kv_lens[b]`` tokens of the sequence in row
+        ``b`` of ``block_tables`` (the chunk's own K/V already in the cache, last). Caches
+        [num_blocks, block_size, Hkv, D]."""
+        _, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        if not all(t.dtype is torch.bfloat16 for t in (q, out, k_cache, v_cache)):
+            raise ValueError("the tile prefill attention takes bfloat16 q, out and caches")
+        self.check((q, out), k_cache, v_cache, (block_tables, q_starts, q_lens, kv_lens))
         code = self._run(
-            out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-            starts.data_ptr(), lens.data_ptr(), lens.shape[0], heads, kv_heads, dim,
-            q.stride(0), k.stride(0), v.stride(0), out.stride(0), scale,
+            out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            block_tables.data_ptr(), q_starts.data_ptr(), q_lens.data_ptr(), kv_lens.data_ptr(),
+            q_lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, q.stride(0),
+            out.stride(0), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), scale,
             torch.get_num_threads(),
         )  # fmt: skip
         if code != 0:
             raise ValueError(
                 f"the tile prefill attention refused its arguments (code {code}): "
-                f"heads {heads}/{kv_heads}, head_dim {dim}"
+                f"heads {num_heads}/{num_kv_heads}, head_dim {head_dim}"
             )
 
 
@@ -130,7 +115,7 @@ def load_amx_prefill(
     be had. ``TANDEM_PREFILL_TILES=off`` keeps torch's flash attention (the A side of an
     A/B)."""
     if not emulated and os.environ.get("TANDEM_PREFILL_TILES", "").lower() == "off":
-        logger.info("TANDEM_PREFILL_TILES=off: fresh prompts attend through torch's flash")
+        logger.info("TANDEM_PREFILL_TILES=off: long prefill chunks attend through torch's flash")
         return None
     if not emulated and not _REQUIRED_FLAGS.issubset((isa or selected_isa()).cpu_flags()):
         return None

@@ -69,23 +69,21 @@ def native_prefill(
     """Each chunk attends causally its sequence's cached tokens and its own, all read from
     the cache in place (the layer has written the chunk's K/V there); in ``flash_dtypes``
     (by default those this CPU runs faster so, see ``flash_prefill``), long chunks through
-    flash attention instead: the fresh prompts all in one call of the AMX tile kernel
-    (``amx_prefill``) where ``tiles`` gives one, else each through torch's, as are chunks
-    after cached tokens."""
+    flash attention instead: all of them in one call of the AMX tile kernel (``amx_prefill``)
+    where ``tiles`` gives one, else each through torch's."""
     flash = flash_prefill_dtypes() if flash_dtypes is None else flash_dtypes
-    fresh = tiles() if flash else None
+    on_tiles = tiles() if flash else None
     for dtype in flash:
         if dtype not in _said_flash:
             _said_flash.add(dtype)
             logger.info(
-                "prefill attention in %s: %s, the rest through the native kernel",
+                "prefill attention in %s: chunks of %d tokens or more through %s, the rest "
+                "through the native kernel",
                 dtype,
-                f"fresh prompts of {TILE_MIN_TOKENS} tokens or more through the AMX tile "
-                f"kernel, chunks of {FLASH_MIN_TOKENS} or more after cached tokens through "
-                "torch's flash attention"
-                if fresh is not None
-                else f"chunks of {FLASH_MIN_TOKENS} tokens or more through torch's flash "
-                "attention (AMX tiles here)",
+                TILE_MIN_TOKENS if on_tiles is not None else FLASH_MIN_TOKENS,
+                "the AMX tile kernel"
+                if on_tiles is not None
+                else "torch's flash attention (AMX tiles here)",
             )
 
     def prefill(
@@ -108,18 +106,18 @@ def native_prefill(
         )
         native: NativeShare | None = whole
         if q.dtype in flash:
-            on_tiles = fresh is not None and fresh.supports(q.shape[2], q.dtype)
+            usable = on_tiles is not None and on_tiles.supports(q.shape[2], q.dtype)
             if group.split is None:
-                least = TILE_MIN_TOKENS if on_tiles else FLASH_MIN_TOKENS
-                group.split = split_prefill(*whole, fresh_min_tokens=least)
+                least = TILE_MIN_TOKENS if usable else FLASH_MIN_TOKENS
+                group.split = split_prefill(*whole, min_tokens=least)
             split = group.split
-            if fresh is not None and on_tiles and split.flash:
-                spans = (split.flash_starts, split.flash_lens)
-                fresh(_rows(q), _rows(k), _rows(v), *spans, scale, out)
+            if on_tiles is not None and usable:
+                if split.long is not None:
+                    on_tiles(out, _rows(q), k_cache, v_cache, *split.long, scale)
             else:
                 flash_attend(q, k, v, split.flash, scale, out)
-            flash_attend_continued(q, k, v, k_cache, v_cache, group.split.continued, scale, out)
-            native = group.split.native
+                flash_attend_continued(q, k, v, k_cache, v_cache, split.continued, scale, out)
+            native = split.native
         if native is not None:
             blocks, starts, query_lens, kv_lens = native
             kernel(out, _rows(q), k_cache, v_cache, blocks, starts, query_lens, kv_lens, scale)

@@ -25,9 +25,9 @@ two units in the last place). One layer of the bench MoE model (8 query / 2 KV h
 kernel. float32 stays native everywhere (8.8 vs 14.6 ms at 256 x 8), as does bfloat16
 without AMX (4.2 vs 18 ms on AVX512-BF16).
 
-Where the AMX tile kernel loads (``amx_prefill``), it takes the fresh prompts instead, all of
-a step's in one call and from ``TILE_MIN_TOKENS`` up (``split_prefill``'s
-``fresh_min_tokens``); torch's flash attention keeps the chunks after cached tokens.
+Where the AMX tile kernel loads (``amx_prefill``), it takes these chunks instead, fresh or
+not, all of a step's in one call and from ``TILE_MIN_TOKENS`` up (``split_prefill``'s
+``min_tokens``), K/V read from the cache.
 """
 
 from __future__ import annotations
@@ -73,13 +73,24 @@ class PrefillSplit:
 
     # (first query row, tokens) of each fresh prompt flash attention takes.
     flash: tuple[tuple[int, int], ...]
-    # The same as two int64 vectors, first rows and tokens (the tile kernel's arguments).
-    flash_starts: torch.Tensor
-    flash_lens: torch.Tensor
     # The chunks after cached tokens flash attention takes.
     continued: tuple[ContinuedChunk, ...]
+    # Every chunk flash attention takes, fresh or not, as the native kernel's share is given
+    # (the AMX tile kernel's arguments); None when there is none.
+    long: NativeShare | None
     # The native kernel's share; None when flash attention takes everything.
     native: NativeShare | None
+
+
+def _share(rows: torch.Tensor, whole: NativeShare) -> NativeShare | None:
+    """The sequences where ``rows`` (bool) is set, of the group's per-sequence tensors."""
+    picked = rows.nonzero().squeeze(1)
+    if picked.numel() == 0:
+        return None
+    if picked.numel() == rows.numel():
+        return whole
+    blocks, starts, query_lens, kv_lens = whole
+    return blocks[picked], starts[picked], query_lens[picked], kv_lens[picked]
 
 
 def split_prefill(
@@ -88,19 +99,15 @@ def split_prefill(
     query_lens: torch.Tensor,
     kv_lens: torch.Tensor,
     min_tokens: int = FLASH_MIN_TOKENS,
-    fresh_min_tokens: int | None = None,
 ) -> PrefillSplit:
     """Chunks of at least ``min_tokens`` to flash attention (fresh prompts, ``kv_lens ==
     query_lens``, and chunks after at most ``FLASH_MAX_CACHED_RATIO`` times as many cached
-    tokens), every other sequence to the native kernel. ``fresh_min_tokens``: fresh prompts'
-    own threshold, where a faster kernel than torch's takes them (``amx_prefill``)."""
+    tokens), every other sequence to the native kernel."""
     long = query_lens >= min_tokens
-    fresh_min = min_tokens if fresh_min_tokens is None else fresh_min_tokens
-    fresh = (query_lens >= fresh_min) & (kv_lens == query_lens)
-    flash_starts, flash_lens = starts[fresh].contiguous(), query_lens[fresh].contiguous()
+    fresh = long & (kv_lens == query_lens)
     flash = tuple(
         (int(start), int(length))
-        for start, length in zip(flash_starts.tolist(), flash_lens.tolist(), strict=True)
+        for start, length in zip(starts[fresh].tolist(), query_lens[fresh].tolist(), strict=True)
     )
     after = long & ~fresh & (kv_lens - query_lens <= FLASH_MAX_CACHED_RATIO * query_lens)
     after_rows = after.nonzero().squeeze(1).tolist()
@@ -113,13 +120,9 @@ def split_prefill(
         )
         for i in after_rows
     )
-    keep = (~(fresh | after)).nonzero().squeeze(1)
-    native: NativeShare | None = None
-    if keep.numel() == query_lens.numel():
-        native = (blocks, starts, query_lens, kv_lens)
-    elif keep.numel() > 0:
-        native = (blocks[keep], starts[keep], query_lens[keep], kv_lens[keep])
-    return PrefillSplit(flash, flash_starts, flash_lens, continued, native)
+    whole = (blocks, starts, query_lens, kv_lens)
+    taken = fresh | after
+    return PrefillSplit(flash, continued, _share(taken, whole), _share(~taken, whole))
 
 
 def flash_attend(

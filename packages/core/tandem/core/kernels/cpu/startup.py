@@ -207,10 +207,10 @@ def _prefill_attention_choice(no_library: str) -> KernelChoice:
     if library is None or tiles is None:
         return _library_choice(role, library, "torch SDPA", no_library)
     why = (
-        f"built for this CPU; bfloat16 fresh prompts of {TILE_MIN_TOKENS} tokens or more "
-        "on AMX tiles (one call a layer for all of them), the rest on vectors"
+        f"built for this CPU; bfloat16 chunks of {TILE_MIN_TOKENS} tokens or more (after at "
+        "most 4x as many cached) on AMX tiles, one call a layer for all, the rest on vectors"
     )
-    return KernelChoice(role, f"{_native_path(library)}, fresh prompts on AMX tiles", why)
+    return KernelChoice(role, f"{_native_path(library)}, long chunks on AMX tiles", why)
 
 
 def _int4_choice(no_library: str) -> KernelChoice:

@@ -1,15 +1,16 @@
-// Causal attention of fresh prompts (no tokens cached before them: every key and value is the
-// step's own) in bfloat16, both products on AMX tiles.
+// Causal attention of prefill chunks in bfloat16, both products on AMX tiles, keys and values
+// read from the paged cache (a chunk's own written there last, as for prefill_attention.cpp).
 //
 // Why a kernel of its own: the vector kernel (prefill_attention.cpp) multiplies on vdpbf16ps,
 // and torch's CPU flash attention, which multiplies on tiles, pays per call (K/V packed per
 // call, a call per prompt) more than its arithmetic at prompt lengths of a few hundred: on an
 // AMX Xeon, 8 prompts of 256 tokens of the bench MoE model (8 query / 2 KV heads of 64) took
-// ~2 ms a layer, ~275 GFLOP/s. Here one call takes every fresh prompt of the step:
-// - each KV head's keys and values are packed once per prompt as B tiles (keys: 16 keys x 16
+// ~2 ms a layer, ~275 GFLOP/s. Here one call takes every chunk it is given:
+// - each KV head's keys and values are packed once per chunk as B tiles (keys: 16 keys x 16
 //   head-dim pairs; values: 16 key pairs x 16 head dims), shared by the heads of its group;
-// - a work item is 16 query rows (tokens) of one head against the keys they see; its
-//   queries are A tiles read where the fused projection wrote them (16 rows x 32 dims);
+// - a work item is 16 query rows (tokens) of one head against the keys they see (a chunk
+//   after cached tokens: those and its own up to each row's position); its queries are A
+//   tiles read where the fused projection wrote them (16 rows x 32 dims);
 // - all of an item's scores are kept, row-major (16 rows x its keys, float32), so the
 //   softmax takes each row's maximum first and exponentiates once, with no rescaling
 //   (AVX-512 where the build has it); the probabilities, rounded to bfloat16 as torch's flash
@@ -56,32 +57,44 @@ constexpr int64_t kTileElems = 512;  // bfloat16 elements of one 16 x 64-byte ti
 struct Args {
   uint16_t* out;
   const uint16_t* q;
-  const uint16_t* k;
-  const uint16_t* v;
-  const int64_t* starts;
-  const int64_t* lens;
+  const uint16_t* k_cache;
+  const uint16_t* v_cache;
+  const int64_t* block_tables;
+  const int64_t* q_starts;
+  const int64_t* q_lens;
+  const int64_t* kv_lens;
   int64_t spans;
   int64_t heads;
   int64_t kv_heads;
   int64_t dim;
+  int64_t block_size;
   int64_t q_stride;  // elements between tokens
-  int64_t k_stride;
-  int64_t v_stride;
   int64_t out_stride;
+  int64_t table_stride;
+  int64_t cache_block_stride;
+  int64_t cache_token_stride;
   float scale;
 };
 
 struct Item {
   int64_t span;
   int64_t head;
-  int64_t first_row;  // the item's first token within its prompt
+  int64_t first_row;  // the item's first query row within its chunk
 };
+
+// Where key `key` of chunk s's sequence sits in a cache, for KV head kvh.
+inline const uint16_t* cached_row(const Args& a, const uint16_t* cache, int64_t s, int64_t key,
+                                  int64_t kvh) {
+  const int64_t block = a.block_tables[s * a.table_stride + key / a.block_size];
+  return cache + block * a.cache_block_stride + (key % a.block_size) * a.cache_token_stride +
+         kvh * a.dim;
+}
 
 inline int64_t key_blocks(int64_t len) { return (len + kKeyBlock - 1) / kKeyBlock; }
 
-// One KV head's keys and values of prompt `s`, keys [32 b, 32 b + 32), as the B tiles of the
-// two products (keys past the prompt zero: their probabilities are zero too, and zero times
-// zero is zero where a NaN in memory would not be):
+// One KV head's keys and values of chunk s's sequence, keys [32 b, 32 b + 32), read from the
+// paged caches, as the B tiles of the two products (keys past the sequence's zero: their
+// probabilities are zero too, and zero times zero is zero where a NaN in memory would not be):
 // - keys: [key tile][dim / 32][16 dim pairs][16 keys][2], key tile 2 b and 2 b + 1;
 // - values: [block b][dim / 16][16 key pairs][16 dims][2].
 void pack_block(const Args& a, int64_t s, int64_t kvh, int64_t b, uint32_t* keys,
@@ -89,32 +102,34 @@ void pack_block(const Args& a, int64_t s, int64_t kvh, int64_t b, uint32_t* keys
   const int64_t D = a.dim;
   const int64_t steps = D / 32;
   const int64_t chunks = D / 16;
-  const int64_t len = a.lens[s];
+  const int64_t len = a.kv_lens[s];
   const int64_t tile_words = kTileElems / 2;
   uint32_t* kt = keys + 2 * b * steps * tile_words;
   for (int64_t kk = 0; kk < kKeyBlock; ++kk) {
     const int64_t key = b * kKeyBlock + kk;
-    const uint16_t* row = a.k + (a.starts[s] + key) * a.k_stride + kvh * D;
     uint32_t* dst = kt + (kk / kKeyTile) * steps * tile_words + kk % kKeyTile;
+    if (key >= len) {
+      for (int64_t w = 0; w < D / 2; ++w) dst[(w / 16) * tile_words + (w % 16) * 16] = 0;
+      continue;
+    }
+    const uint16_t* row = cached_row(a, a.k_cache, s, key, kvh);
     for (int64_t w = 0; w < D / 2; ++w) {
-      uint32_t pair = 0;
-      if (key < len) std::memcpy(&pair, row + 2 * w, sizeof(pair));
+      uint32_t pair;
+      std::memcpy(&pair, row + 2 * w, sizeof(pair));
       dst[(w / 16) * tile_words + (w % 16) * 16] = pair;
     }
   }
   uint32_t* vt = values + b * chunks * tile_words;
+  const uint16_t zeros[256] = {};
   for (int64_t kp = 0; kp < kKeyBlock / 2; ++kp) {
     const int64_t key = b * kKeyBlock + 2 * kp;
-    const uint16_t* even = a.v + (a.starts[s] + key) * a.v_stride + kvh * D;
-    const uint16_t* odd = even + a.v_stride;
-    const bool has_even = key < len;
-    const bool has_odd = key + 1 < len;
+    const uint16_t* even = key < len ? cached_row(a, a.v_cache, s, key, kvh) : zeros;
+    const uint16_t* odd = key + 1 < len ? cached_row(a, a.v_cache, s, key + 1, kvh) : zeros;
     for (int64_t c = 0; c < chunks; ++c) {
       uint32_t* dst = vt + c * tile_words + kp * 16;
       for (int64_t n = 0; n < 16; ++n) {
-        const uint32_t lo = has_even ? even[c * 16 + n] : 0u;
-        const uint32_t hi = has_odd ? odd[c * 16 + n] : 0u;
-        dst[n] = lo | (hi << 16);
+        dst[n] = static_cast<uint32_t>(even[c * 16 + n]) |
+                 (static_cast<uint32_t>(odd[c * 16 + n]) << 16);
       }
     }
   }
@@ -190,23 +205,25 @@ inline float softmax_row(const float* scores, int32_t n, int64_t blocks, float s
 #endif
 }
 
-// Rows [i0, i0 + 16) of one head of one prompt; `keys`/`values`: its KV head's packed tiles.
+// Query rows [i0, i0 + 16) of one head of one chunk; `keys`/`values`: its KV head's packed
+// tiles. Row j of a chunk after `offset` cached tokens is position offset + j.
 void run_item(const Args& a, const Item& it, const uint16_t* keys, const uint16_t* values,
               Scratch& w) {
   const int64_t D = a.dim;
   const int64_t steps = D / 32;
   const int64_t chunks = D / 16;
-  const int64_t len = a.lens[it.span];
-  const int64_t start = a.starts[it.span];
+  const int64_t len = a.q_lens[it.span];
+  const int64_t start = a.q_starts[it.span];
+  const int64_t offset = a.kv_lens[it.span] - len;
   const int64_t i0 = it.first_row;
   const int64_t rows = std::min(kRows, len - i0);
-  const int64_t seen = i0 + rows;  // keys the item's last row reads
+  const int64_t seen = offset + i0 + rows;  // keys the item's last row reads
   const int64_t key_tiles = (seen + kKeyTile - 1) / kKeyTile;
   const int64_t blocks = key_blocks(seen);
   const int64_t ld = blocks * kKeyBlock;  // floats between score rows
 
-  // Queries as A tiles, read where they are; a tile reads 16 rows, past the prompt's end
-  // another prompt's or past the tensor's, so a short item's come from a zeroed copy.
+  // Queries as A tiles, read where they are; a tile reads 16 rows, past the chunk's end
+  // another chunk's or past the tensor's, so a short item's come from a zeroed copy.
   const uint16_t* qp = a.q + (start + i0) * a.q_stride + it.head * D;
   int64_t qstride = a.q_stride * 2;
   if (rows < kRows) {
@@ -246,13 +263,14 @@ void run_item(const Args& a, const Item& it, const uint16_t* keys, const uint16_
     TANDEM_TILE_STORED(0, sc + t * kKeyTile, ld * 4);
   }
 
-  // Row r (token i0 + r) sees keys [0, i0 + r]; rows past the prompt what its last does, so
-  // nothing they read is unset. Probabilities exp((score - max) * scale), zero where not
-  // seen, rounded to bfloat16 into P's A tiles; the sums of the unrounded ones.
+  // Row r (position offset + i0 + r) sees keys [0, offset + i0 + r]; rows past the chunk
+  // what its last does, so nothing they read is unset. Probabilities exp((score - max) *
+  // scale), zero where not seen, rounded to bfloat16 into P's A tiles; the sums of the
+  // unrounded ones.
   float total[kRows];
   uint16_t* pp = sized(w.probs, blocks * kTileElems);
   for (int64_t r = 0; r < kRows; ++r) {
-    const int32_t n = static_cast<int32_t>(i0 + std::min(r, rows - 1) + 1);
+    const int32_t n = static_cast<int32_t>(offset + i0 + std::min(r, rows - 1) + 1);
     total[r] = softmax_row(sc + r * ld, n, blocks, a.scale, pp + r * kKeyBlock);
   }
 
@@ -292,12 +310,13 @@ void run_item(const Args& a, const Item& it, const uint16_t* keys, const uint16_
 
 void run(const Args& a, int threads) {
   const int64_t group = a.heads / a.kv_heads;
-  // Packed keys and values: prompt s, KV head h at base[s] + h * per_head(s) elements, the
-  // keys first. A block of 32 keys is 2 * dim / 32 key tiles and dim / 16 value tiles.
+  // Packed keys and values: chunk s's sequence, KV head h at base[s] + h * per_head(s)
+  // elements, the keys first. A block of 32 keys is 2 * dim / 32 key tiles and dim / 16 value
+  // tiles.
   const int64_t block_elems = (2 * (a.dim / 32) + a.dim / 16) * kTileElems;
   std::vector<int64_t> base(a.spans + 1, 0);
   for (int64_t s = 0; s < a.spans; ++s) {
-    base[s + 1] = base[s] + a.kv_heads * key_blocks(a.lens[s]) * block_elems;
+    base[s + 1] = base[s] + a.kv_heads * key_blocks(a.kv_lens[s]) * block_elems;
   }
   struct Unit {
     int64_t span, kvh, block;
@@ -305,33 +324,34 @@ void run(const Args& a, int threads) {
   std::vector<Unit> packing;
   for (int64_t s = 0; s < a.spans; ++s) {
     for (int64_t h = 0; h < a.kv_heads; ++h) {
-      for (int64_t b = 0; b < key_blocks(a.lens[s]); ++b) packing.push_back({s, h, b});
+      for (int64_t b = 0; b < key_blocks(a.kv_lens[s]); ++b) packing.push_back({s, h, b});
     }
   }
-  // Items in the order the packed keys and values stay in cache: the longest prompt first,
+  // Items in the order the packed keys and values stay in cache: the most work first,
   // then KV head by KV head, row tiles from the last down (the most keys first), the heads
-  // of the group side by side. A prompt's items end with its shortest, so the threads
+  // of the group side by side. A chunk's items end with its shortest, so the threads
   // finish within an item or two of each other. (Row tiles first across every prompt and
   // head balanced no better and read the packs from L3: 3.38-3.46 against 2.71-2.86 ms a
   // layer of 8 prompts x 256 tokens, 16 / 8 heads of 64.)
   std::vector<int64_t> order(a.spans);
   for (int64_t s = 0; s < a.spans; ++s) order[s] = s;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t x, int64_t y) { return a.lens[x] > a.lens[y]; });
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return a.q_lens[x] * a.kv_lens[x] > a.q_lens[y] * a.kv_lens[y];
+  });
   std::vector<Item> items;
   for (const int64_t s : order) {
     for (int64_t kvh = 0; kvh < a.kv_heads; ++kvh) {
-      for (int64_t t = (a.lens[s] + kRows - 1) / kRows - 1; t >= 0; --t) {
+      for (int64_t t = (a.q_lens[s] + kRows - 1) / kRows - 1; t >= 0; --t) {
         for (int64_t g = 0; g < group; ++g) items.push_back({s, kvh * group + g, t * kRows});
       }
     }
   }
   std::vector<uint16_t> packed(static_cast<size_t>(base[a.spans]));
   const auto keys_of = [&](int64_t s, int64_t kvh) {
-    return packed.data() + base[s] + kvh * key_blocks(a.lens[s]) * block_elems;
+    return packed.data() + base[s] + kvh * key_blocks(a.kv_lens[s]) * block_elems;
   };
   const auto values_of = [&](int64_t s, int64_t kvh) {
-    return keys_of(s, kvh) + key_blocks(a.lens[s]) * 2 * (a.dim / 32) * kTileElems;
+    return keys_of(s, kvh) + key_blocks(a.kv_lens[s]) * 2 * (a.dim / 32) * kTileElems;
   };
   const int64_t n_pack = static_cast<int64_t>(packing.size());
   const int64_t n_items = static_cast<int64_t>(items.size());
@@ -360,9 +380,14 @@ void run(const Args& a, int threads) {
 
 extern "C" {
 
+int tandem_tiles_supports(int64_t head_dim, int32_t dtype) {
+  const bool dim_ok = head_dim == 64 || head_dim == 128 || head_dim == 256;
+  return dim_ok && dtype == tandem::kBFloat16 ? 1 : 0;
+}
+
 // 0: this build has no tile kernel (no AMX-BF16 at its ISA level); 1: the CPU's tiles (usable
 // once Linux grants the process their state); 2: the test build's emulated tiles.
-int tandem_fresh_tiles() {
+int tandem_prefill_tiles() {
 #if defined(TANDEM_AMX_EMULATE)
   return 2;
 #elif defined(TANDEM_FRESH_TILES)
@@ -372,43 +397,54 @@ int tandem_fresh_tiles() {
 #endif
 }
 
-// Causal attention of fresh prompts, bfloat16: prompt s is rows [starts[s], starts[s] +
-// lens[s]) of q ([rows, heads, dim], q_stride elements between rows), of k and v ([rows,
-// kv_heads, dim], their strides) and of out (out_stride); token j attends the prompt's keys
-// [0, j]. dim 64, 128 or 256. Returns 0; 1 for arguments it does not take; 2 where this build
-// has no tile kernel.
-int tandem_fresh_attention(void* out, const void* q, const void* k, const void* v,
-                           const int64_t* starts, const int64_t* lens, int64_t spans,
-                           int64_t heads, int64_t kv_heads, int64_t dim, int64_t q_stride,
-                           int64_t k_stride, int64_t v_stride, int64_t out_stride, float scale,
-                           int32_t num_threads) {
+// Causal attention of prefill chunks, bfloat16, with the arguments of prefill_attention.cpp's
+// tandem_prefill_attention: chunk b is q rows [q_starts[b], q_starts[b] + q_lens[b]) ([rows,
+// heads, dim], q_stride elements apart; out likewise with out_stride); its keys and values
+// are the first kv_lens[b] tokens of the sequence in row b of block_tables, in caches
+// [blocks, block_size, kv_heads, dim] (the chunk's own written last); chunk row j (position
+// kv_lens[b] - q_lens[b] + j) attends keys [0, its position]. dim 64, 128 or 256. Returns 0;
+// 1 for arguments it does not take; 2 where this build has no tile kernel.
+int tandem_tile_prefill_attention(void* out, const void* q, const void* k_cache,
+                                  const void* v_cache, const int64_t* block_tables,
+                                  const int64_t* q_starts, const int64_t* q_lens,
+                                  const int64_t* kv_lens, int64_t num_seqs, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                  int64_t q_stride, int64_t out_stride, int64_t table_stride,
+                                  int64_t cache_block_stride, int64_t cache_token_stride,
+                                  float scale, int32_t num_threads) {
 #if defined(TANDEM_FRESH_TILES)
-  if (dim != 64 && dim != 128 && dim != 256) return 1;
-  if (heads < 1 || kv_heads < 1 || heads % kv_heads != 0 || spans < 0) return 1;
-  for (int64_t s = 0; s < spans; ++s) {
-    if (lens[s] < 1 || starts[s] < 0) return 1;
+  if (head_dim != 64 && head_dim != 128 && head_dim != 256) return 1;
+  if (num_heads < 1 || num_kv_heads < 1 || num_heads % num_kv_heads != 0) return 1;
+  if (num_seqs < 0 || block_size < 1) return 1;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (q_lens[s] < 1 || kv_lens[s] < q_lens[s] || q_starts[s] < 0) return 1;
   }
   const Args a{static_cast<uint16_t*>(out),
                static_cast<const uint16_t*>(q),
-               static_cast<const uint16_t*>(k),
-               static_cast<const uint16_t*>(v),
-               starts,
-               lens,
-               spans,
-               heads,
-               kv_heads,
-               dim,
+               static_cast<const uint16_t*>(k_cache),
+               static_cast<const uint16_t*>(v_cache),
+               block_tables,
+               q_starts,
+               q_lens,
+               kv_lens,
+               num_seqs,
+               num_heads,
+               num_kv_heads,
+               head_dim,
+               block_size,
                q_stride,
-               k_stride,
-               v_stride,
                out_stride,
+               table_stride,
+               cache_block_stride,
+               cache_token_stride,
                scale};
   run(a, std::max(1, num_threads));
   return 0;
 #else
-  (void)out, (void)q, (void)k, (void)v, (void)starts, (void)lens, (void)spans, (void)heads;
-  (void)kv_heads, (void)dim, (void)q_stride, (void)k_stride, (void)v_stride, (void)out_stride;
-  (void)scale, (void)num_threads;
+  (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)q_starts;
+  (void)q_lens, (void)kv_lens, (void)num_seqs, (void)num_heads, (void)num_kv_heads;
+  (void)head_dim, (void)block_size, (void)q_stride, (void)out_stride, (void)table_stride;
+  (void)cache_block_stride, (void)cache_token_stride, (void)scale, (void)num_threads;
   return 2;
 #endif
 }
