@@ -6,8 +6,8 @@ reaches at the step's own shapes and to its roofline (the step's weight and K/V 
 the rate this machine reads memory, its GEMMs at the rate a large matmul reaches); then the
 same for a prefill step of fresh prompts
 (8 x 256 tokens by default), torch's SDPA on the chunks against the native prefill kernel
-and, where the engine would (bfloat16 on AMX), the kernel with long fresh prompts through
-flash attention.
+and, where the engine would (bfloat16 on AMX), the kernel with long chunks through the AMX
+tile kernel (torch's flash attention where that kernel is not built).
 
     .venv/bin/python benchmarks/attention_step.py [--batch 48] [--context 384] [--steps 5]
 
@@ -35,6 +35,7 @@ import torch
 from tandem.collectives import SingleRankGroup
 from tandem.core.kernels import attention_metadata
 from tandem.core.kernels.cpu import attention_groups
+from tandem.core.kernels.cpu.amx_prefill import amx_prefill
 from tandem.core.kernels.cpu.flash_prefill import flash_prefill_dtypes
 from tandem.core.kernels.cpu.packed_linear import PackableLinear, pack_linear_weights
 from tandem.core.kernels.cpu.paged_attention import native_paged_attention
@@ -209,8 +210,9 @@ def sdpa_prefill(
 
 def use_prefill_path(model: CausalLM, dtype: torch.dtype, path: str) -> None:
     """``path``: "sdpa" (torch's SDPA on every chunk), "native" (the native kernel on every
-    chunk) or "serving" (what the engine picks on this CPU: long fresh prompts through flash
-    attention where that is faster, see ``kernels/cpu/flash_prefill.py``)."""
+    chunk) or "serving" (what the engine picks on this CPU: long chunks through the AMX tile
+    kernel or torch's flash attention where that is faster, see
+    ``kernels/cpu/flash_prefill.py``)."""
     kernel = native_prefill_attention()
     for layer in model.attention_layers():
         if path == "sdpa":
@@ -302,7 +304,8 @@ def prefill_breakdown(
         runner.init_kv_cache(CacheSize(num_blocks), args.block_size, prefault=True)
         paths = [("torch SDPA", "sdpa"), ("native kernel", "native")]
         if dtype in flash_prefill_dtypes():
-            paths.append(("native + flash", "serving"))
+            long_chunks = "tiles" if amx_prefill() is not None else "flash"
+            paths.append((f"native + {long_chunks}", "serving"))
         uses = [(runner, partial(use_prefill_path, model, dtype, path)) for _, path in paths]
         with instrumented(timers):
             results = run_steps(fi, max(3, args.steps // 2), timers, uses)
