@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = CSRC / "amx_prefill.cpp"
 # Chunks of at least this many tokens go to the tile kernel; shorter ones to the native
-# vector kernel (prefill_attention), which packs nothing. Fresh prompts: One layer, AMX Xeon, 2
-# threads, ms (benchmarks/fresh_prefill_attention.py):
+# vector kernel (prefill_attention), which packs nothing. Fresh prompts, one layer, AMX Xeon,
+# 2 threads, ms (benchmarks/fresh_prefill_attention.py):
 #     8 query / 2 KV heads of 64    tiles   native      16 / 8 heads    tiles   native
 #         48 prompts x 8            0.291    0.131                      0.810    0.411
 #         32 x 16                   0.207    0.178                      0.634    0.425
