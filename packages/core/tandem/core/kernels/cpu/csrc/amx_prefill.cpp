@@ -149,6 +149,31 @@ T* sized(std::vector<T>& v, int64_t n) {
   return v.data();
 }
 
+#if defined(__AVX512F__)
+// exp(x) for x <= 0 as vec_math.h's exp16 computes it, with a degree-5 polynomial instead of
+// 7: truncation below r^6 / 720 <= 2.4e-6 relative (|r| <= ln2 / 2), far under the bfloat16
+// rounding (2^-9) every probability gets before it weighs a value; the sums it leaves in
+// float32 move by as little. 8 x 256 tokens, 8 / 2 and 16 / 8 heads: 1.22 -> 1.11 and 2.86 ->
+// 2.56 ms a layer.
+inline __m512 exp16_probs(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
+  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+  r = _mm512_fnmadd_ps(n, ln2_lo, r);
+  __m512 p = _mm512_set1_ps(1.0f / 120.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
 // Keys past a row's last tile are not set; a mask, not the value, leaves them out.
 inline uint32_t first_lanes(int32_t n) {
   return n >= 16 ? 0xFFFFu : (n <= 0 ? 0u : (1u << n) - 1u);
@@ -177,7 +202,7 @@ inline float softmax_row(const float* scores, int32_t n, int64_t blocks, float s
     }
     const __mmask16 seen = static_cast<__mmask16>(first_lanes(n - k0));
     const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(scores + k0), top), factor);
-    const __m512 p = _mm512_maskz_mov_ps(seen, tandem::exp16(x));
+    const __m512 p = _mm512_maskz_mov_ps(seen, exp16_probs(x));
     sum = _mm512_add_ps(sum, p);
 #if defined(__AVX512BF16__)
     // Round to nearest even as float_to_bf16; p is never NaN, and one below 2^-126 (a key
