@@ -48,6 +48,14 @@ def test_long_chunks_go_to_flash_and_the_rest_stays_native() -> None:
     assert torch.equal(tiles.long[0], blocks[:4]) and tiles.long[3].tolist() == [200, 37, 230, 128]
     assert tiles.native[1].tolist() == [505, 510]
     assert split.long is not None and split.long[1].tolist() == [0, 237, 377]
+    # The tile kernel's rule: any cached share, up to a sequence length (the chunk after 600
+    # cached joins; with max_keys 700 the 728-token sequence stays native).
+    free = split_prefill(blocks, starts, qlens, kv, min_tokens=32, max_cached_ratio=None)
+    assert free.long is not None and free.long[1].tolist() == [0, 200, 237, 377, 510]
+    assert [(c.start, c.cached) for c in free.continued] == [(237, 90), (510, 600)]
+    capped = split_prefill(blocks, starts, qlens, kv, 32, max_cached_ratio=None, max_keys=700)
+    assert capped.long is not None and capped.long[1].tolist() == [0, 200, 237, 377]
+    assert capped.native is not None and capped.native[1].tolist() == [505, 510]
 
     everything = split_prefill(blocks[[0, 2]], starts[[0, 2]], qlens[[0, 2]], kv[[0, 2]])
     assert everything.flash == ((0, 200),) and len(everything.continued) == 1

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 SOURCE = CSRC / "amx_prefill.cpp"
 # Chunks of at least this many tokens go to the tile kernel; shorter ones to the native
 # vector kernel (prefill_attention), which packs nothing. Fresh prompts, one layer, AMX Xeon,
-# 2 threads, ms (benchmarks/fresh_prefill_attention.py):
+# 2 threads, ms (benchmarks/prefill_chunk_attention.py):
 #     8 query / 2 KV heads of 64    tiles   native      16 / 8 heads    tiles   native
 #         48 prompts x 8            0.291    0.131                      0.810    0.411
 #         32 x 16                   0.207    0.178                      0.634    0.425
@@ -43,6 +43,16 @@ SOURCE = CSRC / "amx_prefill.cpp"
 #         16 x 64                   0.358    0.650                      1.063    1.513
 #          8 x 256                  1.235    3.712                      3.196    8.630
 TILE_MIN_TOKENS = 32
+# Chunks of longer sequences stay with the vector kernel, which reads the cache in place: the
+# tile kernel packs a sequence's keys and values for each call, 4 bytes a head dimension a KV
+# head a token (128 MiB at this bound for 8 KV heads of 128), written and read once per layer.
+# Below it the tiles win whatever the cached share; a chunk after 8192 cached tokens, one
+# layer, ms (benchmarks/prefill_chunk_attention.py --cached 8192):
+#     new tokens     8 / 2 heads of 64: tiles  native     16 / 8: tiles  native
+#         64                            2.35    6.51             5.72   13.62
+#        256                            6.95   26.02            15.88   55.40
+#       2048                            57.6   228.6            123.7   512.2
+TILE_MAX_KEYS = 32768
 _REQUIRED_FLAGS = frozenset({"amx_bf16", "amx_tile"})
 _INSTEAD = "long prefill chunks attend through torch's flash attention"
 _vp, _i64 = ctypes.c_void_p, ctypes.c_int64

@@ -13,6 +13,7 @@ import torch
 
 from tandem.core.kernels.attention_metadata import AttentionGroup, GroupKernel
 from tandem.core.kernels.cpu.amx_prefill import (
+    TILE_MAX_KEYS,
     TILE_MIN_TOKENS,
     AmxPrefillAttention,
     amx_prefill,
@@ -107,9 +108,12 @@ def native_prefill(
         native: NativeShare | None = whole
         if q.dtype in flash:
             usable = on_tiles is not None and on_tiles.supports(q.shape[2], q.dtype)
-            if group.split is None:
-                least = TILE_MIN_TOKENS if usable else FLASH_MIN_TOKENS
-                group.split = split_prefill(*whole, min_tokens=least)
+            if group.split is None and usable:
+                group.split = split_prefill(
+                    *whole, TILE_MIN_TOKENS, max_cached_ratio=None, max_keys=TILE_MAX_KEYS
+                )
+            elif group.split is None:
+                group.split = split_prefill(*whole)
             split = group.split
             if on_tiles is not None and usable:
                 if split.long is not None:

@@ -27,7 +27,9 @@ without AMX (4.2 vs 18 ms on AVX512-BF16).
 
 Where the AMX tile kernel loads (``amx_prefill``), it takes these chunks instead, fresh or
 not, all of a step's in one call and from ``TILE_MIN_TOKENS`` up (``split_prefill``'s
-``min_tokens``), K/V read from the cache.
+``min_tokens``), K/V read from the cache, after any number of cached tokens up to
+``TILE_MAX_KEYS`` in all (its packing of them costs far less than the vector kernel's slower
+arithmetic: 256 new tokens after 8192 cached, 8 / 2 heads, 6.95 against 26.0 ms).
 """
 
 from __future__ import annotations
@@ -99,17 +101,24 @@ def split_prefill(
     query_lens: torch.Tensor,
     kv_lens: torch.Tensor,
     min_tokens: int = FLASH_MIN_TOKENS,
+    max_cached_ratio: int | None = FLASH_MAX_CACHED_RATIO,
+    max_keys: int | None = None,
 ) -> PrefillSplit:
     """Chunks of at least ``min_tokens`` to flash attention (fresh prompts, ``kv_lens ==
-    query_lens``, and chunks after at most ``FLASH_MAX_CACHED_RATIO`` times as many cached
-    tokens), every other sequence to the native kernel."""
+    query_lens``, and chunks after at most ``max_cached_ratio`` times as many cached tokens,
+    any number where None), every other sequence to the native kernel; with ``max_keys``,
+    only chunks of sequences of at most that many tokens."""
     long = query_lens >= min_tokens
+    if max_keys is not None:
+        long &= kv_lens <= max_keys
     fresh = long & (kv_lens == query_lens)
     flash = tuple(
         (int(start), int(length))
         for start, length in zip(starts[fresh].tolist(), query_lens[fresh].tolist(), strict=True)
     )
-    after = long & ~fresh & (kv_lens - query_lens <= FLASH_MAX_CACHED_RATIO * query_lens)
+    after = long & ~fresh
+    if max_cached_ratio is not None:
+        after &= kv_lens - query_lens <= max_cached_ratio * query_lens
     after_rows = after.nonzero().squeeze(1).tolist()
     continued = tuple(
         ContinuedChunk(

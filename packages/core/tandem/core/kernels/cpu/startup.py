@@ -25,11 +25,10 @@ from typing import Any
 import torch
 
 from tandem.core.kernels.cpu.amx_linear import amx_linear
-from tandem.core.kernels.cpu.amx_prefill import TILE_MIN_TOKENS, amx_prefill
+from tandem.core.kernels.cpu.amx_prefill import TILE_MAX_KEYS, TILE_MIN_TOKENS, amx_prefill
 from tandem.core.kernels.cpu.avx2_linear import avx2_linear
 from tandem.core.kernels.cpu.avx512_linear import avx512_linear
 from tandem.core.kernels.cpu.elementwise import native_elementwise
-from tandem.core.kernels.cpu.flash_prefill import FLASH_MAX_CACHED_RATIO
 from tandem.core.kernels.cpu.grouped_moe import grouped_expert_kernel
 from tandem.core.kernels.cpu.int4_linear import native_int4_linear
 from tandem.core.kernels.cpu.int8_gemm import native_int8
@@ -208,9 +207,9 @@ def _prefill_attention_choice(no_library: str) -> KernelChoice:
     if library is None or tiles is None:
         return _library_choice(role, library, "torch SDPA", no_library)
     why = (
-        f"built for this CPU; bfloat16 chunks of {TILE_MIN_TOKENS} tokens or more (after at "
-        f"most {FLASH_MAX_CACHED_RATIO}x as many cached) on AMX tiles, one call a layer for "
-        "all, the rest on vectors"
+        f"built for this CPU; bfloat16 chunks of {TILE_MIN_TOKENS} tokens or more in "
+        f"sequences of up to {TILE_MAX_KEYS} on AMX tiles, one call a layer for all, the rest "
+        "on vectors"
     )
     return KernelChoice(role, f"{_native_path(library)}, long chunks on AMX tiles", why)
 

@@ -19,7 +19,7 @@
 // - out = P . V / (sum of the unrounded probabilities), rounded to bfloat16 once.
 // Items go prompt by prompt and KV head by KV head, the most keys first, on a dynamic
 // schedule (see run()). The same 8 x 256 layer: 1.2 ms against flash attention's 2.0-2.1
-// (benchmarks/fresh_prefill_attention.py).
+// (benchmarks/prefill_chunk_attention.py).
 //
 // The tile instructions are the CPU's where it has AMX-BF16, or software in the test build
 // (TANDEM_AMX_EMULATE, amx_tiles.h); elsewhere the library holds no kernel and says so.
