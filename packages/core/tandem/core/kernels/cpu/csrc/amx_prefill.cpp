@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "vec_math.h"
@@ -371,9 +372,10 @@ void run(const Args& a, int threads) {
       }
     }
   }
-  std::vector<uint16_t> packed(static_cast<size_t>(base[a.spans]));
+  // Not zeroed first: the packing writes every element, zeros past each sequence included.
+  const std::unique_ptr<uint16_t[]> packed(new uint16_t[static_cast<size_t>(base[a.spans])]);
   const auto keys_of = [&](int64_t s, int64_t kvh) {
-    return packed.data() + base[s] + kvh * key_blocks(a.kv_lens[s]) * block_elems;
+    return packed.get() + base[s] + kvh * key_blocks(a.kv_lens[s]) * block_elems;
   };
   const auto values_of = [&](int64_t s, int64_t kvh) {
     return keys_of(s, kvh) + key_blocks(a.kv_lens[s]) * 2 * (a.dim / 32) * kTileElems;
