@@ -75,18 +75,18 @@ def emulated_tiles(tmp_path_factory: pytest.TempPathFactory) -> AmxPrefillAttent
 
 @pytest.mark.skipif(NATIVE is None, reason="no C++ compiler to build the kernel")
 @pytest.mark.parametrize(
-    ("dtype", "fresh"),
+    ("dtype", "long_chunks"),
     [(torch.float32, "torch"), (torch.bfloat16, "torch"), (torch.bfloat16, "tiles")],
 )
 def test_a_mixed_group_matches_the_reference(
-    dtype: torch.dtype, fresh: str, request: pytest.FixtureRequest
+    dtype: torch.dtype, long_chunks: str, request: pytest.FixtureRequest
 ) -> None:
-    """``fresh``: the long chunks through torch's flash attention, or all in one call of the
-    AMX tile kernel (its emulated build, on any CPU), which takes chunks from
-    ``TILE_MIN_TOKENS`` (the 37-token one too)."""
+    """``long_chunks``: through torch's flash attention, or all in one call of the AMX tile
+    kernel (its emulated build, on any CPU), which takes chunks from ``TILE_MIN_TOKENS``
+    (the 37-token one too)."""
     assert NATIVE is not None
     tiles: AmxPrefillAttention | None = None
-    if fresh == "tiles":
+    if long_chunks == "tiles":
         tiles = request.getfixturevalue("emulated_tiles")
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, head_dim, block_size = 16, 8, 64, 16

@@ -39,13 +39,13 @@
 #endif
 
 #if defined(TANDEM_AMX_EMULATE) || (defined(__AMX_TILE__) && defined(__AMX_BF16__))
-#define TANDEM_FRESH_TILES 1
+#define TANDEM_TILE_KERNEL 1
 #include "amx_tiles.h"
 #endif
 
 namespace {
 
-#if defined(TANDEM_FRESH_TILES)
+#if defined(TANDEM_TILE_KERNEL)
 
 using tandem::fast_exp;
 using tandem::float_to_bf16;
@@ -401,7 +401,7 @@ void run(const Args& a, int threads) {
   }
 }
 
-#endif  // TANDEM_FRESH_TILES
+#endif  // TANDEM_TILE_KERNEL
 
 }  // namespace
 
@@ -417,7 +417,7 @@ int tandem_tiles_supports(int64_t head_dim, int32_t dtype) {
 int tandem_prefill_tiles() {
 #if defined(TANDEM_AMX_EMULATE)
   return 2;
-#elif defined(TANDEM_FRESH_TILES)
+#elif defined(TANDEM_TILE_KERNEL)
   return 1;
 #else
   return 0;
@@ -439,7 +439,7 @@ int tandem_tile_prefill_attention(void* out, const void* q, const void* k_cache,
                                   int64_t q_stride, int64_t out_stride, int64_t table_stride,
                                   int64_t cache_block_stride, int64_t cache_token_stride,
                                   float scale, int32_t num_threads) {
-#if defined(TANDEM_FRESH_TILES)
+#if defined(TANDEM_TILE_KERNEL)
   if (head_dim != 64 && head_dim != 128 && head_dim != 256) return 1;
   if (num_heads < 1 || num_kv_heads < 1 || num_heads % num_kv_heads != 0) return 1;
   if (num_seqs < 0 || block_size < 1) return 1;
