@@ -8,14 +8,12 @@ flash attention (``flash_prefill``)."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 from pathlib import Path
 
 import torch
 
-from tandem.core.kernels.cpu.attention_library import AttentionLibrary
 from tandem.core.kernels.cpu.native_build import (
     AMX_EMULATION_DEFINE,
     BASE_FLAGS,
@@ -28,6 +26,7 @@ from tandem.core.kernels.cpu.native_build import (
     log_unbuilt,
     selected_isa,
 )
+from tandem.core.kernels.cpu.prefill_attention import NativePrefillAttention
 from tandem.core.kernels.process_once import ProcessOnce
 
 logger = logging.getLogger(__name__)
@@ -55,7 +54,6 @@ TILE_MIN_TOKENS = 32
 TILE_MAX_KEYS = 32768
 _REQUIRED_FLAGS = frozenset({"amx_bf16", "amx_tile"})
 _INSTEAD = "long prefill chunks attend through torch's flash attention"
-_vp, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
 def build_amx_prefill(
@@ -68,20 +66,20 @@ def build_amx_prefill(
     return build_library(SOURCE, "tandem_amx_prefill", flags, build_dir=build_dir, isa=isa)
 
 
-class AmxPrefillAttention(AttentionLibrary):
+class AmxPrefillAttention(NativePrefillAttention):
     """The loaded kernel: ``NativePrefillAttention``'s arguments and checks, bfloat16 only."""
 
+    entry = "tandem_tile_prefill_attention"
+    supports_symbol = "tandem_tiles_supports"
+
     def __init__(self, path: Path) -> None:
-        super().__init__(path, "tandem_tiles_supports")
+        super().__init__(path)
         built = int(self.lib.tandem_prefill_tiles())
         if built == 0:
             raise OSError("this build has no AMX-BF16 (the CPU, or the ISA level asked for)")
         self.emulated = built == 2
         if not self.emulated and not amx_tiles_granted():
             raise OSError("Linux did not grant the AMX tile state (arch_prctl)")
-        self._run = self.lib.tandem_tile_prefill_attention
-        self._run.argtypes = [_vp] * 8 + [_i64] * 10 + [ctypes.c_float, ctypes.c_int32]
-        self._run.restype = ctypes.c_int
 
     def __call__(
         self,
@@ -95,27 +93,9 @@ class AmxPrefillAttention(AttentionLibrary):
         kv_lens: torch.Tensor,
         scale: float,
     ) -> None:
-        """Chunk ``b`` is rows ``q_starts[b] .. + q_lens[b]`` of ``q``/``out`` [N, H, D]
-        (bfloat16); it attends causally the first ``kv_lens[b]`` tokens of the sequence in row
-        ``b`` of ``block_tables`` (the chunk's own K/V already in the cache, last). Caches
-        [num_blocks, block_size, Hkv, D]."""
-        _, num_heads, head_dim = q.shape
-        _, block_size, num_kv_heads, _ = k_cache.shape
         if not all(t.dtype is torch.bfloat16 for t in (q, out, k_cache, v_cache)):
             raise ValueError("the tile prefill attention takes bfloat16 q, out and caches")
-        self.check((q, out), k_cache, v_cache, (block_tables, q_starts, q_lens, kv_lens))
-        code = self._run(
-            out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            block_tables.data_ptr(), q_starts.data_ptr(), q_lens.data_ptr(), kv_lens.data_ptr(),
-            q_lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, q.stride(0),
-            out.stride(0), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), scale,
-            torch.get_num_threads(),
-        )  # fmt: skip
-        if code != 0:
-            raise ValueError(
-                f"the tile prefill attention refused its arguments (code {code}): "
-                f"heads {num_heads}/{num_kv_heads}, head_dim {head_dim}"
-            )
+        super().__call__(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, kv_lens, scale)
 
 
 def load_amx_prefill(

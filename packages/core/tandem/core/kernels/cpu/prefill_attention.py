@@ -45,9 +45,14 @@ class NativePrefillAttention(AttentionLibrary):
     """The loaded kernel. Callers pass contiguous int64 index tensors and q/out rows whose
     [H, D] part is contiguous; the kernel reads the caches where they are."""
 
+    # The library's entry point and its head-size and dtype query; another kernel with the
+    # same arguments (``amx_prefill``) names its own.
+    entry = "tandem_prefill_attention"
+    supports_symbol = "tandem_prefill_supports"
+
     def __init__(self, path: Path) -> None:
-        super().__init__(path, "tandem_prefill_supports")
-        self._run = self.lib.tandem_prefill_attention
+        super().__init__(path, self.supports_symbol)
+        self._run = getattr(self.lib, self.entry)
         self._run.argtypes = [
             *([ctypes.c_void_p] * 8),  # out, q, k_cache, v_cache, tables, starts, lens, kv lens
             *([ctypes.c_int64] * 10),

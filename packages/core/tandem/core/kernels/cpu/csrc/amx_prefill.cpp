@@ -150,31 +150,6 @@ T* sized(std::vector<T>& v, int64_t n) {
   return v.data();
 }
 
-#if defined(__AVX512F__)
-// exp(x) for x <= 0 as vec_math.h's exp16 computes it, with a degree-5 polynomial instead of
-// 7: truncation below r^6 / 720 <= 2.4e-6 relative (|r| <= ln2 / 2), far under the bfloat16
-// rounding (2^-9) every probability gets before it weighs a value; the sums it leaves in
-// float32 move by as little. 8 x 256 tokens, 8 / 2 and 16 / 8 heads: 1.22 -> 1.11 and 2.86 ->
-// 2.56 ms a layer.
-inline __m512 exp16_probs(__m512 x) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
-  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-  r = _mm512_fnmadd_ps(n, ln2_lo, r);
-  __m512 p = _mm512_set1_ps(1.0f / 120.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
-
 // Keys past a row's last tile are not set; a mask, not the value, leaves them out.
 inline uint32_t first_lanes(int32_t n) {
   return n >= 16 ? 0xFFFFu : (n <= 0 ? 0u : (1u << n) - 1u);
@@ -202,8 +177,10 @@ inline float softmax_row(const float* scores, int32_t n, int64_t blocks, float s
       continue;
     }
     const __mmask16 seen = static_cast<__mmask16>(first_lanes(n - k0));
+    // Degree 5: the probabilities are rounded to bfloat16 (8 x 256 tokens, 8 / 2 and 16 / 8
+    // heads: 1.22 -> 1.11 and 2.86 -> 2.56 ms a layer against degree 7).
     const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(scores + k0), top), factor);
-    const __m512 p = _mm512_maskz_mov_ps(seen, exp16_probs(x));
+    const __m512 p = _mm512_maskz_mov_ps(seen, tandem::exp16<5>(x));
     sum = _mm512_add_ps(sum, p);
 #if defined(__AVX512BF16__)
     // Round to nearest even as float_to_bf16; p is never NaN, and one below 2^-126 (a key
@@ -262,24 +239,9 @@ void run_item(const Args& a, const Item& it, const uint16_t* keys, const uint16_
     qstride = D * 2;
   }
 
-  // Scores, row-major: tile t holds the 16 rows x keys [16 t, 16 t + 16). Two key tiles at
-  // a time into tiles 0 and 3: two independent chains of products, one query load for both.
+  // Scores, row-major: tile t holds the 16 rows x keys [16 t, 16 t + 16).
   float* sc = sized(w.scores, kRows * ld);
-  int64_t t = 0;
-  for (; t + 1 < key_tiles; t += 2) {
-    TANDEM_TILE_ZERO(0);
-    TANDEM_TILE_ZERO(3);
-    for (int64_t s = 0; s < steps; ++s) {
-      TANDEM_TILE_LOADD(1, qp + s * 32, qstride);
-      TANDEM_TILE_LOADD(2, keys + (t * steps + s) * kTileElems, 64);
-      TANDEM_TILE_LOADD(4, keys + ((t + 1) * steps + s) * kTileElems, 64);
-      TANDEM_TILE_DPBF16PS(0, 1, 2);
-      TANDEM_TILE_DPBF16PS(3, 1, 4);
-    }
-    TANDEM_TILE_STORED(0, sc + t * kKeyTile, ld * 4);
-    TANDEM_TILE_STORED(3, sc + (t + 1) * kKeyTile, ld * 4);
-  }
-  if (t < key_tiles) {
+  for (int64_t t = 0; t < key_tiles; ++t) {
     TANDEM_TILE_ZERO(0);
     for (int64_t s = 0; s < steps; ++s) {
       TANDEM_TILE_LOADD(1, qp + s * 32, qstride);
@@ -429,8 +391,9 @@ int tandem_prefill_tiles() {
 // heads, dim], q_stride elements apart; out likewise with out_stride); its keys and values
 // are the first kv_lens[b] tokens of the sequence in row b of block_tables, in caches
 // [blocks, block_size, kv_heads, dim] (the chunk's own written last); chunk row j (position
-// kv_lens[b] - q_lens[b] + j) attends keys [0, its position]. dim 64, 128 or 256. Returns 0;
-// 1 for arguments it does not take; 2 where this build has no tile kernel.
+// kv_lens[b] - q_lens[b] + j) attends keys [0, its position]. dim 64, 128 or 256, dtype
+// bfloat16 only. Returns 0; 1 for arguments it does not take; 2 where this build has no tile
+// kernel.
 int tandem_tile_prefill_attention(void* out, const void* q, const void* k_cache,
                                   const void* v_cache, const int64_t* block_tables,
                                   const int64_t* q_starts, const int64_t* q_lens,
@@ -438,9 +401,9 @@ int tandem_tile_prefill_attention(void* out, const void* q, const void* k_cache,
                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                   int64_t q_stride, int64_t out_stride, int64_t table_stride,
                                   int64_t cache_block_stride, int64_t cache_token_stride,
-                                  float scale, int32_t num_threads) {
+                                  float scale, int32_t dtype, int32_t num_threads) {
 #if defined(TANDEM_TILE_KERNEL)
-  if (head_dim != 64 && head_dim != 128 && head_dim != 256) return 1;
+  if (tandem_tiles_supports(head_dim, dtype) == 0) return 1;
   if (num_heads < 1 || num_kv_heads < 1 || num_heads % num_kv_heads != 0) return 1;
   if (num_seqs < 0 || block_size < 1) return 1;
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -471,7 +434,8 @@ int tandem_tile_prefill_attention(void* out, const void* q, const void* k_cache,
   (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)q_starts;
   (void)q_lens, (void)kv_lens, (void)num_seqs, (void)num_heads, (void)num_kv_heads;
   (void)head_dim, (void)block_size, (void)q_stride, (void)out_stride, (void)table_stride;
-  (void)cache_block_stride, (void)cache_token_stride, (void)scale, (void)num_threads;
+  (void)cache_block_stride, (void)cache_token_stride, (void)scale, (void)dtype;
+  (void)num_threads;
   return 2;
 #endif
 }

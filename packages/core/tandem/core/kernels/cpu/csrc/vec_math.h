@@ -142,9 +142,12 @@ inline __m512 load16<uint16_t>(const uint16_t* p) {
 }
 
 // exp(x) for x <= 0 (scores minus their maximum). Range reduction x = n ln2 + r with
-// |r| <= ln2 / 2, a degree-7 Taylor polynomial (truncation below 1e-8 relative), and
-// scalef for 2^n, which also flushes very negative x to 0 instead of wrapping.
+// |r| <= ln2 / 2, a Taylor polynomial, and scalef for 2^n, which also flushes very negative
+// x to 0 instead of wrapping. Degree 7 by default (truncation below 1e-8 relative); degree 5
+// (below r^6 / 720 <= 2.4e-6) where every result is rounded to bfloat16 anyway (2^-9).
+template <int Degree = 7>
 inline __m512 exp16(__m512 x) {
+  static_assert(Degree == 5 || Degree == 7, "exp16 has degree 5 or 7");
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
   const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
   const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
@@ -153,9 +156,12 @@ inline __m512 exp16(__m512 x) {
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
   r = _mm512_fnmadd_ps(n, ln2_lo, r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  __m512 p = _mm512_set1_ps(1.0f / 120.0f);
+  if constexpr (Degree == 7) {
+    p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  }
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
