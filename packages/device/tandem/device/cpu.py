@@ -32,17 +32,29 @@ def _meminfo_bytes(field: str) -> int | None:
     return None
 
 
-def cpu_flags() -> frozenset[str]:
-    """The instruction-set flags the kernel reports for this CPU (empty where there is no
-    /proc/cpuinfo): what decides, for instance, whether bfloat16 matmuls are fast here."""
+def cpuinfo_field(name: str) -> str | None:
+    """The value of the first ``name`` line of /proc/cpuinfo, None where there is none."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
             for line in handle:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
+                key, sep, value = line.partition(":")
+                if sep and key.strip() == name:
+                    return value.strip()
     except OSError:
         pass
-    return frozenset()
+    return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags the kernel reports for this CPU (empty where there is no
+    /proc/cpuinfo): what decides, for instance, whether bfloat16 matmuls are fast here."""
+    return frozenset((cpuinfo_field("flags") or "").split())
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo names it (``GenuineIntel``, ``AuthenticAMD``), or
+    an empty string where it does not say (no /proc/cpuinfo, or an Arm CPU)."""
+    return cpuinfo_field("vendor_id") or ""
 
 
 # glibc mallopt parameters.

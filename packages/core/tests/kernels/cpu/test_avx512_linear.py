@@ -6,13 +6,21 @@ bias)."""
 from __future__ import annotations
 
 import math
+from functools import cache
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tandem.collectives import SingleRankGroup
-from tandem.core.kernels.cpu.avx512_linear import MAX_ROWS, Avx512Linear, avx512_linear
+from tandem.core.kernels.cpu.avx512_linear import (
+    MAX_ROWS,
+    Avx512Kernels,
+    Avx512Linear,
+    WeightStreaming,
+    avx512_linear,
+    load_avx512_linear,
+)
 from tandem.core.kernels.cpu.elementwise import native_elementwise
 from tandem.core.kernels.cpu.packed_linear import (
     native_kernel,
@@ -41,6 +49,22 @@ def _kernel(dtype: torch.dtype) -> Avx512Linear:
     return kernel
 
 
+@cache
+def _streamed_kernels(streaming: WeightStreaming) -> Avx512Kernels | None:
+    return load_avx512_linear(streaming=streaming)
+
+
+def _streamed(dtype: torch.dtype, streaming: WeightStreaming) -> Avx512Linear:
+    """The kernel built with ``streaming`` (each CPU vendor's; either runs on any AVX-512
+    CPU), called directly rather than through the layers; where this CPU's own build serves
+    ``dtype`` (on AMX CPUs oneDNN packs bfloat16 for AMX, a layout this kernel does not read)."""
+    _kernel(dtype)
+    kernels = _streamed_kernels(streaming)
+    kernel = None if kernels is None else getattr(kernels, str(dtype).removeprefix("torch."))
+    assert kernel is not None
+    return kernel
+
+
 def _packed(
     out_features: int, in_features: int, dtype: torch.dtype, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,12 +85,17 @@ def _tolerance(dtype: torch.dtype, exact: torch.Tensor, in_features: int) -> flo
     return 1e-5 * scale * math.sqrt(in_features)
 
 
-# K below one chunk, across the chunk edges (384 steps), and the bench model's down_proj.
+# K below one chunk, across the chunk edges (128 and 384 steps), and the bench model's
+# down_proj; one row block (each streaming's own prefetch), up to 16 (short chunks with L2
+# streaming) and more.
+@pytest.mark.parametrize("streaming", list(WeightStreaming))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(64, 32), (128, 96), (192, 1024), (1024, 2816)])
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 41, 48, 127, 128])
-def test_products_match_float64(dtype: torch.dtype, shape: tuple[int, int], rows: int) -> None:
-    kernel = _kernel(dtype)
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 41, 48, 96, 97, 128])
+def test_products_match_float64(
+    dtype: torch.dtype, shape: tuple[int, int], rows: int, streaming: WeightStreaming
+) -> None:
+    kernel = _streamed(dtype, streaming)
     out_features, in_features = shape
     weight, packed = _packed(out_features, in_features, dtype, seed=rows)
     adopted = kernel.adopt(packed, out_features, in_features)
@@ -80,10 +109,13 @@ def test_products_match_float64(dtype: torch.dtype, shape: tuple[int, int], rows
 
 
 # Prefill sizes: row groups of 512, the last one partial.
+@pytest.mark.parametrize("streaming", list(WeightStreaming))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [512, 515, 1100])
-def test_prefill_size_batches_pass_in_row_groups(dtype: torch.dtype, rows: int) -> None:
-    kernel = _kernel(dtype)
+def test_prefill_size_batches_pass_in_row_groups(
+    dtype: torch.dtype, rows: int, streaming: WeightStreaming
+) -> None:
+    kernel = _streamed(dtype, streaming)
     weight, packed = _packed(192, 1024, dtype, seed=rows)
     adopted = kernel.adopt(packed, 192, 1024)
     assert adopted is not None
@@ -199,6 +231,35 @@ def test_silu_in_the_epilogue_is_the_unfused_activation_bit_for_bit(
     got = layer.silu_matmul(x)
     assert got is not None and got.shape == (rows, 320)
     assert torch.equal(got, act.silu_mul(layer(x)))
+
+
+@pytest.mark.parametrize("streaming", list(WeightStreaming))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 48, 200])
+def test_each_streamings_fused_silu_is_its_plain_product_then_the_activation(
+    dtype: torch.dtype, rows: int, streaming: WeightStreaming
+) -> None:
+    """As above, on the kernel itself, for the streaming of either vendor: one row block,
+    8 (short chunks with L2 streaming), 34 (long ones); K 1024 cut into chunks."""
+    kernel = _streamed(dtype, streaming)
+    act = native_elementwise()
+    if act is None:
+        pytest.skip("no native elementwise kernels here")
+    _, packed = _packed(256, 1024, dtype, seed=rows)
+    adopted = kernel.adopt(packed, 256, 1024)
+    assert adopted is not None
+    x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(4)).to(dtype)
+    got = kernel.silu_matmul(x, adopted)
+    assert got.shape == (rows, 128)
+    assert torch.equal(got, act.silu_mul(adopted.matmul(x)))
+
+
+def test_each_vendor_gets_its_weight_streaming() -> None:
+    assert WeightStreaming.for_vendor("GenuineIntel") is WeightStreaming.L2
+    assert WeightStreaming.for_vendor("AuthenticAMD") is WeightStreaming.NTA
+    assert WeightStreaming.for_vendor("") is WeightStreaming.NTA
+    assert WeightStreaming.L2.defines == ("TANDEM_STREAM_TO_L2",)
+    assert WeightStreaming.NTA.defines == ()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -3,7 +3,8 @@ one call per projection for every active expert, against float64, and the MoE bl
 against the per-expert torch path (float32) or float64 (bfloat16); offsets they cannot trust
 are refused. Each is skipped where this CPU or ISA level does not serve its dtype with it,
 except the AMX kernel's test build on emulated tiles ("amx-emulated"), which every CPU runs
-where the kernel is called directly.
+where the kernel is called directly, and the AVX-512 kernel built with each CPU vendor's
+weight streaming ("avx512-float32-nta", "-l2"), which every AVX-512 CPU runs.
 
 Tolerance, per element: a float32 dot product over K terms is within gamma_K times the sum
 of |a_k b_k| of exact (Higham, sec. 3.1) in any order. Through the block: the gate/up
@@ -33,7 +34,13 @@ from tandem.collectives import SingleRankGroup
 from tandem.core.kernels.cpu import startup
 from tandem.core.kernels.cpu.amx_linear import AmxLinear, load_amx_linear
 from tandem.core.kernels.cpu.avx2_linear import Avx2Linear, pack_experts
-from tandem.core.kernels.cpu.avx512_linear import Avx512Linear, avx512_linear
+from tandem.core.kernels.cpu.avx512_linear import (
+    Avx512Kernels,
+    Avx512Linear,
+    WeightStreaming,
+    avx512_linear,
+    load_avx512_linear,
+)
 from tandem.core.kernels.cpu.elementwise import native_elementwise
 from tandem.core.kernels.cpu.packed_experts import GroupedExpertKernel, PackedExperts
 from tandem.core.kernels.cpu.packed_linear import native_kernel, packing_enabled
@@ -45,9 +52,12 @@ from tandem.device.cpu import collapse_to_huge_pages
 U = 2.0**-24
 U_BF16 = 2.0**-8
 CPU = torch.device("cpu")
-KERNELS = ["avx2-float32", "avx512-float32", "avx512-bfloat16", "amx-bfloat16", "amx-emulated"]
-# The kernels the engine may pack experts for (not the emulated test build).
-ENGINE_KERNELS = KERNELS[:-1]
+# The kernels the engine may pack experts for.
+ENGINE_KERNELS = ["avx2-float32", "avx512-float32", "avx512-bfloat16", "amx-bfloat16"]
+# And the test builds: emulated AMX, and the AVX-512 kernel with each vendor's weight
+# streaming (one of them this CPU's), float32 and, where the CPU has AVX512-BF16, bfloat16.
+STREAMED = [f"avx512-{d}-{s.value}" for d in ("float32", "bfloat16") for s in WeightStreaming]
+KERNELS = [*ENGINE_KERNELS, "amx-emulated", *STREAMED]
 
 
 def _gamma(k: int) -> float:
@@ -59,6 +69,11 @@ def _emulated_amx() -> AmxLinear | None:
     return load_amx_linear(emulated=True)
 
 
+@cache
+def _streamed_avx512(streaming: WeightStreaming) -> Avx512Kernels | None:
+    return load_avx512_linear(streaming=streaming)
+
+
 def _kernel(which: str = "avx2-float32") -> GroupedExpertKernel:
     """The grouped kernel ``which`` names, where the engine would pack experts for it (the
     emulated AMX build: wherever a compiler is)."""
@@ -67,6 +82,13 @@ def _kernel(which: str = "avx2-float32") -> GroupedExpertKernel:
         if emulated is None:
             pytest.skip("no C++ compiler")
         return emulated
+    if which in STREAMED:
+        _, dtype_name, streaming = which.split("-")
+        kernels = _streamed_avx512(WeightStreaming(streaming))
+        streamed: Avx512Linear | None = None if kernels is None else getattr(kernels, dtype_name)
+        if streamed is None:
+            pytest.skip(f"no AVX-512 {dtype_name} kernel on this CPU or ISA level")
+        return streamed
     isa, dtype_name = which.split("-")
     dtype = getattr(torch, dtype_name)
     kernel = native_kernel(dtype) if packing_enabled(dtype) else None

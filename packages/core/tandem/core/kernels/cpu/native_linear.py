@@ -56,8 +56,8 @@ def load_kernel_library(
 ) -> ctypes.CDLL | None:
     """Build (if needed) and load the library of a linear kernel; None where this CPU or
     process cannot have it, the reason logged. ``TANDEM_GEMM=onednn`` (the A side of an A/B)
-    keeps oneDNN at every batch size. ``defines``: preprocessor names of a test build, which
-    its cache name tells apart."""
+    keeps oneDNN at every batch size. ``defines``: preprocessor names (a test build's, a CPU
+    vendor's tuning), which the library's cache name tells apart."""
     if os.environ.get("TANDEM_GEMM", "").lower() == "onednn":
         logger.info("TANDEM_GEMM=onednn: no %s linear kernel, oneDNN at every batch size", what)
         return None

@@ -43,6 +43,7 @@ from tandem.core.kernels.cpu.packed_linear import native_kernel, packing_enabled
 from tandem.core.kernels.cpu.paged_attention import native_paged_attention
 from tandem.core.kernels.cpu.prefill_attention import native_prefill_attention
 from tandem.core.kernels.process_once import ProcessOnce
+from tandem.device.cpu import cpuinfo_field
 
 logger = logging.getLogger(__name__)
 
@@ -99,14 +100,7 @@ class CpuKernelReport:
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def compiler_version(compiler: str | None) -> str | None:

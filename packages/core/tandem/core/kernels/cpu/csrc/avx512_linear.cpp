@@ -48,9 +48,49 @@ namespace {
 constexpr int64_t kPanel = 64;       // columns of one packed panel
 constexpr int64_t kStepBytes = 256;  // bytes of one panel step: four zmm vectors
 constexpr int64_t kRows = 6;         // rows of one register block: 6 x 4 accumulators
-constexpr int64_t kChunk = 384;      // panel steps computed for every row block at once
 constexpr int64_t kLine = 64;        // bytes of a cache line
 constexpr int64_t kGroupRows = 512;  // rows of x passed through all panels at once
+
+constexpr int64_t kChunk = 384;      // panel steps computed for every row block at once
+
+// How the weight stream is asked for, by CPU vendor (the Python side defines
+// TANDEM_STREAM_TO_L2 on Intel). On AMD (Zen 4, Zen 5, where this kernel was tuned): chunks of
+// kChunk steps, the dense product's next chunk prefetched into L1, and a pass with a single
+// row block PREFETCHNTA (kNtaSteps). On the AMX Xeon guest (2 threads, float32, the bench
+// model's 33 weights from memory, ms): PREFETCHNTA lines are held by the core's few L1 fill
+// buffers until they arrive, and a single-block pass read 15 GB/s of the 25 the machine
+// gives: M = 1 29.0 -> 16.9 with the chunk prefetched into L2 instead. Decode-size groups
+// there also run chunks of kShortChunk steps (32 KiB, which the row blocks re-read from L1)
+// and the dense product prefetches into L2: M = 48 42.2 -> 38.5, M = 12 22.9 -> 20.2, the
+// bench MoE's experts at 256 tokens 3.82 -> 3.65 ms a layer (128 steps measured against 64,
+// 192 and 384); from M = 192 on, kChunk steps again (144.8 against 140.1 ms at 192).
+#if defined(TANDEM_STREAM_TO_L2)
+constexpr bool kStreamToL2 = true;
+#else
+constexpr bool kStreamToL2 = false;
+#endif
+constexpr int64_t kShortChunk = 128;
+constexpr int64_t kShortChunkBlocks = 16;  // row blocks a group has at most for short chunks
+
+// The most panel steps a chunk of a pass of `blocks` row blocks takes.
+inline int64_t chunk_limit(int64_t blocks) {
+  return kStreamToL2 && blocks <= kShortChunkBlocks ? kShortChunk : kChunk;
+}
+
+// The same, every chunk of a panel of `steps` the same length (the last one of a panel is
+// then long enough to prefetch the next).
+inline int64_t chunk_steps_for(int64_t steps, int64_t blocks) {
+  const int64_t most = chunk_limit(blocks);
+  const int64_t chunks = (steps + most - 1) / most;
+  return (steps + chunks - 1) / chunks;
+}
+
+// Row blocks of the largest expert's group of rows (offsets already checked).
+inline int64_t expert_blocks(const int64_t* offsets, int64_t experts) {
+  int64_t most = 0;
+  for (int64_t e = 0; e < experts; ++e) most = std::max(most, offsets[e + 1] - offsets[e]);
+  return (std::min(most, kGroupRows) + kRows - 1) / kRows;
+}
 
 // The thread's next weight bytes to prefetch, up to `end`, `lines` cache lines per step;
 // into L2 only where `l2`, else into L1 too.
@@ -78,8 +118,8 @@ constexpr int64_t kNtaSteps = 8;
 // `next`, into L2 only where `l2`.
 inline Prefetch plan_prefetch(const char* next, const char* end, int64_t blocks, int lines,
                               bool l2) {
-  return blocks == 1 ? Prefetch{next, end, 0, l2, /*nta=*/true}
-                     : Prefetch{next, end, lines, l2, /*nta=*/false};
+  return blocks == 1 && !kStreamToL2 ? Prefetch{next, end, 0, l2, /*nta=*/true}
+                                     : Prefetch{next, end, lines, l2, /*nta=*/false};
 }
 
 struct Float32 {
@@ -128,23 +168,25 @@ inline void block(float* sums, int64_t lds, typename Kind::Elem* out, int64_t ld
       acc[m][j] = FIRST ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + m * lds + 16 * j);
     }
   }
+  // The cursor in a local, not stored back through the reference every step.
+  const char* next = fetch.next;
   for (int64_t s = 0; s < steps; ++s) {
     if (fetch.nta) {
       const int64_t a = s + kNtaSteps;
-      const char* ahead = a < steps ? w + a * kStepBytes
-                          : fetch.next != nullptr ? fetch.next + (a - steps) * kStepBytes
-                                                  : nullptr;
+      const char* ahead = a < steps           ? w + a * kStepBytes
+                          : next != nullptr ? next + (a - steps) * kStepBytes
+                                            : nullptr;
       if (ahead != nullptr) {
         for (int l = 0; l < 4; ++l) _mm_prefetch(ahead + l * kLine, _MM_HINT_NTA);
       }
     }
-    for (int l = 0; l < fetch.lines && fetch.next < fetch.end; ++l) {
+    for (int l = 0; l < fetch.lines && next < fetch.end; ++l) {
       if (fetch.l2) {
-        _mm_prefetch(fetch.next, _MM_HINT_T1);
+        _mm_prefetch(next, _MM_HINT_T1);
       } else {
-        _mm_prefetch(fetch.next, _MM_HINT_T0);
+        _mm_prefetch(next, _MM_HINT_T0);
       }
-      fetch.next += kLine;
+      next += kLine;
     }
     const char* ws = w + s * kStepBytes;
     for (int m = 0; m < MR; ++m) {
@@ -152,6 +194,7 @@ inline void block(float* sums, int64_t lds, typename Kind::Elem* out, int64_t ld
       for (int j = 0; j < 4; ++j) acc[m][j] = Kind::fma(acc[m][j], a, ws + 64 * j);
     }
   }
+  fetch.next = next;
   if constexpr (FINAL && !std::is_same_v<Kind, Float32>) {
 #if defined(__AVX512BF16__)
     for (int m = 0; m < MR; ++m) {
@@ -219,6 +262,7 @@ int linear(typename Kind::Elem* out, const typename Kind::Elem* x, const void* w
   // the next group starts (each group streams the weights once more).
   const int64_t group_rows = std::min(M, kGroupRows);
   const int64_t blocks = (group_rows + kRows - 1) / kRows;
+  const int64_t chunk_steps = chunk_limit(blocks);
   // One chunk is 4 lines a step; the row blocks together prefetch the next one.
   const int lines = static_cast<int>((4 + blocks - 1) / blocks);
   const int threads =
@@ -238,7 +282,7 @@ int linear(typename Kind::Elem* out, const typename Kind::Elem* x, const void* w
       const int64_t gm = std::min(group_rows, M - g0);
       const typename Kind::Elem* xg = x + g0 * ldx;
       Prefetch fetch = plan_prefetch(wb + lo * panel_bytes, stream_end, blocks, lines,
-                                     /*l2=*/false);
+                                     /*l2=*/kStreamToL2);
       for (int64_t p = lo; p < hi; ++p) {
         typename Kind::Elem* op = out + g0 * ldo + p * kPanel;
         float* sums = reinterpret_cast<float*>(op);
@@ -247,12 +291,12 @@ int linear(typename Kind::Elem* out, const typename Kind::Elem* x, const void* w
           sums = scratch.data();
           lds = kPanel;
         }
-        for (int64_t s0 = 0; s0 < steps; s0 += kChunk) {
-          const int64_t n = std::min(kChunk, steps - s0);
+        for (int64_t s0 = 0; s0 < steps; s0 += chunk_steps) {
+          const int64_t n = std::min(chunk_steps, steps - s0);
           const char* wc = wb + p * panel_bytes + s0 * kStepBytes;
           const char* following = wc + n * kStepBytes;
           fetch.next = std::max(fetch.next, following);
-          fetch.end = std::min(stream_end, following + kChunk * kStepBytes);
+          fetch.end = std::min(stream_end, following + chunk_steps * kStepBytes);
           chunk<Kind>(s0 == 0, s0 + n == steps, gm, sums, lds, op, ldo,
                       xg + s0 * Kind::kPerStep, ldx, wc, n, fetch);
         }
@@ -307,9 +351,8 @@ int linear_silu(typename Kind::Elem* out, const typename Kind::Elem* x, const vo
   const int64_t steps = K / Kind::kPerStep;
   const int64_t panel_bytes = (K + Kind::kPad - 1) / Kind::kPad * Kind::kPad / Kind::kPerStep *
                               kStepBytes;
-  const int64_t chunks = (steps + kChunk - 1) / kChunk;
-  const int64_t chunk_steps = (steps + chunks - 1) / chunks;
   const int64_t group_rows = std::min(M, kGroupRows);
+  const int64_t chunk_steps = chunk_steps_for(steps, (group_rows + kRows - 1) / kRows);
   const int threads =
       static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, half)));
   const char* wb = static_cast<const char*>(w);
@@ -364,12 +407,11 @@ int grouped(typename Kind::Elem* out, const typename Kind::Elem* x, const void* 
   const int64_t steps = K / Kind::kPerStep;
   const int64_t panel_bytes = (K + Kind::kPad - 1) / Kind::kPad * Kind::kPad / Kind::kPerStep *
                               kStepBytes;
-  // Chunks of equal length, so the last one of a panel is long enough to prefetch the
-  // first one of the next item.
-  const int64_t chunks = (steps + kChunk - 1) / kChunk;
-  const int64_t chunk_steps = (steps + chunks - 1) / chunks;
   std::vector<int64_t> items;
   if (!tandem::expert_items(offsets, experts, M, panels, items)) return 1;
+  // Chunks of equal length, so the last one of a panel is long enough to prefetch the
+  // first one of the next item.
+  const int64_t chunk_steps = chunk_steps_for(steps, expert_blocks(offsets, experts));
   const int64_t count = static_cast<int64_t>(items.size());
   const int threads =
       static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, count)));
@@ -422,10 +464,9 @@ int grouped_silu(typename Kind::Elem* out, const typename Kind::Elem* x, const v
   const int64_t steps = K / Kind::kPerStep;
   const int64_t panel_bytes = (K + Kind::kPad - 1) / Kind::kPad * Kind::kPad / Kind::kPerStep *
                               kStepBytes;
-  const int64_t chunks = (steps + kChunk - 1) / kChunk;
-  const int64_t chunk_steps = (steps + chunks - 1) / chunks;
   std::vector<int64_t> items;  // expert * half + gate panel
   if (!tandem::expert_items(offsets, experts, M, half, items)) return 1;
+  const int64_t chunk_steps = chunk_steps_for(steps, expert_blocks(offsets, experts));
   const int64_t count = static_cast<int64_t>(items.size());
   const int threads =
       static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, count)));
