@@ -44,8 +44,8 @@ SOURCE = CSRC / "amx_linear.cpp"
 # Batches up to this many rows go to the AMX kernel (decode and small mixed steps).
 MAX_ROWS = 64
 _REQUIRED_FLAGS = frozenset({"amx_bf16", "amx_tile", "avx512_bf16"})
-# Rows of the probe batch: two full tiles and a partial third, so both passes of the kernel
-# and its partial-row stores are checked against oneDNN.
+# Rows of the probe batch: two full x tiles and a partial third, so the kernel's pass over
+# three tiles and its partial-row stores are checked against oneDNN.
 _PROBE_ROWS = 37
 
 
