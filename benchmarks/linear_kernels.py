@@ -6,7 +6,10 @@ sizes given. The two sides run interleaved (A B A B), each figure the median of 
 oneDNN's side is what ``TANDEM_GEMM=onednn`` serves.
 
     python benchmarks/linear_kernels.py [--model dense|hybrid] [--dtype float32]
-        [--rows 48 2048] [--rounds 6]
+        [--rows 48 2048] [--rounds 6] [--streamings]
+
+``--streamings``: the AVX-512 kernel built with each CPU vendor's weight streaming
+(``avx512_linear.WeightStreaming``) beside it, the same weights, interleaved too.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from functools import partial
 
 import torch
 
-from tandem.core.kernels.cpu.native_linear import AdoptedWeight
+from tandem.core.kernels.cpu.avx512_linear import WeightStreaming, load_avx512_linear
+from tandem.core.kernels.cpu.native_linear import AdoptedWeight, PackedWeightKernel
 from tandem.core.kernels.cpu.packed_linear import native_kernel
 
 # [out_features, in_features] of the bench models (`tandem make-demo-model --preset bench`,
@@ -94,6 +98,7 @@ def main() -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--rows", type=int, nargs="+", default=[48, 2048])
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--streamings", action="store_true")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     shapes, forward = MODELS[args.model]
@@ -101,21 +106,33 @@ def main() -> int:
     if kernel is None:
         print(f"no native {args.dtype} linear kernel on this CPU: nothing to compare")
         return 1
+    kernels: dict[str, PackedWeightKernel] = {"ours": kernel}
+    if args.streamings:
+        for streaming in WeightStreaming:
+            built = load_avx512_linear(streaming=streaming)
+            chosen = None if built is None else getattr(built, args.dtype)
+            if chosen is None:
+                print(f"no AVX-512 {args.dtype} kernel on this CPU: no streamings to compare")
+                return 1
+            kernels[streaming.value] = chosen
     gen = torch.Generator().manual_seed(0)
     packed: dict[str, torch.Tensor] = {}
-    adopted: dict[str, AdoptedWeight] = {}
+    adopted: dict[str, dict[str, AdoptedWeight]] = {side: {} for side in kernels}
     for name, (out_features, in_features) in shapes.items():
         weight = (torch.randn(out_features, in_features, generator=gen) * 0.02).to(dtype)
         packed[name] = torch.ops.mkldnn._reorder_linear_weight(weight, 128)
-        taken = kernel.adopt(packed[name], out_features, in_features)
-        if taken is None:
-            print(f"the {kernel.name} kernel did not adopt {name}: nothing to compare")
-            return 1
-        adopted[name] = taken
+        for side, each in kernels.items():
+            taken = each.adopt(packed[name], out_features, in_features)
+            if taken is None:
+                print(f"the {each.name} kernel did not adopt {name}: nothing to compare")
+                return 1
+            adopted[side][name] = taken
     print(f"{kernel.name} kernel against oneDNN, {args.dtype}, {torch.get_num_threads()} threads;")
     print(f"ms per call (per forward for 'all N'), median of {args.rounds} interleaved rounds")
     header = f"{'rows':>5} {'weights':<14} {'oneDNN ms':>10} {'ours ms':>10}"
-    print(f"{header} {'oneDNN GFLOP/s':>15} {'ours GFLOP/s':>13}")
+    streamed = [side for side in kernels if side != "ours"]
+    extra = "".join(f" {side + ' ms':>10}" for side in streamed)
+    print(f"{header} {'oneDNN GFLOP/s':>15} {'ours GFLOP/s':>13}{extra}")
     for rows in args.rows:
         x = {name: torch.randn(rows, k, generator=gen).to(dtype) for name, (_, k) in shapes.items()}
         cases: list[tuple[str, list[str], int]] = [(name, [name], 3) for name in shapes]
@@ -124,13 +141,14 @@ def main() -> int:
             print(f"  {label} at {rows} rows ...", file=sys.stderr, flush=True)
             sides: dict[str, Callable[[], object]] = {
                 "onednn": partial(_run_onednn, names, x, packed),
-                "ours": partial(_run_ours, names, x, adopted),
+                **{side: partial(_run_ours, names, x, adopted[side]) for side in kernels},
             }
             ms = _interleaved_ms(sides, args.rounds, repeats)
             flops = sum(2 * rows * shapes[n][0] * shapes[n][1] for n in names)
             print(
                 f"{rows:>5} {label:<14} {ms['onednn']:>10.2f} {ms['ours']:>10.2f} "
                 f"{flops / ms['onednn'] / 1e6:>15.0f} {flops / ms['ours'] / 1e6:>13.0f}"
+                + "".join(f" {ms[side]:>10.2f}" for side in streamed)
             )
     return 0
 
