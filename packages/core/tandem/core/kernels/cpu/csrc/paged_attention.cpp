@@ -204,16 +204,10 @@ struct Accumulator {
 // page) lose the stream at every block boundary and the core would wait on DRAM latency.
 template <typename T, int D>
 inline void prefetch_block(const T* rows, int64_t n, int64_t token_stride) {
-#if !defined(TANDEM_PA_NO_PREFETCH)
   constexpr int64_t kLine = 64 / sizeof(T);
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t e = 0; e < D; e += kLine) __builtin_prefetch(rows + t * token_stride + e, 0, 3);
   }
-#else
-  (void)rows;
-  (void)n;
-  (void)token_stride;
-#endif
 }
 
 // Cache lines asked for a few at a time between the arithmetic (vec_math.h's Ahead, into
@@ -227,13 +221,8 @@ using Ahead = tandem::Ahead</*write=*/false, /*locality=*/1>;
 // the block is read once, a head at a time, while the next one arrives.
 template <typename T>
 inline void prefetch_span(const T* p, int64_t n) {
-#if !defined(TANDEM_PA_NO_PREFETCH)
   constexpr int64_t kLine = 64 / sizeof(T);
   for (int64_t e = 0; e < n; e += kLine) __builtin_prefetch(p + e, 0, 1);
-#else
-  (void)p;
-  (void)n;
-#endif
 }
 
 #if defined(__AVX512F__)
@@ -1069,13 +1058,7 @@ void run_rows(const Args& a) {
 // Whether a call takes a work item per query token (run_rows, run_rows_tiles): enough
 // tokens to keep every thread busy.
 inline bool item_per_token(int64_t num_queries, int32_t threads) {
-#if defined(TANDEM_PA_ITEM_PER_HEAD)
-  (void)num_queries;
-  (void)threads;
-  return false;
-#else
   return num_queries >= 4 * static_cast<int64_t>(threads > 0 ? threads : 1);
-#endif
 }
 
 // Whether such a call scores on tiles (run_rows_tiles): bfloat16, G = 2, 4, 8 or 16 query
