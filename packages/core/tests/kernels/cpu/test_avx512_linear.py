@@ -242,6 +242,7 @@ def test_each_streamings_fused_silu_is_its_plain_product_then_the_activation(
     """As above, on the kernel itself, for the streaming of either vendor: one row block,
     8 (short chunks with L2 streaming), 34 (long ones); K 1024 cut into chunks."""
     kernel = _streamed(dtype, streaming)
+    assert kernel.detail == streaming.description  # what the start-up report says of it
     act = native_elementwise()
     if act is None:
         pytest.skip("no native elementwise kernels here")

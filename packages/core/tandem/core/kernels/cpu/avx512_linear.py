@@ -66,6 +66,30 @@ K_PAD = 16
 _PROBE_ROWS = 41
 
 
+class WeightStreaming(enum.Enum):
+    """How the kernel asks for the weight it streams from memory (see the source)."""
+
+    # Chunks of 384 steps, the next prefetched into L1, single-row-block passes PREFETCHNTA
+    # (kept out of the L3, where the rest of a step's state stays): tuned on AMD Zen 4 / 5.
+    NTA = "nta"
+    # Every prefetch into L2, chunks of 128 steps for up to 96 rows: Intel.
+    L2 = "l2"
+
+    @classmethod
+    def for_vendor(cls, vendor: str) -> WeightStreaming:
+        return cls.L2 if vendor == "GenuineIntel" else cls.NTA
+
+    @property
+    def defines(self) -> tuple[str, ...]:
+        return ("TANDEM_STREAM_TO_L2",) if self is WeightStreaming.L2 else ()
+
+    @property
+    def description(self) -> str:
+        if self is WeightStreaming.L2:
+            return "weights prefetched into L2 (Intel: PREFETCHNTA waits in L1 fill buffers)"
+        return "weights of single-row-block passes streamed PREFETCHNTA (AMD tuning)"
+
+
 class Avx512Linear(PackedWeightKernel, GroupedPanelCalls):
     """The kernel for one dtype: float32 (AVX-512F FMAs) or bfloat16 (AVX512-BF16)."""
 
@@ -73,8 +97,12 @@ class Avx512Linear(PackedWeightKernel, GroupedPanelCalls):
     probe_rows = _PROBE_ROWS
     panel = PANEL
 
-    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+    def __init__(
+        self, lib: ctypes.CDLL, dtype: torch.dtype, streaming: WeightStreaming | None = None
+    ) -> None:
         self.dtype = dtype
+        if streaming is not None:
+            self.detail = streaming.description
         float32 = dtype is torch.float32
         self.name = "AVX-512 float32" if float32 else "AVX512-BF16"
         suffix = "f32" if float32 else "bf16"
@@ -113,24 +141,6 @@ class Avx512Linear(PackedWeightKernel, GroupedPanelCalls):
         return packed if packed.packed.data_ptr() % 64 == 0 else None
 
 
-class WeightStreaming(enum.Enum):
-    """How the kernel asks for the weight it streams from memory (see the source)."""
-
-    # Chunks of 384 steps, the next prefetched into L1, single-row-block passes PREFETCHNTA
-    # (kept out of the L3, where the rest of a step's state stays): tuned on AMD Zen 4 / 5.
-    NTA = "nta"
-    # Chunks of 128 steps, every prefetch into L2: Intel.
-    L2 = "l2"
-
-    @classmethod
-    def for_vendor(cls, vendor: str) -> WeightStreaming:
-        return cls.L2 if vendor == "GenuineIntel" else cls.NTA
-
-    @property
-    def defines(self) -> tuple[str, ...]:
-        return ("TANDEM_STREAM_TO_L2",) if self is WeightStreaming.L2 else ()
-
-
 @dataclass(frozen=True)
 class Avx512Kernels:
     float32: Avx512Linear
@@ -151,13 +161,12 @@ def load_avx512_linear(
     )
     if lib is None:
         return None
-    logger.debug("AVX-512 linear kernel: weight streaming %s", streaming.value)
     built = int(lib.tandem_avx512_built())
     if built == 0:
         logger.warning("no AVX-512 linear kernel (the compiler did not target AVX-512)")
         return None
-    bf16 = Avx512Linear(lib, torch.bfloat16) if built == 2 else None
-    return Avx512Kernels(float32=Avx512Linear(lib, torch.float32), bfloat16=bf16)
+    bf16 = Avx512Linear(lib, torch.bfloat16, streaming) if built == 2 else None
+    return Avx512Kernels(float32=Avx512Linear(lib, torch.float32, streaming), bfloat16=bf16)
 
 
 # The process's kernels, built and loaded on first use.

@@ -115,6 +115,8 @@ class PackedWeightKernel(ABC):
     tolerance: float
     # Columns of one panel of the layout the kernel walks.
     panel: int
+    # What else the start-up report says of it (a choice made for this CPU), or nothing.
+    detail: str = ""
 
     @abstractmethod
     def readable(self, out_features: int, in_features: int) -> bool:

@@ -139,11 +139,12 @@ def _linear_choice(dtype: torch.dtype) -> KernelChoice:
             "oneDNN on packed weights",
             "no kernel of ours for this dtype and CPU (or TANDEM_GEMM=onednn, or no compiler)",
         )
+    detail = f"; {kernel.detail}" if kernel.detail else ""
     return KernelChoice(
         role,
         f"{kernel.name} kernel on oneDNN-packed weights",
         f"batches up to {kernel.max_rows} rows without bias; oneDNN for the rest and for "
-        "weights whose shape or layout it does not read",
+        f"weights whose shape or layout it does not read{detail}",
     )
 
 
