@@ -108,7 +108,8 @@ def test_products_match_float64(
     assert (got.double() - exact).abs().max().item() <= _tolerance(dtype, exact, in_features)
 
 
-# Prefill sizes: row groups of 512, the last one partial.
+# Prefill sizes: row groups of 512, the last one partial (L2 streaming: equal groups of
+# about 128 rows).
 @pytest.mark.parametrize("streaming", list(WeightStreaming))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [512, 515, 1100])
@@ -235,12 +236,13 @@ def test_silu_in_the_epilogue_is_the_unfused_activation_bit_for_bit(
 
 @pytest.mark.parametrize("streaming", list(WeightStreaming))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 48, 200])
+@pytest.mark.parametrize("rows", [1, 48, 200, 600])
 def test_each_streamings_fused_silu_is_its_plain_product_then_the_activation(
     dtype: torch.dtype, rows: int, streaming: WeightStreaming
 ) -> None:
     """As above, on the kernel itself, for the streaming of either vendor: one row block,
-    8 (short chunks with L2 streaming), 34 (long ones); K 1024 cut into chunks."""
+    8 (short chunks with L2 streaming), 34 (long ones), 600 rows (two groups, or five of
+    120 with L2 streaming); K 1024 cut into chunks."""
     kernel = _streamed(dtype, streaming)
     assert kernel.detail == streaming.description  # what the start-up report says of it
     act = native_elementwise()
