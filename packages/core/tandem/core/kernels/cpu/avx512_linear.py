@@ -72,7 +72,8 @@ class WeightStreaming(enum.Enum):
     # Chunks of 384 steps, the next prefetched into L1, single-row-block passes PREFETCHNTA
     # (kept out of the L3, where the rest of a step's state stays): tuned on AMD Zen 4 / 5.
     NTA = "nta"
-    # Every prefetch into L2, chunks of 128 steps for up to 96 rows: Intel.
+    # Every prefetch into L2, chunks of 128 steps for up to 96 rows, and batches of more
+    # than 384 rows in groups of about 128: Intel.
     L2 = "l2"
 
     @classmethod
