@@ -205,8 +205,9 @@ inline void pass_1x2(XTiles x, const uint16_t* w, int64_t steps, const uint16_t*
 // L2. Eight tiles hold no more than the six sums, one x tile and one weight half, so each
 // step loads five x tiles for its three (the last of one column half is the first of the
 // next): seven loads and six products a step, as the two passes took. A decode step of 48
-// rows (the bench model's 33 weights from memory, AMX Xeon guest): 13.6-14.6 -> 12.5-13.2
-// ms; the same weights in L2: 57.5 -> 53.1 us a 1024 x 1024 weight.
+// rows (the bench model's 33 weights from memory, AMX Xeon guest, four interleaved runs):
+// 13.6-15.1 -> 12.5-14.1 ms; one 1024 x 1024 weight in L2: 57.5 -> 53.1 us.
+template <bool Near>
 inline void pass_3x2(XTiles x, const uint16_t* w, int64_t steps, const uint16_t* after,
                      float* c) {
   TANDEM_TILE_ZERO(0);
@@ -217,23 +218,23 @@ inline void pass_3x2(XTiles x, const uint16_t* w, int64_t steps, const uint16_t*
   TANDEM_TILE_ZERO(5);
   for (int64_t s = 0; s < steps; ++s) {
     const uint16_t* b = w + s * kBlock;
-    const char* ahead = block_ahead<false>(w, s, steps, after);
+    const char* ahead = block_ahead<Near>(w, s, steps, after);
     const uint16_t* a = x.xp + s * x.step;
-    fetch_part<false>(ahead, 0);
+    fetch_part<Near>(ahead, 0);
     TANDEM_TILE_LOADD(7, b, kBStride);
     TANDEM_TILE_LOADD(6, a, 64);
     TANDEM_TILE_DPBF16PS(0, 6, 7);
     TANDEM_TILE_LOADD(6, a + x.next, 64);
     TANDEM_TILE_DPBF16PS(2, 6, 7);
-    fetch_part<false>(ahead, 1);
+    fetch_part<Near>(ahead, 1);
     TANDEM_TILE_LOADD(6, a + 2 * x.next, 64);
     TANDEM_TILE_DPBF16PS(4, 6, 7);
     TANDEM_TILE_LOADD(7, b + 32, kBStride);
     TANDEM_TILE_DPBF16PS(5, 6, 7);
-    fetch_part<false>(ahead, 2);
+    fetch_part<Near>(ahead, 2);
     TANDEM_TILE_LOADD(6, a + x.next, 64);
     TANDEM_TILE_DPBF16PS(3, 6, 7);
-    fetch_part<false>(ahead, 3);
+    fetch_part<Near>(ahead, 3);
     TANDEM_TILE_LOADD(6, a, 64);
     TANDEM_TILE_DPBF16PS(1, 6, 7);
   }
@@ -251,7 +252,7 @@ template <bool Near = false>
 inline void unit_rows(XTiles x, const uint16_t* w, int64_t steps, int64_t rows,
                       const uint16_t* after, float* c) {
   if (rows > 32) {
-    pass_3x2(x, w, steps, after, c);
+    pass_3x2<Near>(x, w, steps, after, c);
   } else if (rows > 16) {
     pass_2x2<Near>(x, w, steps, after, c);
   } else {
