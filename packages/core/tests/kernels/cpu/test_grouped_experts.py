@@ -4,7 +4,8 @@ against the per-expert torch path (float32) or float64 (bfloat16); offsets they 
 are refused. Each is skipped where this CPU or ISA level does not serve its dtype with it,
 except the AMX kernel's test build on emulated tiles ("amx-emulated"), which every CPU runs
 where the kernel is called directly, and the AVX-512 kernel built with each CPU vendor's
-weight streaming ("avx512-float32-nta", "-l2"), which every AVX-512 CPU runs.
+weight streaming ("avx512-float32-nta", "avx512-float32-l2", and bfloat16's where the CPU has
+AVX512-BF16), which every AVX-512 CPU runs.
 
 Tolerance, per element: a float32 dot product over K terms is within gamma_K times the sum
 of |a_k b_k| of exact (Higham, sec. 3.1) in any order. Through the block: the gate/up
