@@ -60,7 +60,8 @@ def _streamed(dtype: torch.dtype, streaming: WeightStreaming) -> Avx512Linear:
     ``dtype`` (on AMX CPUs oneDNN packs bfloat16 for AMX, a layout this kernel does not read)."""
     _kernel(dtype)
     kernels = _streamed_kernels(streaming)
-    kernel = None if kernels is None else getattr(kernels, str(dtype).removeprefix("torch."))
+    name = str(dtype).removeprefix("torch.")
+    kernel: Avx512Linear | None = None if kernels is None else getattr(kernels, name)
     assert kernel is not None
     return kernel
 
@@ -253,7 +254,7 @@ def test_each_streamings_fused_silu_is_its_plain_product_then_the_activation(
     assert adopted is not None
     x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(4)).to(dtype)
     got = kernel.silu_matmul(x, adopted)
-    assert got.shape == (rows, 128)
+    assert got is not None and got.shape == (rows, 128)
     assert torch.equal(got, act.silu_mul(adopted.matmul(x)))
 
 
