@@ -12,8 +12,6 @@ import logging
 import os
 from pathlib import Path
 
-import torch
-
 from tandem.core.kernels.cpu.native_build import (
     AMX_EMULATION_DEFINE,
     BASE_FLAGS,
@@ -67,7 +65,8 @@ def build_amx_prefill(
 
 
 class AmxPrefillAttention(NativePrefillAttention):
-    """The loaded kernel: ``NativePrefillAttention``'s arguments and checks, bfloat16 only."""
+    """The loaded kernel: ``NativePrefillAttention``'s arguments and checks; the library
+    takes bfloat16 only (``tandem_tiles_supports``) and refuses anything else."""
 
     entry = "tandem_tile_prefill_attention"
     supports_symbol = "tandem_tiles_supports"
@@ -80,22 +79,6 @@ class AmxPrefillAttention(NativePrefillAttention):
         self.emulated = built == 2
         if not self.emulated and not amx_tiles_granted():
             raise OSError("Linux did not grant the AMX tile state (arch_prctl)")
-
-    def __call__(
-        self,
-        out: torch.Tensor,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        q_starts: torch.Tensor,
-        q_lens: torch.Tensor,
-        kv_lens: torch.Tensor,
-        scale: float,
-    ) -> None:
-        if not all(t.dtype is torch.bfloat16 for t in (q, out, k_cache, v_cache)):
-            raise ValueError("the tile prefill attention takes bfloat16 q, out and caches")
-        super().__call__(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, kv_lens, scale)
 
 
 def load_amx_prefill(

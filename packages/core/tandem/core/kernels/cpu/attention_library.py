@@ -37,7 +37,12 @@ class AttentionLibrary:
         indices: tuple[torch.Tensor, ...],
     ) -> None:
         """``rows`` ([N, H, D] queries and outputs) need contiguous [H, D] rows, ``indices``
-        int64 with a contiguous last dimension, the caches to be contiguous and alike."""
+        int64 with a contiguous last dimension, the caches to be contiguous and alike, and all
+        of them one dtype the kernels read (each entry point takes a single dtype code; which
+        of those its build handles, ``supports`` says and the entry point checks)."""
+        dtypes = {t.dtype for t in (*rows, k_cache, v_cache)}
+        if len(dtypes) != 1 or not dtypes <= DTYPE_CODES.keys():
+            raise ValueError("q, out and the K/V caches must share one dtype, float32 or bfloat16")
         for t in rows:
             if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
                 raise ValueError("q and out need contiguous [H, D] rows")
