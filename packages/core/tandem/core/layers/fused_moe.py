@@ -26,7 +26,11 @@ from torch import nn
 
 from tandem.collectives import ProcessGroup
 from tandem.core.kernels import handles
-from tandem.core.kernels.cpu.grouped_moe import grouped_expert_kernel, grouped_fused_moe
+from tandem.core.kernels.cpu.grouped_moe import (
+    grouped_expert_kernel,
+    grouped_fused_moe,
+    grouped_routed_moe,
+)
 from tandem.core.kernels.cpu.packed_experts import GroupedExpertKernel, PackedExperts
 from tandem.core.kernels.reference.elementwise import GATED_ACTIVATIONS
 from tandem.core.kernels.reference.fused_moe import sort_rows, spans_of
@@ -64,6 +68,15 @@ class RoutedExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.local_size = _divide(intermediate_size, group.size, "moe_intermediate_size")
         self.activation = activation
+
+    def routed(
+        self, x: torch.Tensor, logits: torch.Tensor, top_k: int, normalize: bool
+    ) -> torch.Tensor | None:
+        """``forward`` of the router's choice from its ``logits`` [T, E] (``TopKRouter``'s:
+        top ``top_k`` of their softmax, renormalised where ``normalize``) where this module
+        routes and computes in one call, the same result; None where it does not (the caller
+        then routes and calls ``forward``)."""
+        return None
 
     def load_checkpoint_tensor(self, suffix: str, loaded: LazyTensor, name: str) -> None:
         """``suffix``: the name after ``experts.`` (``3.up_proj.weight``, ``gate_up_proj``)."""
@@ -126,6 +139,16 @@ class FusedMoeExperts(RoutedExperts):
                 x, kernel, w13, w2, topk_weights, topk_ids, self._act, self.activation
             )
         return self._kernel(x, self.w13, self.w2, topk_weights, topk_ids, self.activation)
+
+    def routed(
+        self, x: torch.Tensor, logits: torch.Tensor, top_k: int, normalize: bool
+    ) -> torch.Tensor | None:
+        """On the grouped CPU kernels: one native call (``grouped_routed_moe``)."""
+        grouped = self._grouped
+        if grouped is None:
+            return None
+        kernel, w13, w2 = grouped
+        return grouped_routed_moe(x, logits, top_k, normalize, kernel, w13, w2, self.activation)
 
     def routed_inputs(
         self, x: torch.Tensor, topk_ids: torch.Tensor

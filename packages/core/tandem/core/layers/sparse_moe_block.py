@@ -38,7 +38,11 @@ class TopKRouter(ReplicatedLinear):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights (model dtype) and expert ids, each [T, top_k]."""
-        return self._topk(self.matmul(x), self.top_k, self.normalize)
+        return self.choose(self.matmul(x))
+
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``route`` of the router's ``logits`` [T, E]."""
+        return self._topk(logits, self.top_k, self.normalize)
 
 
 class SharedExpert(nn.Module):
@@ -112,8 +116,11 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = ReplicatedLinear(hidden_size, out_features=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate.route(x)
-        out: torch.Tensor = self.experts(x, weights, ids)
+        logits = self.gate.matmul(x)
+        gate = self.gate
+        out = self.experts.routed(x, logits, gate.top_k, gate.normalize)
+        if out is None:
+            out = self.experts(x, *gate.choose(logits))
         partial = self.experts.partial_sums
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # The gate is one scalar per token, identical on every rank: scaling the partial

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.collectives import SingleRankGroup
+from tandem.core.kernels import handles
 from tandem.core.kernels.cpu import startup
 from tandem.core.kernels.cpu.amx_linear import AmxLinear, load_amx_linear
 from tandem.core.kernels.cpu.avx2_linear import Avx2Linear, pack_experts
@@ -43,6 +44,12 @@ from tandem.core.kernels.cpu.avx512_linear import (
     load_avx512_linear,
 )
 from tandem.core.kernels.cpu.elementwise import native_elementwise
+from tandem.core.kernels.cpu.grouped_moe import grouped_fused_moe
+from tandem.core.kernels.cpu.moe_routing import (
+    NativeMoeRouting,
+    native_moe_routing,
+    workspace_bytes,
+)
 from tandem.core.kernels.cpu.packed_experts import GroupedExpertKernel, PackedExperts
 from tandem.core.kernels.cpu.packed_linear import native_kernel, packing_enabled
 from tandem.core.kernels.reference.fused_moe import fused_moe
@@ -388,3 +395,112 @@ def test_the_block_takes_the_fused_silu_only_where_both_halves_fill_panels(
         fused.clear()
         block(x, weights.to(kernel.dtype), ids)
         assert fused == ([18] if takes_it else [])
+
+
+def _routing() -> NativeMoeRouting:
+    routing = native_moe_routing()
+    if routing is None:
+        pytest.skip("no native MoE routing library here (no compiler?)")
+    return routing
+
+
+@pytest.mark.parametrize("which", KERNELS)
+# A decode step's row or two, the bench MoE's 48 rows of 8 experts, top 8 of 16 experts.
+@pytest.mark.parametrize(("tokens", "top_k", "experts"), [(1, 1, 4), (48, 2, 8), (300, 8, 16)])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_one_call_block_is_the_routed_calls_bit_for_bit(
+    which: str, tokens: int, top_k: int, experts: int, normalize: bool
+) -> None:
+    """``NativeMoeRouting.block`` against the calls it replaces (top-k, sort, gather, both
+    grouped GEMMs, the sum back), made one by one on the same kernel: the same operations on
+    the same values in the same order, so equal to the bit."""
+    kernel, routing = _kernel(which), _routing()
+    hidden, inter = 256, 192 if isinstance(kernel, AmxLinear) else 128
+    g = torch.Generator().manual_seed(tokens + experts)
+    w13 = kernel.pack_experts((torch.randn(experts, 2 * inter, hidden, generator=g) * 0.05)
+                              .to(kernel.dtype))  # fmt: skip
+    w2 = kernel.pack_experts((torch.randn(experts, hidden, inter, generator=g) * 0.05)
+                             .to(kernel.dtype))  # fmt: skip
+    assert w13 is not None and w2 is not None and kernel.gates_silu(w13)
+    x = torch.randn(tokens, hidden, generator=g).to(kernel.dtype)
+    logits = torch.randn(tokens, experts, generator=g).to(kernel.dtype)
+
+    weights, ids = routing.topk_softmax(logits, top_k, normalize)
+    act = handles.gated_activation("silu")
+    want = grouped_fused_moe(x, kernel, w13, w2, weights, ids, act, "silu")
+    gate_up = (w13, kernel.grouped_entry(w13, silu=True))
+    down = (w2, kernel.grouped_entry(w2, silu=False))
+    got = routing.block(x, logits, top_k, normalize, gate_up, down)
+    assert got.dtype is kernel.dtype and got.shape == (tokens, hidden)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("which", ENGINE_KERNELS)
+def test_the_experts_module_routes_in_one_call_as_the_router_then_forward(which: str) -> None:
+    """``FusedMoeExperts.routed`` (what ``SparseMoeBlock`` calls first) against the router's
+    top-k then ``forward``; None, so that the block routes, where the module is unpacked."""
+    kernel = _kernel(which)
+    hidden, experts, inter, tokens = 128, 8, 128, 33
+    g = torch.Generator().manual_seed(8)
+    block = FusedMoeExperts(experts, hidden, inter, "silu", SingleRankGroup())
+    block.w13.data = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1).to(kernel.dtype)
+    block.w2.data = (torch.randn(experts, hidden, inter, generator=g) * 0.1).to(kernel.dtype)
+    x = torch.randn(tokens, hidden, generator=g).to(kernel.dtype)
+    logits = torch.randn(tokens, experts, generator=g).to(kernel.dtype)
+    assert block.routed(x, logits, 2, normalize=True) is None
+    assert pack_expert_weights(block, CPU, kernel.dtype) == 1
+    got = block.routed(x, logits, 2, normalize=True)
+    assert got is not None
+    assert torch.equal(got, block(x, *_routing().topk_softmax(logits, 2, normalize=True)))
+    with pytest.raises(ValueError, match="top_k must be from 1"):
+        block.routed(x, logits, experts + 1, normalize=True)
+
+
+def test_the_one_call_block_refuses_what_does_not_fit() -> None:
+    kernel, routing = _kernel("amx-emulated"), _routing()
+    w13 = kernel.pack_experts(torch.randn(4, 128, 64).bfloat16())
+    w2 = kernel.pack_experts(torch.randn(4, 64, 64).bfloat16())
+    assert w13 is not None and w2 is not None
+    gate_up = (w13, kernel.grouped_entry(w13, silu=True))
+    down = (w2, kernel.grouped_entry(w2, silu=False))
+    x = torch.randn(5, 64).bfloat16()
+    with pytest.raises(ValueError, match="rows and logits alike"):
+        routing.block(x, torch.randn(5, 4), 2, True, gate_up, down)
+    with pytest.raises(ValueError, match=r"logits \[5, 4\]"):
+        routing.block(x, torch.randn(5, 3).bfloat16(), 2, True, gate_up, down)
+    with pytest.raises(ValueError, match="do not fit its rows"):
+        routing.block(x, torch.randn(5, 4).bfloat16(), 2, True, down, down)
+
+
+@pytest.mark.parametrize("which", ["amx-emulated", "avx2-float32", "avx512-float32"])
+@pytest.mark.parametrize(("tokens", "top_k", "experts", "hidden"),
+                         [(1, 1, 4, 64), (7, 3, 5, 128), (300, 8, 128, 192)])  # fmt: skip
+def test_the_block_workspace_is_the_size_the_native_code_carves(
+    which: str, tokens: int, top_k: int, experts: int, hidden: int
+) -> None:
+    """``workspace_bytes`` against the C source's own count: a byte less is refused (code
+    4) before anything is written, the size itself runs."""
+    kernel, routing = _kernel(which), _routing()
+    inter, dtype = 64, kernel.dtype
+    w13 = kernel.pack_experts(torch.zeros(experts, 2 * inter, hidden).to(dtype))
+    w2 = kernel.pack_experts(torch.zeros(experts, hidden, inter).to(dtype))
+    assert w13 is not None and w2 is not None
+    up, down = kernel.grouped_entry(w13, silu=True), kernel.grouped_entry(w2, silu=False)
+    size = workspace_bytes(tokens * top_k, experts, hidden, inter, dtype)
+    workspace = torch.empty(size, dtype=torch.uint8)
+    logits = torch.zeros(tokens, experts).to(dtype)
+    x = torch.zeros(tokens, hidden).to(dtype)
+    y = torch.full((tokens, hidden), float("nan")).to(dtype)
+
+    def call(bytes_: int) -> int:
+        return int(routing._block(
+            y.data_ptr(), x.data_ptr(), tokens, hidden, hidden, hidden, logits.data_ptr(),
+            experts, experts, top_k, 1, w13.packed.data_ptr(), up.address, up.panel,
+            w2.packed.data_ptr(), down.address, down.panel, inter, workspace.data_ptr(),
+            bytes_, 1 if dtype is torch.bfloat16 else 0, 1,
+        ))  # fmt: skip
+
+    assert call(size - 1) == 4
+    assert bool(y.isnan().all())
+    assert call(size) == 0
+    assert bool((y == 0).all())

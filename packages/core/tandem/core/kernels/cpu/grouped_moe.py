@@ -55,3 +55,29 @@ def grouped_fused_moe(
     offsets, token, slot = routing.route(topk_ids, w13.experts)
     hidden = gate_up(routing.gather(x, token), offsets)
     return routing.combine(kernel.grouped_matmul(hidden, w2, offsets), topk_weights, slot)
+
+
+def grouped_routed_moe(
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    top_k: int,
+    normalize: bool,
+    kernel: GroupedExpertKernel,
+    w13: PackedExperts,
+    w2: PackedExperts,
+    activation: str,
+) -> torch.Tensor | None:
+    """The router's choice from ``logits`` and ``grouped_fused_moe`` of it in one native
+    call (``NativeMoeRouting.block``), the same result bit for bit; None where that call
+    does not serve these experts (no routing library, another activation, gate/up halves
+    that are not whole panels): the caller then routes and calls ``grouped_fused_moe``."""
+    routing = native_moe_routing()
+    if routing is None or not routing.handles(x.dtype) or logits.dtype is not x.dtype:
+        return None
+    if activation != "silu" or not kernel.gates_silu(w13):
+        return None
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    gate_up = (w13, kernel.grouped_entry(w13, silu=True))
+    down = (w2, kernel.grouped_entry(w2, silu=False))
+    return routing.block(x, logits.contiguous(), top_k, normalize, gate_up, down)

@@ -9,7 +9,8 @@ gives. The top-k chooses on the logits as torch.topk chooses on the probabilitie
 experts in the same order for bfloat16 logits, ties included, and for float32 logits except
 where two a rounding apart get one probability, or a row holds a NaN; its weights within
 float32 roundings of ``topk_softmax``'s. Built on first use (see ``native_build``); None where
-the library cannot be had (the grouped path then does all of it in torch)."""
+the library cannot be had (the grouped path then does all of it in torch). ``block`` runs all
+of it around the grouped kernel's two GEMMs in one native call."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from tandem.core.kernels.cpu.native_build import (
     compiled_path,
     log_unbuilt,
 )
+from tandem.core.kernels.cpu.packed_experts import GroupedEntry, PackedExperts
 from tandem.core.kernels.handle import NativeChoice, library_choice
 from tandem.core.kernels.process_once import ProcessOnce
 
@@ -41,6 +43,7 @@ SOURCE = CSRC / "moe_routing.cpp"
 FLAGS = (*BASE_FLAGS, "-ffp-contract=off")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+_ALIGN = 64
 
 
 class NativeMoeRouting:
@@ -58,6 +61,11 @@ class NativeMoeRouting:
         self._combine = c_function(
             self.lib.tandem_moe_combine, [_vp] * 4 + [_i64] * 5 + [_i32, _i32]
         )
+        self._block = c_function(
+            self.lib.tandem_moe_block,
+            [_vp, _vp] + [_i64] * 4 + [_vp] + [_i64] * 3
+            + [_i32, _vp, _vp, _i32, _vp, _vp, _i32, _i64, _vp, _i64, _i32, _i32],
+        )  # fmt: skip
 
     @staticmethod
     def handles(dtype: torch.dtype) -> bool:
@@ -145,6 +153,67 @@ class NativeMoeRouting:
         if code != 0:
             raise ValueError(f"the MoE combine refused its arguments ({code})")
         return out
+
+    def block(
+        self,
+        x: torch.Tensor,
+        logits: torch.Tensor,
+        top_k: int,
+        normalize: bool,
+        gate_up: tuple[PackedExperts, GroupedEntry],
+        down: tuple[PackedExperts, GroupedEntry],
+    ) -> torch.Tensor:
+        """A layer's routed experts in one native call: ``topk_softmax`` of the router's
+        ``logits`` [T, E], ``route``, ``gather``, the grouped gate/up GEMM with SiLU-and-mul
+        (``gate_up``: the packed [E, 2 I, H] weights and that kernel's entry point), the
+        grouped down one (``down``: [E, H, I]) and ``combine``, in that order on the same
+        buffers: their result [T, H] bit for bit, where a decode step paid each call's way
+        through Python (at 48 rows of the bench MoE, more than a tenth of the layer)."""
+        w13, up_entry = gate_up
+        w2, down_entry = down
+        tokens, hidden = x.shape
+        inter = w2.in_features
+        if x.dtype not in _DTYPES or logits.dtype is not x.dtype or x.stride(1) != 1:
+            raise ValueError("the MoE block takes float32 or bfloat16 rows and logits alike")
+        if logits.shape != (tokens, w13.experts) or logits.stride(1) != 1:
+            raise ValueError(f"the MoE block takes logits [{tokens}, {w13.experts}], rows dense")
+        if (w13.in_features, w13.out_features, w2.out_features) != (hidden, 2 * inter, hidden):
+            raise ValueError("the MoE block's gate/up and down weights do not fit its rows")
+        size = workspace_bytes(tokens * top_k, w13.experts, hidden, inter, x.dtype)
+        workspace = torch.empty(size, dtype=torch.uint8)
+        out = torch.empty(tokens, hidden, dtype=x.dtype)
+        code = self._block(
+            out.data_ptr(), x.data_ptr(), tokens, hidden, x.stride(0), out.stride(0),
+            logits.data_ptr(), logits.stride(0), w13.experts, top_k, int(normalize),
+            w13.packed.data_ptr(), up_entry.address, up_entry.panel,
+            w2.packed.data_ptr(), down_entry.address, down_entry.panel, inter,
+            workspace.data_ptr(), size, _DTYPES[x.dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        if code == 1:
+            raise ValueError(f"top_k must be from 1 to the router's {w13.experts} experts, "
+                             f"got {top_k}")  # fmt: skip
+        if code != 0:
+            raise ValueError(f"the MoE block refused its arguments ({code})")
+        return out
+
+
+def workspace_bytes(pairs: int, experts: int, hidden: int, inter: int, dtype: torch.dtype) -> int:
+    """The scratch ``block`` takes for ``pairs`` (token, expert) pairs (``block_workspace``
+    in the C source, which refuses less): the ids, offsets, tokens and slots (int64), the
+    routing weights, the gathered rows and the intermediate activations, each from a
+    multiple of 64 bytes."""
+    elem = torch.finfo(dtype).bits // 8
+
+    def aligned(size: int) -> int:
+        return -(-size // _ALIGN) * _ALIGN
+
+    return (
+        aligned(pairs * 8) * 3
+        + aligned((experts + 1) * 8)
+        + aligned(pairs * elem)
+        + aligned(pairs * hidden * elem)
+        + aligned(pairs * inter * elem)
+    )
 
 
 def load_native_moe_routing(

@@ -34,6 +34,16 @@ class PackedExperts:
     panel: int
 
 
+@dataclass(frozen=True)
+class GroupedEntry:
+    """A grouped kernel's C entry point (``grouped_call``'s signature), for native code that
+    calls it (``moe_routing.py``'s block): its address, and the panel width it takes (-1:
+    it takes none)."""
+
+    address: int
+    panel: int
+
+
 class GroupedExpertKernel(Protocol):
     name: str
     dtype: torch.dtype
@@ -56,6 +66,10 @@ class GroupedExpertKernel(Protocol):
     ) -> torch.Tensor:
         """``grouped_matmul`` of gate/up weights with SiLU-and-mul as its epilogue -> [M, I],
         what ``silu_mul`` of the [M, 2 I] product gives, bit for bit."""
+
+    def grouped_entry(self, experts: PackedExperts, silu: bool) -> GroupedEntry:
+        """The C entry point behind ``grouped_silu_matmul`` (``silu``) or ``grouped_matmul``
+        for these experts."""
 
 
 def pack_panels(weight: torch.Tensor, panel: int) -> PackedExperts:
@@ -134,6 +148,12 @@ class GroupedPanelCalls:
 
     def _grouped_limits(self, experts: PackedExperts) -> tuple[int, ...]:
         return (experts.panel,) if self._takes_panel else ()
+
+    def grouped_entry(self, experts: PackedExperts, silu: bool) -> GroupedEntry:
+        function = self._grouped_silu if silu else self._grouped
+        address = ctypes.cast(function, ctypes.c_void_p).value
+        assert address is not None  # a bound library function
+        return GroupedEntry(address, experts.panel if self._takes_panel else -1)
 
     def grouped_matmul(
         self, x: torch.Tensor, experts: PackedExperts, offsets: torch.Tensor

@@ -28,6 +28,10 @@
 // it accumulates in float32; checked against it for 1 to 8 choices). Built with
 // -ffp-contract=off so no product and sum fuse into one rounding.
 //
+// tandem_moe_block runs a layer's routed experts in one call: the above around the linear
+// library's two grouped GEMMs, called through their C entry points, so that a decode step
+// crosses from Python once a layer instead of six times.
+//
 // Plain C entry points; pointers with row strides (elements).
 
 #include <omp.h>
@@ -41,6 +45,9 @@
 #include <vector>
 
 #include "vec_math.h"
+
+extern "C" int tandem_moe_route(const int64_t* ids, int64_t tokens, int64_t k, int64_t experts,
+                                int64_t* offsets, int64_t* token, int64_t* slot);
 
 namespace {
 
@@ -149,6 +156,70 @@ void combine(T* y, const T* rows, const T* weights, const int64_t* slot, int64_t
   }
 }
 
+// A grouped expert GEMM of a linear library (packed_experts.py's grouped_call): out, x, w,
+// offsets, E, M, N, K, ldx, ldo, then the experts' panel width where the library takes one,
+// then threads; returns 0 or its refusal code.
+using GroupedFn = int (*)(void*, const void*, const void*, const int64_t*, int64_t, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, int32_t);
+using GroupedPanelFn = int (*)(void*, const void*, const void*, const int64_t*, int64_t,
+                               int64_t, int64_t, int64_t, int64_t, int64_t, int32_t, int32_t);
+
+struct GroupedEntry {
+  void* fn;
+  int32_t panel;  // < 0: the entry point takes no panel width
+
+  int operator()(void* out, const void* x, const void* w, const int64_t* offsets, int64_t e,
+                 int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldo, int threads) const {
+    if (panel < 0) {
+      return reinterpret_cast<GroupedFn>(fn)(out, x, w, offsets, e, m, n, k, ldx, ldo, threads);
+    }
+    return reinterpret_cast<GroupedPanelFn>(fn)(out, x, w, offsets, e, m, n, k, ldx, ldo, panel,
+                                                threads);
+  }
+};
+
+// The workspace of moe_block, carved in this order, each part from a multiple of 64 bytes:
+// ids, offsets, token and slot (int64), the routing weights and the gathered rows (T, the
+// rows then taking the down projection's output), the intermediate activations (T).
+constexpr int64_t kAlign = 64;
+inline int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+inline int64_t block_workspace(int64_t pairs, int64_t experts, int64_t h, int64_t inter,
+                               int64_t elem) {
+  return aligned(pairs * 8) * 3 + aligned((experts + 1) * 8) + aligned(pairs * elem) +
+         aligned(pairs * h * elem) + aligned(pairs * inter * elem);
+}
+
+// A MoE layer's routed experts in one call (see tandem_moe_block): the calls the Python
+// glue made one by one (top-k, sort, gather, the two grouped GEMMs, the sum back), in the
+// same order on the same buffers, so the result is theirs bit for bit.
+template <typename T>
+int moe_block(T* y, const T* x, int64_t tokens, int64_t h, int64_t ldx, int64_t ldy,
+              const T* logits, int64_t ld_logits, int64_t experts, int64_t k, bool normalize,
+              const void* w13, GroupedEntry gate_up, const void* w2, GroupedEntry down,
+              int64_t inter, char* workspace, int threads) {
+  const int64_t pairs = tokens * k;
+  int64_t* ids = reinterpret_cast<int64_t*>(workspace);
+  int64_t* offsets = reinterpret_cast<int64_t*>(workspace + aligned(pairs * 8));
+  int64_t* token = reinterpret_cast<int64_t*>(reinterpret_cast<char*>(offsets) +
+                                              aligned((experts + 1) * 8));
+  int64_t* slot = reinterpret_cast<int64_t*>(reinterpret_cast<char*>(token) + aligned(pairs * 8));
+  T* weights = reinterpret_cast<T*>(reinterpret_cast<char*>(slot) + aligned(pairs * 8));
+  T* rows = reinterpret_cast<T*>(reinterpret_cast<char*>(weights) +
+                                 aligned(pairs * int64_t{sizeof(T)}));
+  T* hidden = reinterpret_cast<T*>(reinterpret_cast<char*>(rows) +
+                                   aligned(pairs * h * int64_t{sizeof(T)}));
+  topk_softmax(logits, ld_logits, tokens, experts, k, normalize, weights, ids, threads);
+  if (tandem_moe_route(ids, tokens, k, experts, offsets, token, slot) != 0) return 3;
+  gather(rows, x, token, pairs, h, ldx, threads);
+  int code = gate_up(hidden, rows, w13, offsets, experts, pairs, 2 * inter, h, h, inter, threads);
+  if (code != 0) return 100 + code;
+  code = down(rows, hidden, w2, offsets, experts, pairs, h, inter, inter, h, threads);
+  if (code != 0) return 200 + code;
+  combine(y, rows, weights, slot, tokens, k, h, h, ldy, threads);
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -229,6 +300,39 @@ int tandem_moe_combine(void* y, const void* rows, const void* weights, const int
     return 2;
   }
   return 0;
+}
+
+// A MoE layer's routed experts: y [tokens, h] (row stride ldy) = for each token of x (row
+// stride ldx), the sum over the k experts the router's logits [tokens, experts] (row stride
+// ld_logits) choose of its routing weight times the expert's down(silu(gate) * up) of its
+// row; what tandem_moe_topk_softmax, _route, _gather, the gate/up grouped GEMM with SiLU
+// (w13 [E, 2 inter, h] in that library's layout), the down one (w2 [E, h, inter]) and
+// tandem_moe_combine give one after another, bit for bit, in one call where a decode step
+// paid each its own trip through Python. gate_up / down: the linear library's grouped entry
+// points and the panel width each takes (< 0: none). workspace: workspace_bytes of scratch
+// (moe_routing.py's workspace_bytes says how many). Returns 0; 1 where k is not within
+// [1, experts]; 2 for another dtype; 4 for a workspace too small; 100 + the gate/up GEMM's
+// refusal, 200 + the down one's.
+int tandem_moe_block(void* y, const void* x, int64_t tokens, int64_t h, int64_t ldx,
+                     int64_t ldy, const void* logits, int64_t ld_logits, int64_t experts,
+                     int64_t k, int32_t normalize, const void* w13, void* gate_up,
+                     int32_t gate_up_panel, const void* w2, void* down, int32_t down_panel,
+                     int64_t inter, void* workspace, int64_t workspace_bytes, int32_t dtype,
+                     int32_t threads) {
+  if (k < 1 || k > experts) return 1;
+  if (dtype != 0 && dtype != 1) return 2;
+  const int64_t elem = dtype == 0 ? 4 : 2;
+  if (workspace_bytes < block_workspace(tokens * k, experts, h, inter, elem)) return 4;
+  const GroupedEntry up{gate_up, gate_up_panel}, dn{down, down_panel};
+  char* scratch = static_cast<char*>(workspace);
+  if (dtype == 0) {
+    return moe_block(static_cast<float*>(y), static_cast<const float*>(x), tokens, h, ldx, ldy,
+                     static_cast<const float*>(logits), ld_logits, experts, k, normalize != 0,
+                     w13, up, w2, dn, inter, scratch, threads);
+  }
+  return moe_block(static_cast<uint16_t*>(y), static_cast<const uint16_t*>(x), tokens, h, ldx,
+                   ldy, static_cast<const uint16_t*>(logits), ld_logits, experts, k,
+                   normalize != 0, w13, up, w2, dn, inter, scratch, threads);
 }
 
 }  // extern "C"
