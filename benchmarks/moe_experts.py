@@ -6,7 +6,10 @@ token counts given, interleaved (A B A B), each figure the median of --rounds. E
 weights come from memory as they do in serving (one layer's experts alone, 31 MiB in float32
 at the bench shape, would stay in a 32 MiB L3 between calls). Shapes: the bench MoE model
 (`tandem make-demo-model --kind qwen3_moe --preset bench`: 8 experts of 640, hidden 512, top
-2) or Qwen3-30B-A3B's (128 experts of 768, hidden 2048, top 8).
+2) or Qwen3-30B-A3B's (128 experts of 768, hidden 2048, top 8). Two more sides, from the
+router's logits: "routed" (the native top-k, then the grouped block: a layer's calls before
+``FusedMoeExperts.routed``) and "one call" (``routed``: top-k, sort, gather, both GEMMs and
+the sum back in one native call, as ``SparseMoeBlock`` runs them now).
 
     python benchmarks/moe_experts.py [--dtype bfloat16] [--tokens 48 2048] [--shape bench]
         [--layers 12]
@@ -23,6 +26,7 @@ import torch
 from linear_kernels import _interleaved_ms
 
 from tandem.collectives import SingleRankGroup
+from tandem.core.kernels.cpu.moe_routing import native_moe_routing
 from tandem.core.kernels.reference.fused_moe import fused_moe
 from tandem.core.layers.fused_moe import FusedMoeExperts, pack_expert_weights
 
@@ -57,8 +61,9 @@ def main() -> int:
           f"{args.dtype}, {torch.get_num_threads()} threads: per-expert torch path against "
           f"the grouped {name} kernel; ms per layer over {args.layers} layers, median of "
           f"{args.rounds} interleaved rounds")  # fmt: skip
-    print(f"{'tokens':>7} {'torch ms':>9} {'grouped ms':>11} {'torch GFLOP/s':>14} "
-          f"{'grouped GFLOP/s':>16}")  # fmt: skip
+    routing = native_moe_routing()
+    print(f"{'tokens':>7} {'torch ms':>9} {'grouped ms':>11} {'routed ms':>10} "
+          f"{'one call ms':>12} {'torch GFLOP/s':>14} {'grouped GFLOP/s':>16}")  # fmt: skip
     for tokens in args.tokens:
         print(f"  {tokens} tokens ...", file=sys.stderr, flush=True)
         x = torch.randn(tokens, hidden, generator=gen).to(dtype)
@@ -71,12 +76,29 @@ def main() -> int:
             ),
             "grouped": partial(_each, [partial(block, x, weights, ids) for block in blocks]),
         }
+        if routing is not None:
+            scores = logits.to(dtype)
+            sides["routed"] = partial(
+                _each, [partial(_routed_calls, block, x, scores, top_k) for block in blocks]
+            )
+            sides["one call"] = partial(
+                _each, [partial(block.routed, x, scores, top_k, True) for block in blocks]
+            )
         ms = {side: t / args.layers for side, t in _interleaved_ms(sides, args.rounds, 1).items()}
         flops = 2 * tokens * top_k * 3 * hidden * inter
         rates = [flops / ms[side] / 1e6 for side in ("torch", "grouped")]
-        print(f"{tokens:>7} {ms['torch']:>9.2f} {ms['grouped']:>11.2f} "
+        routed, one = (f"{ms[side]:.2f}" if side in ms else "-" for side in ("routed", "one call"))
+        print(f"{tokens:>7} {ms['torch']:>9.2f} {ms['grouped']:>11.2f} {routed:>10} {one:>12} "
               f"{rates[0]:>14.0f} {rates[1]:>16.0f}")  # fmt: skip
     return 0
+
+
+def _routed_calls(
+    block: FusedMoeExperts, x: torch.Tensor, logits: torch.Tensor, top_k: int
+) -> None:
+    routing = native_moe_routing()
+    assert routing is not None
+    block(x, *routing.topk_softmax(logits, top_k, normalize=True))
 
 
 def _each(calls: list[Callable[[], object]]) -> None:
