@@ -30,8 +30,9 @@ from tandem.core.kernels.cpu.grouped_moe import (
     grouped_expert_kernel,
     grouped_fused_moe,
     grouped_routed_moe,
+    one_call_entries,
 )
-from tandem.core.kernels.cpu.packed_experts import GroupedExpertKernel, PackedExperts
+from tandem.core.kernels.cpu.packed_experts import GroupedEntry, GroupedExpertKernel, PackedExperts
 from tandem.core.kernels.reference.elementwise import GATED_ACTIVATIONS
 from tandem.core.kernels.reference.fused_moe import sort_rows, spans_of
 from tandem.core.layers.linear import _divide
@@ -126,6 +127,10 @@ class FusedMoeExperts(RoutedExperts):
         self._loaded: set[tuple[int, str]] = set()
         # Set by pack(): the grouped CPU kernel and both projections in its layout.
         self._grouped: tuple[GroupedExpertKernel, PackedExperts, PackedExperts] | None = None
+        # Set by pack() where ``routed`` runs the layer in one native call.
+        self._one_call: (
+            tuple[tuple[PackedExperts, GroupedEntry], tuple[PackedExperts, GroupedEntry]] | None
+        ) = None
         self._act = handles.gated_activation(activation)
 
     def forward(
@@ -144,11 +149,10 @@ class FusedMoeExperts(RoutedExperts):
         self, x: torch.Tensor, logits: torch.Tensor, top_k: int, normalize: bool
     ) -> torch.Tensor | None:
         """On the grouped CPU kernels: one native call (``grouped_routed_moe``)."""
-        grouped = self._grouped
-        if grouped is None:
+        one_call = self._one_call
+        if one_call is None:
             return None
-        kernel, w13, w2 = grouped
-        return grouped_routed_moe(x, logits, top_k, normalize, kernel, w13, w2, self.activation)
+        return grouped_routed_moe(x, logits, top_k, normalize, *one_call)
 
     def routed_inputs(
         self, x: torch.Tensor, topk_ids: torch.Tensor
@@ -177,6 +181,7 @@ class FusedMoeExperts(RoutedExperts):
         if w13 is None or w2 is None:
             return False
         self._grouped = (kernel, w13, w2)
+        self._one_call = one_call_entries(kernel, w13, w2, self.activation)
         self.w13.data, self.w2.data = w13.packed, w2.packed
         return True
 

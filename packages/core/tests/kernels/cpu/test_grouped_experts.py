@@ -455,6 +455,20 @@ def test_the_experts_module_routes_in_one_call_as_the_router_then_forward(which:
     with pytest.raises(ValueError, match="top_k must be from 1"):
         block.routed(x, logits, experts + 1, normalize=True)
 
+    # Where the gate/up call cannot fuse the activation, the block routes and calls forward.
+    gelu = FusedMoeExperts(experts, hidden, inter, "gelu", SingleRankGroup())
+    gelu.w13.data = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1).to(kernel.dtype)
+    gelu.w2.data = (torch.randn(experts, hidden, inter, generator=g) * 0.1).to(kernel.dtype)
+    assert pack_expert_weights(gelu, CPU, kernel.dtype) == 1
+    assert gelu.routed(x, logits, 2, normalize=True) is None
+    # 96 a half: three of AMX's 32-column panels, off the 64-column ones (and AVX2 packs
+    # N = 192 in 64-column panels too).
+    odd = FusedMoeExperts(experts, hidden, 96, "silu", SingleRankGroup())
+    odd.w13.data = (torch.randn(experts, 192, hidden, generator=g) * 0.1).to(kernel.dtype)
+    odd.w2.data = (torch.randn(experts, hidden, 96, generator=g) * 0.1).to(kernel.dtype)
+    assert pack_expert_weights(odd, CPU, kernel.dtype) == 1
+    assert (odd.routed(x, logits, 2, normalize=True) is not None) == isinstance(kernel, AmxLinear)
+
 
 def test_the_one_call_block_refuses_what_does_not_fit() -> None:
     kernel, routing = _kernel("amx-emulated"), _routing()

@@ -12,7 +12,11 @@ from tandem.core.kernels.cpu.amx_linear import AmxLinear
 from tandem.core.kernels.cpu.avx2_linear import Avx2Linear
 from tandem.core.kernels.cpu.avx512_linear import Avx512Linear
 from tandem.core.kernels.cpu.moe_routing import native_moe_routing
-from tandem.core.kernels.cpu.packed_experts import GroupedExpertKernel, PackedExperts
+from tandem.core.kernels.cpu.packed_experts import (
+    GroupedEntry,
+    GroupedExpertKernel,
+    PackedExperts,
+)
 from tandem.core.kernels.cpu.packed_linear import native_kernel, packing_enabled
 from tandem.core.kernels.handle import KernelHandle
 from tandem.core.kernels.reference.fused_moe import combine, sort_rows
@@ -57,27 +61,32 @@ def grouped_fused_moe(
     return routing.combine(kernel.grouped_matmul(hidden, w2, offsets), topk_weights, slot)
 
 
+def one_call_entries(
+    kernel: GroupedExpertKernel, w13: PackedExperts, w2: PackedExperts, activation: str
+) -> tuple[tuple[PackedExperts, GroupedEntry], tuple[PackedExperts, GroupedEntry]] | None:
+    """What ``grouped_routed_moe`` takes for these experts (each projection's weights and the
+    kernel's entry point), looked up once at packing; None where the one call does not serve
+    them (another activation, gate/up halves that are not whole panels)."""
+    if activation != "silu" or not kernel.gates_silu(w13):
+        return None
+    return (w13, kernel.grouped_entry(w13, silu=True)), (w2, kernel.grouped_entry(w2, silu=False))
+
+
 def grouped_routed_moe(
     x: torch.Tensor,
     logits: torch.Tensor,
     top_k: int,
     normalize: bool,
-    kernel: GroupedExpertKernel,
-    w13: PackedExperts,
-    w2: PackedExperts,
-    activation: str,
+    gate_up: tuple[PackedExperts, GroupedEntry],
+    down: tuple[PackedExperts, GroupedEntry],
 ) -> torch.Tensor | None:
     """The router's choice from ``logits`` and ``grouped_fused_moe`` of it in one native
-    call (``NativeMoeRouting.block``), the same result bit for bit; None where that call
-    does not serve these experts (no routing library, another activation, gate/up halves
-    that are not whole panels): the caller then routes and calls ``grouped_fused_moe``."""
+    call (``NativeMoeRouting.block``), the same result bit for bit (``gate_up`` and ``down``:
+    ``one_call_entries``); None where the routing library is not built for this dtype: the
+    caller then routes and calls ``grouped_fused_moe``."""
     routing = native_moe_routing()
     if routing is None or not routing.handles(x.dtype) or logits.dtype is not x.dtype:
         return None
-    if activation != "silu" or not kernel.gates_silu(w13):
-        return None
     if x.stride(1) != 1:
         x = x.contiguous()
-    gate_up = (w13, kernel.grouped_entry(w13, silu=True))
-    down = (w2, kernel.grouped_entry(w2, silu=False))
     return routing.block(x, logits.contiguous(), top_k, normalize, gate_up, down)
