@@ -484,6 +484,18 @@ def test_the_one_call_block_refuses_what_does_not_fit() -> None:
         routing.block(x, torch.randn(5, 3).bfloat16(), 2, True, gate_up, down)
     with pytest.raises(ValueError, match="do not fit its rows"):
         routing.block(x, torch.randn(5, 4).bfloat16(), 2, True, down, down)
+    other = kernel.pack_experts(torch.randn(3, 64, 64).bfloat16())  # 3 experts, not 4
+    assert other is not None
+    with pytest.raises(ValueError, match="do not fit its rows"):
+        routing.block(x, torch.randn(5, 4).bfloat16(), 2, True, gate_up, (other, down[1]))
+    # Logits rows apart (a router padded to 32 outputs, its 4 true ones a view): as dense.
+    padded = torch.randn(5, 32).bfloat16()
+    got = routing.block(x, padded[:, :4], 2, True, gate_up, down)
+    assert torch.equal(got, routing.block(x, padded[:, :4].contiguous(), 2, True, gate_up, down))
+    # Columns apart: copied first.
+    columns = torch.randn(5, 8).bfloat16()[:, ::2]
+    got = routing.block(x, columns, 2, True, gate_up, down)
+    assert torch.equal(got, routing.block(x, columns.contiguous(), 2, True, gate_up, down))
 
 
 @pytest.mark.parametrize("which", ["amx-emulated", "avx2-float32", "avx512-float32"])

@@ -89,4 +89,4 @@ def grouped_routed_moe(
         return None
     if x.stride(1) != 1:
         x = x.contiguous()
-    return routing.block(x, logits.contiguous(), top_k, normalize, gate_up, down)
+    return routing.block(x, logits, top_k, normalize, gate_up, down)

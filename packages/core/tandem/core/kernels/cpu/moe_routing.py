@@ -164,7 +164,8 @@ class NativeMoeRouting:
         down: tuple[PackedExperts, GroupedEntry],
     ) -> torch.Tensor:
         """A layer's routed experts in one native call: ``topk_softmax`` of the router's
-        ``logits`` [T, E], ``route``, ``gather``, the grouped gate/up GEMM with SiLU-and-mul
+        ``logits`` [T, E] (rows may lie apart: a router padded to a kernel's panels),
+        ``route``, ``gather``, the grouped gate/up GEMM with SiLU-and-mul
         (``gate_up``: the packed [E, 2 I, H] weights and that kernel's entry point), the
         grouped down one (``down``: [E, H, I]) and ``combine``, in that order on the same
         buffers: their result [T, H] bit for bit, where a decode step paid each call's way
@@ -175,9 +176,12 @@ class NativeMoeRouting:
         inter = w2.in_features
         if x.dtype not in _DTYPES or logits.dtype is not x.dtype or x.stride(1) != 1:
             raise ValueError("the MoE block takes float32 or bfloat16 rows and logits alike")
-        if logits.shape != (tokens, w13.experts) or logits.stride(1) != 1:
-            raise ValueError(f"the MoE block takes logits [{tokens}, {w13.experts}], rows dense")
-        if (w13.in_features, w13.out_features, w2.out_features) != (hidden, 2 * inter, hidden):
+        if logits.shape != (tokens, w13.experts):
+            raise ValueError(f"the MoE block takes logits [{tokens}, {w13.experts}]")
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        fits = (w13.in_features, w13.out_features, w2.out_features, w2.experts)
+        if fits != (hidden, 2 * inter, hidden, w13.experts):
             raise ValueError("the MoE block's gate/up and down weights do not fit its rows")
         size = workspace_bytes(tokens * top_k, w13.experts, hidden, inter, x.dtype)
         workspace = torch.empty(size, dtype=torch.uint8)
