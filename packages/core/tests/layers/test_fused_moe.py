@@ -1,6 +1,7 @@
 """The sparse MoE block against transformers' (Qwen3-MoE without, Qwen3.5-MoE with a shared
 expert) in float32, loaded from per-expert and from fused checkpoint names, and split over two
-tensor-parallel ranks (in-process, one thread each) with the same output."""
+tensor-parallel ranks (in-process, one thread each) with the same output; on packed experts,
+its one native call against routing and then the experts' forward."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as ref35
 from transformers.models.qwen3_moe import modeling_qwen3_moe as ref3
 
 from tandem.collectives import ProcessGroup, SingleRankGroup, create_inprocess_groups
+from tandem.core.kernels.cpu.grouped_moe import grouped_expert_kernel
+from tandem.core.kernels.cpu.moe_routing import NativeMoeRouting, native_moe_routing
 from tandem.core.kernels.cpu.packed_linear import (
     native_kernel,
     pack_linear_weights,
     packing_enabled,
 )
 from tandem.core.kernels.reference.fused_moe import fused_moe
+from tandem.core.layers.fused_moe import FusedMoeExperts, pack_expert_weights
 from tandem.core.layers.sparse_moe_block import SparseMoeBlock
 
 from ..conftest import HeldTensor
@@ -210,3 +214,50 @@ def test_the_router_and_shared_gate_are_padded_onto_the_native_kernel(dtype: tor
     # output one rounding apart (the experts chosen are the same: the logits are far apart).
     tolerance = 1e-5 if dtype is torch.float32 else 3e-2
     assert (got - expected).abs().max().item() <= tolerance * expected.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_experts_run_in_one_native_call_as_routed_then_forward(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a grouped kernel packs the experts, the block hands its router's logits (a view
+    of the router padded onto the kernel's panels) to one native call
+    (``NativeMoeRouting.block``): what the router's top-k and then the experts' forward give,
+    bit for bit."""
+    if grouped_expert_kernel(dtype) is None or native_moe_routing() is None:
+        pytest.skip(f"no grouped expert kernel or routing library for {dtype} here")
+    hidden, inter = 128, 128
+    block = SparseMoeBlock(
+        hidden,
+        num_experts=EXPERTS,
+        top_k=TOP_K,
+        intermediate_size=inter,
+        normalize_topk=True,
+        shared_intermediate_size=0,
+        activation="silu",
+        group=SingleRankGroup(),
+    )
+    g = torch.Generator().manual_seed(4)
+    for param in block.parameters():
+        param.data = (torch.randn(param.shape, generator=g) * 0.1).to(dtype)
+    cpu = torch.device("cpu")
+    pack_linear_weights(block, cpu, dtype)
+    assert pack_expert_weights(block, cpu, dtype) == 1
+    assert block.gate.padded_outputs > 0  # the logits: a view of wider rows
+    calls: list[int] = []
+    real = NativeMoeRouting.block
+
+    def spy(self: NativeMoeRouting, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(self, x, *args)
+
+    monkeypatch.setattr(NativeMoeRouting, "block", spy)
+    x = torch.randn(6, hidden, generator=g).to(dtype)
+    with torch.no_grad():
+        got = block(x)
+    assert calls == [6]
+    monkeypatch.setattr(FusedMoeExperts, "routed", lambda self, *args: None)
+    with torch.no_grad():
+        want = block(x)
+    assert calls == [6]
+    assert torch.equal(got, want)

@@ -1,7 +1,8 @@
 """The grouped expert kernels (AVX2 float32, AVX-512 float32, AVX512-BF16, AMX bfloat16):
 one call per projection for every active expert, against float64, and the MoE block on them
 against the per-expert torch path (float32) or float64 (bfloat16); offsets they cannot trust
-are refused. Each is skipped where this CPU or ISA level does not serve its dtype with it,
+are refused. The routing library's one-call block, which calls their entry points, against the
+calls it replaces, bit for bit, and its workspace against the C source's count. Each is skipped where this CPU or ISA level does not serve its dtype with it,
 except the AMX kernel's test build on emulated tiles ("amx-emulated"), which every CPU runs
 where the kernel is called directly, and the AVX-512 kernel built with each CPU vendor's
 weight streaming ("avx512-float32-nta", "avx512-float32-l2", and bfloat16's where the CPU has
