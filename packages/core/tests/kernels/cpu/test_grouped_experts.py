@@ -2,11 +2,12 @@
 one call per projection for every active expert, against float64, and the MoE block on them
 against the per-expert torch path (float32) or float64 (bfloat16); offsets they cannot trust
 are refused. The routing library's one-call block, which calls their entry points, against the
-calls it replaces, bit for bit, and its workspace against the C source's count. Each is skipped where this CPU or ISA level does not serve its dtype with it,
-except the AMX kernel's test build on emulated tiles ("amx-emulated"), which every CPU runs
-where the kernel is called directly, and the AVX-512 kernel built with each CPU vendor's
-weight streaming ("avx512-float32-nta", "avx512-float32-l2", and bfloat16's where the CPU has
-AVX512-BF16), which every AVX-512 CPU runs.
+calls it replaces, bit for bit, and its workspace against the C source's count. Each is
+skipped where this CPU or ISA level does not serve its dtype with it, except the AMX kernel's
+test build on emulated tiles ("amx-emulated"), which every CPU runs where the kernel is called
+directly, and the AVX-512 kernel built with each CPU vendor's weight streaming
+("avx512-float32-nta", "avx512-float32-l2", and bfloat16's where the CPU has AVX512-BF16),
+which every AVX-512 CPU runs.
 
 Tolerance, per element: a float32 dot product over K terms is within gamma_K times the sum
 of |a_k b_k| of exact (Higham, sec. 3.1) in any order. Through the block: the gate/up
