@@ -116,8 +116,8 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = ReplicatedLinear(hidden_size, out_features=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate.matmul(x)
         gate = self.gate
+        logits = gate.matmul(x)
         out = self.experts.routed(x, logits, gate.top_k, gate.normalize)
         if out is None:
             out = self.experts(x, *gate.choose(logits))

@@ -85,8 +85,6 @@ def grouped_routed_moe(
     ``one_call_entries``); None where the routing library is not built for this dtype: the
     caller then routes and calls ``grouped_fused_moe``."""
     routing = native_moe_routing()
-    if routing is None or not routing.handles(x.dtype) or logits.dtype is not x.dtype:
+    if routing is None or not routing.handles(x.dtype):
         return None
-    if x.stride(1) != 1:
-        x = x.contiguous()
     return routing.block(x, logits, top_k, normalize, gate_up, down)

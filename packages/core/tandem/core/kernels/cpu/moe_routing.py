@@ -164,7 +164,7 @@ class NativeMoeRouting:
         down: tuple[PackedExperts, GroupedEntry],
     ) -> torch.Tensor:
         """A layer's routed experts in one native call: ``topk_softmax`` of the router's
-        ``logits`` [T, E] (rows may lie apart: a router padded to a kernel's panels),
+        ``logits`` [T, E] (rows of both may lie apart: a router padded to a kernel's panels),
         ``route``, ``gather``, the grouped gate/up GEMM with SiLU-and-mul
         (``gate_up``: the packed [E, 2 I, H] weights and that kernel's entry point), the
         grouped down one (``down``: [E, H, I]) and ``combine``, in that order on the same
@@ -174,12 +174,12 @@ class NativeMoeRouting:
         w2, down_entry = down
         tokens, hidden = x.shape
         inter = w2.in_features
-        if x.dtype not in _DTYPES or logits.dtype is not x.dtype or x.stride(1) != 1:
+        if x.dtype not in _DTYPES or logits.dtype is not x.dtype:
             raise ValueError("the MoE block takes float32 or bfloat16 rows and logits alike")
         if logits.shape != (tokens, w13.experts):
             raise ValueError(f"the MoE block takes logits [{tokens}, {w13.experts}]")
-        if logits.stride(1) != 1:
-            logits = logits.contiguous()
+        x = x if x.stride(1) == 1 else x.contiguous()
+        logits = logits if logits.stride(1) == 1 else logits.contiguous()
         fits = (w13.in_features, w13.out_features, w2.out_features, w2.experts)
         if fits != (hidden, 2 * inter, hidden, w13.experts):
             raise ValueError("the MoE block's gate/up and down weights do not fit its rows")
