@@ -26,7 +26,7 @@ import torch
 from linear_kernels import _interleaved_ms
 
 from tandem.collectives import SingleRankGroup
-from tandem.core.kernels.cpu.moe_routing import native_moe_routing
+from tandem.core.kernels.cpu.moe_routing import NativeMoeRouting, native_moe_routing
 from tandem.core.kernels.reference.fused_moe import fused_moe
 from tandem.core.layers.fused_moe import FusedMoeExperts, pack_expert_weights
 
@@ -79,7 +79,8 @@ def main() -> int:
         if routing is not None:
             scores = logits.to(dtype)
             sides["routed"] = partial(
-                _each, [partial(_routed_calls, block, x, scores, top_k) for block in blocks]
+                _each,
+                [partial(_routed_calls, routing, block, x, scores, top_k) for block in blocks],
             )
             sides["one call"] = partial(
                 _each, [partial(block.routed, x, scores, top_k, True) for block in blocks]
@@ -94,10 +95,12 @@ def main() -> int:
 
 
 def _routed_calls(
-    block: FusedMoeExperts, x: torch.Tensor, logits: torch.Tensor, top_k: int
+    routing: NativeMoeRouting,
+    block: FusedMoeExperts,
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    top_k: int,
 ) -> None:
-    routing = native_moe_routing()
-    assert routing is not None
     block(x, *routing.topk_softmax(logits, top_k, normalize=True))
 
 
