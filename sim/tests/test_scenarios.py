@@ -1,5 +1,6 @@
 """Every scenario by name: broken variants are caught within 200 PCT schedules for 20 seeds
-in a row and replay from their file; correct variants pass a fixed set of schedules (1,000
+in a row (4 for the one that runs a whole engine under Triton's interpreter, see below) and
+replay from their file; correct variants pass a fixed set of schedules (1,000
 for the cheap ones; fewer for those that run the real executor or a whole engine, see
 below), 10,000 each in ``tox -e sim-deep``."""
 
@@ -18,10 +19,18 @@ BROKEN = sorted(name for name, spec in SCENARIOS.items() if spec.broken)
 CORRECT = sorted(name for name, spec in SCENARIOS.items() if not spec.broken)
 
 
+# Seeds in a row each broken variant must be caught for. hybrid_first_request's runs the
+# whole engine with its Triton kernels under the interpreter, about 5 s a run on a 2-core AMD
+# EPYC (AVX2) guest, and is caught on each seed's first schedule: its 20 seeds, each caught
+# and replayed, were 196 s of CI's 1,410 there, the suite's longest test but one.
+BROKEN_SEEDS = 20
+SUITE_BROKEN_SEEDS = {"hybrid_first_request_unsynchronized": 4}
+
+
 @pytest.mark.parametrize("name", BROKEN)
-def test_broken_variant_is_caught_for_20_seeds_and_replays(name: str, tmp_path: Path) -> None:
+def test_broken_variant_is_caught_for_every_seed_and_replays(name: str, tmp_path: Path) -> None:
     firsts = []
-    for seed in range(20):
+    for seed in range(SUITE_BROKEN_SEEDS.get(name, BROKEN_SEEDS)):
         result = explore(SCENARIOS[name], "pct", schedules=200, seed=seed)
         assert result.failure is not None, f"{name}, seed {seed}: not caught in 200 schedules"
         assert result.failing_run is not None
