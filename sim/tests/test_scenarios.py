@@ -1,8 +1,8 @@
 """Every scenario by name: broken variants are caught within 200 PCT schedules for 20 seeds
 in a row (4 for the one that runs a whole engine under Triton's interpreter, see below) and
-replay from their file; correct variants pass a fixed set of schedules (1,000
-for the cheap ones; fewer for those that run the real executor or a whole engine, see
-below), 10,000 each in ``tox -e sim-deep``."""
+replay from their file; correct variants pass a fixed set of schedules (1,000 for the cheap
+ones; fewer for those that run the real executor or a whole engine, see below), 10,000 each
+in ``tox -e sim-deep``."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ CORRECT = sorted(name for name, spec in SCENARIOS.items() if not spec.broken)
 # Seeds in a row each broken variant must be caught for. hybrid_first_request's runs the
 # whole engine with its Triton kernels under the interpreter, about 5 s a run on a 2-core AMD
 # EPYC (AVX2) guest, and is caught on each seed's first schedule: its 20 seeds, each caught
-# and replayed, were 196 s of CI's 1,410 there, the suite's longest test but one.
+# and replayed, took 196 s of a 1,370-s suite run there, its longest test but one.
 BROKEN_SEEDS = 20
 SUITE_BROKEN_SEEDS = {"hybrid_first_request_unsynchronized": 4}
 
