@@ -9,7 +9,8 @@ from typing import Any
 from tandem.core import RequestOutput
 from tandem.core.failure_text import client_text
 from tandem.server.budgets import check_budget
-from tandem.server.errors import ApiError, error_body
+from tandem.server.error_body import error_body
+from tandem.server.errors import ApiError
 from tandem.server.protocol import _SamplingFields
 from tandem.server.state import ServerState
 

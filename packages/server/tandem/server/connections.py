@@ -21,7 +21,7 @@ from typing import cast
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from tandem.server.errors import error_body
+from tandem.server.error_body import error_body
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ from fastapi.responses import StreamingResponse
 from tandem.core import RequestOutput
 from tandem.server.common import chunk_base, failure, now, stream_failure, usage
 from tandem.server.deadline import RequestTimedOut, request_deadline
-from tandem.server.errors import SafeJSONResponse, error_body, error_response
+from tandem.server.error_body import error_body
+from tandem.server.errors import SafeJSONResponse, error_response
 from tandem.server.generation import (
     Job,
     final_outputs,

@@ -17,20 +17,9 @@ from tandem.core import InvalidRequestError
 from tandem.core.errors import EngineOverloadedError, EngineUnhealthyError
 from tandem.core.failure_text import client_text
 from tandem.server.deadline import RequestTimedOut
+from tandem.server.error_body import error_body
 
 logger = logging.getLogger(__name__)
-
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    408: "timeout_error",
-    413: "invalid_request_error",
-    500: "internal_server_error",
-    503: "service_unavailable",
-    504: "timeout_error",
-}
 
 
 class SafeJSONResponse(JSONResponse):
@@ -51,19 +40,6 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.code = code
-
-
-def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": message,
-            "type": _TYPES.get(status, "invalid_request_error"),
-            "param": param,
-            "code": code,
-        }
-    }
 
 
 def error_response(

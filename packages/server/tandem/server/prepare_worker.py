@@ -180,7 +180,8 @@ def _error(exc: BaseException) -> Answer:
     from pydantic import ValidationError
 
     from tandem.core import InvalidRequestError
-    from tandem.server.errors import ApiError, _validation_message, error_body
+    from tandem.server.error_body import error_body
+    from tandem.server.errors import ApiError, _validation_message
 
     if isinstance(exc, ValidationError):
         # As FastAPI reports a body's errors: located under "body".
