@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import httpx2
+import preloaded_cli
 from openai import AsyncOpenAI, OpenAI
 
 from tandem.core.demo.demo_model import tiny_spec
@@ -130,14 +131,22 @@ def generate_token_ids(
         base += ["--prompt-token-ids", prompt]
     nodes, topo_env = topology_args(topology, free_port(), kind)
     full_env = {**os.environ, **topo_env, **(env or {})}
-    procs = [
-        subprocess.Popen(base + node, env=full_env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-        for node in nodes
-    ]  # fmt: skip
-    outputs = finish_all(procs, timeout_s=240)
-    for p, (_, err) in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, err[-3000:]
+    if env is None:
+        # The topology's switches are read at run time: the nodes can be children of the
+        # preloaded fork server (preloaded_cli says why).
+        runs = [preloaded_cli.start(base[3:] + node, full_env) for node in nodes]
+        outputs = preloaded_cli.finish_all(runs, timeout_s=240)
+        codes = [run.returncode for run in runs]
+    else:
+        procs = [
+            subprocess.Popen(base + node, env=full_env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+            for node in nodes
+        ]  # fmt: skip
+        outputs = finish_all(procs, timeout_s=240)
+        codes = [p.returncode for p in procs]
+    for code, (_, err) in zip(codes, outputs, strict=True):
+        assert code == 0, err[-3000:]
     records = [json.loads(line) for line in outputs[0][0].splitlines()]
     assert len(records) == len(prompts)
     assert all(len(r["token_ids"]) == new_tokens for r in records)

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import preloaded_cli
 import pytest
 
 pytest.importorskip("triton")
@@ -40,13 +41,13 @@ CASES = [
 
 
 def _generate(module: str, model: Path, dtype: str, extra: list[str]) -> tuple[list[Any], str]:
-    cmd = [sys.executable, "-m", module, "generate", "--model", str(model), "--dtype", dtype,
-           "--num-blocks", "64", "--max-tokens", str(NEW_TOKENS), "--ignore-eos", "--json",
-           "--log-level", "INFO", *extra]  # fmt: skip
+    cmd = ["generate", "--model", str(model), "--dtype", dtype, "--num-blocks", "64",
+           "--max-tokens", str(NEW_TOKENS), "--ignore-eos", "--json", "--log-level", "INFO",
+           *extra]  # fmt: skip
     for prompt in PROMPTS:
         cmd += ["--prompt-token-ids", prompt]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    done = preloaded_cli.run(cmd, env, timeout_s=300, module=module)
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in done.stdout.splitlines()]
     return [r["token_ids"] for r in records], done.stderr
@@ -57,11 +58,8 @@ def test_tp2_on_standin_npus_equals_the_cpu_path(
     tmp_path: Path, kind: str, dtype: str, npu_ops: list[str], triton: list[str]
 ) -> None:
     model = tmp_path / kind
-    subprocess.run(
-        [sys.executable, "-m", "tandem.server.cli.main", "make-demo-model", "--kind", kind,
-         str(model)],
-        check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
+    made = preloaded_cli.run(["make-demo-model", "--kind", kind, str(model)], timeout_s=120)
+    assert made.returncode == 0, made.stderr[-3000:]
     cpu, _ = _generate("tandem.server.cli.main", model, dtype, [])
     npu, log = _generate(
         "tandem_sim.as_npu", model, dtype, ["--devices", "npu:0,npu:1", "--single-process"]

@@ -14,10 +14,9 @@ only."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+import preloaded_cli
 import pytest
 from quantized_folders import awq_from_gptq, static_w8a8
 from test_npu_standin import PROMPTS, _generate
@@ -39,8 +38,7 @@ CASES = {
 
 
 def _tandem(*args: str) -> None:
-    cmd = [sys.executable, "-m", "tandem.server.cli.main", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = preloaded_cli.run(list(args), timeout_s=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -80,10 +78,10 @@ def _cpu_first_choice_gaps(model: Path, prompt: list[int], tokens: list[int]) ->
     """For each of ``tokens`` after ``prompt``, how many nats the CPU path's first choice
     there is above it (0 where it is that choice)."""
     ids = ",".join(str(t) for t in prompt + tokens)
-    cmd = [sys.executable, "-m", "tandem.server.cli.main", "generate", "--model", str(model),
-           "--dtype", DTYPE, "--num-blocks", "64", "--max-tokens", "1", "--json",
-           "--prompt-logprobs", "1", "--prompt-token-ids", ids]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    cmd = ["generate", "--model", str(model), "--dtype", DTYPE, "--num-blocks", "64",
+           "--max-tokens", "1", "--json", "--prompt-logprobs", "1",
+           "--prompt-token-ids", ids]  # fmt: skip
+    done = preloaded_cli.run(cmd, timeout_s=300)
     assert done.returncode == 0, done.stderr[-3000:]
     positions = json.loads(done.stdout)["prompt_logprobs"][len(prompt) :]
     return [max(p["top"][0][1] - p["logprob"], 0.0) for p in positions]

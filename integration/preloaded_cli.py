@@ -1,0 +1,172 @@
+"""``tandem`` commands for the end-to-end tests, run in processes forked from a server that
+imported torch, transformers and the CLI once.
+
+Why: CI runs on two cores and is bound by CPU, and a short ``tandem generate`` on a test model
+is mostly its interpreter's start. Measured on a 2-core AMD EPYC (AVX2) guest: importing the
+CLI costs 2.6-2.8 s of CPU (torch 2.1 s of it), loading a tokenizer 0.8 s more (transformers
+reads its whole models tree on import), against well under a second of work; the topology
+suites start ~80 such processes. A child of the fork server starts with those modules
+imported and runs ``tandem.server.cli.main.main(argv)``, what the ``tandem`` command runs:
+its own process with the environment given, its own stdout and stderr, its exit status.
+
+What it does not run is the interpreter's start itself, so the environment given must be
+read at run time, not at import: ``TANDEM_*`` switches are (no Tandem module reads the
+environment on import), ``OMP_NUM_THREADS`` or ``LD_PRELOAD`` are not; where the environment
+changes a name read on import, ``run`` starts the real executable instead (and ``start``
+refuses). The child ends as multiprocessing's do, with ``os._exit`` after Python's exit
+handlers: what a C library does at exit does not run, so tests that read that (the HCCL
+stand-in's leak report, hw/tests) start the real executable, as do the tests of the command
+line as such (exit codes, signals, messages: packages/server/tests/test_cli.py).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from multiprocessing.context import ForkServerContext
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+# Imported once by the fork server, so that its children start with them.
+CLI = "tandem.server.cli.main"
+PRELOAD = ["torch", "transformers.tokenization_utils_tokenizers", CLI]
+# Read when a library loads (or by the interpreter itself): a child of the fork server would
+# keep the server's value.
+READ_AT_IMPORT = ("OMP_", "MKL_", "KMP_", "GOMP_", "LD_", "PYTHON", "TORCH_", "TRITON_")
+
+
+@functools.cache
+def _server() -> tuple[ForkServerContext, dict[str, str]]:
+    """The fork server's context, and the names read on import in the environment it starts
+    with (this process's, now: the first child starts it)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context, _read_at_import(os.environ)
+
+
+def _read_at_import(env: Mapping[str, str]) -> dict[str, str]:
+    return {name: value for name, value in env.items() if name.startswith(READ_AT_IMPORT)}
+
+
+def _main(module: str, argv: list[str], env: dict[str, str], out: str, err: str) -> None:
+    """The child: the command's environment and output files, then ``module``'s ``main``."""
+    os.environ.clear()
+    os.environ.update(env)
+    for path, fd in ((out, 1), (err, 2)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.argv = [module, *argv]
+    try:
+        code = importlib.import_module(module).main(argv)
+    finally:
+        # What the interpreter runs at exit; a multiprocessing child ends with os._exit.
+        atexit._run_exitfuncs()
+    sys.exit(code)
+
+
+@dataclass
+class CliProcess:
+    """One ``tandem`` command running in a child of the fork server."""
+
+    process: BaseProcess
+    folder: Path
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def finish(self, timeout_s: float) -> tuple[str, str] | None:
+        """(stdout, stderr) once it has exited; None if it is still running after
+        ``timeout_s`` (it is then left running: ``kill`` it)."""
+        self.process.join(max(timeout_s, 0.0))
+        if self.process.exitcode is None:
+            return None
+        return self.output()
+
+    def kill(self) -> tuple[str, str]:
+        self.process.kill()
+        self.process.join(10)
+        return self.output()
+
+    def output(self) -> tuple[str, str]:
+        outputs = (
+            (self.folder / "stdout").read_text(errors="replace"),
+            (self.folder / "stderr").read_text(errors="replace"),
+        )
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return outputs
+
+
+def preloadable(env: Mapping[str, str]) -> bool:
+    """Whether a child of the fork server can run with ``env``: its names read on import are
+    the fork server's own."""
+    return _read_at_import(env) == _server()[1]
+
+
+def start(argv: list[str], env: Mapping[str, str] | None = None, module: str = CLI) -> CliProcess:
+    """``python -m module *argv`` (default: the ``tandem`` command) with ``env`` (default:
+    this process's environment) as its whole environment, in a child of the fork server;
+    output goes to files read by ``CliProcess.output``."""
+    env = dict(os.environ if env is None else env)
+    if not preloadable(env):
+        raise ValueError("the environment changes names read on import: run the executable")
+    folder = Path(tempfile.mkdtemp(prefix="tandem-cli-"))
+    process = _server()[0].Process(
+        target=_main, args=(module, argv, env, str(folder / "stdout"), str(folder / "stderr"))
+    )
+    process.start()
+    return CliProcess(process, folder)
+
+
+def run(
+    argv: list[str],
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 300,
+    module: str = CLI,
+) -> subprocess.CompletedProcess[str]:
+    """``python -m module *argv`` to its end, as ``subprocess.run`` with captured text
+    output: a child of the fork server where ``env`` allows, else the real executable."""
+    env = dict(os.environ if env is None else env)
+    if not preloadable(env):
+        command = [sys.executable, "-m", module, *argv]
+        return subprocess.run(
+            command, capture_output=True, text=True, env=env, timeout=timeout_s, check=False
+        )
+    child = start(argv, env, module)
+    finished = child.finish(timeout_s)
+    if finished is None:
+        child.kill()
+        raise subprocess.TimeoutExpired([module, *argv], timeout_s)
+    out, err = finished
+    code = child.returncode
+    assert code is not None  # it has exited
+    return subprocess.CompletedProcess([module, *argv], code, out, err)
+
+
+def finish_all(runs: list[CliProcess], timeout_s: float) -> list[tuple[str, str]]:
+    """Each run's (stdout, stderr) once all have exited. Past ``timeout_s`` in all they are
+    killed and the failure carries every one's last log lines: a hang under load must say
+    where each process was, not only that time ran out."""
+    deadline = time.monotonic() + timeout_s
+    outputs: list[tuple[str, str]] = []
+    for run in runs:
+        finished = run.finish(deadline - time.monotonic())
+        if finished is None:
+            outputs += [r.kill() for r in runs[len(outputs) :]]
+            tails = [f"process {i}: {err[-3000:]}" for i, (_, err) in enumerate(outputs)]
+            raise AssertionError(
+                f"not done within {timeout_s:.0f} s; their last log lines:\n" + "\n".join(tails)
+            )
+        outputs.append(finished)
+    return outputs
