@@ -1,14 +1,19 @@
-"""One layer's attention over a prefill step's chunks on CPU, bfloat16: the AMX tile kernel
-(``kernels/cpu/amx_prefill.py``, every chunk in one call, K/V read from a paged cache), torch's
-flash attention (a call per chunk on the projection's K/V, ``flash_prefill.flash_attend``; two
-and a merge after --cached tokens, gathered from the cache, ``flash_attend_continued``) and the
-native vector kernel (``prefill_attention``, K/V read from the paged cache), interleaved (A B C
-A B C), each figure the median of --rounds. q, k and v are views of one fused projection, as
-the layer leaves them. Shapes: the bench MoE model's heads (8 query / 2 KV of 64) and the bench
-dense model's (16 / 8 of 64), or --heads; fresh prompts, or chunks after --cached tokens.
+"""One layer's attention over a prefill step's chunks on CPU (bfloat16, or --dtype float32): the
+AMX tile kernel (``kernels/cpu/amx_prefill.py``, every chunk in one call, K/V read from a paged
+cache), torch's flash attention (a call per chunk on the projection's K/V,
+``flash_prefill.flash_attend``; two and a merge after --cached tokens, gathered from the cache,
+``flash_attend_continued``) and the native vector kernel (``prefill_attention``, K/V read from
+the paged cache), interleaved (A B C A B C), each figure the median of --rounds. q, k and v are
+views of one fused projection, as the layer leaves them. Shapes: the bench MoE model's heads
+(8 query / 2 KV of 64) and the bench dense model's (16 / 8 of 64), or --heads; fresh prompts,
+or chunks after --cached tokens.
 
     python benchmarks/prefill_chunk_attention.py [--heads 8/2 16/8] [--head-dim 64]
         [--prompts 48x8 32x16 16x32 16x64 16x128 8x256 1x2048] [--cached 0] [--rounds 5]
+        [--dtype bfloat16]
+
+Where the tile kernel does not load (no AMX) or take the dtype, its column is left out and
+the difference column compares flash attention with the native kernel.
 """
 
 from __future__ import annotations
@@ -49,26 +54,31 @@ def main() -> int:
     )
     parser.add_argument("--cached", type=int, default=0, help="tokens before each chunk")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     tiles, native = amx_prefill(), native_prefill_attention()
-    if tiles is None or native is None:
-        print("no AMX tile prefill kernel (or no native one) on this CPU: nothing to compare")
+    if native is None:
+        print("no native prefill kernel on this CPU: nothing to compare")
         return 1
+    if tiles is not None and not tiles.supports(args.head_dim, dtype):
+        tiles = None
+    first = "tiles" if tiles is not None else "native"
     dim = args.head_dim
     scale = dim**-0.5
     cached = args.cached
-    print(f"one layer, bfloat16, head size {dim}, {cached} cached tokens before each chunk, "
+    print(f"one layer, {args.dtype}, head size {dim}, {cached} cached tokens before each chunk, "
           f"{torch.get_num_threads()} threads; ms, median of {args.rounds} interleaved rounds; "
           "GFLOP/s of the causal products (4 D (L C + L^2 / 2) a head and chunk)")  # fmt: skip
     print(f"{'heads':>6} {'prompts':>9} {'tiles':>8} {'flash':>8} {'native':>8} "
-          f"{'tiles GFLOP/s':>14} {'max |tiles - flash|':>20}")  # fmt: skip
+          f"{first + ' GFLOP/s':>14} {f'max |{first} - flash|':>20}")  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     for heads_text in args.heads:
         heads, kv_heads = _pair(heads_text, "/")
         for prompt_text in args.prompts:
             count, length = _pair(prompt_text, "x")
             rows = count * length
-            qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).bfloat16()
+            qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
             q = qkv[:, : heads * dim].view(rows, heads, dim)
             k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim)
             v = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
@@ -82,8 +92,8 @@ def main() -> int:
             per_seq = -(-total // BLOCK_SIZE)
             tables = (torch.arange(count * per_seq) + 1).view(count, per_seq)
             shape = (count * per_seq + 1, BLOCK_SIZE, kv_heads, dim)
-            k_cache = torch.randn(shape, generator=gen).bfloat16()
-            v_cache = torch.randn(shape, generator=gen).bfloat16()
+            k_cache = torch.randn(shape, generator=gen).to(dtype)
+            v_cache = torch.randn(shape, generator=gen).to(dtype)
             padded = per_seq * BLOCK_SIZE
             for cache, new in ((k_cache, k), (v_cache, v)):
                 body = cache[1:].view(count, padded, kv_heads, dim)
@@ -93,11 +103,13 @@ def main() -> int:
                 for i in range(count)
             )
             q_rows = q.contiguous()
-            outs = [torch.empty(rows, heads, dim, dtype=torch.bfloat16) for _ in range(3)]
-            sides: dict[str, Callable[[], object]] = {
-                "tiles": partial(
+            outs = [torch.empty(rows, heads, dim, dtype=dtype) for _ in range(3)]
+            sides: dict[str, Callable[[], object]] = {}
+            if tiles is not None:
+                sides["tiles"] = partial(
                     tiles, outs[0], q, k_cache, v_cache, tables, starts, lens, kv_lens, scale
-                ),
+                )
+            sides |= {
                 "flash": partial(flash_attend, q, k, v, spans, scale, outs[1])
                 if cached == 0
                 else partial(
@@ -118,9 +130,11 @@ def main() -> int:
             }
             ms = _interleaved_ms(sides, rounds=args.rounds, repeats=5)
             flops = 4 * count * heads * dim * (length * cached + length * length / 2)
-            diff = (outs[0].float() - outs[1].float()).abs().max().item()
-            print(f"{heads_text:>6} {prompt_text:>9} {ms['tiles']:8.3f} {ms['flash']:8.3f} "
-                  f"{ms['native']:8.3f} {flops / ms['tiles'] / 1e6:14.0f} {diff:20.4f}",
+            compared = outs[0] if tiles is not None else outs[2]
+            diff = (compared.float() - outs[1].float()).abs().max().item()
+            tile_ms = f"{ms['tiles']:8.3f}" if tiles is not None else f"{'-':>8}"
+            print(f"{heads_text:>6} {prompt_text:>9} {tile_ms} {ms['flash']:8.3f} "
+                  f"{ms['native']:8.3f} {flops / ms[first] / 1e6:14.0f} {diff:20.4f}",
                   flush=True)  # fmt: skip
     return 0
 

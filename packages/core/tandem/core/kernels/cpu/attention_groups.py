@@ -82,9 +82,7 @@ def native_prefill(
                 "through the native kernel",
                 dtype,
                 TILE_MIN_TOKENS if on_tiles is not None else FLASH_MIN_TOKENS,
-                "the AMX tile kernel"
-                if on_tiles is not None
-                else "torch's flash attention (AMX tiles here)",
+                "the AMX tile kernel" if on_tiles is not None else "torch's flash attention",
             )
 
     def prefill(

@@ -22,8 +22,9 @@ queries over the cached keys (gathered from the paged cache, no mask) and over i
 (causal), merged by their log-sum-exps, so each output is rounded to bfloat16 twice (within
 two units in the last place). One layer of the bench MoE model (8 query / 2 KV heads of
 64), a chunk of 832 tokens after 128 cached: 3.5-5.4 ms. Short chunks stay with the native
-kernel. float32 stays native everywhere (8.8 vs 14.6 ms at 256 x 8), as does bfloat16
-without AMX (4.2 vs 18 ms on AVX512-BF16).
+kernel. float32 stays native where the kernels are built with AVX-512 (8.8 vs 14.6 ms at
+256 x 8), as does bfloat16 without AMX (4.2 vs 18 ms on AVX512-BF16); without AVX-512,
+float32's long chunks go to flash attention too (``flash_prefill_dtypes``).
 
 Where the AMX tile kernel loads (``amx_prefill``), it takes these chunks instead, fresh or
 not, all of a step's in one call and from ``TILE_MIN_TOKENS`` up (``split_prefill``'s
@@ -39,6 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.core.kernels.cpu.native_build import selected_isa
+
 FLASH_MIN_TOKENS = 128
 # A chunk after cached tokens goes to flash attention only where those are at most this
 # many times its own: its cached K/V are copied out of the paged cache for the call, where
@@ -53,10 +56,17 @@ NativeShare = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 def flash_prefill_dtypes() -> frozenset[torch.dtype]:
     """The dtypes whose long chunks flash attention runs faster than the native kernel on
-    this CPU: bfloat16 where torch finds AMX tiles, none elsewhere."""
-    if torch.cpu._is_amx_tile_supported():
-        return frozenset({torch.bfloat16})
-    return frozenset()
+    this CPU: bfloat16 where torch finds AMX tiles; float32 where the native kernels are built
+    without AVX-512 (AVX2 and below), whose float32 kernel multiplies 8 lanes at a time. On
+    a 2-core AMD EPYC (Zen 3, AVX2 only), one float32 layer, fresh prompts, ms (flash /
+    native, ``benchmarks/prefill_chunk_attention.py --dtype float32``): 16 / 8 heads of 64,
+    16 x 64 5.3 / 6.8, 16 x 128 16.4 / 21.5, 8 x 256 32.1 / 47.1, 1 x 2048 98 / 294; after
+    256 cached tokens 8 x 256 44.5 / 107.6. Below 64 tokens the native kernel wins (48 x 8
+    4.5 / 2.2). With AVX-512, float32 stays native (8.8 against 14.6 ms at 8 x 256 on Xeon)."""
+    dtypes = {torch.bfloat16} if torch.cpu._is_amx_tile_supported() else set()
+    if "avx512f" not in selected_isa().cpu_flags():
+        dtypes.add(torch.float32)
+    return frozenset(dtypes)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from tandem.core.kernels.cpu.amx_prefill import TILE_MAX_KEYS, TILE_MIN_TOKENS, 
 from tandem.core.kernels.cpu.avx2_linear import avx2_linear
 from tandem.core.kernels.cpu.avx512_linear import avx512_linear
 from tandem.core.kernels.cpu.elementwise import native_elementwise
+from tandem.core.kernels.cpu.flash_prefill import FLASH_MIN_TOKENS, flash_prefill_dtypes
 from tandem.core.kernels.cpu.grouped_moe import grouped_expert_kernel
 from tandem.core.kernels.cpu.int4_linear import native_int4_linear
 from tandem.core.kernels.cpu.int8_gemm import native_int8
@@ -199,6 +200,14 @@ def _prefill_attention_choice(no_library: str) -> KernelChoice:
     role = "prefill attention"
     library = native_prefill_attention()
     tiles = amx_prefill()
+    if library is not None and tiles is None and torch.float32 in flash_prefill_dtypes():
+        why = (
+            f"built for this CPU; float32 chunks of {FLASH_MIN_TOKENS} tokens or more through "
+            "torch's flash attention (1.3-3x the native kernel's speed there without AVX-512), "
+            "the rest native"
+        )
+        kernel = f"{_native_path(library)}, long float32 chunks through torch's flash attention"
+        return KernelChoice(role, kernel, why)
     if library is None or tiles is None:
         return _library_choice(role, library, "torch SDPA", no_library)
     why = (
