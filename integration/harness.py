@@ -8,9 +8,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 import httpx2
@@ -131,22 +132,20 @@ def generate_token_ids(
         base += ["--prompt-token-ids", prompt]
     nodes, topo_env = topology_args(topology, free_port(), kind)
     full_env = {**os.environ, **topo_env, **(env or {})}
+    runs: list[Run]
     if env is None:
         # The topology's switches are read at run time: the nodes can be children of the
         # preloaded fork server (preloaded_cli says why).
         runs = [preloaded_cli.start(base[3:] + node, full_env) for node in nodes]
-        outputs = preloaded_cli.finish_all(runs, timeout_s=240)
-        codes = [run.returncode for run in runs]
     else:
-        procs = [
-            subprocess.Popen(base + node, env=full_env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+        runs = [
+            PopenRun(subprocess.Popen(base + node, env=full_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
             for node in nodes
         ]  # fmt: skip
-        outputs = finish_all(procs, timeout_s=240)
-        codes = [p.returncode for p in procs]
-    for code, (_, err) in zip(codes, outputs, strict=True):
-        assert code == 0, err[-3000:]
+    outputs = finish_all(runs, timeout_s=240)
+    for run, (_, err) in zip(runs, outputs, strict=True):
+        assert run.returncode == 0, err[-3000:]
     records = [json.loads(line) for line in outputs[0][0].splitlines()]
     assert len(records) == len(prompts)
     assert all(len(r["token_ids"]) == new_tokens for r in records)
@@ -157,23 +156,54 @@ def generate_token_ids(
     )
 
 
-def finish_all(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[tuple[str, str]]:
+class Run(Protocol):
+    """A started node process: a real one (``PopenRun``) or a child of the fork server
+    (``preloaded_cli.CliProcess``)."""
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def finish(self, timeout_s: float) -> tuple[str, str] | None: ...
+
+    def kill(self) -> tuple[str, str]: ...
+
+
+@dataclass
+class PopenRun:
+    """A real process as a ``Run``."""
+
+    process: subprocess.Popen[str]
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    def finish(self, timeout_s: float) -> tuple[str, str] | None:
+        try:
+            return self.process.communicate(timeout=max(timeout_s, 0.1))
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> tuple[str, str]:
+        self.process.kill()
+        return self.process.communicate()
+
+
+def finish_all(runs: Sequence[Run], timeout_s: float) -> list[tuple[str, str]]:
     """Each process's (stdout, stderr) once all have exited. Past ``timeout_s`` in all they
     are killed and the failure carries every one's last log lines: a hang under load must
     say where each process was, not only that time ran out."""
     deadline = time.monotonic() + timeout_s
     outputs: list[tuple[str, str]] = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=max(deadline - time.monotonic(), 0.1)))
-        except subprocess.TimeoutExpired:
-            for q in procs[len(outputs) :]:
-                q.kill()
-            outputs += [q.communicate() for q in procs[len(outputs) :]]
+    for run in runs:
+        finished = run.finish(deadline - time.monotonic())
+        if finished is None:
+            outputs += [r.kill() for r in runs[len(outputs) :]]
             tails = [f"process {i}: {err[-3000:]}" for i, (_, err) in enumerate(outputs)]
             raise AssertionError(
                 f"not done within {timeout_s:.0f} s; their last log lines:\n" + "\n".join(tails)
             ) from None
+        outputs.append(finished)
     return outputs
 
 

@@ -30,7 +30,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.context import ForkServerContext
@@ -152,21 +151,3 @@ def run(
     code = child.returncode
     assert code is not None  # it has exited
     return subprocess.CompletedProcess([module, *argv], code, out, err)
-
-
-def finish_all(runs: list[CliProcess], timeout_s: float) -> list[tuple[str, str]]:
-    """Each run's (stdout, stderr) once all have exited. Past ``timeout_s`` in all they are
-    killed and the failure carries every one's last log lines: a hang under load must say
-    where each process was, not only that time ran out."""
-    deadline = time.monotonic() + timeout_s
-    outputs: list[tuple[str, str]] = []
-    for run in runs:
-        finished = run.finish(deadline - time.monotonic())
-        if finished is None:
-            outputs += [r.kill() for r in runs[len(outputs) :]]
-            tails = [f"process {i}: {err[-3000:]}" for i, (_, err) in enumerate(outputs)]
-            raise AssertionError(
-                f"not done within {timeout_s:.0f} s; their last log lines:\n" + "\n".join(tails)
-            )
-        outputs.append(finished)
-    return outputs
