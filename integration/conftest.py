@@ -11,8 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import preloaded_cli
 import pytest
-from harness import MODEL_NAME, SPEC, Server, ServerFactory, free_port
+from harness import MODEL_NAME, SPEC, Server, ServerFactory, ServerProcess, free_port
 
 from tandem.core.demo.demo_model import write_demo_model
 from tandem.server.bench.ports import listens_on
@@ -61,14 +62,21 @@ def start_server(
             "5",
             *extra,
         ]
-        with log.open("wb") as sink:
-            process = subprocess.Popen(
-                command,
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
-                preexec_fn=None if nofile is None else lambda: _limit_files(nofile),
-            )
+        full_env = {**os.environ, **(env or {})}
+        process: ServerProcess
+        if nofile is None and preloaded_cli.preloadable(full_env):
+            # A child of the preloaded fork server: a server's start is mostly its imports
+            # (preloaded_cli says why).
+            process = preloaded_cli.start_logged(command[3:], full_env, log)
+        else:
+            with log.open("wb") as sink:
+                process = subprocess.Popen(
+                    command,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    env=full_env,
+                    preexec_fn=None if nofile is None else lambda: _limit_files(nofile),
+                )
         server = Server(process, f"http://127.0.0.1:{port}", log)
         servers.append(server)
         deadline = time.monotonic() + 120

@@ -44,9 +44,24 @@ def async_openai_client(base_url: str) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, http_client=http)
 
 
+class ServerProcess(Protocol):
+    """What the tests use of a server's process: a real one (``subprocess.Popen``) or a child
+    of the fork server (``preloaded_cli.LoggedProcess``)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclass
 class Server:
-    process: subprocess.Popen[bytes]
+    process: ServerProcess
     base_url: str
     log: Path
 
