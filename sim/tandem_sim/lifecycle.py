@@ -16,7 +16,6 @@ ran to its end equal a run of that request alone.
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
@@ -32,9 +31,6 @@ from tandem.core.config import (
     PipelineConfig,
     RecConfig,
 )
-from tandem.core.demo.demo_model import tiny_spec, write_demo_model
-from tandem.core.demo.family_demo_model import Qwen3_5DemoSpec, write_qwen3_5_demo_model
-from tandem.core.demo.rec_demo_model import tiny_rec_spec, write_rec_demo_model
 from tandem.core.errors import EngineDeadError
 from tandem.core.executor.thread_executor import ThreadExecutor
 from tandem.core.faults import Fault, FaultConfig
@@ -56,6 +52,7 @@ from tandem.core.rec.service import RecService
 from tandem.device import KernelRegistry
 from tandem.device.sync import Promise
 from tandem_sim.fake_runtime import FakeNpuRuntime
+from tandem_sim.models import rec_model, tiny_hybrid, tiny_model
 from tandem_sim.scheduler import DeterministicScheduler
 
 # Four prompts (two share a two-block prefix, for the prefix cache), six new tokens each:
@@ -88,19 +85,8 @@ END_WITHIN_S = 60.0
 HYBRID_STATE_SLOTS = 3
 
 
-@lru_cache(maxsize=2)
 def lifecycle_model(hybrid: bool = False) -> Path:
-    folder = Path(tempfile.mkdtemp(prefix="tandem-sim-"))
-    if not hybrid:
-        return write_demo_model(folder / "tiny", tiny_spec())
-    # Two layers (Gated DeltaNet, then gated full attention), heads that split over 2 ranks.
-    spec = Qwen3_5DemoSpec(
-        hidden_size=32, intermediate_size=64, num_layers=2, full_attention_interval=2,
-        num_heads=2, num_kv_heads=2, head_dim=16, linear_num_key_heads=2,
-        linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-        vocab_size=512, max_position_embeddings=128, init_std=0.2,
-    )  # fmt: skip
-    return write_qwen3_5_demo_model(folder / "hybrid", spec)
+    return tiny_hybrid() if hybrid else tiny_model()
 
 
 def _config(
@@ -322,12 +308,6 @@ REC_HISTORIES = (3, 5, 2, 7)
 REC_CANDIDATES = 3
 REC_CACHE = CacheConfig(block_size=2, num_blocks=6, enable_prefix_cache=False)
 REC_FAULT = FaultConfig((Fault("collective_fail", rank=1, step=3, collective=1),))
-
-
-@lru_cache(maxsize=1)
-def rec_model() -> Path:
-    folder = Path(tempfile.mkdtemp(prefix="tandem-sim-")) / "rec"
-    return write_rec_demo_model(folder, tiny_rec_spec())
 
 
 def _rec_config(faults: FaultConfig, tp: int = 2, kind: str = "npu") -> EngineConfig:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache, partial
@@ -20,8 +19,6 @@ from tandem.core.config import (
     ParallelConfig,
     PipelineConfig,
 )
-from tandem.core.demo.demo_model import tiny_spec, write_demo_model
-from tandem.core.demo.family_demo_model import Qwen3_5DemoSpec, write_qwen3_5_demo_model
 from tandem.core.errors import EngineDeadError
 from tandem.core.executor.thread_executor import ThreadExecutor
 from tandem.core.kernels.triton.loading import triton_usable
@@ -53,6 +50,7 @@ from tandem_sim.broken import (
 from tandem_sim.fake_collectives import FakeBackend
 from tandem_sim.fake_runtime import FakeNpuRuntime
 from tandem_sim.lifecycle import RANK_FAULT, REC_FAULT, engine_lifecycle, rec_lifecycle
+from tandem_sim.models import tiny_hybrid, tiny_model
 from tandem_sim.scheduler import DeterministicScheduler
 
 Scenario = Callable[[DeterministicScheduler], None]
@@ -112,12 +110,6 @@ def set_device(s: DeterministicScheduler, raw: bool) -> None:
     threads = [s.start_thread(partial(worker, d), f"npu{d}") for d in range(2)]
     for t in threads:
         t.join()
-
-
-@lru_cache(maxsize=1)
-def _tiny_model() -> Path:
-
-    return write_demo_model(Path(tempfile.mkdtemp(prefix="tandem-sim-")) / "tiny", tiny_spec())
 
 
 def _config(
@@ -202,7 +194,7 @@ LANE_PROMPTS = ((5, 17, 300, 42, 9, 100, 7), (11, 3, 250, 8, 61))
 
 @lru_cache(maxsize=1)
 def _reference_tokens() -> tuple[int, ...]:
-    model = _tiny_model()
+    model = tiny_model()
     config = EngineConfig(model=ModelLoadConfig(model=str(model)), cache=CacheConfig(num_blocks=16))
     executor = _real_executor(config)
     try:
@@ -220,7 +212,7 @@ def tp_lanes(s: DeterministicScheduler, share_communicator: bool) -> None:
     on the two ranks (a mismatch or a deadlock the fake backend reports)."""
     runtime = FakeNpuRuntime(s)
     executor = _executor(
-        s, 2, _tiny_model(), runtime, lanes=2, share_communicator=share_communicator
+        s, 2, tiny_model(), runtime, lanes=2, share_communicator=share_communicator
     )
     try:
         steps = [
@@ -237,7 +229,7 @@ def tp_lanes(s: DeterministicScheduler, share_communicator: bool) -> None:
 
 @lru_cache(maxsize=1)
 def _reference_logits() -> torch.Tensor:
-    model = _tiny_model()
+    model = tiny_model()
     config = EngineConfig(model=ModelLoadConfig(model=str(model)), cache=CacheConfig(num_blocks=16))
     executor = _real_executor(config)
     fi = _step_input()
@@ -252,7 +244,7 @@ def tp_forward(s: DeterministicScheduler, tp: int) -> None:
     """The real single-process executor, its workers bound to the fake NPU runtime, runs one
     TP step on the fake collective backend; every kernel is registered once per device."""
     runtime = FakeNpuRuntime(s)
-    executor = _executor(s, tp, _tiny_model(), runtime)
+    executor = _executor(s, tp, tiny_model(), runtime)
     fi = _step_input()
     try:
         logits = executor.on_all(lambda w: _model_runner(w).prompt_logits(fi))
@@ -276,7 +268,7 @@ def rank_dies_mid_collective(s: DeterministicScheduler) -> None:
     """Rank 1 raises between two collectives of a step: every rank and the executor must end
     with an error; nothing may wait forever."""
 
-    executor = _executor(s, 2, _tiny_model())
+    executor = _executor(s, 2, tiny_model())
     fi = _step_input()
     workers = executor.workers
     model = _model_runner(workers[1]).model
@@ -331,7 +323,7 @@ def _pressure_run(engine: LLMEngine, bound: int) -> dict[str, tuple[int, ...]]:
 
 @lru_cache(maxsize=1)
 def _pressure_reference() -> dict[str, tuple[int, ...]]:
-    engine = LLMEngine(_config(1, _tiny_model(), "cpu", lanes=1, cache=PRESSURE_CACHE))
+    engine = LLMEngine(_config(1, tiny_model(), "cpu", lanes=1, cache=PRESSURE_CACHE))
     try:
         return _pressure_run(engine, bound=10_000)
     finally:
@@ -342,8 +334,8 @@ def llm_lanes_kv_pressure(s: DeterministicScheduler, broken: bool) -> None:
     """The real LLM engine with two pipeline lanes under KV pressure: every request ends
     (each exactly once, within a bound on engine steps), tokens equal one step at a time,
     every block free at the end. The broken variant keeps the launch rule that livelocked."""
-    config = _config(1, _tiny_model(), "cpu", lanes=2, cache=PRESSURE_CACHE)
-    executor = _executor(s, 1, _tiny_model(), lanes=2, config=config)
+    config = _config(1, tiny_model(), "cpu", lanes=2, cache=PRESSURE_CACHE)
+    executor = _executor(s, 1, tiny_model(), lanes=2, config=config)
     engine_class = DecodeOnlyEngine if broken else LLMEngine
     engine = engine_class(config, executor=executor, sync=s)
     try:
@@ -358,20 +350,6 @@ def llm_lanes_kv_pressure(s: DeterministicScheduler, broken: bool) -> None:
         raise AssertionError(f"tokens {tokens} differ from one step at a time")
     if engine.block_manager.num_free_blocks != engine.block_manager.num_blocks:
         raise AssertionError(f"{engine.block_manager.num_free_blocks} blocks free at the end")
-
-
-@lru_cache(maxsize=1)
-def _tiny_hybrid() -> Path:
-    """A Qwen3.5 hybrid of two layers (Gated DeltaNet, then gated full attention), heads that
-    split over two ranks."""
-    spec = Qwen3_5DemoSpec(
-        hidden_size=32, intermediate_size=64, num_layers=2, full_attention_interval=2,
-        num_heads=2, num_kv_heads=2, head_dim=16, linear_num_key_heads=2,
-        linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-        vocab_size=512, max_position_embeddings=128, init_std=0.2,
-    )  # fmt: skip
-    folder = Path(tempfile.mkdtemp(prefix="tandem-sim-")) / "hybrid"
-    return write_qwen3_5_demo_model(folder, spec)
 
 
 # Two first requests prefilled in one step, then decoded on two pipeline lanes at once.
@@ -392,7 +370,7 @@ def _hybrid_generate(engine: LLMEngine) -> tuple[tuple[int, ...], ...]:
 
 @lru_cache(maxsize=1)
 def _hybrid_reference() -> tuple[tuple[int, ...], ...]:
-    config = EngineConfig(model=ModelLoadConfig(model=str(_tiny_hybrid())))
+    config = EngineConfig(model=ModelLoadConfig(model=str(tiny_hybrid())))
     engine = LLMEngine(replace(config, cache=CacheConfig(num_blocks=16)))
     try:
         return _hybrid_generate(engine)
@@ -414,7 +392,7 @@ def hybrid_first_request(s: DeterministicScheduler, broken: bool) -> None:
     runtime = FakeNpuRuntime(s, compile_s=COMPILE_S, kernel_families=("triton",))
     # Duck-typed: the workers only call get(key, register).
     registry = cast("KernelRegistry[Any]", UnsynchronizedRegistry(s) if broken else None)
-    model = _tiny_hybrid()
+    model = tiny_hybrid()
     config = _config(2, model, "npu", lanes=2, cache=CacheConfig(num_blocks=16))
     executor = _executor(s, 2, model, runtime, lanes=2, config=config, registry=registry)
     engine = LLMEngine(config, executor=executor, sync=s)
