@@ -9,9 +9,9 @@ suites start ~80 such processes. A child of the fork server starts with those mo
 imported and runs ``tandem.server.cli.main.main(argv)``, what the ``tandem`` command runs:
 its own process with the environment given, its own stdout and stderr, its exit status.
 The end-to-end fixtures' ``tandem serve`` processes start the same way (``start_logged``):
-integration/ without the hostile-clients run and the topology suites, 170 tests with ``-n 3``
-on the same guest, took 110.9 / 120.3 s and 216 / 228 s of CPU so against 160.8 s and 319 s
-as real processes.
+integration/ without the hostile-clients run and the topology suites (170 tests, ``-n 3``,
+on the same guest) took 110.9 and 120.3 s (216 and 228 s of CPU) with their servers started
+so, 160.8 s (319 s of CPU) with real processes.
 
 What it does not run is the interpreter's start itself, so the environment given must be
 read at run time, not at import: ``TANDEM_*`` switches are (no Tandem module reads the
@@ -152,12 +152,7 @@ def start_logged(
 ) -> LoggedProcess:
     """``python -m module *argv`` with ``env`` as its whole environment, in a child of the
     fork server, stdout and stderr into ``log`` (the caller checks ``preloadable`` first)."""
-    env = dict(env)
-    if not preloadable(env):
-        raise ValueError("the environment changes names read on import: run the executable")
-    process = _server()[0].Process(target=_main, args=(module, argv, env, str(log), str(log)))
-    process.start()
-    return LoggedProcess(process, [module, *argv])
+    return LoggedProcess(_start(argv, env, module, str(log), str(log)), [module, *argv])
 
 
 def preloadable(env: Mapping[str, str]) -> bool:
@@ -166,18 +161,28 @@ def preloadable(env: Mapping[str, str]) -> bool:
     return _read_at_import(env) == _server()[1]
 
 
+def _start(argv: list[str], env: Mapping[str, str], module: str, out: str, err: str) -> BaseProcess:
+    """A started child of the fork server running ``module``'s ``main`` with ``env`` as its
+    whole environment and its stdout and stderr in ``out`` and ``err``."""
+    env = dict(env)
+    if not preloadable(env):
+        raise ValueError("the environment changes names read on import: run the executable")
+    process = _server()[0].Process(target=_main, args=(module, argv, env, out, err))
+    process.start()
+    return process
+
+
 def start(argv: list[str], env: Mapping[str, str] | None = None, module: str = CLI) -> CliProcess:
     """``python -m module *argv`` (default: the ``tandem`` command) with ``env`` (default:
     this process's environment) as its whole environment, in a child of the fork server;
     output goes to files read by ``CliProcess.output``."""
-    env = dict(os.environ if env is None else env)
-    if not preloadable(env):
-        raise ValueError("the environment changes names read on import: run the executable")
+    env = os.environ if env is None else env
     folder = Path(tempfile.mkdtemp(prefix="tandem-cli-"))
-    process = _server()[0].Process(
-        target=_main, args=(module, argv, env, str(folder / "stdout"), str(folder / "stderr"))
-    )
-    process.start()
+    try:
+        process = _start(argv, env, module, str(folder / "stdout"), str(folder / "stderr"))
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     return CliProcess(process, folder)
 
 
