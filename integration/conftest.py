@@ -39,17 +39,19 @@ def start_server(
         demo_model: bool = True,
         env: dict[str, str] | None = None,
         nofile: int | None = None,
+        real_process: bool = False,
     ) -> Server:
         """A server of the demo model (or, with ``demo_model=False``, of whatever ``extra``
         names: by default the bundled stories260k), with ``env`` added to its environment
-        and, with ``nofile``, that open-file limit."""
+        and, with ``nofile``, that open-file limit. A child of the preloaded fork server
+        where it can be (preloaded_cli says why); ``real_process`` for the tests of how the
+        process itself exits: such a child ends with ``os._exit`` after Python's exit
+        handlers, so an exit that hangs or crashes in the interpreter's or a C library's
+        finalization would not show there."""
         port = free_port()
         log = tmp_path_factory.mktemp("server") / "server.log"
         model = ["--model", str(model_dir), "--served-model-name", MODEL_NAME] if demo_model else []
-        command = [
-            sys.executable,
-            "-m",
-            "tandem.server.cli.main",
+        argv = [
             "serve",
             *model,
             "--port",
@@ -64,14 +66,13 @@ def start_server(
         ]
         full_env = {**os.environ, **(env or {})}
         process: ServerProcess
-        if nofile is None and preloaded_cli.preloadable(full_env):
-            # A child of the preloaded fork server: a server's start is mostly its imports
-            # (preloaded_cli says why).
-            process = preloaded_cli.start_logged(command[3:], full_env, log)
+        if not real_process and nofile is None and preloaded_cli.preloadable(full_env):
+            log.touch()  # there to read even if the child dies before it opens it
+            process = preloaded_cli.start_logged(argv, full_env, log)
         else:
             with log.open("wb") as sink:
                 process = subprocess.Popen(
-                    command,
+                    [sys.executable, "-m", preloaded_cli.CLI, *argv],
                     stdout=sink,
                     stderr=subprocess.STDOUT,
                     env=full_env,

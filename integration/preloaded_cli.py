@@ -20,7 +20,8 @@ changes a name read on import, ``run`` starts the real executable instead (and `
 refuses). The child ends as multiprocessing's do, with ``os._exit`` after Python's exit
 handlers: what a C library does at exit does not run, so tests that read that (the HCCL
 stand-in's leak report, hw/tests) start the real executable, as do the tests of the command
-line as such (exit codes, signals, messages: packages/server/tests/test_cli.py).
+line as such (exit codes, signals, messages: packages/server/tests/test_cli.py) and the
+end-to-end tests of how a server exits (``start_server(real_process=True)``).
 """
 
 from __future__ import annotations
@@ -120,7 +121,9 @@ class LoggedProcess:
     stderr both in one log file; what the tests use of ``subprocess.Popen``: ``pid``,
     ``poll``, ``wait`` (``subprocess.TimeoutExpired`` past its timeout), ``send_signal``,
     ``kill``. Exit statuses read as Popen's do: the code ``main`` returned or exited with,
-    minus the signal's number where a signal ended it."""
+    minus the signal's number where a signal ended it; but an exception out of ``main``
+    (KeyboardInterrupt included) reads 1, and a fork server that died reads 255 while its
+    children may still run."""
 
     def __init__(self, process: BaseProcess, argv: list[str]) -> None:
         self._process = process

@@ -122,7 +122,7 @@ def test_an_injected_fault_fails_requests_turns_health_503_and_exits(
     spec, flags, expected = FAULTS[fault]
     args, env = _topology(topology)
     server = start_server(*args, *flags, "--no-exit-on-engine-failure",
-                          env={**env, "TANDEM_FAULTS": spec})  # fmt: skip
+                          env={**env, "TANDEM_FAULTS": spec}, real_process=True)  # fmt: skip
     _fail_requests(server, expected)
     health = httpx.get(f"{server.base_url}/health", timeout=10)
     assert health.status_code == 503
@@ -141,7 +141,7 @@ def test_by_default_a_failed_engine_drains_and_exits_non_zero_by_itself(
 ) -> None:
     spec, flags, expected = FAULTS["forward_raise"]
     args, env = _topology(topology)
-    server = start_server(*args, *flags, env={**env, "TANDEM_FAULTS": spec})
+    server = start_server(*args, *flags, env={**env, "TANDEM_FAULTS": spec}, real_process=True)
     _fail_requests(server, expected)
     assert _wait_exit(server, EXIT_WITHIN_S) == EXIT_ENGINE_FAILED
     assert "the engine failed" in server.log.read_text()
@@ -166,7 +166,7 @@ def test_a_fault_in_the_recommender_fails_its_requests_and_exits(
     server = start_server(
         "--model", str(rec_model), "--served-model-name", "rec", "--devices", "cpu:0,cpu:1",
         "--max-concurrency", "2", "--rec-max-batch-size", "2",
-        env={"TANDEM_ENABLE_SINGLE_PROCESS": "1", "TANDEM_FAULTS": spec},
+        env={"TANDEM_ENABLE_SINGLE_PROCESS": "1", "TANDEM_FAULTS": spec}, real_process=True,
     )  # fmt: skip
     body = {"model": "rec", "history": [[1, 2, 3]] * 20, "num_candidates": 3}
 

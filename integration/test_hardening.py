@@ -162,7 +162,7 @@ def test_a_plain_request_whose_client_left_is_aborted(start_server: ServerFactor
 def test_shutdown_answers_every_request_in_flight_before_draining(
     start_server: ServerFactory,
 ) -> None:
-    server = start_server(env=HOLD_IN_FLIGHT)
+    server = start_server(env=HOLD_IN_FLIGHT, real_process=True)
     long = {**GOOD, "max_tokens": 450, "ignore_eos": True}
     answered: list[tuple[int, dict[str, Any]]] = []
     events: list[str] = []

@@ -45,7 +45,7 @@ def _aborted(server: Server) -> float:
 
 
 def test_api_key(start_server: ServerFactory) -> None:
-    server = start_server("--api-key", "sekret")
+    server = start_server("--api-key", "sekret", real_process=True)
     url = f"{server.base_url}/v1/models"
     missing = httpx.get(url)
     assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
@@ -56,7 +56,7 @@ def test_api_key(start_server: ServerFactory) -> None:
 
 
 def test_sigterm_with_a_stream_in_flight_exits_cleanly(start_server: ServerFactory) -> None:
-    server = start_server()
+    server = start_server(real_process=True)
     body = {
         "model": MODEL_NAME,
         "prompt": "hello",
@@ -96,7 +96,7 @@ def test_sigterm_with_a_stream_in_flight_exits_cleanly(start_server: ServerFacto
 
 
 def test_sigint_exits_cleanly(start_server: ServerFactory) -> None:
-    assert start_server().stop(signal.SIGINT) == 0
+    assert start_server(real_process=True).stop(signal.SIGINT) == 0
 
 
 def test_bench_serve_completes(server: Server, tmp_path: Path) -> None:
