@@ -46,7 +46,7 @@ def async_openai_client(base_url: str) -> AsyncOpenAI:
 
 class ServerProcess(Protocol):
     """What the tests use of a server's process: a real one (``subprocess.Popen``) or a child
-    of the fork server (``preloaded_cli.LoggedProcess``)."""
+    of the fork server (``preloaded_cli.ForkedProcess``)."""
 
     pid: int
 

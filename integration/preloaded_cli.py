@@ -62,18 +62,22 @@ def _read_at_import(env: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in env.items() if name.startswith(READ_AT_IMPORT)}
 
 
+def _redirect(path: str, fd: int) -> None:
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(target, fd)
+    os.close(target)
+
+
 def _main(module: str, argv: list[str], env: dict[str, str], out: str, err: str) -> None:
     """The child: the command's environment and output files (one for both where ``out`` is
     ``err``), then ``module``'s ``main``."""
     os.environ.clear()
     os.environ.update(env)
-    for path, fd in ((out, 1), (err, 2)):
-        if fd == 2 and err == out:
-            os.dup2(1, 2)
-            continue
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(target, fd)
-        os.close(target)
+    _redirect(out, 1)
+    if err == out:
+        os.dup2(1, 2)
+    else:
+        _redirect(err, 2)
     sys.argv = [module, *argv]
     try:
         code = importlib.import_module(module).main(argv)
@@ -83,42 +87,8 @@ def _main(module: str, argv: list[str], env: dict[str, str], out: str, err: str)
     sys.exit(code)
 
 
-@dataclass
-class CliProcess:
-    """One ``tandem`` command running in a child of the fork server."""
-
-    process: BaseProcess
-    folder: Path
-
-    @property
-    def returncode(self) -> int | None:
-        return self.process.exitcode
-
-    def finish(self, timeout_s: float) -> tuple[str, str] | None:
-        """(stdout, stderr) once it has exited; None if it is still running after
-        ``timeout_s`` (it is then left running: ``kill`` it)."""
-        self.process.join(max(timeout_s, 0.0))
-        if self.process.exitcode is None:
-            return None
-        return self.output()
-
-    def kill(self) -> tuple[str, str]:
-        self.process.kill()
-        self.process.join(10)
-        return self.output()
-
-    def output(self) -> tuple[str, str]:
-        outputs = (
-            (self.folder / "stdout").read_text(errors="replace"),
-            (self.folder / "stderr").read_text(errors="replace"),
-        )
-        shutil.rmtree(self.folder, ignore_errors=True)
-        return outputs
-
-
-class LoggedProcess:
-    """A long-running command (``tandem serve``) in a child of the fork server, its stdout and
-    stderr both in one log file; what the tests use of ``subprocess.Popen``: ``pid``,
+class ForkedProcess:
+    """A child of the fork server, as much of ``subprocess.Popen`` as the tests use: ``pid``,
     ``poll``, ``wait`` (``subprocess.TimeoutExpired`` past its timeout), ``send_signal``,
     ``kill``. Exit statuses read as Popen's do: the code ``main`` returned or exited with,
     minus the signal's number where a signal ended it; but an exception out of ``main``
@@ -150,12 +120,47 @@ class LoggedProcess:
         self._process.kill()
 
 
+@dataclass
+class CliProcess:
+    """One ``tandem`` command running in a child of the fork server, its stdout and stderr
+    in files of its own folder."""
+
+    process: ForkedProcess
+    folder: Path
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.poll()
+
+    def finish(self, timeout_s: float) -> tuple[str, str] | None:
+        """(stdout, stderr) once it has exited; None if it is still running after
+        ``timeout_s`` (it is then left running: ``kill`` it)."""
+        try:
+            self.process.wait(max(timeout_s, 0.0))
+        except subprocess.TimeoutExpired:
+            return None
+        return self.output()
+
+    def kill(self) -> tuple[str, str]:
+        self.process.kill()
+        self.process.wait(10)
+        return self.output()
+
+    def output(self) -> tuple[str, str]:
+        outputs = (
+            (self.folder / "stdout").read_text(errors="replace"),
+            (self.folder / "stderr").read_text(errors="replace"),
+        )
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return outputs
+
+
 def start_logged(
     argv: list[str], env: Mapping[str, str], log: Path, module: str = CLI
-) -> LoggedProcess:
+) -> ForkedProcess:
     """``python -m module *argv`` with ``env`` as its whole environment, in a child of the
     fork server, stdout and stderr into ``log`` (the caller checks ``preloadable`` first)."""
-    return LoggedProcess(_start(argv, env, module, str(log), str(log)), [module, *argv])
+    return _start(argv, env, module, str(log), str(log))
 
 
 def preloadable(env: Mapping[str, str]) -> bool:
@@ -164,7 +169,9 @@ def preloadable(env: Mapping[str, str]) -> bool:
     return _read_at_import(env) == _server()[1]
 
 
-def _start(argv: list[str], env: Mapping[str, str], module: str, out: str, err: str) -> BaseProcess:
+def _start(
+    argv: list[str], env: Mapping[str, str], module: str, out: str, err: str
+) -> ForkedProcess:
     """A started child of the fork server running ``module``'s ``main`` with ``env`` as its
     whole environment and its stdout and stderr in ``out`` and ``err``."""
     env = dict(env)
@@ -172,7 +179,7 @@ def _start(argv: list[str], env: Mapping[str, str], module: str, out: str, err: 
         raise ValueError("the environment changes names read on import: run the executable")
     process = _server()[0].Process(target=_main, args=(module, argv, env, out, err))
     process.start()
-    return process
+    return ForkedProcess(process, [module, *argv])
 
 
 def start(argv: list[str], env: Mapping[str, str] | None = None, module: str = CLI) -> CliProcess:

@@ -1,7 +1,6 @@
-"""The scenarios' test models: each written once per process, into a folder removed when
-the process exits. A scenario runs hundreds of schedules (and the suite's workers are
-processes of their own): a model written per schedule, or a folder left behind per process,
-filled /tmp with one more folder each time."""
+"""The scenarios' test models: each written once per process (a scenario runs hundreds of
+schedules on it), into one folder removed when the process exits. Left behind, as they were,
+every suite worker and every ``python -m tandem_sim`` run added folders to /tmp."""
 
 from __future__ import annotations
 
